@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Builds the Go tools the local control plane, the tests and the demo use, from the Go module proxy,
+# and caches them.
+#
+#   hack/tools/build.sh [kubernetes|etcd|helm|cluster-api ...]   (default: all)
+#
+# Each tool module under hack/tools/<name>/ is built into
+#   $CAPM_TOOLS_CACHE/<name>-<sha256 of go.mod+go.sum, 16 hex>/bin
+# (default cache: ~/.cache/cluster-api-provider-mailgun/tools). A folder that already holds every
+# binary is reused and nothing is built. `bin/` at the repository root gets symlinks to the
+# current binaries, and the Cluster API CRDs are copied to bin/capi-crds/.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cache=${CAPM_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cluster-api-provider-mailgun/tools}
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
+
+tools=("$@")
+[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api)
+
+key() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
+
+# binaries <tool>: "<output name> <package>" lines
+binaries() {
+  case "$1" in
+    kubernetes) printf '%s\n' \
+      "kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver" \
+      "kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager" \
+      "kubectl k8s.io/kubernetes/cmd/kubectl" ;;
+    etcd) echo "etcd go.etcd.io/etcd/server/v3" ;;
+    helm) echo "helm helm.sh/helm/v4/cmd/helm" ;;
+    cluster-api) echo "capi-manager sigs.k8s.io/cluster-api/core" ;;
+    *) echo "unknown tool '$1' (known: kubernetes etcd helm cluster-api)" >&2; return 1 ;;
+  esac
+}
+
+module_version() { (cd "$here/$1" && go list -m -f '{{.Version}}' "$2"); }
+
+ldflags() {
+  case "$1" in
+    kubernetes)
+      local v; v=$(module_version kubernetes k8s.io/kubernetes)
+      local minor; minor=$(echo "$v" | cut -d. -f2)
+      local f="-s -w"
+      for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        f="$f -X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+      done
+      echo "$f" ;;
+    helm)
+      local v; v=$(module_version helm helm.sh/helm/v4)
+      echo "-s -w -X helm.sh/helm/v4/internal/version.version=$v" ;;
+    cluster-api)
+      local v; v=$(module_version cluster-api sigs.k8s.io/cluster-api)
+      echo "-s -w -X sigs.k8s.io/cluster-api/version.gitVersion=$v -X sigs.k8s.io/cluster-api/version.gitTreeState=clean" ;;
+    *) echo "-s -w" ;;
+  esac
+}
+
+mkdir -p "$root/bin"
+for tool in "${tools[@]}"; do
+  binaries "$tool" >/dev/null
+  dir="$cache/$tool-$(key "$tool")/bin"
+  missing=()
+  while read -r name pkg; do
+    [ -x "$dir/$name" ] || missing+=("$name $pkg")
+  done < <(binaries "$tool")
+  if [ ${#missing[@]} -eq 0 ]; then
+    echo "==> $tool: cached in $dir, nothing to build"
+  else
+    echo "==> $tool: building ${#missing[@]} binar$([ ${#missing[@]} -eq 1 ] && echo y || echo ies) into $dir"
+    mkdir -p "$dir"
+    start=$(date +%s)
+    for entry in "${missing[@]}"; do
+      read -r name pkg <<<"$entry"
+      (cd "$here/$tool" && go build -trimpath -tags selinux,notest -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp" "$pkg")
+      mv "$dir/$name.tmp" "$dir/$name"
+    done
+    echo "==> $tool: built in $(( $(date +%s) - start )) s"
+  fi
+  while read -r name _; do ln -sfn "$dir/$name" "$root/bin/$name"; done < <(binaries "$tool")
+  if [ "$tool" = cluster-api ]; then
+    src=$(cd "$here/cluster-api" && go list -m -f '{{.Dir}}' sigs.k8s.io/cluster-api)
+    rm -rf "$root/bin/capi-crds" && mkdir -p "$root/bin/capi-crds"
+    # All core CRDs: the core manager watches most of them and fails to start without them.
+    cp "$src"/core/config/crd/bases/*.yaml "$root/bin/capi-crds/"
+    chmod u+w "$root/bin/capi-crds"/*.yaml
+  fi
+done

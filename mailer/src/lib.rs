@@ -1,0 +1,3 @@
+//! Sends the provider's request mails. Knows nothing about Kubernetes.
+//!
+//! **Placeholder.** The `Mailer` trait and its backends arrive with the mailer issue.
