@@ -1,4 +1,5 @@
 //! The local control plane behaves like a real cluster in every way the provider relies on.
+#![allow(clippy::unwrap_used)] // test helpers: a failed unwrap is a failed test
 
 use std::time::Duration;
 

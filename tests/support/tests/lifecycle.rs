@@ -1,4 +1,5 @@
 //! Start-up failures are explained, and nothing outlives the environment.
+#![allow(clippy::unwrap_used)] // test helpers: a failed unwrap is a failed test
 
 use std::{
     io::{BufRead, BufReader},

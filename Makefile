@@ -1,0 +1,65 @@
+# cluster-api-provider-mailgun task runner. `make` lists the targets.
+SHELL := /usr/bin/env bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+CARGO ?= cargo
+PYTHON ?= python3
+CAPM_ENV := $(CARGO) run -q -p capm-test-support --bin capm-env --
+
+.PHONY: help
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: deps
+deps: ## Install what a fresh machine lacks (Python test servers' packages)
+	@if [ -f tests/mail-servers/requirements.txt ]; then \
+	  $(PYTHON) -m pip install -q --disable-pip-version-check -r tests/mail-servers/requirements.txt; fi
+
+.PHONY: tools
+tools: ## Build the Go tools (kube-apiserver, etcd, kubectl, kube-controller-manager, helm, Cluster API manager), cached by go.sum hash
+	hack/tools/build.sh
+
+.PHONY: build
+build: ## Build every crate and test
+	$(CARGO) build --workspace --all-targets
+
+.PHONY: fmt
+fmt: ## Format the code
+	$(CARGO) fmt --all
+
+.PHONY: lint
+lint: ## cargo fmt --check and clippy with warnings denied
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+.PHONY: deny
+deny: ## Licences, duplicate versions and sources of dependencies (needs cargo-deny)
+	$(CARGO) deny check licenses bans sources
+
+.PHONY: generate
+generate: ## Regenerate committed files (CRD YAML) from the Rust types
+	@if [ -f api/src/bin/crdgen.rs ]; then $(CARGO) run -q -p capm-api --bin crdgen -- config/crd; fi
+
+.PHONY: verify-generated
+verify-generated: ## Fail when committed generated files are stale
+	@if [ -f api/src/bin/crdgen.rs ]; then $(CARGO) run -q -p capm-api --bin crdgen -- --check config/crd; fi
+
+.PHONY: test
+test: deps tools lint verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
+	$(CARGO) test --workspace --no-fail-fast
+
+.PHONY: up
+up: tools ## Start a detached local control plane (with the Cluster API CRDs); `eval $$(make -s env)` to use it
+	$(CAPM_ENV) up --capi-crds
+
+.PHONY: env
+env: ## Print the exports for the detached control plane
+	@$(CAPM_ENV) env
+
+.PHONY: down
+down: ## Stop the detached control plane and remove its state
+	$(CAPM_ENV) down
+
+.PHONY: demo
+demo: deps tools ## The demo: local control plane, provider, a sample Cluster, a mail received
+	hack/demo.sh
