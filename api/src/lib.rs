@@ -1,8 +1,53 @@
 //! API types of cluster-api-provider-mailgun: `MailgunCluster`, `MailgunMachine` and their
 //! templates, in group `infrastructure.cluster.x-k8s.io`.
 //!
-//! **Placeholder.** The versioned types, validation, conversion and CRD generation arrive with the
-//! api issue; until then this crate only fixes the API group name.
+//! What this crate is for:
+//! - the served versions, one module each: [`v1alpha1`] (the Cluster API book walkthrough's
+//!   shape, contract `v1beta1`) and [`v1beta1`] (the storage version, contract `v1beta2`);
+//! - the names other crates share: annotation keys, finalizers, condition types and reasons
+//!   ([`names`]);
+//! - the same validation the CRD schema enforces, as Rust ([`validation`]), so a controller can
+//!   report an invalid object that reached the cluster some other way (an older CRD, a restore);
+//! - lossless conversion between the versions ([`conversion`]) and a conversion webhook handler
+//!   ([`webhook`]) that the manager binary serves;
+//! - the CustomResourceDefinitions themselves ([`crd`]), written to `config/crd/` by
+//!   `cargo run -p capm-api --bin crdgen -- config/crd` and checked with `--check`.
+//!
+//! What it is not for: talking to a cluster or sending mail. It has no client code and no
+//! runtime; the controllers crate does the reconciling, the mailer crate the sending.
+//!
+//! # Example
+//! ```no_run
+//! use capm_api::v1beta1::{MailgunCluster, MailgunClusterSpec, Priority};
+//! use capm_api::validation::Validate;
+//!
+//! let cluster = MailgunCluster::new(
+//!     "demo",
+//!     MailgunClusterSpec {
+//!         priority: Priority::Urgent,
+//!         request: "Two control plane nodes, please.".into(),
+//!         requester: "ops@example.com".into(),
+//!         control_plane_endpoint: None,
+//!     },
+//! );
+//! for error in cluster.validate() {
+//!     eprintln!("{error}");
+//! }
+//! ```
+
+pub mod conversion;
+pub mod crd;
+pub mod names;
+pub mod v1alpha1;
+pub mod v1beta1;
+pub mod validation;
+pub mod webhook;
 
 /// The API group of every kind this provider serves.
 pub const GROUP: &str = "infrastructure.cluster.x-k8s.io";
+
+/// The storage version (and the one the controllers work with).
+pub const STORAGE_VERSION: &str = "v1beta1";
+
+/// Every served version, oldest first.
+pub const VERSIONS: &[&str] = &["v1alpha1", "v1beta1"];

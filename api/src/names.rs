@@ -1,0 +1,144 @@
+//! Names shared by the API, the controllers and the tests: metadata keys, finalizers, condition
+//! types and reasons, labels.
+//!
+//! Keeping them here (and not as string literals in the controllers) means a typo is a compile
+//! error and `kubectl describe` output can be traced back to one documented constant.
+
+/// Prefix of every annotation this provider owns.
+pub const ANNOTATION_PREFIX: &str = "mailgun.infrastructure.cluster.x-k8s.io";
+
+/// Annotation written **before** a mail is sent: its value is the deterministic `Message-Id`
+/// the mail will carry (see [`message_id`]).
+///
+/// Step 1 of the crash-safe send: the controller writes this annotation in one metadata update
+/// guarded by the object's `resourceVersion` (a conflict means another writer won, so it
+/// requeues), and only then talks to the mail backend. Metadata survives `clusterctl move` and
+/// backups; status does not, which is why the intent is not kept in status alone.
+pub const MAIL_INTENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail-intent";
+
+/// Annotation written **after** the backend accepted the mail: its value is the id the backend
+/// returned (for Mailgun, the `<...>` message id; for SMTP, the `Message-Id` sent).
+///
+/// An object with [`MAIL_INTENT_ANNOTATION`] but without this one was interrupted between
+/// "decided to send" and "recorded as sent": the controller asks the backend whether the intent's
+/// `Message-Id` was accepted before sending again, and re-sends with the **same** `Message-Id`
+/// when the backend cannot answer, so receivers can de-duplicate.
+pub const MAIL_SENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail-sent";
+
+/// Annotation holding, as JSON, the fields an older API version cannot represent, so that a
+/// round trip through that version loses nothing. Written by down-conversion, read and removed by
+/// up-conversion; see [`crate::conversion`]. Not for humans to edit.
+pub const CONVERSION_DATA_ANNOTATION: &str =
+    "mailgun.infrastructure.cluster.x-k8s.io/conversion-data";
+
+/// Finalizer on a `MailgunCluster` while the controller may still have work to do for it.
+pub const CLUSTER_FINALIZER: &str = "mailguncluster.infrastructure.cluster.x-k8s.io";
+
+/// Finalizer on a `MailgunMachine` while the controller may still have work to do for it.
+pub const MACHINE_FINALIZER: &str = "mailgunmachine.infrastructure.cluster.x-k8s.io";
+
+/// Cluster API: the annotation that pauses reconciliation of one object.
+pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
+
+/// Cluster API: objects carrying this annotation are managed by someone else; skip them.
+pub const MANAGED_BY_ANNOTATION: &str = "cluster.x-k8s.io/managed-by";
+
+/// Cluster API: label naming the `Cluster` an object belongs to (set by the core controllers).
+pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+
+/// Cluster API: label that selects which provider instance reconciles an object
+/// (`--watch-filter`).
+pub const WATCH_FILTER_LABEL: &str = "cluster.x-k8s.io/watch-filter";
+
+/// Cluster API: label on every object and CRD of this provider.
+pub const PROVIDER_LABEL: &str = "cluster.x-k8s.io/provider";
+
+/// Value of [`PROVIDER_LABEL`].
+pub const PROVIDER_NAME: &str = "infrastructure-mailgun";
+
+/// CRD label telling Cluster API which of our versions implement contract `v1beta1`.
+pub const CONTRACT_V1BETA1_LABEL: &str = "cluster.x-k8s.io/v1beta1";
+
+/// CRD label telling Cluster API which of our versions implement contract `v1beta2`.
+pub const CONTRACT_V1BETA2_LABEL: &str = "cluster.x-k8s.io/v1beta2";
+
+/// Condition types set in `status.conditions`.
+pub mod conditions {
+    /// `Ready`: the summary condition Cluster API surfaces on the owning `Cluster` / `Machine`.
+    /// True once the request has been mailed and fulfilled.
+    pub const READY: &str = "Ready";
+    /// `Paused`: True while reconciliation is paused (Cluster `spec.paused` or the
+    /// `cluster.x-k8s.io/paused` annotation).
+    pub const PAUSED: &str = "Paused";
+    /// `MailSent`: True once the backend accepted the request mail.
+    pub const MAIL_SENT: &str = "MailSent";
+    /// `Provisioned`: True once a human fulfilled the request (`spec.controlPlaneEndpoint` on a
+    /// cluster, `spec.providerID` on a machine).
+    pub const PROVISIONED: &str = "Provisioned";
+}
+
+/// Condition reasons (CamelCase, as `metav1.Condition` requires).
+pub mod reasons {
+    /// The object has no owner `Cluster` / `Machine` yet; nothing is sent until it has.
+    pub const WAITING_FOR_OWNER: &str = "WaitingForOwner";
+    /// A machine waits for its cluster's infrastructure to be provisioned.
+    pub const WAITING_FOR_CLUSTER_INFRASTRUCTURE: &str = "WaitingForClusterInfrastructure";
+    /// A machine waits for its bootstrap data secret.
+    pub const WAITING_FOR_BOOTSTRAP_DATA: &str = "WaitingForBootstrapData";
+    /// Reconciliation is paused.
+    pub const PAUSED: &str = "Paused";
+    /// Reconciliation is not paused.
+    pub const NOT_PAUSED: &str = "NotPaused";
+    /// The intent to send was recorded; the outcome is not known yet.
+    pub const MAIL_PENDING: &str = "MailPending";
+    /// The backend accepted the mail.
+    pub const MAIL_SENT: &str = "MailSent";
+    /// The backend rejected the mail permanently (it will not be retried automatically).
+    pub const MAIL_FAILED: &str = "MailFailed";
+    /// The mail went out; a human has not fulfilled the request yet.
+    pub const WAITING_FOR_FULFILLMENT: &str = "WaitingForFulfillment";
+    /// The request was fulfilled.
+    pub const PROVISIONED: &str = "Provisioned";
+    /// The object is being deleted.
+    pub const DELETING: &str = "Deleting";
+    /// The object violates a validation rule (it got past the CRD schema some other way).
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+}
+
+/// The deterministic `Message-Id` for the request mail of one object: `<kind.uid@domain>`, with
+/// the kind lower-cased.
+///
+/// Derived only from the object's UID (stable for its lifetime, new for a re-created object), so
+/// every attempt for the same object carries the same id and receivers can de-duplicate.
+///
+/// ```no_run
+/// let id = capm_api::names::message_id("MailgunCluster", "0d1e2f", "mg.example.com");
+/// assert_eq!(id, "<mailguncluster.0d1e2f@mg.example.com>");
+/// ```
+pub fn message_id(kind: &str, uid: &str, domain: &str) -> String {
+    format!("<{}.{uid}@{domain}>", kind.to_ascii_lowercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn annotation_keys_share_the_prefix() {
+        for key in [
+            MAIL_INTENT_ANNOTATION,
+            MAIL_SENT_ANNOTATION,
+            CONVERSION_DATA_ANNOTATION,
+        ] {
+            assert_eq!(key.split_once('/').map(|(p, _)| p), Some(ANNOTATION_PREFIX));
+        }
+    }
+
+    #[test]
+    fn message_id_is_deterministic() {
+        assert_eq!(
+            message_id("MailgunMachine", "u-1", "d.example"),
+            "<mailgunmachine.u-1@d.example>"
+        );
+    }
+}

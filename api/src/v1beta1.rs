@@ -1,0 +1,511 @@
+//! Version `v1beta1`: the storage version, implementing Cluster API contract `v1beta2`.
+//!
+//! # Workflow
+//! 1. Someone creates a `MailgunCluster` (usually through a Cluster API `Cluster` whose
+//!    `spec.infrastructureRef` names it) with `priority`, `request` and `requester`.
+//! 2. The controller mails the request once (see [`crate::names::MAIL_INTENT_ANNOTATION`] for
+//!    how "once" survives crashes) and records the outcome in `status.mail`.
+//! 3. A human fulfils it by setting `spec.controlPlaneEndpoint` (cluster) or `spec.providerID`
+//!    and optionally `spec.addresses` (machine). The controller then copies the addresses to
+//!    `status.addresses` and sets `status.initialization.provisioned: true`.
+//!
+//! The request fields are immutable; the fulfilment fields are set-once (they may go from unset
+//! to set, never change or disappear afterwards). The CRD schema enforces this with CEL rules,
+//! and [`crate::validation::Validate`] enforces the same in Rust.
+
+// Each `printcolumn(...)` repeats keys such as `type_`; clippy reads those as duplicated
+// attributes.
+#![allow(clippy::duplicated_attributes)]
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::validation::{
+    ADDRESS_PATTERN, FAILURE_DOMAIN_PATTERN, HOST_PATTERN, MAX_ADDRESS_LENGTH, MAX_ADDRESSES,
+    MAX_CONDITIONS, MAX_FAILURE_DOMAIN_LENGTH, MAX_HOST_LENGTH, MAX_MESSAGE_ID_LENGTH,
+    MAX_PROVIDER_ID_LENGTH, MAX_REQUEST_LENGTH, MAX_REQUESTER_LENGTH, PROVIDER_ID_PATTERN,
+    REQUEST_PATTERN, REQUESTER_PATTERN, string_map_schema,
+};
+
+/// How urgently the request should be handled; it appears in the mail subject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum Priority {
+    /// Handle today.
+    Urgent,
+    /// Handle now.
+    ExtremelyUrgent,
+    /// The business stops without it.
+    BusinessCritical,
+}
+
+impl Priority {
+    /// The JSON value, as it appears in the mail subject.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Urgent => "Urgent",
+            Self::ExtremelyUrgent => "ExtremelyUrgent",
+            Self::BusinessCritical => "BusinessCritical",
+        }
+    }
+}
+
+impl std::fmt::Display for Priority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where the cluster's API server can be reached (Cluster API `APIEndpoint`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ApiEndpoint {
+    /// host (required): DNS name or IP address of the control plane endpoint, 1 to 253
+    /// characters of letters, digits, `.`, `:` and `-`.
+    #[schemars(length(min = 1, max = MAX_HOST_LENGTH), pattern(HOST_PATTERN))]
+    pub host: String,
+    /// port (required): TCP port of the control plane endpoint, 1 to 65535.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: i32,
+}
+
+/// The kind of a machine address (Cluster API `MachineAddressType`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum MachineAddressType {
+    /// The machine's host name.
+    Hostname,
+    /// An IP address reachable from outside the cluster's network.
+    #[serde(rename = "ExternalIP")]
+    ExternalIp,
+    /// An IP address reachable inside the cluster's network.
+    #[serde(rename = "InternalIP")]
+    InternalIp,
+    /// A DNS name resolving from outside the cluster's network.
+    #[serde(rename = "ExternalDNS")]
+    ExternalDns,
+    /// A DNS name resolving inside the cluster's network.
+    #[serde(rename = "InternalDNS")]
+    InternalDns,
+}
+
+/// One address of a machine (Cluster API `MachineAddress`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct MachineAddress {
+    /// type (required): one of `Hostname`, `ExternalIP`, `InternalIP`, `ExternalDNS`,
+    /// `InternalDNS`.
+    #[serde(rename = "type")]
+    pub type_: MachineAddressType,
+    /// address (required): the address, 1 to 256 printable ASCII characters without spaces.
+    #[schemars(length(min = 1, max = MAX_ADDRESS_LENGTH), pattern(ADDRESS_PATTERN))]
+    pub address: String,
+}
+
+/// Labels and annotations that Cluster API copies from a template to the objects it creates
+/// (Cluster API `ObjectMeta` in templates).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TemplateMetadata {
+    /// labels (optional): labels for the created objects; at most 64 entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "string_map_schema")]
+    pub labels: Option<BTreeMap<String, String>>,
+    /// annotations (optional): annotations for the created objects; at most 64 entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "string_map_schema")]
+    pub annotations: Option<BTreeMap<String, String>>,
+}
+
+/// The provisioning flags of contract `v1beta2`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Initialization {
+    /// provisioned (optional): true once the request was fulfilled; Cluster API reads it to
+    /// mark the infrastructure ready. Never goes back to false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioned: Option<bool>,
+}
+
+/// state of the request mail: `Pending` (intent recorded, outcome not known yet), `Sent`
+/// (accepted by the backend) or `Failed` (rejected permanently, not retried automatically).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum MailState {
+    /// The intent to send was recorded; whether the backend accepted the mail is not known yet.
+    Pending,
+    /// The backend accepted the mail.
+    Sent,
+    /// The backend rejected the mail permanently; see the `MailSent` condition's message.
+    Failed,
+}
+
+/// What happened to the request mail. Mirrors, for humans and `kubectl get`, what the
+/// annotations [`crate::names::MAIL_INTENT_ANNOTATION`] / [`crate::names::MAIL_SENT_ANNOTATION`]
+/// record for the controller: those, not this, are the source of truth.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MailStatus {
+    /// messageID (optional): the id of the request mail (the backend's id once sent).
+    #[serde(rename = "messageID", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_MESSAGE_ID_LENGTH))]
+    pub message_id: Option<String>,
+    /// state (optional): `Pending`, `Sent` or `Failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<MailState>,
+    /// sentAt (optional): when the backend accepted the mail; set once, never updated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent_at: Option<Time>,
+}
+
+/// Desired state of a `MailgunCluster`: what to ask for, and (once fulfilled) where it is.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1beta1",
+    kind = "MailgunCluster",
+    plural = "mailgunclusters",
+    singular = "mailguncluster",
+    namespaced,
+    status = "MailgunClusterStatus",
+    derive = "PartialEq",
+    shortname = "mgc",
+    category = "cluster-api",
+    doc = "MailgunCluster asks a human, by mail, for a cluster's infrastructure; the human fulfils \
+           the request by setting spec.controlPlaneEndpoint.",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1beta1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-mailgun"),
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".metadata.labels['cluster\\.x-k8s\\.io/cluster-name']",
+        description = "Cluster this MailgunCluster belongs to"
+    ),
+    printcolumn(
+        name = "Priority",
+        type_ = "string",
+        json_path = ".spec.priority",
+        description = "How urgent the request is"
+    ),
+    printcolumn(
+        name = "Provisioned",
+        type_ = "boolean",
+        json_path = ".status.initialization.provisioned",
+        description = "Whether the request was fulfilled"
+    ),
+    printcolumn(
+        name = "Mail",
+        type_ = "string",
+        json_path = ".status.mail.state",
+        description = "State of the request mail"
+    ),
+    printcolumn(
+        name = "Endpoint",
+        type_ = "string",
+        json_path = ".spec.controlPlaneEndpoint.host",
+        description = "Control plane endpoint host",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "!has(oldSelf.controlPlaneEndpoint) || (has(self.controlPlaneEndpoint) && self.controlPlaneEndpoint == oldSelf.controlPlaneEndpoint)",
+    "message": "controlPlaneEndpoint is set-once: it can be set when empty but never changed or removed",
+    "fieldPath": ".controlPlaneEndpoint",
+    "reason": "FieldValueForbidden"
+}]))]
+pub struct MailgunClusterSpec {
+    /// priority (required, immutable): `Urgent`, `ExtremelyUrgent` or `BusinessCritical`;
+    /// appears in the mail subject.
+    #[schemars(extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "priority is immutable"}]))]
+    pub priority: Priority,
+    /// request (required, immutable): free text mailed as the body, 1 to 4096 characters;
+    /// line breaks and tabs allowed, other control characters not.
+    #[schemars(
+        length(min = 1, max = MAX_REQUEST_LENGTH),
+        pattern(REQUEST_PATTERN),
+        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "request is immutable"}])
+    )]
+    pub request: String,
+    /// requester (required, immutable): e-mail address the request is sent from, at most 254
+    /// characters.
+    #[schemars(
+        length(min = 3, max = MAX_REQUESTER_LENGTH),
+        pattern(REQUESTER_PATTERN),
+        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "requester is immutable"}])
+    )]
+    pub requester: String,
+    /// controlPlaneEndpoint (optional, set-once): set by the human who fulfils the request;
+    /// Cluster API copies it to the `Cluster`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane_endpoint: Option<ApiEndpoint>,
+}
+
+/// Observed state of a `MailgunCluster`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MailgunClusterStatus {
+    /// initialization (optional): provisioning flags read by Cluster API (contract `v1beta2`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<Initialization>,
+    /// conditions (optional): `Ready`, `Paused`, `MailSent`, `Provisioned`; one per type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(max = MAX_CONDITIONS),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"])
+    )]
+    pub conditions: Option<Vec<Condition>>,
+    /// observedGeneration (optional): the `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// mail (optional): what happened to the request mail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mail: Option<MailStatus>,
+}
+
+/// Desired state of a `MailgunMachine`: what to ask for, and (once fulfilled) which machine it is.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1beta1",
+    kind = "MailgunMachine",
+    plural = "mailgunmachines",
+    singular = "mailgunmachine",
+    namespaced,
+    status = "MailgunMachineStatus",
+    derive = "PartialEq",
+    shortname = "mgm",
+    category = "cluster-api",
+    doc = "MailgunMachine asks a human, by mail, for one machine; the human fulfils the request \
+           by setting spec.providerID (and optionally spec.addresses).",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1beta1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-mailgun"),
+    printcolumn(
+        name = "Cluster",
+        type_ = "string",
+        json_path = ".metadata.labels['cluster\\.x-k8s\\.io/cluster-name']",
+        description = "Cluster this MailgunMachine belongs to"
+    ),
+    printcolumn(
+        name = "Priority",
+        type_ = "string",
+        json_path = ".spec.priority",
+        description = "How urgent the request is"
+    ),
+    printcolumn(
+        name = "Provisioned",
+        type_ = "boolean",
+        json_path = ".status.initialization.provisioned",
+        description = "Whether the request was fulfilled"
+    ),
+    printcolumn(
+        name = "Mail",
+        type_ = "string",
+        json_path = ".status.mail.state",
+        description = "State of the request mail"
+    ),
+    printcolumn(
+        name = "ProviderID",
+        type_ = "string",
+        json_path = ".spec.providerID",
+        description = "Provider ID of the machine",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {
+        "rule": "!has(oldSelf.providerID) || (has(self.providerID) && self.providerID == oldSelf.providerID)",
+        "message": "providerID is set-once: it can be set when empty but never changed or removed",
+        "fieldPath": ".providerID",
+        "reason": "FieldValueForbidden"
+    },
+    {
+        "rule": "!has(oldSelf.failureDomain) || (has(self.failureDomain) && self.failureDomain == oldSelf.failureDomain)",
+        "message": "failureDomain is set-once: it can be set when empty but never changed or removed",
+        "fieldPath": ".failureDomain",
+        "reason": "FieldValueForbidden"
+    }
+]))]
+pub struct MailgunMachineSpec {
+    /// priority (required, immutable): `Urgent`, `ExtremelyUrgent` or `BusinessCritical`;
+    /// appears in the mail subject.
+    #[schemars(extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "priority is immutable"}]))]
+    pub priority: Priority,
+    /// request (required, immutable): free text mailed as the body, 1 to 4096 characters;
+    /// line breaks and tabs allowed, other control characters not.
+    #[schemars(
+        length(min = 1, max = MAX_REQUEST_LENGTH),
+        pattern(REQUEST_PATTERN),
+        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "request is immutable"}])
+    )]
+    pub request: String,
+    /// requester (required, immutable): e-mail address the request is sent from, at most 254
+    /// characters.
+    #[schemars(
+        length(min = 3, max = MAX_REQUESTER_LENGTH),
+        pattern(REQUESTER_PATTERN),
+        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "requester is immutable"}])
+    )]
+    pub requester: String,
+    /// providerID (optional, set-once): `<scheme>://<id>`, at most 512 characters; set by the
+    /// human who fulfils the request. Cluster API matches it against the Node's
+    /// `spec.providerID`.
+    #[serde(
+        rename = "providerID",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(length(min = 1, max = MAX_PROVIDER_ID_LENGTH), pattern(PROVIDER_ID_PATTERN))]
+    pub provider_id: Option<String>,
+    /// failureDomain (optional, set-once): the failure domain the machine should be (or was)
+    /// placed in, at most 256 printable characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = MAX_FAILURE_DOMAIN_LENGTH),
+        pattern(FAILURE_DOMAIN_PATTERN)
+    )]
+    pub failure_domain: Option<String>,
+    /// addresses (optional, mutable): the machine's addresses as the human who fulfils the
+    /// request knows them; the controller copies them to `status.addresses`, where Cluster API
+    /// reads them. At most 16.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_ADDRESSES))]
+    pub addresses: Option<Vec<MachineAddress>>,
+}
+
+/// Observed state of a `MailgunMachine`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MailgunMachineStatus {
+    /// initialization (optional): provisioning flags read by Cluster API (contract `v1beta2`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialization: Option<Initialization>,
+    /// conditions (optional): `Ready`, `Paused`, `MailSent`, `Provisioned`; one per type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(max = MAX_CONDITIONS),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"])
+    )]
+    pub conditions: Option<Vec<Condition>>,
+    /// observedGeneration (optional): the `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// addresses (optional): the machine's addresses, copied from `spec.addresses`; Cluster API
+    /// copies them to the `Machine`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_ADDRESSES))]
+    pub addresses: Option<Vec<MachineAddress>>,
+    /// mail (optional): what happened to the request mail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mail: Option<MailStatus>,
+}
+
+/// The object a `MailgunClusterTemplate` stamps out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MailgunClusterTemplateResource {
+    /// metadata (optional): labels and annotations for the created `MailgunCluster`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<TemplateMetadata>,
+    /// spec (required): the spec of the created `MailgunCluster`.
+    pub spec: MailgunClusterSpec,
+}
+
+/// Desired state of a `MailgunClusterTemplate` (used by Cluster API `ClusterClass`).
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1beta1",
+    kind = "MailgunClusterTemplate",
+    plural = "mailgunclustertemplates",
+    singular = "mailgunclustertemplate",
+    namespaced,
+    derive = "PartialEq",
+    shortname = "mgct",
+    category = "cluster-api",
+    doc = "MailgunClusterTemplate is the template Cluster API ClusterClass stamps MailgunClusters \
+           from. Immutable.",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1beta1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-mailgun"),
+    printcolumn(
+        name = "Priority",
+        type_ = "string",
+        json_path = ".spec.template.spec.priority",
+        description = "How urgent the stamped requests are"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+pub struct MailgunClusterTemplateSpec {
+    /// template (required, immutable): the `MailgunCluster` to create.
+    #[schemars(extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "template is immutable"}]))]
+    pub template: MailgunClusterTemplateResource,
+}
+
+/// The object a `MailgunMachineTemplate` stamps out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MailgunMachineTemplateResource {
+    /// metadata (optional): labels and annotations for the created `MailgunMachine`s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<TemplateMetadata>,
+    /// spec (required): the spec of the created `MailgunMachine`s; `providerID` must be unset.
+    pub spec: MailgunMachineSpec,
+}
+
+/// Desired state of a `MailgunMachineTemplate` (used by `MachineDeployment`s and `MachineSet`s).
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1beta1",
+    kind = "MailgunMachineTemplate",
+    plural = "mailgunmachinetemplates",
+    singular = "mailgunmachinetemplate",
+    namespaced,
+    derive = "PartialEq",
+    shortname = "mgmt",
+    category = "cluster-api",
+    doc = "MailgunMachineTemplate is the template MachineDeployments stamp MailgunMachines from. \
+           Immutable.",
+    label("cluster.x-k8s.io/v1beta1", "v1alpha1"),
+    label("cluster.x-k8s.io/v1beta2", "v1beta1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-mailgun"),
+    printcolumn(
+        name = "Priority",
+        type_ = "string",
+        json_path = ".spec.template.spec.priority",
+        description = "How urgent the stamped requests are"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+pub struct MailgunMachineTemplateSpec {
+    /// template (required, immutable): the `MailgunMachine`s to create; `spec.providerID`
+    /// must be unset.
+    // One `extend` per key: a field's extension replaces the type's, so both rules live here.
+    #[schemars(extend("x-kubernetes-validations" = [
+        {"rule": "self == oldSelf", "message": "template is immutable"},
+        {
+            "rule": "!has(self.spec.providerID)",
+            "message": "providerID must not be set in a template: every machine gets its own",
+            "fieldPath": ".spec.providerID",
+            "reason": "FieldValueForbidden"
+        }
+    ]))]
+    pub template: MailgunMachineTemplateResource,
+}

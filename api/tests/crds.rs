@@ -1,0 +1,716 @@
+//! Integration tests against a real kube-apiserver (the shared local control plane of
+//! `capm-test-support`): the CRDs install, the samples are accepted, invalid objects are rejected
+//! with messages naming the field, and the API server converts between versions through our
+//! webhook served over TLS from this process.
+//!
+//! Every test installs the CRDs with `conversion.strategy: Webhook` pointing at one webhook
+//! server per test binary, so tests running in parallel see the same CRDs.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    path::PathBuf,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use capm_api::{
+    crd::{WebhookTarget, crds, with_webhook_conversion},
+    names::CONVERSION_DATA_ANNOTATION,
+    v1alpha1, v1beta1,
+};
+use capm_test_support::{TestNamespace, install_crds, pki::CertificateAuthority};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use kube::{
+    Api,
+    api::{DynamicObject, Patch, PatchParams, PostParams},
+    core::{ApiResource, GroupVersionKind},
+};
+use serde_json::{Value, json};
+use tokio_rustls::{
+    TlsAcceptor,
+    rustls::{
+        ServerConfig,
+        crypto::ring,
+        pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
+    },
+};
+
+struct Webhook {
+    url: String,
+    ca_pem: String,
+}
+
+/// Starts (once per binary) the conversion webhook on a loopback TLS port, on a thread with its
+/// own runtime so it outlives every test's runtime.
+fn webhook() -> &'static Webhook {
+    static WEBHOOK: OnceLock<Webhook> = OnceLock::new();
+    WEBHOOK.get_or_init(|| {
+        let ca = CertificateAuthority::new("capm-api test webhook CA").expect("CA");
+        let pair = ca
+            .serving_cert("capm-api webhook", &[], &[IpAddr::V4(Ipv4Addr::LOCALHOST)])
+            .expect("serving cert");
+        let certs = CertificateDer::pem_slice_iter(pair.cert_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .expect("cert PEM");
+        let key = PrivateKeyDer::from_pem_slice(pair.key_pem.as_bytes()).expect("key PEM");
+        let config = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("protocols")
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .expect("server config");
+        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let port = listener.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                loop {
+                    let Ok((tcp, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    let acceptor = acceptor.clone();
+                    tokio::spawn(async move {
+                        let Ok(tls) = acceptor.accept(tcp).await else {
+                            return;
+                        };
+                        let service = service_fn(|req| async move {
+                            Ok::<_, std::convert::Infallible>(capm_api::webhook::handle(req).await)
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(tls), service)
+                            .await;
+                    });
+                }
+            });
+        });
+        Webhook {
+            url: format!("https://127.0.0.1:{port}/convert"),
+            ca_pem: ca.cert_pem().to_owned(),
+        }
+    })
+}
+
+/// A namespace in the shared control plane, with our CRDs installed (webhook conversion).
+async fn setup(prefix: &str) -> TestNamespace {
+    let ns = TestNamespace::create(prefix).await.expect("namespace");
+    let hook = webhook();
+    let crds: Vec<_> = crds()
+        .expect("crds")
+        .into_iter()
+        .map(|crd| {
+            with_webhook_conversion(
+                crd,
+                WebhookTarget::Url(hook.url.clone()),
+                hook.ca_pem.as_bytes(),
+            )
+        })
+        .collect();
+    install_crds(&ns.client, &crds).await.expect("install CRDs");
+    ns
+}
+
+fn api(ns: &TestNamespace, version: &str, kind: &str) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk(capm_api::GROUP, version, kind);
+    let plural = format!("{}s", kind.to_lowercase());
+    let resource = ApiResource::from_gvk_with_plural(&gvk, &plural);
+    Api::namespaced_with(ns.client.clone(), &ns.name, &resource)
+}
+
+fn object(value: Value) -> DynamicObject {
+    serde_json::from_value(value).expect("dynamic object")
+}
+
+/// Creating right after a CRD update can race the API server's discovery of the new schema;
+/// retry "not found" a few times.
+async fn create(api: &Api<DynamicObject>, value: Value) -> Result<DynamicObject, kube::Error> {
+    let obj = object(value);
+    let mut last = None;
+    for _ in 0..20 {
+        match api.create(&PostParams::default(), &obj).await {
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                last = Some(kube::Error::Api(e));
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            other => return other,
+        }
+    }
+    Err(last.expect("retried"))
+}
+
+fn cluster(name: &str, version: &str) -> Value {
+    json!({
+        "apiVersion": format!("infrastructure.cluster.x-k8s.io/{version}"),
+        "kind": "MailgunCluster",
+        "metadata": {"name": name},
+        "spec": {"priority": "Urgent", "request": "One cluster please.\nThanks.", "requester": "ops@example.com"},
+    })
+}
+
+fn machine(name: &str, version: &str) -> Value {
+    json!({
+        "apiVersion": format!("infrastructure.cluster.x-k8s.io/{version}"),
+        "kind": "MailgunMachine",
+        "metadata": {"name": name},
+        "spec": {"priority": "BusinessCritical", "request": "One machine", "requester": "ops@example.com"},
+    })
+}
+
+fn with(mut base: Value, pointer: &str, value: Value) -> Value {
+    let (parent, key) = pointer.rsplit_once('/').expect("pointer");
+    base.pointer_mut(parent)
+        .and_then(Value::as_object_mut)
+        .expect("parent")
+        .insert(key.to_owned(), value);
+    base
+}
+
+fn error_message(result: Result<DynamicObject, kube::Error>) -> String {
+    match result {
+        Ok(obj) => panic!("accepted: {obj:?}"),
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 422, "{e:?}");
+            e.message
+        }
+        Err(e) => panic!("unexpected error {e}"),
+    }
+}
+
+fn samples() -> Vec<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/samples");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("samples dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[tokio::test]
+async fn crds_are_established_and_every_sample_is_accepted() {
+    let ns = setup("api-samples").await;
+    let cp = ns.control_plane();
+    cp.install_capi_crds().await.expect("Cluster API CRDs");
+    let files = samples();
+    assert_eq!(files.len(), 9, "{files:?}");
+    for file in files {
+        let path = file.to_string_lossy().into_owned();
+        let mut last = None;
+        for _ in 0..20 {
+            match cp.kubectl_output(&["create", "-n", &ns.name, "-f", &path]) {
+                Ok(out) => {
+                    last = None;
+                    assert!(out.contains("created"), "{path}: {out}");
+                    break;
+                }
+                Err(e) => {
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        }
+        if let Some(e) = last {
+            panic!("{path} rejected: {e}");
+        }
+    }
+    let table = cp
+        .kubectl_output(&["get", "mgc", "-n", &ns.name])
+        .expect("kubectl get");
+    let header = table.lines().next().unwrap_or_default();
+    for column in ["NAME", "CLUSTER", "PRIORITY", "PROVISIONED", "MAIL", "AGE"] {
+        assert!(header.contains(column), "{header}");
+    }
+    let all = cp
+        .kubectl_output(&["get", "cluster-api", "-n", &ns.name, "-o", "name"])
+        .expect("kubectl get category");
+    assert!(all.contains("mailgunmachinetemplate"), "{all}");
+}
+
+#[tokio::test]
+async fn kubectl_explain_shows_the_field_docs() {
+    let ns = setup("api-explain").await;
+    let cp = ns.control_plane();
+    let mut out = String::new();
+    for _ in 0..40 {
+        match cp.kubectl_output(&[
+            "explain",
+            "mailgunclusters.spec",
+            "--api-version=infrastructure.cluster.x-k8s.io/v1beta1",
+        ]) {
+            Ok(o) if o.contains("controlPlaneEndpoint") => {
+                out = o;
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+    for needle in [
+        "requester (required, immutable): e-mail address",
+        "controlPlaneEndpoint (optional, set-once)",
+        "priority (required, immutable)",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+    }
+    let status = cp
+        .kubectl_output(&[
+            "explain",
+            "mailgunmachines.status.mail.state",
+            "--api-version=infrastructure.cluster.x-k8s.io/v1beta1",
+        ])
+        .expect("explain");
+    assert!(status.contains("Pending"), "{status}");
+}
+
+#[tokio::test]
+async fn invalid_objects_are_rejected_naming_the_field() {
+    let ns = setup("api-invalid").await;
+    let clusters = api(&ns, "v1beta1", "MailgunCluster");
+    let machines = api(&ns, "v1beta1", "MailgunMachine");
+    let alpha_clusters = api(&ns, "v1alpha1", "MailgunCluster");
+    let templates = api(&ns, "v1beta1", "MailgunMachineTemplate");
+    let c = || cluster("c", "v1beta1");
+    let m = || machine("m", "v1beta1");
+    let ep = |host: Value, port: Value| json!({"host": host, "port": port});
+    let creates: Vec<(&str, &Api<DynamicObject>, Value, &str)> = vec![
+        (
+            "bad enum",
+            &clusters,
+            with(c(), "/spec/priority", json!("Whenever")),
+            "spec.priority",
+        ),
+        (
+            "bad enum (v1alpha1)",
+            &alpha_clusters,
+            with(cluster("c", "v1alpha1"), "/spec/priority", json!("Soon")),
+            "spec.priority",
+        ),
+        (
+            "not an e-mail",
+            &clusters,
+            with(c(), "/spec/requester", json!("nobody")),
+            "spec.requester",
+        ),
+        (
+            "CRLF header injection",
+            &clusters,
+            with(c(), "/spec/requester", json!("a@b.com\r\nBcc: x@y.com")),
+            "spec.requester",
+        ),
+        (
+            "LF header injection",
+            &machines,
+            with(m(), "/spec/requester", json!("a@b.com\nBcc: x@y.com")),
+            "spec.requester",
+        ),
+        (
+            "display name",
+            &clusters,
+            with(c(), "/spec/requester", json!("Me <a@b.com>")),
+            "spec.requester",
+        ),
+        (
+            "oversize requester",
+            &clusters,
+            with(
+                c(),
+                "/spec/requester",
+                json!(format!("{}@example.com", "a".repeat(250))),
+            ),
+            "spec.requester",
+        ),
+        (
+            "empty request",
+            &clusters,
+            with(c(), "/spec/request", json!("")),
+            "spec.request",
+        ),
+        (
+            "oversize request",
+            &clusters,
+            with(c(), "/spec/request", json!("x".repeat(4097))),
+            "spec.request",
+        ),
+        (
+            "control character in request",
+            &clusters,
+            with(c(), "/spec/request", json!("a\u{1b}[31m")),
+            "spec.request",
+        ),
+        (
+            "missing requester",
+            &clusters,
+            json!({"apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunCluster", "metadata": {"name": "c"}, "spec": {"priority": "Urgent", "request": "r"}}),
+            "spec.requester",
+        ),
+        (
+            "port 0",
+            &clusters,
+            with(c(), "/spec/controlPlaneEndpoint", ep(json!("h"), json!(0))),
+            "spec.controlPlaneEndpoint.port",
+        ),
+        (
+            "port 65536",
+            &clusters,
+            with(
+                c(),
+                "/spec/controlPlaneEndpoint",
+                ep(json!("h"), json!(65536)),
+            ),
+            "spec.controlPlaneEndpoint.port",
+        ),
+        (
+            "empty host",
+            &clusters,
+            with(
+                c(),
+                "/spec/controlPlaneEndpoint",
+                ep(json!(""), json!(6443)),
+            ),
+            "spec.controlPlaneEndpoint.host",
+        ),
+        (
+            "oversize host",
+            &clusters,
+            with(
+                c(),
+                "/spec/controlPlaneEndpoint",
+                ep(json!("a".repeat(254)), json!(6443)),
+            ),
+            "spec.controlPlaneEndpoint.host",
+        ),
+        (
+            "space in host",
+            &clusters,
+            with(
+                c(),
+                "/spec/controlPlaneEndpoint",
+                ep(json!("a b"), json!(6443)),
+            ),
+            "spec.controlPlaneEndpoint.host",
+        ),
+        (
+            "providerID without scheme",
+            &machines,
+            with(m(), "/spec/providerID", json!("machine-1")),
+            "spec.providerID",
+        ),
+        (
+            "oversize providerID",
+            &machines,
+            with(
+                m(),
+                "/spec/providerID",
+                json!(format!("x://{}", "a".repeat(600))),
+            ),
+            "spec.providerID",
+        ),
+        (
+            "bad address type",
+            &machines,
+            with(
+                m(),
+                "/spec/addresses",
+                json!([{"type": "PublicIP", "address": "1.2.3.4"}]),
+            ),
+            "spec.addresses[0].type",
+        ),
+        (
+            "too many addresses",
+            &machines,
+            with(
+                m(),
+                "/spec/addresses",
+                json!(vec![json!({"type": "Hostname", "address": "h"}); 17]),
+            ),
+            "spec.addresses",
+        ),
+        (
+            "providerID in a template",
+            &templates,
+            json!({"apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachineTemplate", "metadata": {"name": "t"},
+            "spec": {"template": {"spec": {"priority": "Urgent", "request": "r", "requester": "a@b.co", "providerID": "x://1"}}}}),
+            "spec.template.spec.providerID",
+        ),
+    ];
+    for (what, api, value, field) in &creates {
+        let message = error_message(create(api, value.clone()).await);
+        assert!(
+            message.contains(field),
+            "{what}: message does not name {field}: {message}"
+        );
+    }
+
+    // Updates: immutable and set-once fields.
+    let base = with(c(), "/metadata/name", json!("upd"));
+    create(&clusters, base).await.expect("create");
+    let merge = |patch: Value| Patch::Merge(patch);
+    let pp = PatchParams::default();
+    let updates: Vec<(&str, Value, &str)> = vec![
+        (
+            "change priority",
+            json!({"spec": {"priority": "BusinessCritical"}}),
+            "priority is immutable",
+        ),
+        (
+            "change request",
+            json!({"spec": {"request": "more"}}),
+            "request is immutable",
+        ),
+        (
+            "change requester",
+            json!({"spec": {"requester": "x@example.org"}}),
+            "requester is immutable",
+        ),
+    ];
+    for (what, patch, expected) in &updates {
+        let message = error_message(clusters.patch("upd", &pp, &merge(patch.clone())).await);
+        assert!(message.contains(expected), "{what}: {message}");
+    }
+    clusters
+        .patch(
+            "upd",
+            &pp,
+            &merge(json!({"spec": {"controlPlaneEndpoint": {"host": "h", "port": 6443}}})),
+        )
+        .await
+        .expect("setting the endpoint once is allowed");
+    for (what, patch) in [
+        (
+            "change endpoint",
+            json!({"spec": {"controlPlaneEndpoint": {"host": "other", "port": 6443}}}),
+        ),
+        (
+            "unset endpoint",
+            json!({"spec": {"controlPlaneEndpoint": null}}),
+        ),
+    ] {
+        let message = error_message(clusters.patch("upd", &pp, &merge(patch)).await);
+        assert!(
+            message.contains("spec.controlPlaneEndpoint") && message.contains("set-once"),
+            "{what}: {message}"
+        );
+    }
+
+    create(&machines, with(m(), "/metadata/name", json!("upd")))
+        .await
+        .expect("create");
+    machines
+        .patch(
+            "upd",
+            &pp,
+            &merge(json!({"spec": {"providerID": "x://1", "failureDomain": "fd"}})),
+        )
+        .await
+        .expect("setting providerID once is allowed");
+    for (what, patch, field) in [
+        (
+            "change providerID",
+            json!({"spec": {"providerID": "x://2"}}),
+            "spec.providerID",
+        ),
+        (
+            "unset providerID",
+            json!({"spec": {"providerID": null}}),
+            "spec.providerID",
+        ),
+        (
+            "change failureDomain",
+            json!({"spec": {"failureDomain": "other"}}),
+            "spec.failureDomain",
+        ),
+    ] {
+        let message = error_message(machines.patch("upd", &pp, &merge(patch)).await);
+        assert!(
+            message.contains(field) && message.contains("set-once"),
+            "{what}: {message}"
+        );
+    }
+    let alpha_machines = api(&ns, "v1alpha1", "MailgunMachine");
+    let message = error_message(
+        alpha_machines
+            .patch("upd", &pp, &merge(json!({"spec": {"providerID": "x://3"}})))
+            .await,
+    );
+    assert!(
+        message.contains("spec.providerID"),
+        "v1alpha1 set-once: {message}"
+    );
+
+    let template = json!({"apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachineTemplate", "metadata": {"name": "t"},
+        "spec": {"template": {"spec": {"priority": "Urgent", "request": "r", "requester": "a@b.co"}}}});
+    create(&templates, template).await.expect("template");
+    let message = error_message(
+        templates
+            .patch(
+                "t",
+                &pp,
+                &merge(json!({"spec": {"template": {"spec": {"request": "other"}}}})),
+            )
+            .await,
+    );
+    assert!(
+        message.contains("spec.template") && message.contains("immutable"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn the_api_server_converts_through_the_webhook_losslessly() {
+    let ns = setup("api-convert").await;
+    let beta = api(&ns, "v1beta1", "MailgunCluster");
+    let alpha = api(&ns, "v1alpha1", "MailgunCluster");
+    let pp = PatchParams::default();
+
+    // Created as v1beta1 with fields v1alpha1 cannot hold, read as v1alpha1, and back.
+    let created = create(
+        &beta,
+        with(
+            cluster("beta", "v1beta1"),
+            "/spec/controlPlaneEndpoint",
+            json!({"host": "api.example.com", "port": 6443}),
+        ),
+    )
+    .await
+    .expect("create v1beta1");
+    let status = json!({"status": {
+        "initialization": {"provisioned": true},
+        "observedGeneration": 1,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "Provisioned", "message": "",
+                        "lastTransitionTime": "2026-01-02T03:04:05Z", "observedGeneration": 1}],
+        "mail": {"messageID": "<id@example.com>", "state": "Sent", "sentAt": "2026-01-02T03:04:05Z"},
+    }});
+    beta.patch_status("beta", &pp, &Patch::Merge(status))
+        .await
+        .expect("status");
+    let as_alpha: v1alpha1::MailgunCluster = serde_json::from_value(
+        serde_json::to_value(alpha.get("beta").await.expect("get as v1alpha1")).expect("json"),
+    )
+    .expect("v1alpha1 decodes");
+    assert_eq!(as_alpha.status.as_ref().map(|s| s.ready), Some(true));
+    assert_eq!(
+        as_alpha.status.as_ref().and_then(|s| s.response.as_deref()),
+        Some("<id@example.com>")
+    );
+    assert!(
+        as_alpha
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(CONVERSION_DATA_ANNOTATION))
+    );
+    let stored: v1beta1::MailgunCluster = serde_json::from_value(
+        serde_json::to_value(beta.get("beta").await.expect("get as v1beta1")).expect("json"),
+    )
+    .expect("v1beta1 decodes");
+    assert!(
+        stored
+            .metadata
+            .annotations
+            .as_ref()
+            .is_none_or(|a| !a.contains_key(CONVERSION_DATA_ANNOTATION))
+    );
+    assert_eq!(
+        stored.spec.control_plane_endpoint,
+        Some(v1beta1::ApiEndpoint {
+            host: "api.example.com".into(),
+            port: 6443
+        })
+    );
+    let s = stored.status.clone().expect("status");
+    assert_eq!(
+        s.mail.as_ref().and_then(|m| m.state),
+        Some(v1beta1::MailState::Sent)
+    );
+    assert_eq!(s.conditions.as_ref().map(Vec::len), Some(1));
+    assert_eq!(s.observed_generation, Some(1));
+    assert_eq!(created.metadata.uid, stored.metadata.uid);
+
+    // An update through v1alpha1 keeps the v1beta1-only fields.
+    alpha
+        .patch(
+            "beta",
+            &pp,
+            &Patch::Merge(json!({"metadata": {"labels": {"touched": "yes"}}})),
+        )
+        .await
+        .expect("label through v1alpha1");
+    let after: v1beta1::MailgunCluster = serde_json::from_value(
+        serde_json::to_value(beta.get("beta").await.expect("get")).expect("json"),
+    )
+    .expect("decodes");
+    assert_eq!(after.spec, stored.spec);
+    assert_eq!(after.status, stored.status);
+    assert_eq!(
+        after
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("touched"))
+            .map(String::as_str),
+        Some("yes")
+    );
+
+    // Created as v1alpha1, read as v1beta1, and back: every field kept.
+    create(&alpha, cluster("alpha", "v1alpha1"))
+        .await
+        .expect("create v1alpha1");
+    alpha
+        .patch_status(
+            "alpha",
+            &pp,
+            &Patch::Merge(json!({"status": {"ready": true, "response": "<a@b>"}})),
+        )
+        .await
+        .expect("v1alpha1 status");
+    let up: v1beta1::MailgunCluster = serde_json::from_value(
+        serde_json::to_value(beta.get("alpha").await.expect("get")).expect("json"),
+    )
+    .expect("decodes");
+    assert_eq!(up.spec.requester, "ops@example.com");
+    assert_eq!(up.spec.request, "One cluster please.\nThanks.");
+    let s = up.status.expect("status");
+    assert_eq!(s.initialization.and_then(|i| i.provisioned), Some(true));
+    assert_eq!(s.mail.and_then(|m| m.message_id).as_deref(), Some("<a@b>"));
+    let down: v1alpha1::MailgunCluster = serde_json::from_value(
+        serde_json::to_value(alpha.get("alpha").await.expect("get")).expect("json"),
+    )
+    .expect("decodes");
+    assert_eq!(down.spec.priority, v1alpha1::Priority::Urgent);
+    assert_eq!(
+        down.status,
+        Some(v1alpha1::MailgunClusterStatus {
+            response: Some("<a@b>".into()),
+            ready: true
+        })
+    );
+
+    // Machines: v1beta1-only spec fields survive a v1alpha1 read.
+    let mbeta = api(&ns, "v1beta1", "MailgunMachine");
+    let malpha = api(&ns, "v1alpha1", "MailgunMachine");
+    create(
+        &mbeta,
+        with(
+            with(
+                machine("m", "v1beta1"),
+                "/spec/failureDomain",
+                json!("rack-1"),
+            ),
+            "/spec/addresses",
+            json!([{"type": "InternalIP", "address": "10.0.0.1"}]),
+        ),
+    )
+    .await
+    .expect("machine");
+    let m_alpha = malpha.get("m").await.expect("get as v1alpha1");
+    assert!(m_alpha.data["spec"].get("failureDomain").is_none());
+    let m_beta = mbeta.get("m").await.expect("get as v1beta1");
+    assert_eq!(m_beta.data["spec"]["failureDomain"], "rack-1");
+    assert_eq!(m_beta.data["spec"]["addresses"][0]["type"], "InternalIP");
+}
