@@ -1,0 +1,618 @@
+//! Backend configuration (serde, camelCase field names like Kubernetes objects) and the factory
+//! that turns it into an `Arc<dyn Mailer>`.
+//!
+//! The file format is externally tagged by backend name, e.g. in YAML:
+//! ```yaml
+//! mailgun:
+//!   domain: mg.example.com
+//!   region: eu                 # us (default) or eu; or baseUrl: http://127.0.0.1:8025
+//!   apiKey: {file: /etc/capm/mailgun/api-key}
+//! ```
+//! ```yaml
+//! smtp:
+//!   url: smtp://relay.example.com:587   # smtp:// (default port 587) or smtps:// (465)
+//!   starttls: required                  # required (default), opportunistic, never
+//!   username: capm
+//!   password: {env: SMTP_PASSWORD}
+//!   caFile: /etc/capm/relay-ca.pem      # optional: trust only this CA
+//! ```
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    Mailer, MailgunMailer, SmtpMailer,
+    secret::{SecretError, SecretSource},
+};
+
+/// Why a configuration was refused or a backend could not be built. Never contains a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A field has an invalid value; `field` is its dotted path (`smtp.url`).
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// Dotted path of the field.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A secret could not be read.
+    #[error("{field}: {source}")]
+    Secret {
+        /// Dotted path of the field (`mailgun.apiKey`).
+        field: String,
+        /// Why.
+        #[source]
+        source: SecretError,
+    },
+    /// The CA file could not be read or holds no usable certificate.
+    #[error("{field}: {reason}")]
+    CaFile {
+        /// Dotted path of the field (`smtp.caFile`).
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The TLS or HTTP client could not be set up.
+    #[error("setting up the {backend} client: {source}")]
+    Client {
+        /// `mailgun` or `smtp`.
+        backend: &'static str,
+        /// The underlying error.
+        #[source]
+        source: crate::BoxError,
+    },
+}
+
+pub(crate) fn invalid(field: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// Which backend to use, and how.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum MailerConfig {
+    /// Mailgun's HTTP API.
+    Mailgun(MailgunConfig),
+    /// An SMTP relay (which may be Mailgun's).
+    Smtp(SmtpConfig),
+}
+
+impl MailerConfig {
+    /// Checks every field without touching the network or reading secrets.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first bad field, e.g. `smtp.url: scheme must be smtp or smtps`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match self {
+            Self::Mailgun(c) => c.validate(),
+            Self::Smtp(c) => c.validate().map(drop),
+        }
+    }
+}
+
+/// Builds the configured backend: validates, reads the secrets, sets up the connection pool.
+///
+/// Call it once at start-up and share the result.
+///
+/// # Errors
+/// [`ConfigError`] when the configuration is invalid, a secret or CA file cannot be read, or the
+/// client cannot be set up.
+///
+/// # Panics
+/// The SMTP pool starts a background task: call this inside a Tokio runtime.
+pub fn build(config: &MailerConfig) -> Result<Arc<dyn Mailer>, ConfigError> {
+    Ok(match config {
+        MailerConfig::Mailgun(c) => Arc::new(MailgunMailer::new(c)?),
+        MailerConfig::Smtp(c) => Arc::new(SmtpMailer::new(c)?),
+    })
+}
+
+fn check_seconds(field: &str, value: f64) -> Result<Duration, ConfigError> {
+    if value.is_nan() || value <= 0.0 {
+        return Err(invalid(field, "must be a positive number of seconds"));
+    }
+    Duration::try_from_secs_f64(value).map_err(|_| invalid(field, "too large"))
+}
+
+/// Mailgun's two public API regions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum MailgunRegion {
+    /// `https://api.mailgun.net`.
+    #[default]
+    Us,
+    /// `https://api.eu.mailgun.net`.
+    Eu,
+}
+
+impl MailgunRegion {
+    /// The API base URL of the region.
+    pub fn base_url(self) -> &'static str {
+        match self {
+            Self::Us => "https://api.mailgun.net",
+            Self::Eu => "https://api.eu.mailgun.net",
+        }
+    }
+}
+
+fn default_connect_timeout() -> f64 {
+    10.0
+}
+fn default_request_timeout() -> f64 {
+    30.0
+}
+
+/// The Mailgun HTTP backend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MailgunConfig {
+    /// `domain` (required): the sending domain, as in `/v3/<domain>/messages`.
+    pub domain: String,
+    /// `region` (optional, `us`): which public API to use.
+    #[serde(default)]
+    pub region: MailgunRegion,
+    /// `baseUrl` (optional): overrides `region`, e.g. `http://127.0.0.1:8025` for a test server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// `apiKey` (required): where to read the API key (`{file: ...}` or `{env: ...}`).
+    pub api_key: SecretSource,
+    /// `testMode` (optional, false): send `o:testmode=yes` (accepted, not delivered, billed).
+    #[serde(default)]
+    pub test_mode: bool,
+    /// `connectTimeoutSeconds` (optional, 10): TCP + TLS connect timeout.
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_seconds: f64,
+    /// `requestTimeoutSeconds` (optional, 30): the whole request, connect included.
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout_seconds: f64,
+}
+
+impl MailgunConfig {
+    /// A configuration with defaults for everything but the domain and key.
+    pub fn new(domain: impl Into<String>, api_key: SecretSource) -> Self {
+        Self {
+            domain: domain.into(),
+            region: MailgunRegion::Us,
+            base_url: None,
+            api_key,
+            test_mode: false,
+            connect_timeout_seconds: default_connect_timeout(),
+            request_timeout_seconds: default_request_timeout(),
+        }
+    }
+
+    /// The base URL to use: `baseUrl` without a trailing slash, or the region's.
+    pub fn effective_base_url(&self) -> &str {
+        self.base_url
+            .as_deref()
+            .map(|u| u.trim_end_matches('/'))
+            .unwrap_or_else(|| self.region.base_url())
+    }
+
+    /// The connect timeout.
+    ///
+    /// # Errors
+    /// When `connectTimeoutSeconds` is not positive.
+    pub fn connect_timeout(&self) -> Result<Duration, ConfigError> {
+        check_seconds(
+            "mailgun.connectTimeoutSeconds",
+            self.connect_timeout_seconds,
+        )
+    }
+
+    /// The request timeout.
+    ///
+    /// # Errors
+    /// When `requestTimeoutSeconds` is not positive.
+    pub fn request_timeout(&self) -> Result<Duration, ConfigError> {
+        check_seconds(
+            "mailgun.requestTimeoutSeconds",
+            self.request_timeout_seconds,
+        )
+    }
+
+    /// Checks every field (no network, no secrets read).
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first bad field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let d = &self.domain;
+        if d.is_empty()
+            || !d
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+            || d.starts_with(['.', '-'])
+            || d.ends_with(['.', '-'])
+        {
+            return Err(invalid(
+                "mailgun.domain",
+                "must be a DNS name (letters, digits, '-' and '.')",
+            ));
+        }
+        if let Some(url) = &self.base_url {
+            let rest = url
+                .strip_prefix("https://")
+                .or_else(|| url.strip_prefix("http://"))
+                .ok_or_else(|| invalid("mailgun.baseUrl", "scheme must be http or https"))?;
+            let host = rest.split('/').next().unwrap_or_default();
+            if host.is_empty() || host.contains(['@', '?', '#']) || rest.contains(['?', '#']) {
+                return Err(invalid(
+                    "mailgun.baseUrl",
+                    "must be scheme://host[:port][/path] without credentials, query or fragment",
+                ));
+            }
+        }
+        self.connect_timeout()?;
+        self.request_timeout()?;
+        Ok(())
+    }
+}
+
+/// How an `smtp://` connection uses STARTTLS.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Starttls {
+    /// Upgrade to TLS or fail (the default).
+    #[default]
+    Required,
+    /// Upgrade when the server offers it; otherwise stay in plain text. Not allowed with
+    /// credentials.
+    Opportunistic,
+    /// Plain text only: for a relay on the same host or in tests. Not allowed with credentials.
+    Never,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_pool_max_size() -> u32 {
+    10
+}
+fn default_pool_idle_timeout() -> f64 {
+    60.0
+}
+fn default_smtp_timeout() -> f64 {
+    30.0
+}
+
+/// SMTP connection pooling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SmtpPoolConfig {
+    /// `enabled` (optional, true): keep connections open between messages. When false, every
+    /// message opens and closes its own connection.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// `maxSize` (optional, 10): idle connections kept open.
+    #[serde(default = "default_pool_max_size")]
+    pub max_size: u32,
+    /// `idleTimeoutSeconds` (optional, 60): close connections idle for longer.
+    #[serde(default = "default_pool_idle_timeout")]
+    pub idle_timeout_seconds: f64,
+}
+
+impl Default for SmtpPoolConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_size: default_pool_max_size(),
+            idle_timeout_seconds: default_pool_idle_timeout(),
+        }
+    }
+}
+
+/// The SMTP backend.
+///
+/// Tags and variables travel as `X-Mailgun-Tag` (one header per tag) and `X-Mailgun-Variables`
+/// (a JSON object), the headers Mailgun's own SMTP relay reads; other relays pass them on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SmtpConfig {
+    /// `url` (required): `smtp://host[:port]` (port 587 by default) or `smtps://host[:port]`
+    /// (implicit TLS, port 465 by default). No credentials, path or query.
+    pub url: String,
+    /// `starttls` (optional, `required`): only for `smtp://` URLs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starttls: Option<Starttls>,
+    /// `username` (optional): AUTH PLAIN/LOGIN user; needs `password` and TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// `password` (optional): where to read the password; needs `username`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<SecretSource>,
+    /// `helloName` (optional): the name sent in EHLO; defaults to `localhost`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hello_name: Option<String>,
+    /// `caFile` (optional): PEM file with the CA(s) of a private relay. When set, ONLY these CAs
+    /// are trusted; otherwise the system's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// `timeoutSeconds` (optional, 30): connect timeout and timeout of each SMTP command.
+    #[serde(default = "default_smtp_timeout")]
+    pub timeout_seconds: f64,
+    /// `pool` (optional): connection pooling.
+    #[serde(default)]
+    pub pool: SmtpPoolConfig,
+}
+
+/// A parsed `smtp.url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SmtpEndpoint {
+    pub(crate) implicit_tls: bool,
+    pub(crate) host: String,
+    pub(crate) port: u16,
+}
+
+impl SmtpConfig {
+    /// A configuration with defaults for everything but the URL.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            starttls: None,
+            username: None,
+            password: None,
+            hello_name: None,
+            ca_file: None,
+            timeout_seconds: default_smtp_timeout(),
+            pool: SmtpPoolConfig::default(),
+        }
+    }
+
+    /// Checks every field (no network, no secrets read).
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming the first bad field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.endpoint().map(drop)
+    }
+
+    pub(crate) fn endpoint(&self) -> Result<SmtpEndpoint, ConfigError> {
+        const URL: &str = "smtp.url";
+        let (implicit_tls, rest) = if let Some(rest) = self.url.strip_prefix("smtps://") {
+            (true, rest)
+        } else if let Some(rest) = self.url.strip_prefix("smtp://") {
+            (false, rest)
+        } else {
+            return Err(invalid(URL, "scheme must be smtp or smtps"));
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains(['@', '/', '?', '#']) {
+            return Err(invalid(
+                URL,
+                "must be scheme://host[:port] (credentials go in username/password)",
+            ));
+        }
+        let (host, port) = match rest.strip_prefix('[') {
+            Some(v6) => {
+                let (host, after) = v6
+                    .split_once(']')
+                    .ok_or_else(|| invalid(URL, "unclosed [ in IPv6 host"))?;
+                (host, after.strip_prefix(':'))
+            }
+            None => match rest.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (rest, None),
+            },
+        };
+        if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(invalid(URL, "missing or invalid host"));
+        }
+        let port = match port {
+            Some(p) => p
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| invalid(URL, "port must be a number from 1 to 65535"))?,
+            None if implicit_tls => 465,
+            None => 587,
+        };
+        if implicit_tls && self.starttls.is_some() {
+            return Err(invalid(
+                "smtp.starttls",
+                "only applies to smtp:// URLs (smtps:// is TLS from the start)",
+            ));
+        }
+        match (&self.username, &self.password) {
+            (Some(_), None) => return Err(invalid("smtp.password", "required with username")),
+            (None, Some(_)) => return Err(invalid("smtp.username", "required with password")),
+            (Some(user), Some(_)) => {
+                if user.is_empty() || user.chars().any(char::is_control) {
+                    return Err(invalid(
+                        "smtp.username",
+                        "must be non-empty without control characters",
+                    ));
+                }
+                if !implicit_tls && self.starttls.unwrap_or_default() != Starttls::Required {
+                    return Err(invalid(
+                        "smtp.username",
+                        "credentials need TLS: use smtps:// or starttls: required",
+                    ));
+                }
+            }
+            (None, None) => {}
+        }
+        if let Some(name) = &self.hello_name
+            && (name.is_empty() || name.chars().any(|c| c.is_whitespace() || c.is_control()))
+        {
+            return Err(invalid(
+                "smtp.helloName",
+                "must be a host name without spaces",
+            ));
+        }
+        check_seconds("smtp.timeoutSeconds", self.timeout_seconds)?;
+        check_seconds(
+            "smtp.pool.idleTimeoutSeconds",
+            self.pool.idle_timeout_seconds,
+        )?;
+        Ok(SmtpEndpoint {
+            implicit_tls,
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smtp(url: &str) -> SmtpConfig {
+        SmtpConfig::new(url)
+    }
+
+    #[test]
+    fn smtp_urls() {
+        let e = smtp("smtp://relay.example.com").endpoint().unwrap();
+        assert_eq!(
+            (e.implicit_tls, e.host.as_str(), e.port),
+            (false, "relay.example.com", 587)
+        );
+        let e = smtp("smtps://relay.example.com").endpoint().unwrap();
+        assert_eq!((e.implicit_tls, e.port), (true, 465));
+        let e = smtp("smtp://127.0.0.1:2525/").endpoint().unwrap();
+        assert_eq!((e.host.as_str(), e.port), ("127.0.0.1", 2525));
+        let e = smtp("smtp://[::1]:25").endpoint().unwrap();
+        assert_eq!((e.host.as_str(), e.port), ("::1", 25));
+        let cases = [
+            ("http://x", "smtp.url: scheme must be smtp or smtps"),
+            ("smtp://", "smtp.url: missing or invalid host"),
+            ("smtp://h:0", "smtp.url: port must be"),
+            ("smtp://h:x", "smtp.url: port must be"),
+            ("smtp://u:p@h", "smtp.url: must be scheme://host[:port]"),
+        ];
+        for (url, msg) in cases {
+            let err = smtp(url).validate().unwrap_err().to_string();
+            assert!(err.starts_with(msg), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn smtp_credentials_need_both_halves_and_tls() {
+        let mut c = smtp("smtp://h");
+        c.username = Some("u".into());
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("smtp.password: required")
+        );
+        c.password = Some(SecretSource::Env("X".into()));
+        c.validate().unwrap();
+        c.starttls = Some(Starttls::Never);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.starts_with("smtp.username: credentials need TLS"),
+            "{err}"
+        );
+        c.starttls = Some(Starttls::Opportunistic);
+        assert!(c.validate().is_err());
+        let mut c = smtp("smtps://h");
+        c.starttls = Some(Starttls::Required);
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("smtp.starttls")
+        );
+        let mut c = smtp("smtp://h");
+        c.timeout_seconds = 0.0;
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("smtp.timeoutSeconds")
+        );
+    }
+
+    #[test]
+    fn mailgun_validation() {
+        let mut c = MailgunConfig::new("mg.example.com", SecretSource::Env("K".into()));
+        c.validate().unwrap();
+        assert_eq!(c.effective_base_url(), "https://api.mailgun.net");
+        c.region = MailgunRegion::Eu;
+        assert_eq!(c.effective_base_url(), "https://api.eu.mailgun.net");
+        c.base_url = Some("http://127.0.0.1:8080/".into());
+        assert_eq!(c.effective_base_url(), "http://127.0.0.1:8080");
+        c.validate().unwrap();
+        c.base_url = Some("ftp://x".into());
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("mailgun.baseUrl: scheme")
+        );
+        c.base_url = Some("https://user:pw@x".into());
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("mailgun.baseUrl")
+        );
+        c.base_url = None;
+        c.domain = "bad domain".into();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .starts_with("mailgun.domain")
+        );
+        c.domain = "mg.example.com".into();
+        c.request_timeout_seconds = -1.0;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.starts_with("mailgun.requestTimeoutSeconds"), "{err}");
+    }
+
+    #[test]
+    fn config_files_parse_and_refuse_unknown_fields() {
+        let c: MailerConfig = serde_json::from_str(
+            r#"{"smtp": {"url": "smtps://relay:465", "username": "u",
+                "password": {"file": "/run/pw"}, "pool": {"enabled": false}}}"#,
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let MailerConfig::Smtp(s) = &c else {
+            panic!("{c:?}")
+        };
+        assert!(!s.pool.enabled);
+        assert_eq!(s.pool.max_size, 10);
+        let c: MailerConfig = serde_json::from_str(
+            r#"{"mailgun": {"domain": "mg.example.com", "region": "eu", "apiKey": {"env": "K"}}}"#,
+        )
+        .unwrap();
+        c.validate().unwrap();
+        for bad in [
+            r#"{"mailgun": {"domain": "d", "apiKey": {"env": "K"}, "apikey": 1}}"#,
+            r#"{"smtp": {"url": "smtp://h", "pool": {"size": 1}}}"#,
+            r#"{"mailgun": {"domain": "d", "apiKey": {"value": "k"}}}"#,
+            r#"{"sendgrid": {}}"#,
+        ] {
+            assert!(serde_json::from_str::<MailerConfig>(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn debug_and_errors_never_show_secrets() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, "key-topsecret-1234\n").unwrap();
+        let mut c = MailgunConfig::new("mg.example.com", SecretSource::File(key));
+        c.base_url = Some("http://127.0.0.1:1".into());
+        let mailer = MailgunMailer::new(&c).unwrap();
+        assert!(!format!("{c:?}").contains("topsecret"));
+        assert!(!format!("{mailer:?}").contains("topsecret"));
+        let mut s = SmtpConfig::new("smtps://h");
+        s.username = Some("u".into());
+        s.password = Some(SecretSource::File(dir.path().join("nope")));
+        let err = SmtpMailer::new(&s).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("smtp.password: reading secret file"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,141 @@
+//! Secrets (API keys, passwords): where configuration says to read them from, and a wrapper that
+//! never prints them.
+
+use std::{fmt, path::PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// A secret value. `Debug` and `Display` print `[redacted]`; only [`Secret::expose`] reveals it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret([redacted])")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+/// Where a secret comes from. Configuration never holds the value itself, so a config file or
+/// its `Debug` output can be shown without leaking anything.
+///
+/// In configuration: `{"file": "/etc/capm/mailgun-api-key"}` or `{"env": "MAILGUN_API_KEY"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum SecretSource {
+    /// A file whose content (one trailing newline removed) is the secret; e.g. a mounted
+    /// Kubernetes Secret.
+    File(PathBuf),
+    /// An environment variable holding the secret.
+    Env(String),
+}
+
+/// Why a secret could not be read. Never contains the secret.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    /// The secret file could not be read.
+    #[error("reading secret file {path}: {source}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The environment variable is not set or not valid Unicode.
+    #[error("environment variable {name} is not set (or not valid UTF-8)")]
+    Env {
+        /// The variable's name.
+        name: String,
+    },
+    /// The secret is empty.
+    #[error("secret from {0} is empty")]
+    Empty(String),
+}
+
+impl SecretSource {
+    /// Reads the secret now.
+    ///
+    /// # Errors
+    /// [`SecretError`] when the file or variable cannot be read or the value is empty.
+    pub fn read(&self) -> Result<Secret, SecretError> {
+        let (value, origin) = match self {
+            Self::File(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| SecretError::File {
+                    path: path.clone(),
+                    source,
+                })?;
+                let text = text
+                    .strip_suffix('\n')
+                    .map(|t| t.strip_suffix('\r').unwrap_or(t))
+                    .map(str::to_owned)
+                    .unwrap_or(text);
+                (text, format!("file {}", path.display()))
+            }
+            Self::Env(name) => (
+                std::env::var(name).map_err(|_| SecretError::Env { name: name.clone() })?,
+                format!("environment variable {name}"),
+            ),
+        };
+        if value.is_empty() {
+            return Err(SecretError::Empty(origin));
+        }
+        Ok(Secret(value))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_redacted() {
+        let s = Secret::new("key-supersecret");
+        assert_eq!(format!("{s}"), "[redacted]");
+        assert!(!format!("{s:?}").contains("supersecret"));
+        assert_eq!(s.expose(), "key-supersecret");
+    }
+
+    #[test]
+    fn read_from_file_strips_one_newline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key");
+        std::fs::write(&path, "key-abc\n").unwrap();
+        assert_eq!(
+            SecretSource::File(path.clone()).read().unwrap().expose(),
+            "key-abc"
+        );
+        std::fs::write(&path, "").unwrap();
+        let err = SecretSource::File(path).read().unwrap_err();
+        assert!(matches!(err, SecretError::Empty(_)), "{err}");
+        let err = SecretSource::File(dir.path().join("missing"))
+            .read()
+            .unwrap_err();
+        assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn missing_env_var_is_named() {
+        let err = SecretSource::Env("CAPM_MAILER_TEST_SURELY_UNSET".into())
+            .read()
+            .unwrap_err();
+        assert!(err.to_string().contains("CAPM_MAILER_TEST_SURELY_UNSET"));
+    }
+}

@@ -1,0 +1,295 @@
+//! The Mailgun backend against the contract server (`mailgun-contract-server`).
+#![allow(
+    clippy::unwrap_used,
+    reason = "helpers of tests: a failure is a test failure"
+)]
+
+use std::{
+    net::TcpListener,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use capm_mail_servers::{FailureMode, FailureRule, FailureTarget, MailgunServer};
+use capm_mailer::{
+    ErrorKind, InstrumentedMailer, Lookup, Mailer, MailerConfig, MailerMetrics, MailgunConfig,
+    MailgunMailer, Message, MessageId, SecretSource, build,
+};
+
+const KEY: &str = "key-contract-test-0123";
+const DOMAIN: &str = "mg.capm.test";
+
+struct Fixture {
+    server: MailgunServer,
+    _dir: tempfile::TempDir,
+    config: MailgunConfig,
+}
+
+fn fixture() -> Fixture {
+    let server = MailgunServer::start(KEY, DOMAIN).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let key_file = dir.path().join("api-key");
+    std::fs::write(&key_file, format!("{KEY}\n")).unwrap();
+    let mut config = MailgunConfig::new(DOMAIN, SecretSource::File(key_file));
+    config.base_url = Some(server.base_url());
+    config.request_timeout_seconds = 5.0;
+    Fixture {
+        server,
+        _dir: dir,
+        config,
+    }
+}
+
+impl Fixture {
+    fn mailer(&self) -> MailgunMailer {
+        MailgunMailer::new(&self.config).unwrap()
+    }
+
+    fn fail(&self, mode: FailureMode, count: Option<u32>) {
+        self.server
+            .set_failure(FailureRule {
+                mode,
+                count,
+                retry_after: None,
+                target: FailureTarget::Messages,
+            })
+            .unwrap();
+    }
+}
+
+fn message(id: &str) -> Message {
+    Message::builder()
+        .from("Dev <dev@example.com>")
+        .to("ops@example.com")
+        .to("audit@example.com")
+        .subject("[Urgent] New Cluster demo requested")
+        .text("Hello! One cluster please.\n\nthree nodes")
+        .message_id(id)
+        .tag("cluster-request")
+        .variable("cluster", "default/demo")
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn send_posts_every_field_and_returns_our_id() {
+    let mut f = fixture();
+    f.config.test_mode = true;
+    let receipt = f.mailer().send(&message("<mg-1@capm.test>")).await.unwrap();
+    assert_eq!(receipt.message_id, "<mg-1@capm.test>");
+    assert_eq!(receipt.response, "Queued. Thank you.");
+
+    let stored = f.server.messages().unwrap();
+    assert_eq!(stored.len(), 1);
+    let m = &stored[0];
+    assert_eq!(m.id, "<mg-1@capm.test>");
+    assert_eq!(m.headers["Message-Id"], "<mg-1@capm.test>");
+    assert_eq!(m.from, "Dev <dev@example.com>");
+    assert_eq!(m.to, vec!["ops@example.com", "audit@example.com"]);
+    assert_eq!(m.subject, "[Urgent] New Cluster demo requested");
+    assert_eq!(
+        m.text.as_deref(),
+        Some("Hello! One cluster please.\n\nthree nodes")
+    );
+    assert_eq!(m.tags, vec!["cluster-request"]);
+    assert_eq!(m.variables["cluster"], "default/demo");
+    assert_eq!(m.options["testmode"], "yes");
+}
+
+#[tokio::test]
+async fn a_wrong_api_key_is_permanent_and_never_printed() {
+    let mut f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "key-wrong-secret-999").unwrap();
+    f.config.api_key = SecretSource::File(wrong);
+    let mailer = f.mailer();
+    let err = mailer
+        .send(&message("<mg-401@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Permanent, "{err}");
+    assert_eq!(err.code(), Some(401));
+    assert!(!format!("{err} {err:?} {mailer:?} {:?}", f.config).contains("secret-999"));
+    assert!(f.server.messages().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn injected_401_is_permanent() {
+    let f = fixture();
+    f.fail(FailureMode::Unauthorized, Some(1));
+    let mailer = f.mailer();
+    let err = mailer
+        .send(&message("<mg-401b@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!((err.kind(), err.code()), (ErrorKind::Permanent, Some(401)));
+    // Only one request failed.
+    mailer.send(&message("<mg-401b@capm.test>")).await.unwrap();
+}
+
+#[tokio::test]
+async fn rate_limiting_is_retryable_with_retry_after() {
+    let f = fixture();
+    f.server
+        .set_failure(FailureRule {
+            mode: FailureMode::RateLimited,
+            count: Some(1),
+            retry_after: Some(7),
+            target: FailureTarget::Messages,
+        })
+        .unwrap();
+    let err = f
+        .mailer()
+        .send(&message("<mg-429@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
+    assert_eq!(err.code(), Some(429));
+    assert_eq!(err.retry_after(), Some(Duration::from_secs(7)));
+}
+
+#[tokio::test]
+async fn a_500_is_an_unknown_outcome() {
+    let f = fixture();
+    f.fail(FailureMode::ServerError, None);
+    let err = f
+        .mailer()
+        .send(&message("<mg-500@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::UnknownOutcome, "{err}");
+    assert_eq!(err.code(), Some(500));
+    assert_eq!(err.metric_label(), "unknown_outcome");
+}
+
+#[tokio::test]
+async fn after_a_500_that_was_accepted_the_lookup_finds_the_message() {
+    let f = fixture();
+    f.fail(FailureMode::AcceptThenServerError, Some(1));
+    let mailer = f.mailer();
+    let m = message("<mg-500-accepted@capm.test>");
+    let err = mailer.send(&m).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::UnknownOutcome);
+    assert_eq!(
+        mailer.lookup(m.message_id()).await.unwrap(),
+        Lookup::Accepted {
+            event: "accepted".into()
+        }
+    );
+}
+
+#[tokio::test]
+async fn a_hanging_server_times_out_as_unknown_outcome() {
+    let mut f = fixture();
+    f.config.request_timeout_seconds = 0.5;
+    f.fail(FailureMode::Hang, None);
+    let start = Instant::now();
+    let err = f
+        .mailer()
+        .send(&message("<mg-hang@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::UnknownOutcome, "{err}");
+    assert_eq!(err.code(), None);
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn lookup_finds_sent_ids_and_not_others() {
+    let f = fixture();
+    let mailer = f.mailer();
+    // Characters that need encoding in a query string.
+    let m = message("<mg+look=up&1@capm.test>");
+    mailer.send(&m).await.unwrap();
+    assert_eq!(
+        mailer.lookup(m.message_id()).await.unwrap(),
+        Lookup::Accepted {
+            event: "accepted".into()
+        }
+    );
+    let other = MessageId::parse("<never-sent@capm.test>").unwrap();
+    assert_eq!(mailer.lookup(&other).await.unwrap(), Lookup::NotFound);
+    let prefix = MessageId::parse("<mg+look@capm.test>").unwrap();
+    assert_eq!(mailer.lookup(&prefix).await.unwrap(), Lookup::NotFound);
+}
+
+#[tokio::test]
+async fn lookup_failures_are_retryable() {
+    let f = fixture();
+    f.server
+        .set_failure(FailureRule {
+            mode: FailureMode::ServerError,
+            count: Some(1),
+            retry_after: None,
+            target: FailureTarget::Events,
+        })
+        .unwrap();
+    let id = MessageId::parse("<x@capm.test>").unwrap();
+    let err = f.mailer().lookup(&id).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
+}
+
+#[tokio::test]
+async fn connection_refused_is_retryable() {
+    let mut f = fixture();
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    f.config.base_url = Some(format!("http://127.0.0.1:{port}"));
+    let err = f
+        .mailer()
+        .send(&message("<mg-down@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
+}
+
+#[tokio::test]
+async fn an_unknown_domain_is_retryable_404() {
+    let mut f = fixture();
+    f.config.domain = "other.capm.test".into();
+    let err = f
+        .mailer()
+        .send(&message("<mg-404@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!((err.kind(), err.code()), (ErrorKind::Retryable, Some(404)));
+}
+
+#[tokio::test]
+async fn factory_and_metrics_with_concurrent_senders() {
+    let f = fixture();
+    let config = MailerConfig::Mailgun(f.config.clone());
+    config.validate().unwrap();
+    let registry = prometheus::Registry::new();
+    let metrics = MailerMetrics::register(&registry).unwrap();
+    let mailer: Arc<dyn Mailer> =
+        Arc::new(InstrumentedMailer::new(build(&config).unwrap(), metrics));
+    assert_eq!(mailer.backend(), "mailgun");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..32 {
+        let mailer = Arc::clone(&mailer);
+        tasks.spawn(async move { mailer.send(&message(&format!("<c-{i}@capm.test>"))).await });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap().unwrap();
+    }
+    assert_eq!(f.server.messages().unwrap().len(), 32);
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap();
+    assert!(
+        text.contains(r#"mailer_messages_total{backend="mailgun",outcome="sent"} 32"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"mailer_send_duration_seconds_count{backend="mailgun"} 32"#),
+        "{text}"
+    );
+}
