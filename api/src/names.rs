@@ -25,6 +25,15 @@ pub const MAIL_INTENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.i
 /// when the backend cannot answer, so receivers can de-duplicate.
 pub const MAIL_SENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail-sent";
 
+/// Like [`MAIL_INTENT_ANNOTATION`], for the "no longer needed" mail sent while the object is
+/// deleted. Its `Message-Id` comes from [`deletion_message_id`].
+pub const DELETION_MAIL_INTENT_ANNOTATION: &str =
+    "mailgun.infrastructure.cluster.x-k8s.io/deletion-mail-intent";
+
+/// Like [`MAIL_SENT_ANNOTATION`], for the "no longer needed" mail.
+pub const DELETION_MAIL_SENT_ANNOTATION: &str =
+    "mailgun.infrastructure.cluster.x-k8s.io/deletion-mail-sent";
+
 /// Annotation holding, as JSON, the fields an older API version cannot represent, so that a
 /// round trip through that version loses nothing. Written by down-conversion, read and removed by
 /// up-conversion; see [`crate::conversion`]. Not for humans to edit.
@@ -119,6 +128,12 @@ pub fn message_id(kind: &str, uid: &str, domain: &str) -> String {
     format!("<{}.{uid}@{domain}>", kind.to_ascii_lowercase())
 }
 
+/// The deterministic `Message-Id` of the "no longer needed" mail of one object:
+/// `<kind-deleted.uid@domain>`. Distinct from [`message_id`], so receivers never fold the two.
+pub fn deletion_message_id(kind: &str, uid: &str, domain: &str) -> String {
+    format!("<{}-deleted.{uid}@{domain}>", kind.to_ascii_lowercase())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +143,8 @@ mod tests {
         for key in [
             MAIL_INTENT_ANNOTATION,
             MAIL_SENT_ANNOTATION,
+            DELETION_MAIL_INTENT_ANNOTATION,
+            DELETION_MAIL_SENT_ANNOTATION,
             CONVERSION_DATA_ANNOTATION,
         ] {
             assert_eq!(key.split_once('/').map(|(p, _)| p), Some(ANNOTATION_PREFIX));

@@ -1,0 +1,138 @@
+//! The Cluster API core objects (`Cluster`, `Machine`) this provider reads.
+//!
+//! Partial types: only the fields the provider contract names are deserialised, so this crate
+//! carries no copy of Cluster API's types and the caches hold a few hundred bytes per object.
+//! Unknown fields are ignored; the types are never written back.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::CustomResource;
+use serde::{Deserialize, Serialize};
+
+/// The Cluster API core group.
+pub const GROUP: &str = "cluster.x-k8s.io";
+
+/// A contract-versioned reference (`spec.infrastructureRef` in v1beta2).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContractRef {
+    /// API group of the referenced object.
+    #[serde(default)]
+    pub api_group: String,
+    /// Kind of the referenced object.
+    #[serde(default)]
+    pub kind: String,
+    /// Name of the referenced object (same namespace).
+    #[serde(default)]
+    pub name: String,
+}
+
+/// The fields of `Cluster.spec` this provider reads.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[kube(
+    group = "cluster.x-k8s.io",
+    version = "v1beta2",
+    kind = "Cluster",
+    namespaced,
+    status = "ClusterStatus",
+    schema = "disabled"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterSpec {
+    /// `spec.paused`.
+    #[serde(default)]
+    pub paused: Option<bool>,
+    /// `spec.infrastructureRef`.
+    #[serde(default)]
+    pub infrastructure_ref: Option<ContractRef>,
+}
+
+/// The fields of `Cluster.status` this provider reads.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// `status.initialization`.
+    #[serde(default)]
+    pub initialization: Option<ClusterInitialization>,
+}
+
+/// `Cluster.status.initialization`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterInitialization {
+    /// `infrastructureProvisioned`.
+    #[serde(default)]
+    pub infrastructure_provisioned: Option<bool>,
+}
+
+/// The fields of `Machine.spec` this provider reads.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[kube(
+    group = "cluster.x-k8s.io",
+    version = "v1beta2",
+    kind = "Machine",
+    namespaced,
+    schema = "disabled"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineSpec {
+    /// `spec.clusterName`.
+    #[serde(default)]
+    pub cluster_name: Option<String>,
+    /// `spec.bootstrap`.
+    #[serde(default)]
+    pub bootstrap: Option<Bootstrap>,
+    /// `spec.failureDomain`.
+    #[serde(default)]
+    pub failure_domain: Option<String>,
+    /// `spec.infrastructureRef`.
+    #[serde(default)]
+    pub infrastructure_ref: Option<ContractRef>,
+}
+
+/// `Machine.spec.bootstrap`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Bootstrap {
+    /// `dataSecretName`: the Secret holding the bootstrap data, once the bootstrap provider
+    /// produced it.
+    #[serde(default)]
+    pub data_secret_name: Option<String>,
+}
+
+/// The owner reference of `kind` in group `cluster.x-k8s.io` (any version), if any.
+pub fn owner<'a>(refs: &'a [OwnerReference], kind: &str) -> Option<&'a OwnerReference> {
+    refs.iter()
+        .find(|o| o.kind == kind && o.api_version.split_once('/').map(|(g, _)| g) == Some(GROUP))
+}
+
+impl Cluster {
+    /// `spec.paused`.
+    pub fn paused(&self) -> bool {
+        self.spec.paused == Some(true)
+    }
+
+    /// `status.initialization.infrastructureProvisioned`.
+    pub fn infrastructure_provisioned(&self) -> bool {
+        self.status
+            .as_ref()
+            .and_then(|s| s.initialization.as_ref())
+            .and_then(|i| i.infrastructure_provisioned)
+            == Some(true)
+    }
+}
+
+impl Machine {
+    /// `spec.clusterName`, else the `cluster.x-k8s.io/cluster-name` label.
+    pub fn cluster_name(&self) -> Option<String> {
+        use kube::ResourceExt;
+        self.spec.cluster_name.clone().or_else(|| {
+            self.labels()
+                .get(capm_api::names::CLUSTER_NAME_LABEL)
+                .cloned()
+        })
+    }
+
+    /// `spec.bootstrap.dataSecretName`.
+    pub fn bootstrap_secret(&self) -> Option<&str> {
+        self.spec.bootstrap.as_ref()?.data_secret_name.as_deref()
+    }
+}

@@ -1,0 +1,255 @@
+//! What differs between `MailgunCluster` and `MailgunMachine`; everything else is generic.
+
+use std::{fmt::Debug, sync::Arc};
+
+use capm_api::{
+    names,
+    v1beta1::{MachineAddress, MailgunCluster, MailgunMachine, Priority},
+    validation::Validate,
+};
+use k8s_openapi::NamespaceResourceScope;
+use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::{
+    capi::{Cluster, Machine},
+    context::Ctx,
+    status::Status,
+};
+
+/// Why a request cannot be mailed yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wait {
+    /// Condition reason.
+    pub reason: &'static str,
+    /// Condition message.
+    pub message: String,
+}
+
+/// The subject and body of one mail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MailText {
+    /// Subject line.
+    pub subject: String,
+    /// Plain-text body.
+    pub body: String,
+}
+
+/// An infrastructure kind this provider reconciles.
+pub trait InfraKind:
+    Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    + Clone
+    + Debug
+    + DeserializeOwned
+    + Serialize
+    + Validate
+    + Send
+    + Sync
+    + 'static
+{
+    /// `MailgunCluster` / `MailgunMachine`.
+    const KIND: &'static str;
+    /// The controller name in metrics and logs.
+    const CONTROLLER: &'static str;
+    /// Our finalizer.
+    const FINALIZER: &'static str;
+    /// The Cluster API owner kind (`Cluster` / `Machine`).
+    const OWNER_KIND: &'static str;
+
+    /// The current status, as the shared [`Status`].
+    fn current_status(&self) -> Status;
+    /// `spec.priority`.
+    fn priority(&self) -> Priority;
+    /// `spec.requester`.
+    fn requester(&self) -> &str;
+    /// What the human provided, once they did.
+    fn fulfilment(&self) -> Option<String>;
+    /// The Cluster API owner type.
+    type Owner: Send + Sync + 'static;
+    /// Addresses to publish in status (machines).
+    fn addresses(&self) -> Option<Vec<MachineAddress>> {
+        None
+    }
+    /// The owner object from the caches.
+    fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Self::Owner>>;
+    /// The `Cluster` that pauses this object.
+    fn cluster_in_cache(ctx: &Ctx, obj: &Self, owner: &Self::Owner) -> Option<Arc<Cluster>>;
+    /// What must hold before the request is mailed; `Ok` carries the request mail.
+    fn request_mail(&self, ctx: &Ctx, owner: &Self::Owner) -> Result<MailText, Wait>;
+    /// The "no longer needed" mail.
+    fn deletion_mail(&self) -> MailText;
+}
+
+fn fulfil_command(kind: &str, obj: &impl ResourceExt, patch: &str) -> String {
+    format!(
+        "kubectl patch {} {} -n {} --type merge -p '{patch}'",
+        kind.to_ascii_lowercase(),
+        obj.name_any(),
+        obj.namespace().unwrap_or_default()
+    )
+}
+
+impl InfraKind for MailgunCluster {
+    const KIND: &'static str = "MailgunCluster";
+    const CONTROLLER: &'static str = "mailguncluster";
+    const FINALIZER: &'static str = names::CLUSTER_FINALIZER;
+    const OWNER_KIND: &'static str = "Cluster";
+    type Owner = Cluster;
+
+    fn current_status(&self) -> Status {
+        Status::from_typed(self.status.as_ref())
+    }
+    fn priority(&self) -> Priority {
+        self.spec.priority
+    }
+    fn requester(&self) -> &str {
+        &self.spec.requester
+    }
+    fn fulfilment(&self) -> Option<String> {
+        self.spec
+            .control_plane_endpoint
+            .as_ref()
+            .map(|e| format!("control plane endpoint {}:{}", e.host, e.port))
+    }
+    fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Cluster>> {
+        ctx.clusters.get(&ObjectRef::new(name).within(namespace))
+    }
+    fn cluster_in_cache(ctx: &Ctx, obj: &Self, owner: &Cluster) -> Option<Arc<Cluster>> {
+        Self::owner_in_cache(ctx, &obj.namespace().unwrap_or_default(), &owner.name_any())
+    }
+    fn request_mail(&self, _: &Ctx, _: &Cluster) -> Result<MailText, Wait> {
+        let name = self.name_any();
+        Ok(MailText {
+            subject: format!("[{}] New Cluster {name} requested", self.spec.priority),
+            body: format!(
+                "Hello! One cluster please.\n\n{}\n\n\
+                 When the cluster's control plane is reachable, record its endpoint:\n\n  {}\n\n\
+                 (namespace {}, requested by {})\n",
+                self.spec.request,
+                fulfil_command(
+                    "mailguncluster",
+                    self,
+                    r#"{"spec":{"controlPlaneEndpoint":{"host":"<host>","port":6443}}}"#
+                ),
+                self.namespace().unwrap_or_default(),
+                self.spec.requester,
+            ),
+        })
+    }
+    fn deletion_mail(&self) -> MailText {
+        let name = self.name_any();
+        MailText {
+            subject: format!("[{}] Cluster {name} no longer needed", self.spec.priority),
+            body: format!(
+                "Hello again! Cluster {name} (namespace {}) is no longer needed; its \
+                 infrastructure can be released.\n",
+                self.namespace().unwrap_or_default()
+            ),
+        }
+    }
+}
+
+impl InfraKind for MailgunMachine {
+    const KIND: &'static str = "MailgunMachine";
+    const CONTROLLER: &'static str = "mailgunmachine";
+    const FINALIZER: &'static str = names::MACHINE_FINALIZER;
+    const OWNER_KIND: &'static str = "Machine";
+    type Owner = Machine;
+
+    fn current_status(&self) -> Status {
+        Status::from_typed(self.status.as_ref())
+    }
+    fn priority(&self) -> Priority {
+        self.spec.priority
+    }
+    fn requester(&self) -> &str {
+        &self.spec.requester
+    }
+    fn fulfilment(&self) -> Option<String> {
+        self.spec
+            .provider_id
+            .as_ref()
+            .map(|id| format!("provider ID {id}"))
+    }
+    fn addresses(&self) -> Option<Vec<MachineAddress>> {
+        self.spec.addresses.clone()
+    }
+    fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Machine>> {
+        ctx.machines.get(&ObjectRef::new(name).within(namespace))
+    }
+    fn cluster_in_cache(ctx: &Ctx, obj: &Self, owner: &Machine) -> Option<Arc<Cluster>> {
+        let cluster = owner.cluster_name()?;
+        MailgunCluster::owner_in_cache(ctx, &obj.namespace().unwrap_or_default(), &cluster)
+    }
+    fn request_mail(&self, ctx: &Ctx, machine: &Machine) -> Result<MailText, Wait> {
+        let Some(cluster_name) = machine.cluster_name() else {
+            return Err(Wait {
+                reason: names::reasons::WAITING_FOR_CLUSTER_INFRASTRUCTURE,
+                message: "the owner Machine names no Cluster".into(),
+            });
+        };
+        let provisioned = Self::cluster_in_cache(ctx, self, machine)
+            .is_some_and(|c| c.infrastructure_provisioned());
+        if !provisioned {
+            return Err(Wait {
+                reason: names::reasons::WAITING_FOR_CLUSTER_INFRASTRUCTURE,
+                message: format!(
+                    "waiting for Cluster {cluster_name}'s infrastructure to be provisioned"
+                ),
+            });
+        }
+        let Some(secret) = machine.bootstrap_secret() else {
+            return Err(Wait {
+                reason: names::reasons::WAITING_FOR_BOOTSTRAP_DATA,
+                message: "waiting for the Machine's spec.bootstrap.dataSecretName".into(),
+            });
+        };
+        let namespace = self.namespace().unwrap_or_default();
+        let failure_domain = self
+            .spec
+            .failure_domain
+            .as_deref()
+            .or(machine.spec.failure_domain.as_deref())
+            .unwrap_or("any");
+        let name = self.name_any();
+        Ok(MailText {
+            subject: format!(
+                "[{}] New Machine {name} for Cluster {cluster_name} requested",
+                self.spec.priority
+            ),
+            body: format!(
+                "Hello! One machine please.\n\n{}\n\n\
+                 Machine: {name} (Machine {}), namespace {namespace}\n\
+                 Cluster: {cluster_name}\n\
+                 Failure domain: {failure_domain}\n\
+                 Bootstrap data: Secret {namespace}/{secret} (key \"value\"); feed it to the \
+                 machine at first boot.\n\n\
+                 When the machine is up, record it:\n\n  {}\n\n(requested by {})\n",
+                self.spec.request,
+                machine.name_any(),
+                fulfil_command(
+                    "mailgunmachine",
+                    self,
+                    r#"{"spec":{"providerID":"<scheme>://<id>","addresses":[{"type":"InternalIP","address":"<ip>"}]}}"#
+                ),
+                self.spec.requester,
+            ),
+        })
+    }
+    fn deletion_mail(&self) -> MailText {
+        let name = self.name_any();
+        MailText {
+            subject: format!("[{}] Machine {name} no longer needed", self.spec.priority),
+            body: format!(
+                "Hello again! Machine {name} (namespace {}{}) is no longer needed; it can be \
+                 released.\n",
+                self.namespace().unwrap_or_default(),
+                self.spec
+                    .provider_id
+                    .as_ref()
+                    .map(|p| format!(", provider ID {p}"))
+                    .unwrap_or_default()
+            ),
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! Controller metrics under the names controller-runtime uses, so existing dashboards work.
+
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+/// Reconcile-time buckets (seconds), as controller-runtime's.
+const RECONCILE_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9,
+    1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 15.0, 20.0,
+    25.0, 30.0, 40.0, 50.0, 60.0,
+];
+
+/// The controllers' metrics, registered once per process.
+///
+/// - `controller_runtime_reconcile_total{controller, result}` (`success`, `error`, `requeue`,
+///   `requeue_after`)
+/// - `controller_runtime_reconcile_errors_total{controller}`
+/// - `controller_runtime_reconcile_time_seconds{controller}`
+/// - `controller_runtime_active_workers{controller}`
+/// - `controller_runtime_max_concurrent_reconciles{controller}`
+/// - `workqueue_adds_total{name}`, `workqueue_retries_total{name}`
+/// - `capm_mail_resends_total{controller}`: mails sent again with the same Message-Id because
+///   an earlier attempt's outcome could not be established.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub(crate) reconcile_total: IntCounterVec,
+    pub(crate) reconcile_errors: IntCounterVec,
+    pub(crate) reconcile_time: HistogramVec,
+    pub(crate) active_workers: IntGaugeVec,
+    pub(crate) max_concurrent: IntGaugeVec,
+    pub(crate) queue_adds: IntCounterVec,
+    pub(crate) queue_retries: IntCounterVec,
+    pub(crate) resends: IntCounterVec,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them in `registry`.
+    ///
+    /// # Errors
+    /// When a metric of the same name is already registered.
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let counter =
+            |name: &str, help: &str, labels: &[&str]| -> Result<IntCounterVec, prometheus::Error> {
+                let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+                registry.register(Box::new(c.clone()))?;
+                Ok(c)
+            };
+        let gauge = |name: &str, help: &str| -> Result<IntGaugeVec, prometheus::Error> {
+            let g = IntGaugeVec::new(Opts::new(name, help), &["controller"])?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let reconcile_time = HistogramVec::new(
+            HistogramOpts::new(
+                "controller_runtime_reconcile_time_seconds",
+                "Length of time per reconciliation per controller",
+            )
+            .buckets(RECONCILE_BUCKETS.to_vec()),
+            &["controller"],
+        )?;
+        registry.register(Box::new(reconcile_time.clone()))?;
+        Ok(Self {
+            reconcile_total: counter(
+                "controller_runtime_reconcile_total",
+                "Total number of reconciliations per controller",
+                &["controller", "result"],
+            )?,
+            reconcile_errors: counter(
+                "controller_runtime_reconcile_errors_total",
+                "Total number of reconciliation errors per controller",
+                &["controller"],
+            )?,
+            reconcile_time,
+            active_workers: gauge(
+                "controller_runtime_active_workers",
+                "Number of currently used workers per controller",
+            )?,
+            max_concurrent: gauge(
+                "controller_runtime_max_concurrent_reconciles",
+                "Maximum number of concurrent reconciles per controller",
+            )?,
+            queue_adds: counter(
+                "workqueue_adds_total",
+                "Total number of adds handled by workqueue",
+                &["name"],
+            )?,
+            queue_retries: counter(
+                "workqueue_retries_total",
+                "Total number of retries handled by workqueue",
+                &["name"],
+            )?,
+            resends: counter(
+                "capm_mail_resends_total",
+                "Mails sent again with the same Message-Id because an earlier attempt's outcome was unknown",
+                &["controller"],
+            )?,
+        })
+    }
+}
