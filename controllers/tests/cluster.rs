@@ -1,0 +1,336 @@
+//! The MailgunCluster controller against the real API server and the Mailgun contract server.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use capm_api::names;
+use kube::{
+    ResourceExt,
+    api::{DeleteParams, Patch, PatchParams},
+};
+use serde_json::json;
+use support::{Env, condition, eventually};
+
+async fn sent_status(env: &Env, name: &str) -> bool {
+    let obj = env.clusters().get(name).await.unwrap();
+    obj.status
+        .as_ref()
+        .and_then(|s| s.mail.as_ref())
+        .and_then(|m| m.state)
+        == Some(capm_api::v1beta1::MailState::Sent)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
+    let mut env = Env::new("mgc-lifecycle").await;
+    env.start().await;
+    let created = env.create_mailgun_cluster("alpha").await;
+
+    // No owner yet: wait, say so, send nothing.
+    eventually("WaitingForOwner", || async {
+        let obj = env.clusters().get("alpha").await.unwrap();
+        let status = obj.status.unwrap_or_default();
+        condition(&status.conditions, "Ready")
+            .is_some_and(|c| c.reason == names::reasons::WAITING_FOR_OWNER)
+    })
+    .await;
+    assert!(env.mails().is_empty());
+
+    // Cluster API sets the owner reference after creation.
+    env.create_owner_cluster("alpha", false).await;
+    eventually("the request mail", || async {
+        sent_status(&env, "alpha").await
+    })
+    .await;
+    let mails = env.mails();
+    assert_eq!(mails.len(), 1, "{mails:#?}");
+    let mail = &mails[0];
+    let uid = created.uid().unwrap();
+    assert_eq!(mail.subject, "[Urgent] New Cluster alpha requested");
+    assert_eq!(mail.from, "dev@example.com");
+    assert_eq!(mail.to, vec![support::RECIPIENT.to_string()]);
+    assert_eq!(
+        mail.id,
+        format!("<mailguncluster.{uid}@{}>", support::DOMAIN)
+    );
+    let text = mail.text.as_deref().unwrap();
+    assert!(
+        text.starts_with("Hello! One cluster please.\n\nThree nodes, please."),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "kubectl patch mailguncluster alpha -n {}",
+            env.ns.name
+        )),
+        "{text}"
+    );
+
+    let obj = env.clusters().get("alpha").await.unwrap();
+    assert_eq!(
+        obj.annotations().get(names::MAIL_SENT_ANNOTATION),
+        Some(&mail.id)
+    );
+    assert!(
+        obj.finalizers()
+            .contains(&names::CLUSTER_FINALIZER.to_string())
+    );
+    let status = obj.status.clone().unwrap();
+    assert_eq!(
+        condition(&status.conditions, "MailSent").unwrap().status,
+        "True"
+    );
+    assert_eq!(
+        condition(&status.conditions, "Ready").unwrap().reason,
+        names::reasons::WAITING_FOR_FULFILLMENT
+    );
+    assert_eq!(status.observed_generation, obj.metadata.generation);
+
+    // Unrelated changes trigger more reconciles; none sends again.
+    for i in 0..5 {
+        env.clusters()
+            .patch(
+                "alpha",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": { "labels": { "poke": i.to_string() } } })),
+            )
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    assert_eq!(env.mails().len(), 1);
+
+    // The human fulfils the request.
+    env.clusters()
+        .patch(
+            "alpha",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "spec": { "controlPlaneEndpoint": { "host": "10.1.2.3", "port": 6443 } } }),
+            ),
+        )
+        .await
+        .unwrap();
+    eventually("provisioned", || async {
+        let obj = env.clusters().get("alpha").await.unwrap();
+        let status = obj.status.unwrap_or_default();
+        status.initialization.and_then(|i| i.provisioned) == Some(true)
+            && condition(&status.conditions, "Ready").is_some_and(|c| c.status == "True")
+    })
+    .await;
+    assert!(
+        env.metric(
+            "controller_runtime_reconcile_total",
+            Some(("controller", "mailguncluster"))
+        ) > 0.0
+    );
+
+    // Deletion: one "no longer needed" mail, then the finalizer goes and the object with it.
+    env.clusters()
+        .delete("alpha", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the object to be gone", || async {
+        env.clusters().get_opt("alpha").await.unwrap().is_none()
+    })
+    .await;
+    let mails = env.mails();
+    assert_eq!(mails.len(), 2, "{mails:#?}");
+    assert_eq!(mails[1].subject, "[Urgent] Cluster alpha no longer needed");
+    assert_eq!(
+        mails[1].id,
+        format!("<mailguncluster-deleted.{uid}@{}>", support::DOMAIN)
+    );
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_cluster_sends_nothing_until_unpaused() {
+    let mut env = Env::new("mgc-paused").await;
+    env.start().await;
+    env.create_mailgun_cluster("beta").await;
+    env.create_owner_cluster("beta", true).await;
+    eventually("Paused=True", || async {
+        let status = env
+            .clusters()
+            .get("beta")
+            .await
+            .unwrap()
+            .status
+            .unwrap_or_default();
+        condition(&status.conditions, "Paused").is_some_and(|c| c.status == "True")
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(env.mails().is_empty());
+
+    env.patch_cluster_spec("beta", json!({ "paused": false }))
+        .await;
+    eventually("the request mail", || async {
+        sent_status(&env, "beta").await
+    })
+    .await;
+    let status = env.clusters().get("beta").await.unwrap().status.unwrap();
+    assert_eq!(
+        condition(&status.conditions, "Paused").unwrap().status,
+        "False"
+    );
+    assert_eq!(env.mails().len(), 1);
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_and_wiped_status_send_no_second_mail() {
+    let mut env = Env::new("mgc-restart").await;
+    env.start().await;
+    env.create_mailgun_cluster("gamma").await;
+    env.create_owner_cluster("gamma", false).await;
+    eventually("the request mail", || async {
+        sent_status(&env, "gamma").await
+    })
+    .await;
+    env.stop().await;
+
+    // Wipe the status, as `clusterctl move` does, and start a new controller process.
+    env.clusters()
+        .patch_status(
+            "gamma",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": null })),
+        )
+        .await
+        .unwrap();
+    assert!(
+        env.clusters()
+            .get("gamma")
+            .await
+            .unwrap()
+            .status
+            .is_none_or(|s| s.mail.is_none())
+    );
+    env.start().await;
+    eventually("the status rebuilt from metadata", || async {
+        sent_status(&env, "gamma").await
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(env.mails().len(), 1);
+    assert_eq!(env.metric("capm_mail_resends_total", None), 0.0);
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_down_then_up_delivers_once() {
+    use capm_mail_servers::{FailureMode, FailureRule, FailureTarget};
+    let mut env = Env::new("mgc-down").await;
+    // Every send answers 500 without storing: outcome unknown, so the controller looks up
+    // before each new attempt and finds nothing.
+    env.mailgun
+        .set_failure(FailureRule {
+            mode: FailureMode::ServerError,
+            count: None,
+            retry_after: None,
+            target: FailureTarget::Messages,
+        })
+        .unwrap();
+    env.start().await;
+    env.create_mailgun_cluster("delta").await;
+    env.create_owner_cluster("delta", false).await;
+    eventually("MailSent=False with the failure reported", || async {
+        let status = env
+            .clusters()
+            .get("delta")
+            .await
+            .unwrap()
+            .status
+            .unwrap_or_default();
+        condition(&status.conditions, "MailSent")
+            .is_some_and(|c| c.status == "False" && c.message.contains("500"))
+    })
+    .await;
+    assert!(env.mails().is_empty());
+    env.mailgun.clear_failure().unwrap();
+    eventually("the request mail", || async {
+        sent_status(&env, "delta").await
+    })
+    .await;
+    assert_eq!(env.mails().len(), 1);
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_despite_error_is_found_by_lookup_not_resent() {
+    use capm_mail_servers::{FailureMode, FailureRule, FailureTarget};
+    let mut env = Env::new("mgc-lookup").await;
+    // The backend stores the mail but answers 500 once: the controller must find it by lookup.
+    env.mailgun
+        .set_failure(FailureRule {
+            mode: FailureMode::AcceptThenServerError,
+            count: Some(1),
+            retry_after: None,
+            target: FailureTarget::Messages,
+        })
+        .unwrap();
+    env.start().await;
+    env.create_mailgun_cluster("epsilon").await;
+    env.create_owner_cluster("epsilon", false).await;
+    eventually("the request mail recorded", || async {
+        sent_status(&env, "epsilon").await
+    })
+    .await;
+    assert_eq!(env.mails().len(), 1);
+    assert_eq!(env.metric("capm_mail_resends_total", None), 0.0);
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permanent_failure_is_reported_and_retried_slowly() {
+    use capm_mail_servers::{FailureMode, FailureRule, FailureTarget};
+    let mut env = Env::new("mgc-401").await;
+    env.mailgun
+        .set_failure(FailureRule {
+            mode: FailureMode::Unauthorized,
+            count: None,
+            retry_after: None,
+            target: FailureTarget::All,
+        })
+        .unwrap();
+    env.start().await;
+    env.create_mailgun_cluster("zeta").await;
+    env.create_owner_cluster("zeta", false).await;
+    eventually("MailFailed", || async {
+        let status = env
+            .clusters()
+            .get("zeta")
+            .await
+            .unwrap()
+            .status
+            .unwrap_or_default();
+        condition(&status.conditions, "MailSent")
+            .is_some_and(|c| c.reason == names::reasons::MAIL_FAILED)
+    })
+    .await;
+    let status = env.clusters().get("zeta").await.unwrap().status.unwrap();
+    assert_eq!(
+        status.mail.unwrap().state,
+        Some(capm_api::v1beta1::MailState::Failed)
+    );
+    // No secret in what users see.
+    let text = serde_json::to_string(&status.conditions).unwrap();
+    assert!(!text.contains(support::API_KEY), "{text}");
+    // Slow retries: backoff_max is 2 s here, so a few seconds see only a handful of attempts.
+    let before = env.metric("controller_runtime_reconcile_errors_total", None);
+    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+    let retries = env.metric("controller_runtime_reconcile_errors_total", None) - before;
+    assert!(
+        retries <= 4.0,
+        "{retries} failed reconciles in 4 s: a hot loop"
+    );
+    env.mailgun.clear_failure().unwrap();
+    eventually("the request mail", || async {
+        sent_status(&env, "zeta").await
+    })
+    .await;
+    assert_eq!(env.mails().len(), 1);
+    env.stop().await;
+}

@@ -1,0 +1,244 @@
+//! A namespace on the real control plane, our CRDs and the Cluster API CRDs installed, a Mailgun
+//! contract server, and the controllers running in-process on that namespace.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use capm_api::v1beta1::{MailgunCluster, MailgunMachine};
+use capm_controllers::{Config, Metrics};
+use capm_mail_servers::MailgunServer;
+use capm_mailer::{MailerConfig, MailgunConfig, SecretSource};
+use capm_test_support::TestNamespace;
+use kube::{
+    Api,
+    api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams},
+};
+use serde_json::{Value, json};
+use tokio::sync::{OnceCell, oneshot};
+
+pub const DOMAIN: &str = "mg.example.com";
+pub const API_KEY: &str = "key-contract-test";
+pub const RECIPIENT: &str = "ops@example.com";
+
+static CRDS: OnceCell<()> = OnceCell::const_new();
+
+pub struct Env {
+    pub ns: TestNamespace,
+    pub mailgun: MailgunServer,
+    pub registry: prometheus::Registry,
+    key_file: tempfile::NamedTempFile,
+    running: Option<(
+        oneshot::Sender<()>,
+        tokio::task::JoinHandle<Result<(), capm_controllers::Error>>,
+    )>,
+}
+
+impl Env {
+    pub async fn new(prefix: &str) -> Self {
+        let ns = TestNamespace::create(prefix).await.unwrap();
+        CRDS.get_or_init(|| async {
+            let client = ns.control_plane().client().await.unwrap();
+            capm_test_support::install_crds(&client, &capm_api::crd::crds().unwrap())
+                .await
+                .unwrap();
+            ns.control_plane().install_capi_crds().await.unwrap();
+        })
+        .await;
+        let mailgun = MailgunServer::start(API_KEY, DOMAIN).unwrap();
+        let key_file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(key_file.path(), API_KEY).unwrap();
+        Self {
+            ns,
+            mailgun,
+            registry: prometheus::Registry::new(),
+            key_file,
+            running: None,
+        }
+    }
+
+    pub fn config(&self) -> Config {
+        Config {
+            recipients: vec![RECIPIENT.into()],
+            message_id_domain: DOMAIN.into(),
+            namespace: Some(self.ns.name.clone()),
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(2),
+            lookup_grace: Duration::from_secs(1),
+            instance: "test".into(),
+            ..Config::default()
+        }
+    }
+
+    pub fn mailer(&self) -> Arc<dyn capm_mailer::Mailer> {
+        let mut cfg =
+            MailgunConfig::new(DOMAIN, SecretSource::File(self.key_file.path().to_owned()));
+        cfg.base_url = Some(self.mailgun.base_url());
+        cfg.request_timeout_seconds = 2.0;
+        capm_mailer::build(&MailerConfig::Mailgun(cfg)).unwrap()
+    }
+
+    /// Starts the controllers (again, after [`Env::stop`]) with fresh metrics.
+    pub async fn start(&mut self) {
+        self.start_with(self.config()).await;
+    }
+
+    pub async fn start_with(&mut self, config: Config) {
+        assert!(self.running.is_none(), "already running");
+        self.registry = prometheus::Registry::new();
+        let metrics = Metrics::register(&self.registry).unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let handle = tokio::spawn(capm_controllers::run(
+            self.ns.client.clone(),
+            self.mailer(),
+            config,
+            metrics,
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        self.running = Some((tx, handle));
+    }
+
+    /// Stops the controllers and waits until they returned.
+    pub async fn stop(&mut self) {
+        let (tx, handle) = self.running.take().expect("running");
+        let _ = tx.send(());
+        tokio::time::timeout(Duration::from_secs(30), handle)
+            .await
+            .expect("controllers stop within 30 s")
+            .unwrap()
+            .unwrap();
+    }
+
+    pub fn clusters(&self) -> Api<MailgunCluster> {
+        self.ns.api()
+    }
+
+    pub fn machines(&self) -> Api<MailgunMachine> {
+        self.ns.api()
+    }
+
+    pub fn capi(&self, kind: &str) -> Api<DynamicObject> {
+        let ar = ApiResource::from_gvk(&GroupVersionKind::gvk("cluster.x-k8s.io", "v1beta2", kind));
+        Api::namespaced_with(self.ns.client.clone(), &self.ns.name, &ar)
+    }
+
+    pub fn mails(&self) -> Vec<capm_mail_servers::StoredMessage> {
+        self.mailgun.messages().unwrap()
+    }
+
+    pub async fn create_mailgun_cluster(&self, name: &str) -> MailgunCluster {
+        let obj: MailgunCluster = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+            "kind": "MailgunCluster",
+            "metadata": { "name": name },
+            "spec": { "priority": "Urgent", "request": "Three nodes, please.", "requester": "dev@example.com" }
+        }))
+        .unwrap();
+        self.clusters()
+            .create(&PostParams::default(), &obj)
+            .await
+            .unwrap()
+    }
+
+    /// Creates a Cluster pointing at MailgunCluster `name` and sets the owner reference on the
+    /// MailgunCluster, as the Cluster API core controller does.
+    pub async fn create_owner_cluster(&self, name: &str, paused: bool) -> DynamicObject {
+        let cluster = self.create_cluster(name, paused).await;
+        self.set_owner("MailgunCluster", name, &cluster).await;
+        cluster
+    }
+
+    pub async fn create_cluster(&self, name: &str, paused: bool) -> DynamicObject {
+        let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+            "cluster.x-k8s.io",
+            "v1beta2",
+            "Cluster",
+        ));
+        let obj = DynamicObject::new(name, &ar).data(json!({
+            "spec": {
+                "paused": paused,
+                "infrastructureRef": { "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MailgunCluster", "name": name }
+            }
+        }));
+        self.capi("Cluster")
+            .create(&PostParams::default(), &obj)
+            .await
+            .unwrap()
+    }
+
+    pub async fn set_owner(&self, kind: &str, name: &str, owner: &DynamicObject) {
+        let owner_kind = owner.types.as_ref().unwrap().kind.clone();
+        let patch = json!({ "metadata": { "ownerReferences": [{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": owner_kind,
+            "name": owner.metadata.name, "uid": owner.metadata.uid, "controller": true, "blockOwnerDeletion": true
+        }]}});
+        let pp = PatchParams::default();
+        match kind {
+            "MailgunCluster" => drop(
+                self.clusters()
+                    .patch(name, &pp, &Patch::Merge(&patch))
+                    .await
+                    .unwrap(),
+            ),
+            _ => drop(
+                self.machines()
+                    .patch(name, &pp, &Patch::Merge(&patch))
+                    .await
+                    .unwrap(),
+            ),
+        }
+    }
+
+    pub async fn patch_cluster_spec(&self, name: &str, spec: Value) {
+        self.capi("Cluster")
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": spec })),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// The value of a counter or gauge in this run's registry, summed over label sets matching
+    /// `label` (name, value).
+    pub fn metric(&self, name: &str, label: Option<(&str, &str)>) -> f64 {
+        self.registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric().iter())
+            .filter(|m| {
+                label.is_none_or(|(k, v)| {
+                    m.get_label()
+                        .iter()
+                        .any(|l| l.name() == k && l.value() == v)
+                })
+            })
+            .map(|m| m.get_counter().get_value() + m.get_gauge().get_value())
+            .sum()
+    }
+}
+
+/// Polls `check` every 100 ms for up to 30 s.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    for _ in 0..300 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("timed out after 30 s waiting for {what}");
+}
+
+pub fn condition<'a>(
+    conditions: &'a Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>>,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    conditions.as_ref()?.iter().find(|c| c.type_ == type_)
+}
