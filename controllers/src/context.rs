@@ -215,3 +215,102 @@ impl Ctx {
         lock(&self.attempts).retain(|k, _| !k.starts_with(uid));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use capm_mailer::MockMailer;
+
+    fn ctx() -> Ctx {
+        let client =
+            Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+        let recorder = Recorder::new(
+            client.clone(),
+            kube::runtime::events::Reporter {
+                controller: "t".into(),
+                instance: None,
+            },
+        );
+        let config = Config {
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(10),
+            ..Config::default()
+        };
+        let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
+        let (clusters, _) = kube::runtime::reflector::store();
+        let (machines, _) = kube::runtime::reflector::store();
+        Ctx::new(
+            client,
+            Arc::new(MockMailer::new()),
+            recorder,
+            config,
+            metrics,
+            clusters,
+            machines,
+        )
+    }
+
+    fn transient() -> ReconcileError {
+        ReconcileError::Mail(MailError::Retryable {
+            backend: "mock",
+            message: "down".into(),
+            code: None,
+            retry_after: None,
+            source: None,
+        })
+    }
+
+    #[tokio::test]
+    async fn backoff_doubles_per_object_caps_and_resets() {
+        let ctx = ctx();
+        let delays: Vec<_> = (0..10)
+            .map(|_| ctx.retry_delay("ns/a", &transient()))
+            .collect();
+        assert_eq!(delays[0], Duration::from_millis(100));
+        assert_eq!(delays[1], Duration::from_millis(200));
+        assert_eq!(delays[3], Duration::from_millis(800));
+        assert_eq!(delays[9], Duration::from_secs(10));
+        // Another object has its own count.
+        assert_eq!(
+            ctx.retry_delay("ns/b", &transient()),
+            Duration::from_millis(100)
+        );
+        ctx.succeeded("ns/a");
+        assert_eq!(
+            ctx.retry_delay("ns/a", &transient()),
+            Duration::from_millis(100)
+        );
+    }
+
+    #[tokio::test]
+    async fn permanent_errors_wait_the_maximum_and_retry_after_is_honoured() {
+        let ctx = ctx();
+        assert_eq!(
+            ctx.retry_delay("ns/a", &ReconcileError::InvalidSpec("x".into())),
+            Duration::from_secs(10)
+        );
+        let limited = ReconcileError::Mail(MailError::Retryable {
+            backend: "mock",
+            message: "slow down".into(),
+            code: Some(429),
+            retry_after: Some(Duration::from_secs(7)),
+            source: None,
+        });
+        assert_eq!(ctx.retry_delay("ns/c", &limited), Duration::from_secs(7));
+        assert_eq!(
+            ctx.retry_delay("ns/d", &ReconcileError::Conflict("x")),
+            Duration::from_millis(100)
+        );
+    }
+
+    #[tokio::test]
+    async fn cache_older_than_our_write_is_stale() {
+        let ctx = ctx();
+        ctx.expect_version("u1", Some("120"));
+        assert!(ctx.is_stale("u1", Some("100")));
+        assert!(!ctx.is_stale("u1", Some("120")));
+        // Once caught up, the expectation is gone.
+        assert!(!ctx.is_stale("u1", Some("100")));
+        assert!(!ctx.is_stale("u2", Some("1")));
+    }
+}

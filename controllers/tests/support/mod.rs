@@ -22,15 +22,15 @@ pub const RECIPIENT: &str = "ops@example.com";
 
 static CRDS: OnceCell<()> = OnceCell::const_new();
 
+/// The stop signal and the task of running controllers.
+type Running = (oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), capm_controllers::Error>>);
+
 pub struct Env {
     pub ns: TestNamespace,
     pub mailgun: MailgunServer,
     pub registry: prometheus::Registry,
     key_file: tempfile::NamedTempFile,
-    running: Option<(
-        oneshot::Sender<()>,
-        tokio::task::JoinHandle<Result<(), capm_controllers::Error>>,
-    )>,
+    running: Option<Running>,
 }
 
 impl Env {
