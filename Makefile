@@ -13,7 +13,7 @@ help: ## List the targets
 .PHONY: deps
 deps: ## Install what a fresh machine lacks (Python test servers' packages)
 	@if [ -f tests/mail-servers/requirements.txt ]; then \
-	  $(PYTHON) -m pip install -q --disable-pip-version-check -r tests/mail-servers/requirements.txt; fi
+	  $(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -r tests/mail-servers/requirements.txt; fi
 
 .PHONY: tools
 tools: ## Build the Go tools (kube-apiserver, etcd, kubectl, kube-controller-manager, helm, Cluster API manager), cached by go.sum hash

@@ -23,7 +23,10 @@ pub const RECIPIENT: &str = "ops@example.com";
 static CRDS: OnceCell<()> = OnceCell::const_new();
 
 /// The stop signal and the task of running controllers.
-type Running = (oneshot::Sender<()>, tokio::task::JoinHandle<Result<(), capm_controllers::Error>>);
+type Running = (
+    oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), capm_controllers::Error>>,
+);
 
 pub struct Env {
     pub ns: TestNamespace,
