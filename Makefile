@@ -46,7 +46,8 @@ verify-generated: ## Fail when committed generated files are stale
 
 .PHONY: test
 test: deps tools lint verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
-	$(CARGO) test --workspace --no-fail-fast
+	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server
+	CAPM_MAILGUN_SERVER_BIN=$(CURDIR)/target/debug/mailgun-contract-server $(CARGO) test --workspace --no-fail-fast
 
 .PHONY: up
 up: tools ## Start a detached local control plane (with the Cluster API CRDs); `eval $$(make -s env)` to use it

@@ -1,12 +1,68 @@
-//! The cluster-api-provider-mailgun manager.
+//! The cluster-api-provider-mailgun manager: configuration, logging, leader election, the
+//! metrics / probe / conversion-webhook endpoints, and the `capm_controllers` reconcilers.
 //!
-//! **Placeholder.** Configuration, leader election, metrics and the reconcilers arrive with the
-//! controllers + cmd issue; until then the binary refuses to run.
+//! What it is for: turning flags, environment variables and an optional config file into a
+//! running process, and stopping it cleanly. What it is not for: reconciling (that is
+//! `capm_controllers`) or sending mail (`capm_mailer`).
+//!
+//! Exit status: 0 after SIGTERM/SIGINT and a clean shutdown; 1 for invalid configuration, a
+//! fatal error or a lost leader Lease; 2 for unparsable command lines (clap).
 
-fn main() -> std::process::ExitCode {
-    eprintln!(
-        "cluster-api-provider-mailgun: the manager is not implemented yet \
-         (see the controllers + cmd issue); nothing was started"
-    );
-    std::process::ExitCode::FAILURE
+mod app;
+mod http;
+mod leader;
+mod settings;
+mod shutdown;
+mod tls;
+
+use std::{process::ExitCode, time::Duration};
+
+use clap::Parser;
+
+use settings::{Args, LogFormat, Settings, process_env};
+
+const NAME: &str = "cluster-api-provider-mailgun";
+
+fn init_logging(settings: &Settings) {
+    // Validated while resolving the settings; `info` is a safe fallback all the same.
+    let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match settings.log_format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let settings = match Settings::resolve(args, &process_env) {
+        Ok(settings) => settings,
+        Err(e) => {
+            eprintln!("{NAME}: invalid configuration: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    init_logging(&settings);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("{NAME}: starting the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(app::run(settings));
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{NAME}: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -117,6 +117,7 @@ pub async fn run(
         .applied_objects()
         .inspect(move |_| adds.with_label_values(&[MailgunCluster::CONTROLLER]).inc());
     let adds = metrics.queue_adds.clone();
+    let mgc_abort = abort_if_never_ready(shutdown.clone(), mgc_reader.clone());
     let cluster_controller = Controller::for_stream(mgc_stream, mgc_reader)
         .with_config(controller_config.clone())
         .watches_shared_stream(cluster_sub_a, move |cluster| {
@@ -136,6 +137,7 @@ pub async fn run(
             error_policy::<MailgunCluster>,
             ctx.clone(),
         )
+        .take_until(mgc_abort)
         .for_each(|result| {
             log_result(MailgunCluster::CONTROLLER, result);
             future::ready(())
@@ -154,6 +156,7 @@ pub async fn run(
     let by_cluster = mgm_reader.clone();
     let adds_machines = metrics.queue_adds.clone();
     let adds_clusters = metrics.queue_adds.clone();
+    let mgm_abort = abort_if_never_ready(shutdown.clone(), mgm_reader.clone());
     let machine_controller = Controller::for_stream(mgm_stream, mgm_reader)
         .with_config(controller_config)
         .watches_shared_stream(machine_subscription, move |machine| {
@@ -192,6 +195,7 @@ pub async fn run(
             error_policy::<MailgunMachine>,
             ctx.clone(),
         )
+        .take_until(mgm_abort)
         .for_each(|result| {
             log_result(MailgunMachine::CONTROLLER, result);
             future::ready(())
@@ -255,6 +259,33 @@ fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>
         .with_label_values(&[K::CONTROLLER])
         .inc();
     Action::requeue(delay)
+}
+
+/// Resolves when `shutdown` has resolved while `store` never became ready: kube's applier holds
+/// its runner until the store is ready, so a shutdown that cuts the watch before the first list
+/// completed would otherwise wait forever. With a ready store it never resolves and the graceful
+/// path (let in-flight reconciles finish) applies.
+fn abort_if_never_ready<K>(
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    store: Store<K>,
+) -> impl Future<Output = ()> + Send + Sync + 'static
+where
+    K: kube::runtime::reflector::Lookup + Clone + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        shutdown.await;
+        if store.wait_until_ready().now_or_never().is_none() {
+            let _ = tx.send(());
+        }
+    });
+    async move {
+        if rx.await.is_err() {
+            // Ready when shutdown came: never force.
+            future::pending::<()>().await;
+        }
+    }
 }
 
 /// Fails start-up with a clear message when the CRDs are missing or not readable.

@@ -334,3 +334,14 @@ async fn permanent_failure_is_reported_and_retried_slowly() {
     assert_eq!(env.mails().len(), 1);
     env.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_before_start_returns_promptly() {
+    let mut env = Env::new("mgc-early-stop").await;
+    // The stop signal is already there when the controllers come up.
+    env.start().await;
+    env.stop().await;
+    env.start().await;
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    env.stop().await;
+}

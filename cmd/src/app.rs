@@ -1,0 +1,295 @@
+//! The manager's lifecycle: mailer and certificates first (no cluster contact before the
+//! configuration is known to work), then the client, the HTTP endpoints, leader election, and
+//! the controllers; on SIGTERM the reverse.
+
+use std::{
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use anyhow::{Context, anyhow};
+use capm_mailer::{InstrumentedMailer, Mailer, MailerMetrics};
+use prometheus::{IntGaugeVec, Opts, Registry};
+use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
+use tracing::{error, info, warn};
+
+use crate::{
+    http,
+    leader::Elector,
+    settings::{Settings, field, mailer_error},
+    shutdown::Shutdown,
+    tls::ReloadingCert,
+};
+
+/// How often `/readyz` re-checks that the API server answers.
+const READINESS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Runs the manager until SIGTERM/SIGINT (`Ok`) or a fatal error, including a lost Lease.
+///
+/// # Errors
+/// Anything that stops the manager: a backend or certificate that cannot be set up, an
+/// unreachable cluster configuration, a port in use, the controllers failing, the Lease lost, or
+/// a shutdown that overran `--shutdown-timeout`.
+pub async fn run(settings: Settings) -> anyhow::Result<()> {
+    let shutdown = Shutdown::new();
+    shutdown
+        .on_signals()
+        .context("installing signal handlers")?;
+
+    let registry = Registry::new();
+    #[cfg(target_os = "linux")]
+    registry
+        .register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))
+        .context("registering process metrics")?;
+    let mailer_metrics =
+        MailerMetrics::register(&registry).context("registering mailer metrics")?;
+    let controller_metrics =
+        capm_controllers::Metrics::register(&registry).context("registering controller metrics")?;
+    let leader_gauge = IntGaugeVec::new(
+        Opts::new(
+            "leader_election_master_status",
+            "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease.",
+        ),
+        &["name"],
+    )?;
+    registry.register(Box::new(leader_gauge.clone()))?;
+
+    // Everything that only depends on configuration fails here, before the cluster is touched.
+    let mailer = capm_mailer::build(&settings.mailer)
+        .map_err(mailer_error)
+        .context("setting up the mail backend")?;
+    info!(backend = mailer.backend(), "mail backend ready");
+    let mailer: Arc<dyn Mailer> = Arc::new(InstrumentedMailer::new(mailer, mailer_metrics));
+    let webhook_tls = match &settings.webhook {
+        Some(hook) => {
+            let cert = ReloadingCert::new(&hook.cert_dir)
+                .map_err(|e| anyhow!("{}: {e}", field::WEBHOOK_CERT_DIR))?;
+            Some(TlsAcceptor::from(Arc::new(Arc::new(cert).server_config()?)))
+        }
+        None => None,
+    };
+
+    let client = kube_client(settings.kubeconfig.as_deref()).await?;
+
+    let mut servers: Vec<JoinHandle<()>> = Vec::new();
+    if let Some(address) = settings.metrics_address {
+        let listener = http::bind("metrics", address).await?;
+        servers.push(http::serve(
+            listener,
+            None,
+            http::metrics_handler(registry.clone()),
+            shutdown.clone(),
+        ));
+    }
+    let api_reachable = Arc::new(AtomicBool::new(false));
+    if let Some(address) = settings.probe_address {
+        let listener = http::bind("health probes", address).await?;
+        servers.push(http::serve(
+            listener,
+            None,
+            http::probe_handler(api_reachable.clone()),
+            shutdown.clone(),
+        ));
+    }
+    if let (Some(hook), Some(tls)) = (&settings.webhook, webhook_tls) {
+        let listener = http::bind("conversion webhook", hook.bind).await?;
+        servers.push(http::serve(
+            listener,
+            Some(tls),
+            http::webhook_handler,
+            shutdown.clone(),
+        ));
+    }
+    let readiness = tokio::spawn(watch_api_server(client.clone(), api_reachable));
+
+    let instance = instance_name();
+    let mut config = settings.controllers.clone();
+    config.instance = instance.clone();
+    let controllers = Controllers {
+        client: client.clone(),
+        mailer,
+        config,
+        metrics: controller_metrics,
+        timeout: settings.shutdown_timeout,
+    };
+    let result = match settings.leader_election.clone() {
+        None => controllers.run(shutdown.clone(), None).await,
+        Some(params) => {
+            let gauge = leader_gauge.with_label_values(&[params.name.as_str()]);
+            let identity = format!("{instance}_{}", random_suffix());
+            let elector = Elector::new(client, params, identity, gauge);
+            lead(elector, controllers, shutdown.clone()).await
+        }
+    };
+
+    // Stop serving: on success shutdown was requested already; on failure request it now.
+    shutdown.trigger();
+    readiness.abort();
+    for server in servers {
+        let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    }
+    result
+}
+
+async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("--kubeconfig: reading {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("--kubeconfig: using {}", path.display()))?
+        }
+        None => kube::Config::infer().await.context(
+            "finding the cluster: no --kubeconfig, $KUBECONFIG, in-cluster service account or ~/.kube/config",
+        )?,
+    };
+    kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+async fn watch_api_server(client: kube::Client, reachable: Arc<AtomicBool>) {
+    let mut was = None;
+    loop {
+        let ok = matches!(
+            tokio::time::timeout(READINESS_INTERVAL, client.apiserver_version()).await,
+            Ok(Ok(_))
+        );
+        reachable.store(ok, Ordering::Relaxed);
+        if was != Some(ok) {
+            if ok {
+                info!("the Kubernetes API server is reachable");
+            } else {
+                warn!("the Kubernetes API server is not reachable");
+            }
+            was = Some(ok);
+        }
+        tokio::time::sleep(READINESS_INTERVAL).await;
+    }
+}
+
+/// The pod name (`POD_NAME`, else the host name): events' `reportingInstance` and the first part
+/// of the Lease holder identity.
+fn instance_name() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "cluster-api-provider-mailgun".to_owned())
+}
+
+/// Distinguishes two processes with the same host name (as client-go's `_<uuid>`).
+fn random_suffix() -> String {
+    (0..10)
+        .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
+        .collect()
+}
+
+struct Controllers {
+    client: kube::Client,
+    mailer: Arc<dyn Mailer>,
+    config: capm_controllers::Config,
+    metrics: capm_controllers::Metrics,
+    timeout: Duration,
+}
+
+impl Controllers {
+    /// Runs the controllers until `shutdown` (or `lost`, when leading) and waits, at most the
+    /// shutdown timeout, for their in-flight reconciles.
+    async fn run(
+        self,
+        shutdown: Shutdown,
+        lost: Option<tokio::sync::watch::Receiver<bool>>,
+    ) -> anyhow::Result<()> {
+        let timeout = self.timeout;
+        let stop = {
+            let mut shutdown = shutdown.clone();
+            async move {
+                match lost {
+                    Some(mut lost) => tokio::select! {
+                        () = shutdown.wait() => {},
+                        _ = lost.wait_for(|l| *l) => {},
+                    },
+                    None => shutdown.wait().await,
+                }
+            }
+        };
+        info!("starting the controllers");
+        let mut task = tokio::spawn(capm_controllers::run(
+            self.client,
+            self.mailer,
+            self.config,
+            self.metrics,
+            stop,
+        ));
+        let mut waiting = shutdown.clone();
+        let finished = tokio::select! {
+            finished = &mut task => Some(finished),
+            () = waiting.wait() => None,
+        };
+        let finished = match finished {
+            Some(finished) => finished,
+            None => match tokio::time::timeout(timeout, &mut task).await {
+                Ok(finished) => finished,
+                Err(_) => {
+                    task.abort();
+                    return Err(anyhow!(
+                        "the controllers did not stop within the shutdown timeout ({timeout:?})"
+                    ));
+                }
+            },
+        };
+        match finished {
+            Ok(Ok(())) if shutdown.is_triggered() => {
+                info!("the controllers stopped");
+                Ok(())
+            }
+            Ok(Ok(())) => Err(anyhow!("the controllers stopped unexpectedly")),
+            Ok(Err(e)) => Err(anyhow::Error::new(e).context("the controllers failed")),
+            Err(e) => Err(anyhow!("the controllers' task failed: {e}")),
+        }
+    }
+}
+
+/// Stands by until this replica leads, then runs the controllers while renewing the Lease.
+/// Releases the Lease when the controllers stop; fails (non-zero exit) if leadership is lost.
+async fn lead(
+    mut elector: Elector,
+    controllers: Controllers,
+    shutdown: Shutdown,
+) -> anyhow::Result<()> {
+    info!(
+        identity = elector.identity(),
+        "waiting to become the leader"
+    );
+    if !elector.acquire(shutdown.clone()).await {
+        return Ok(());
+    }
+    let timeout = controllers.timeout;
+    let (lost_tx, lost_rx) = tokio::sync::watch::channel(false);
+    let running = controllers.run(shutdown.clone(), Some(lost_rx));
+    tokio::pin!(running);
+    let result = tokio::select! {
+        lost = elector.hold() => {
+            error!(reason = %lost, "lost the leader Lease; stopping the controllers");
+            lost_tx.send_replace(true);
+            if tokio::time::timeout(timeout, running).await.is_err() {
+                warn!("the controllers did not stop within the shutdown timeout");
+            }
+            return Err(anyhow!("leader election lost: {lost}"));
+        }
+        result = &mut running => result,
+    };
+    if let Err(e) = elector.release().await {
+        warn!(error = %e, "could not release the leader Lease; it expires by itself");
+    }
+    result
+}

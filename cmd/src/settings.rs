@@ -1,0 +1,1191 @@
+//! Command line, environment and config file, resolved into one validated [`Settings`].
+//!
+//! Precedence, highest first: command-line flag, its environment variable, the `--config` file,
+//! the built-in default. Secrets are never values here: the Mailgun API key and the SMTP password
+//! are read by the mailer from a file (`--mailgun-api-key-file`, `--smtp-password-file`) or from
+//! the environment variables `MAILGUN_API_KEY` / `SMTP_PASSWORD`, so neither `Debug` nor an error
+//! message can show them.
+
+use std::{
+    fmt,
+    net::{Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    sync::LazyLock,
+    time::Duration,
+};
+
+use capm_mailer::{
+    ConfigError, MailerConfig, MailgunConfig, MailgunRegion, SecretSource, SmtpConfig,
+};
+use clap::{Parser, ValueEnum, builder::BoolishValueParser};
+use serde::Deserialize;
+
+/// Environment variable holding the Mailgun API key (the walkthrough's name).
+pub const MAILGUN_API_KEY_ENV: &str = "MAILGUN_API_KEY";
+/// Environment variable holding the SMTP password.
+pub const SMTP_PASSWORD_ENV: &str = "SMTP_PASSWORD";
+/// Where Kubernetes mounts the pod's namespace.
+const IN_CLUSTER_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+/// controller-runtime's default webhook certificate directory.
+const DEFAULT_WEBHOOK_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
+
+/// The Cluster API infrastructure provider for Mailgun: mails a human for every cluster.
+///
+/// Every flag can also be set by the environment variable shown, or in the `--config` file
+/// (camelCase keys, e.g. `metricsBindAddress`; the mail backend under `mailer`, in the format of
+/// `capm_mailer::MailerConfig`). A flag beats its variable, which beats the file, which beats the
+/// default.
+#[derive(Debug, Default, Parser)]
+#[command(name = "cluster-api-provider-mailgun", version, about, long_about)]
+pub struct Args {
+    /// Config file, YAML or JSON. Flags and environment variables override its values.
+    #[arg(long, env = "CAPM_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Mail backend [default: mailgun when a Mailgun domain is set, else smtp when an SMTP URL is
+    /// set].
+    #[arg(long, env = "MAIL_BACKEND", value_enum)]
+    pub mail_backend: Option<Backend>,
+
+    /// Who receives the request mails; comma-separated for several (required).
+    #[arg(
+        long = "mail-recipient",
+        env = "MAIL_RECIPIENT",
+        value_delimiter = ',',
+        value_name = "ADDRESS"
+    )]
+    pub mail_recipients: Option<Vec<String>>,
+
+    /// Mailgun sending domain (required for the mailgun backend).
+    #[arg(long, env = "MAILGUN_DOMAIN", value_name = "DOMAIN")]
+    pub mailgun_domain: Option<String>,
+
+    /// File holding the Mailgun API key [default: read the key from $MAILGUN_API_KEY].
+    #[arg(long, env = "MAILGUN_API_KEY_FILE", value_name = "FILE")]
+    pub mailgun_api_key_file: Option<PathBuf>,
+
+    /// Mailgun API region [default: us].
+    #[arg(long, env = "MAILGUN_REGION", value_enum)]
+    pub mailgun_region: Option<Region>,
+
+    /// Mailgun API base URL, overrides --mailgun-region (e.g. a test server).
+    #[arg(long, env = "MAILGUN_BASE_URL", value_name = "URL")]
+    pub mailgun_base_url: Option<String>,
+
+    /// SMTP relay: smtp://host[:port] (STARTTLS, port 587) or smtps://host[:port] (TLS, 465)
+    /// (required for the smtp backend).
+    #[arg(long, env = "SMTP_URL", value_name = "URL")]
+    pub smtp_url: Option<String>,
+
+    /// SMTP AUTH user name (needs a password).
+    #[arg(long, env = "SMTP_USERNAME", value_name = "USER")]
+    pub smtp_username: Option<String>,
+
+    /// File holding the SMTP password [default: read it from $SMTP_PASSWORD if set].
+    #[arg(long, env = "SMTP_PASSWORD_FILE", value_name = "FILE")]
+    pub smtp_password_file: Option<PathBuf>,
+
+    /// PEM file with the CA(s) of a private SMTP relay; only these are trusted then [default:
+    /// the system's roots].
+    #[arg(long, env = "SMTP_CA_FILE", value_name = "FILE")]
+    pub smtp_ca_file: Option<PathBuf>,
+
+    /// Domain of the generated Message-Ids [default: the Mailgun domain, or the SMTP relay's
+    /// host].
+    #[arg(long, env = "MESSAGE_ID_DOMAIN", value_name = "DOMAIN")]
+    pub message_id_domain: Option<String>,
+
+    /// Reconcile only this namespace [default: all namespaces].
+    #[arg(long, env = "WATCH_NAMESPACE", value_name = "NAMESPACE")]
+    pub namespace: Option<String>,
+
+    /// Reconcile only objects labelled cluster.x-k8s.io/watch-filter=<VALUE> [default: all].
+    #[arg(long, env = "WATCH_FILTER", value_name = "VALUE")]
+    pub watch_filter: Option<String>,
+
+    /// Reconciles running at once per controller [default: 10].
+    #[arg(long, env = "CONCURRENCY", value_name = "N")]
+    pub concurrency: Option<u16>,
+
+    /// Address of the Prometheus /metrics endpoint; `0` disables it [default: 127.0.0.1:8080].
+    #[arg(long, env = "METRICS_BIND_ADDRESS", value_name = "ADDR")]
+    pub metrics_bind_address: Option<String>,
+
+    /// Address of /healthz and /readyz; `0` disables them [default: 127.0.0.1:8081].
+    #[arg(long, env = "HEALTH_PROBE_BIND_ADDRESS", value_name = "ADDR")]
+    pub health_probe_bind_address: Option<String>,
+
+    /// Elect a leader on a Lease so only one replica reconciles [default: true].
+    #[arg(
+        long,
+        env = "LEADER_ELECT",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        value_parser = BoolishValueParser::new()
+    )]
+    pub leader_elect: Option<bool>,
+
+    /// Namespace of the leader-election Lease [default: $POD_NAMESPACE, else the in-cluster
+    /// namespace, else `default`].
+    #[arg(long, env = "LEADER_ELECTION_NAMESPACE", value_name = "NAMESPACE")]
+    pub leader_election_namespace: Option<String>,
+
+    /// Name of the leader-election Lease [default: cluster-api-provider-mailgun-leader].
+    #[arg(long, env = "LEADER_ELECTION_ID", value_name = "NAME")]
+    pub leader_election_id: Option<String>,
+
+    /// Port of the conversion webhook (HTTPS, all interfaces); `0` disables it [default: 9443].
+    #[arg(long, env = "WEBHOOK_PORT", value_name = "PORT")]
+    pub webhook_port: Option<u16>,
+
+    /// Directory with the webhook's tls.crt and tls.key, re-read when they change [default:
+    /// /tmp/k8s-webhook-server/serving-certs].
+    #[arg(long, env = "WEBHOOK_CERT_DIR", value_name = "DIR")]
+    pub webhook_cert_dir: Option<PathBuf>,
+
+    /// Log format [default: text].
+    #[arg(long, env = "LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+
+    /// Log filter: a level (`info`) or tracing directives (`info,kube=debug`) [default: info].
+    #[arg(long, env = "RUST_LOG", value_name = "FILTER")]
+    pub log_level: Option<String>,
+
+    /// How long in-flight reconciles may take to finish after SIGTERM, e.g. `30s`, `2m`
+    /// [default: 30s].
+    #[arg(long, env = "SHUTDOWN_TIMEOUT", value_name = "DURATION")]
+    pub shutdown_timeout: Option<String>,
+
+    /// Kubeconfig file [default: $KUBECONFIG, the in-cluster service account, ~/.kube/config].
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// The mail backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Backend {
+    /// Mailgun's HTTP API.
+    Mailgun,
+    /// Any SMTP relay.
+    Smtp,
+}
+
+/// Mailgun's API regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Region {
+    /// api.mailgun.net
+    Us,
+    /// api.eu.mailgun.net
+    Eu,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The `--config` file: every key optional, camelCase like the flags' long names.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FileConfig {
+    /// The mail backend, e.g. `{mailgun: {domain: ..., apiKey: {file: ...}}}`.
+    pub mailer: Option<MailerConfig>,
+    /// Recipients of the request mails.
+    pub mail_recipients: Option<Vec<String>>,
+    /// See `--message-id-domain`.
+    pub message_id_domain: Option<String>,
+    /// See `--namespace`.
+    pub namespace: Option<String>,
+    /// See `--watch-filter`.
+    pub watch_filter: Option<String>,
+    /// See `--concurrency`.
+    pub concurrency: Option<u16>,
+    /// See `--metrics-bind-address`.
+    pub metrics_bind_address: Option<String>,
+    /// See `--health-probe-bind-address`.
+    pub health_probe_bind_address: Option<String>,
+    /// See `--leader-elect`.
+    pub leader_elect: Option<bool>,
+    /// See `--leader-election-namespace`.
+    pub leader_election_namespace: Option<String>,
+    /// See `--leader-election-id`.
+    pub leader_election_id: Option<String>,
+    /// See `--webhook-port`.
+    pub webhook_port: Option<u16>,
+    /// See `--webhook-cert-dir`.
+    pub webhook_cert_dir: Option<PathBuf>,
+    /// See `--log-format`.
+    pub log_format: Option<LogFormat>,
+    /// See `--log-level`.
+    pub log_level: Option<String>,
+    /// See `--shutdown-timeout`.
+    pub shutdown_timeout: Option<String>,
+}
+
+/// A configuration field as the user knows it: its flag and environment variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Field {
+    flag: &'static str,
+    env: &'static str,
+}
+
+impl fmt::Display for Field {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "--{} ({})", self.flag, self.env)
+    }
+}
+
+macro_rules! fields {
+    ($($name:ident = $flag:literal, $env:literal;)*) => {
+        $(#[allow(missing_docs)] pub const $name: Field = Field { flag: $flag, env: $env };)*
+    };
+}
+
+/// The fields that can be named in an error.
+pub mod field {
+    use super::Field;
+    fields! {
+        CONFIG = "config", "CAPM_CONFIG";
+        MAIL_BACKEND = "mail-backend", "MAIL_BACKEND";
+        MAIL_RECIPIENT = "mail-recipient", "MAIL_RECIPIENT";
+        MAILGUN_DOMAIN = "mailgun-domain", "MAILGUN_DOMAIN";
+        MAILGUN_API_KEY = "mailgun-api-key-file", "MAILGUN_API_KEY_FILE, or MAILGUN_API_KEY";
+        MAILGUN_BASE_URL = "mailgun-base-url", "MAILGUN_BASE_URL";
+        SMTP_URL = "smtp-url", "SMTP_URL";
+        SMTP_USERNAME = "smtp-username", "SMTP_USERNAME";
+        SMTP_PASSWORD = "smtp-password-file", "SMTP_PASSWORD_FILE, or SMTP_PASSWORD";
+        SMTP_CA_FILE = "smtp-ca-file", "SMTP_CA_FILE";
+        MESSAGE_ID_DOMAIN = "message-id-domain", "MESSAGE_ID_DOMAIN";
+        NAMESPACE = "namespace", "WATCH_NAMESPACE";
+        WATCH_FILTER = "watch-filter", "WATCH_FILTER";
+        CONCURRENCY = "concurrency", "CONCURRENCY";
+        METRICS_BIND_ADDRESS = "metrics-bind-address", "METRICS_BIND_ADDRESS";
+        HEALTH_PROBE_BIND_ADDRESS = "health-probe-bind-address", "HEALTH_PROBE_BIND_ADDRESS";
+        LEADER_ELECTION_NAMESPACE = "leader-election-namespace", "LEADER_ELECTION_NAMESPACE";
+        LEADER_ELECTION_ID = "leader-election-id", "LEADER_ELECTION_ID";
+        WEBHOOK_CERT_DIR = "webhook-cert-dir", "WEBHOOK_CERT_DIR";
+        LOG_LEVEL = "log-level", "RUST_LOG";
+        SHUTDOWN_TIMEOUT = "shutdown-timeout", "SHUTDOWN_TIMEOUT";
+    }
+}
+
+/// Why the configuration was refused. Never contains a secret.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// A field has an unusable value.
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// The field, as flag and variable.
+        field: Field,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The config file could not be read or parsed.
+    #[error("{}: {}: {reason}", field::CONFIG, path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The config file's mailer section has an unusable value (a key without a flag).
+    #[error("{}: mailer.{source}", field::CONFIG)]
+    FileMailer {
+        /// The mailer's own error, naming the key.
+        #[source]
+        source: ConfigError,
+    },
+}
+
+fn invalid(field: Field, reason: impl Into<String>) -> SettingsError {
+    SettingsError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Maps a mailer configuration error to the flag that sets the field, when there is one.
+pub fn mailer_error(error: ConfigError) -> SettingsError {
+    let flag = |name: &str| match name {
+        "mailgun.domain" => Some(field::MAILGUN_DOMAIN),
+        "mailgun.apiKey" => Some(field::MAILGUN_API_KEY),
+        "mailgun.baseUrl" => Some(field::MAILGUN_BASE_URL),
+        "smtp.url" => Some(field::SMTP_URL),
+        "smtp.username" => Some(field::SMTP_USERNAME),
+        "smtp.password" => Some(field::SMTP_PASSWORD),
+        "smtp.caFile" => Some(field::SMTP_CA_FILE),
+        _ => None,
+    };
+    let named = match &error {
+        ConfigError::Invalid { field, reason } | ConfigError::CaFile { field, reason } => {
+            flag(field).map(|f| (f, reason.clone()))
+        }
+        ConfigError::Secret { field, source } => flag(field).map(|f| (f, source.to_string())),
+        ConfigError::Client { .. } => None,
+    };
+    match named {
+        Some((field, reason)) => invalid(field, reason),
+        None => SettingsError::FileMailer { source: error },
+    }
+}
+
+/// Leader-election parameters (controller-runtime's defaults).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaderElection {
+    /// Namespace of the Lease.
+    pub namespace: String,
+    /// Name of the Lease.
+    pub name: String,
+    /// How long a Lease is valid after its last renewal: 15 s.
+    pub lease_duration: Duration,
+    /// How long the leader keeps trying to renew before it gives up: 10 s.
+    pub renew_deadline: Duration,
+    /// How often candidates try to acquire and the leader renews: 2 s.
+    pub retry_period: Duration,
+}
+
+/// The conversion webhook's serving parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Webhook {
+    /// Where it listens.
+    pub bind: SocketAddr,
+    /// Directory holding `tls.crt` and `tls.key`.
+    pub cert_dir: PathBuf,
+}
+
+/// Everything the manager needs, validated. Holds no secret values (only where to read them).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The mail backend.
+    pub mailer: MailerConfig,
+    /// The controllers' configuration (`instance` is filled in at start).
+    pub controllers: capm_controllers::Config,
+    /// `/metrics` address, if enabled.
+    pub metrics_address: Option<SocketAddr>,
+    /// `/healthz` + `/readyz` address, if enabled.
+    pub probe_address: Option<SocketAddr>,
+    /// Leader election, if enabled.
+    pub leader_election: Option<LeaderElection>,
+    /// The conversion webhook, if enabled.
+    pub webhook: Option<Webhook>,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Log filter directives.
+    pub log_level: String,
+    /// Bound on the graceful shutdown.
+    pub shutdown_timeout: Duration,
+    /// Explicit kubeconfig file.
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Reads the process environment (the few variables that are not flags' fallbacks).
+pub fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+impl Settings {
+    /// Resolves `args` (flags and their variables, already merged by clap) with the config file
+    /// and the defaults, and validates everything. Touches no network and reads no secret.
+    ///
+    /// `env` looks up the variables that are not flag fallbacks: `MAILGUN_API_KEY` and
+    /// `SMTP_PASSWORD` (only whether they are set) and `POD_NAMESPACE`.
+    ///
+    /// # Errors
+    /// [`SettingsError`] naming the first field that is wrong.
+    pub fn resolve(
+        args: Args,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, SettingsError> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let mailer = resolve_mailer(&args, file.mailer.clone(), env)?;
+
+        let recipients = args
+            .mail_recipients
+            .or(file.mail_recipients)
+            .ok_or_else(|| invalid(field::MAIL_RECIPIENT, "at least one recipient is required"))?;
+        let recipients = check_recipients(recipients)?;
+
+        let message_id_domain = match args.message_id_domain.or(file.message_id_domain) {
+            Some(domain) => domain,
+            None => default_message_id_domain(&mailer).ok_or_else(|| {
+                invalid(
+                    field::MESSAGE_ID_DOMAIN,
+                    "required: the SMTP relay's host cannot serve as Message-Id domain",
+                )
+            })?,
+        };
+        if capm_mailer::MessageId::new("x", &message_id_domain).is_err() {
+            return Err(invalid(
+                field::MESSAGE_ID_DOMAIN,
+                format!("{message_id_domain:?} is not a domain (letters, digits, '-' and '.')"),
+            ));
+        }
+
+        let namespace = args.namespace.or(file.namespace);
+        if let Some(ns) = &namespace {
+            check_dns_label(field::NAMESPACE, ns)?;
+        }
+        let watch_filter = args.watch_filter.or(file.watch_filter);
+        if let Some(value) = &watch_filter {
+            check_label_value(field::WATCH_FILTER, value)?;
+        }
+        let concurrency = args.concurrency.or(file.concurrency).unwrap_or(10);
+        if concurrency == 0 {
+            return Err(invalid(field::CONCURRENCY, "must be at least 1"));
+        }
+
+        let metrics_address = bind_address(
+            field::METRICS_BIND_ADDRESS,
+            args.metrics_bind_address
+                .or(file.metrics_bind_address)
+                .as_deref()
+                .unwrap_or("127.0.0.1:8080"),
+        )?;
+        let probe_address = bind_address(
+            field::HEALTH_PROBE_BIND_ADDRESS,
+            args.health_probe_bind_address
+                .or(file.health_probe_bind_address)
+                .as_deref()
+                .unwrap_or("127.0.0.1:8081"),
+        )?;
+
+        let leader_election = if args.leader_elect.or(file.leader_elect).unwrap_or(true) {
+            let namespace = args
+                .leader_election_namespace
+                .or(file.leader_election_namespace)
+                .or_else(|| env("POD_NAMESPACE"))
+                .or_else(in_cluster_namespace)
+                .unwrap_or_else(|| "default".to_owned());
+            check_dns_label(field::LEADER_ELECTION_NAMESPACE, &namespace)?;
+            let name = args
+                .leader_election_id
+                .or(file.leader_election_id)
+                .unwrap_or_else(|| "cluster-api-provider-mailgun-leader".to_owned());
+            check_dns_subdomain(field::LEADER_ELECTION_ID, &name)?;
+            Some(LeaderElection {
+                namespace,
+                name,
+                lease_duration: Duration::from_secs(15),
+                renew_deadline: Duration::from_secs(10),
+                retry_period: Duration::from_secs(2),
+            })
+        } else {
+            None
+        };
+
+        let webhook = match args.webhook_port.or(file.webhook_port).unwrap_or(9443) {
+            0 => None,
+            port => Some(Webhook {
+                bind: SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
+                cert_dir: args
+                    .webhook_cert_dir
+                    .or(file.webhook_cert_dir)
+                    .unwrap_or_else(|| PathBuf::from(DEFAULT_WEBHOOK_CERT_DIR)),
+            }),
+        };
+
+        let log_level = args
+            .log_level
+            .or(file.log_level)
+            .unwrap_or_else(|| "info".to_owned());
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log_level) {
+            return Err(invalid(field::LOG_LEVEL, format!("{log_level:?}: {e}")));
+        }
+        let shutdown_timeout = match args.shutdown_timeout.or(file.shutdown_timeout) {
+            Some(text) => parse_duration(&text).ok_or_else(|| {
+                invalid(
+                    field::SHUTDOWN_TIMEOUT,
+                    format!("{text:?} is not a duration like 30s, 2m or 500ms"),
+                )
+            })?,
+            None => Duration::from_secs(30),
+        };
+
+        Ok(Self {
+            mailer,
+            controllers: capm_controllers::Config {
+                recipients,
+                message_id_domain,
+                namespace,
+                watch_filter,
+                concurrency,
+                ..capm_controllers::Config::default()
+            },
+            metrics_address,
+            probe_address,
+            leader_election,
+            webhook,
+            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+            log_level,
+            shutdown_timeout,
+            kubeconfig: args.kubeconfig,
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, SettingsError> {
+    let text = std::fs::read_to_string(path).map_err(|e| SettingsError::File {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    if text.trim().is_empty() {
+        return Ok(FileConfig::default());
+    }
+    let reason = |e: &dyn fmt::Display| SettingsError::File {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    };
+    // YAML is a superset of JSON: one parser reads both. Going through a JSON value keeps the
+    // mailer's `{mailgun: {...}}` form (serde_yaml_ng would want a `!mailgun` tag).
+    let value: serde_json::Value = serde_yaml_ng::from_str(&text).map_err(|e| reason(&e))?;
+    serde_json::from_value(value).map_err(|e| reason(&e))
+}
+
+fn backend_of(config: &MailerConfig) -> Backend {
+    match config {
+        MailerConfig::Mailgun(_) => Backend::Mailgun,
+        MailerConfig::Smtp(_) => Backend::Smtp,
+    }
+}
+
+fn resolve_mailer(
+    args: &Args,
+    from_file: Option<MailerConfig>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<MailerConfig, SettingsError> {
+    let backend = args
+        .mail_backend
+        .or(from_file.as_ref().map(backend_of))
+        .or(args.mailgun_domain.as_ref().map(|_| Backend::Mailgun))
+        .or(args.smtp_url.as_ref().map(|_| Backend::Smtp))
+        .ok_or_else(|| {
+            invalid(
+                field::MAIL_BACKEND,
+                format!(
+                    "no mail backend configured: set {} for Mailgun or {} for SMTP",
+                    field::MAILGUN_DOMAIN,
+                    field::SMTP_URL
+                ),
+            )
+        })?;
+    let config = match backend {
+        Backend::Mailgun => {
+            let base = match from_file {
+                Some(MailerConfig::Mailgun(c)) => Some(c),
+                _ => None,
+            };
+            let domain = args
+                .mailgun_domain
+                .clone()
+                .or(base.as_ref().map(|c| c.domain.clone()))
+                .ok_or_else(|| {
+                    invalid(field::MAILGUN_DOMAIN, "required for the mailgun backend")
+                })?;
+            let api_key = args
+                .mailgun_api_key_file
+                .clone()
+                .map(SecretSource::File)
+                .or_else(|| {
+                    env(MAILGUN_API_KEY_ENV)
+                        .map(|_| SecretSource::Env(MAILGUN_API_KEY_ENV.to_owned()))
+                })
+                .or(base.as_ref().map(|c| c.api_key.clone()))
+                .ok_or_else(|| {
+                    invalid(field::MAILGUN_API_KEY, "the Mailgun API key is required")
+                })?;
+            let mut config = base.unwrap_or_else(|| MailgunConfig::new(&domain, api_key.clone()));
+            config.domain = domain;
+            config.api_key = api_key;
+            if let Some(region) = args.mailgun_region {
+                config.region = match region {
+                    Region::Us => MailgunRegion::Us,
+                    Region::Eu => MailgunRegion::Eu,
+                };
+            }
+            if let Some(url) = &args.mailgun_base_url {
+                config.base_url = Some(url.clone());
+            }
+            MailerConfig::Mailgun(config)
+        }
+        Backend::Smtp => {
+            let base = match from_file {
+                Some(MailerConfig::Smtp(c)) => Some(c),
+                _ => None,
+            };
+            let url = args
+                .smtp_url
+                .clone()
+                .or(base.as_ref().map(|c| c.url.clone()))
+                .ok_or_else(|| invalid(field::SMTP_URL, "required for the smtp backend"))?;
+            let mut config = base.unwrap_or_else(|| SmtpConfig::new(&url));
+            config.url = url;
+            if let Some(user) = &args.smtp_username {
+                config.username = Some(user.clone());
+            }
+            if let Some(path) = &args.smtp_password_file {
+                config.password = Some(SecretSource::File(path.clone()));
+            } else if env(SMTP_PASSWORD_ENV).is_some() {
+                config.password = Some(SecretSource::Env(SMTP_PASSWORD_ENV.to_owned()));
+            }
+            if let Some(path) = &args.smtp_ca_file {
+                config.ca_file = Some(path.clone());
+            }
+            MailerConfig::Smtp(config)
+        }
+    };
+    config.validate().map_err(mailer_error)?;
+    Ok(config)
+}
+
+/// A plain address, the same rule as `MailgunCluster.spec.requester`.
+static ADDRESS: LazyLock<Option<regex::Regex>> =
+    LazyLock::new(|| regex::Regex::new(capm_api::validation::REQUESTER_PATTERN).ok());
+
+fn check_recipients(values: Vec<String>) -> Result<Vec<String>, SettingsError> {
+    let mut recipients = Vec::with_capacity(values.len());
+    for value in values {
+        let address = value.trim();
+        let valid = ADDRESS.as_ref().is_some_and(|re| re.is_match(address));
+        if !valid {
+            return Err(invalid(
+                field::MAIL_RECIPIENT,
+                format!("{address:?} is not an e-mail address"),
+            ));
+        }
+        recipients.push(address.to_owned());
+    }
+    if recipients.is_empty() {
+        return Err(invalid(
+            field::MAIL_RECIPIENT,
+            "at least one recipient is required",
+        ));
+    }
+    Ok(recipients)
+}
+
+fn default_message_id_domain(mailer: &MailerConfig) -> Option<String> {
+    match mailer {
+        MailerConfig::Mailgun(c) => Some(c.domain.clone()),
+        MailerConfig::Smtp(c) => {
+            let rest = c
+                .url
+                .strip_prefix("smtps://")
+                .or_else(|| c.url.strip_prefix("smtp://"))?;
+            let host = rest.split([':', '/']).next()?;
+            (!host.is_empty() && !host.starts_with('[')).then(|| host.to_owned())
+        }
+    }
+}
+
+fn check_dns_label(field: Field, value: &str) -> Result<(), SettingsError> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("{value:?} is not a namespace name (lower-case letters, digits, '-')"),
+        ))
+    }
+}
+
+fn check_dns_subdomain(field: Field, value: &str) -> Result<(), SettingsError> {
+    let ok = !value.is_empty()
+        && value.len() <= 253
+        && value.split('.').all(|part| {
+            !part.is_empty()
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !part.starts_with('-')
+                && !part.ends_with('-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("{value:?} is not an object name (lower-case letters, digits, '-', '.')"),
+        ))
+    }
+}
+
+fn check_label_value(field: Field, value: &str) -> Result<(), SettingsError> {
+    let ok = value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && value.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && value.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("{value:?} is not a label value (at most 63 letters, digits, '-', '_', '.')"),
+        ))
+    }
+}
+
+/// `0` disables; `:8080` means every interface, as in controller-runtime.
+fn bind_address(field: Field, value: &str) -> Result<Option<SocketAddr>, SettingsError> {
+    if value == "0" {
+        return Ok(None);
+    }
+    let parsed = match value.strip_prefix(':') {
+        Some(port) => port
+            .parse::<u16>()
+            .ok()
+            .map(|port| SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))),
+        None => value.parse::<SocketAddr>().ok(),
+    };
+    parsed.map(Some).ok_or_else(|| {
+        invalid(
+            field,
+            format!("{value:?} is not host:port (e.g. 127.0.0.1:8080 or :8080), or 0 to disable"),
+        )
+    })
+}
+
+fn in_cluster_namespace() -> Option<String> {
+    std::fs::read_to_string(IN_CLUSTER_NAMESPACE_FILE)
+        .ok()
+        .map(|ns| ns.trim().to_owned())
+        .filter(|ns| !ns.is_empty())
+}
+
+/// `30s`, `2m`, `1h`, `500ms` or plain seconds.
+pub fn parse_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().ok()?;
+    let seconds = match unit {
+        "" | "s" => number,
+        "ms" => number / 1000.0,
+        "m" => number * 60.0,
+        "h" => number * 3600.0,
+        _ => return None,
+    };
+    Duration::try_from_secs_f64(seconds).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// Parses flags only: clap's environment fallbacks are turned off, so the tests do not
+    /// depend on the variables of whoever runs them.
+    fn args(flags: &[&str]) -> Args {
+        use clap::{CommandFactory, FromArgMatches};
+        let mut command = Args::command();
+        let ids: Vec<_> = command
+            .get_arguments()
+            .map(|a| a.get_id().clone())
+            .collect();
+        for id in ids {
+            command = command.mut_arg(id, |a| a.env(None::<&str>));
+        }
+        let matches = command
+            .try_get_matches_from(std::iter::once("capm").chain(flags.iter().copied()))
+            .unwrap();
+        Args::from_arg_matches(&matches).unwrap()
+    }
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    fn with_key(name: &str) -> Option<String> {
+        (name == MAILGUN_API_KEY_ENV).then(|| "key-topsecret".to_owned())
+    }
+
+    const MAILGUN: &[&str] = &[
+        "--mailgun-domain",
+        "mg.example.com",
+        "--mail-recipient",
+        "ops@example.com",
+    ];
+
+    fn resolve(
+        flags: &[&str],
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Settings, SettingsError> {
+        Settings::resolve(args(flags), env)
+    }
+
+    fn error(flags: &[&str], env: &dyn Fn(&str) -> Option<String>) -> String {
+        resolve(flags, env).unwrap_err().to_string()
+    }
+
+    fn file(content: &str) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), content).unwrap();
+        f
+    }
+
+    #[test]
+    fn walkthrough_variables_alone_give_the_mailgun_defaults() {
+        let s = resolve(MAILGUN, &with_key).unwrap();
+        let MailerConfig::Mailgun(m) = &s.mailer else {
+            panic!("{:?}", s.mailer)
+        };
+        assert_eq!(m.domain, "mg.example.com");
+        assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
+        assert_eq!(m.region, MailgunRegion::Us);
+        assert_eq!(s.controllers.recipients, ["ops@example.com"]);
+        assert_eq!(s.controllers.message_id_domain, "mg.example.com");
+        assert_eq!(s.controllers.concurrency, 10);
+        assert_eq!(s.metrics_address, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(s.probe_address, Some("127.0.0.1:8081".parse().unwrap()));
+        let le = s.leader_election.as_ref().unwrap();
+        assert_eq!(le.name, "cluster-api-provider-mailgun-leader");
+        assert_eq!(
+            (le.lease_duration, le.renew_deadline, le.retry_period),
+            (
+                Duration::from_secs(15),
+                Duration::from_secs(10),
+                Duration::from_secs(2)
+            )
+        );
+        let hook = s.webhook.as_ref().unwrap();
+        assert_eq!(hook.bind.port(), 9443);
+        assert_eq!(hook.cert_dir, Path::new(DEFAULT_WEBHOOK_CERT_DIR));
+        assert_eq!(s.shutdown_timeout, Duration::from_secs(30));
+        assert_eq!(s.log_format, LogFormat::Text);
+        assert!(!format!("{s:?}").contains("topsecret"));
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let f = file(
+            r#"
+mailer:
+  mailgun: {domain: file.example.com, region: eu, apiKey: {file: /run/key}, testMode: true}
+mailRecipients: [file@example.com]
+concurrency: 3
+metricsBindAddress: "0"
+leaderElect: false
+webhookPort: 0
+logFormat: json
+shutdownTimeout: 5s
+"#,
+        );
+        let path = f.path().to_str().unwrap();
+        let s = resolve(&["--config", path], &no_env).unwrap();
+        let MailerConfig::Mailgun(m) = &s.mailer else {
+            panic!()
+        };
+        assert_eq!(
+            (m.domain.as_str(), m.region, m.test_mode),
+            ("file.example.com", MailgunRegion::Eu, true)
+        );
+        assert_eq!(m.api_key, SecretSource::File("/run/key".into()));
+        assert_eq!(s.controllers.recipients, ["file@example.com"]);
+        assert_eq!(s.controllers.concurrency, 3);
+        assert_eq!(s.metrics_address, None);
+        assert!(s.leader_election.is_none());
+        assert!(s.webhook.is_none());
+        assert_eq!(s.log_format, LogFormat::Json);
+        assert_eq!(s.shutdown_timeout, Duration::from_secs(5));
+
+        // Flags win; the environment's API key beats the file's key source; file-only keys stay.
+        let s = resolve(
+            &[
+                "--config",
+                path,
+                "--mailgun-domain",
+                "flag.example.com",
+                "--mail-recipient",
+                "a@example.com,b@example.com",
+                "--concurrency",
+                "7",
+                "--leader-elect",
+                "--metrics-bind-address",
+                ":9090",
+                "--mailgun-region",
+                "us",
+            ],
+            &with_key,
+        )
+        .unwrap();
+        let MailerConfig::Mailgun(m) = &s.mailer else {
+            panic!()
+        };
+        assert_eq!(
+            (m.domain.as_str(), m.region, m.test_mode),
+            ("flag.example.com", MailgunRegion::Us, true)
+        );
+        assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
+        assert_eq!(s.controllers.recipients, ["a@example.com", "b@example.com"]);
+        assert_eq!(s.controllers.concurrency, 7);
+        assert_eq!(s.metrics_address, Some("0.0.0.0:9090".parse().unwrap()));
+        assert!(s.leader_election.is_some());
+        let s = resolve(
+            &["--config", path, "--mailgun-api-key-file", "/k"],
+            &with_key,
+        )
+        .unwrap();
+        let MailerConfig::Mailgun(m) = &s.mailer else {
+            panic!()
+        };
+        assert_eq!(
+            m.api_key,
+            SecretSource::File("/k".into()),
+            "the file flag beats the variable"
+        );
+    }
+
+    #[test]
+    fn smtp_from_flags_and_json_file() {
+        let s = resolve(
+            &[
+                "--smtp-url",
+                "smtps://relay.example.com",
+                "--smtp-username",
+                "capm",
+                "--smtp-password-file",
+                "/run/pw",
+                "--mail-recipient",
+                "ops@example.com",
+            ],
+            &no_env,
+        )
+        .unwrap();
+        let MailerConfig::Smtp(c) = &s.mailer else {
+            panic!()
+        };
+        assert_eq!(c.password, Some(SecretSource::File("/run/pw".into())));
+        assert_eq!(s.controllers.message_id_domain, "relay.example.com");
+        let f = file(
+            r#"{"mailer": {"smtp": {"url": "smtp://relay.example.com:2525", "pool": {"enabled": false}}}, "mailRecipients": ["x@example.com"], "messageIdDomain": "capm.example.com"}"#,
+        );
+        let s = resolve(&["--config", f.path().to_str().unwrap()], &|n| {
+            (n == SMTP_PASSWORD_ENV).then(|| "pw".to_owned())
+        });
+        // A password without a user name is refused, naming the user-name flag.
+        assert_eq!(
+            s.unwrap_err().to_string(),
+            "--smtp-username (SMTP_USERNAME): required with password"
+        );
+        let s = resolve(&["--config", f.path().to_str().unwrap()], &no_env).unwrap();
+        let MailerConfig::Smtp(c) = &s.mailer else {
+            panic!()
+        };
+        assert!(!c.pool.enabled);
+        assert_eq!(s.controllers.message_id_domain, "capm.example.com");
+    }
+
+    #[test]
+    fn leader_election_namespace_precedence() {
+        let pod = |n: &str| match n {
+            "POD_NAMESPACE" => Some("capm-system".to_owned()),
+            _ => with_key(n),
+        };
+        let s = resolve(MAILGUN, &pod).unwrap();
+        assert_eq!(s.leader_election.unwrap().namespace, "capm-system");
+        let mut flags = MAILGUN.to_vec();
+        flags.extend([
+            "--leader-election-namespace",
+            "other",
+            "--leader-election-id",
+            "my.lease",
+        ]);
+        let le = resolve(&flags, &pod).unwrap().leader_election.unwrap();
+        assert_eq!(
+            (le.namespace.as_str(), le.name.as_str()),
+            ("other", "my.lease")
+        );
+        let mut flags = MAILGUN.to_vec();
+        flags.push("--leader-elect=false");
+        assert!(resolve(&flags, &pod).unwrap().leader_election.is_none());
+    }
+
+    #[test]
+    fn every_invalid_field_is_named() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["--mail-recipient", "ops@example.com"],
+                "--mail-backend (MAIL_BACKEND): no mail backend configured",
+            ),
+            (
+                &[
+                    "--mail-backend",
+                    "mailgun",
+                    "--mail-recipient",
+                    "ops@example.com",
+                ],
+                "--mailgun-domain (MAILGUN_DOMAIN): required",
+            ),
+            (
+                &[
+                    "--mail-backend",
+                    "smtp",
+                    "--mail-recipient",
+                    "ops@example.com",
+                ],
+                "--smtp-url (SMTP_URL): required",
+            ),
+            (
+                &["--mailgun-domain", "mg.example.com"],
+                "--mail-recipient (MAIL_RECIPIENT): at least one recipient",
+            ),
+            (
+                &[
+                    "--mailgun-domain",
+                    "mg.example.com",
+                    "--mail-recipient",
+                    "x",
+                ],
+                "--mail-recipient (MAIL_RECIPIENT): \"x\" is not an e-mail address",
+            ),
+            (
+                &[
+                    "--mailgun-domain",
+                    "mg.example.com",
+                    "--mail-recipient",
+                    "a@example.com,",
+                ],
+                "--mail-recipient (MAIL_RECIPIENT): \"\" is not an e-mail address",
+            ),
+            (
+                &[
+                    "--mailgun-domain",
+                    "bad domain",
+                    "--mail-recipient",
+                    "a@example.com",
+                ],
+                "--mailgun-domain (MAILGUN_DOMAIN): must be a DNS name",
+            ),
+            (
+                &["--mailgun-base-url", "ftp://x"],
+                "--mailgun-base-url (MAILGUN_BASE_URL): scheme",
+            ),
+            (
+                &["--smtp-url", "http://x", "--mail-backend", "smtp"],
+                "--smtp-url (SMTP_URL): scheme must be smtp or smtps",
+            ),
+            (
+                &["--smtp-url", "smtp://[::1]:25", "--mail-backend", "smtp"],
+                "--message-id-domain (MESSAGE_ID_DOMAIN): required",
+            ),
+            (
+                &["--message-id-domain", "a b"],
+                "--message-id-domain (MESSAGE_ID_DOMAIN): \"a b\" is not a domain",
+            ),
+            (
+                &["--namespace", "Capi"],
+                "--namespace (WATCH_NAMESPACE): \"Capi\" is not a namespace name",
+            ),
+            (
+                &["--watch-filter=-x"],
+                "--watch-filter (WATCH_FILTER): \"-x\" is not a label value",
+            ),
+            (
+                &["--concurrency", "0"],
+                "--concurrency (CONCURRENCY): must be at least 1",
+            ),
+            (
+                &["--metrics-bind-address", "localhost"],
+                "--metrics-bind-address (METRICS_BIND_ADDRESS): \"localhost\" is not host:port",
+            ),
+            (
+                &["--health-probe-bind-address", ":x"],
+                "--health-probe-bind-address (HEALTH_PROBE_BIND_ADDRESS): \":x\" is not host:port",
+            ),
+            (
+                &["--leader-election-namespace", "a_b"],
+                "--leader-election-namespace (LEADER_ELECTION_NAMESPACE): \"a_b\" is not a namespace name",
+            ),
+            (
+                &["--leader-election-id", "A"],
+                "--leader-election-id (LEADER_ELECTION_ID): \"A\" is not an object name",
+            ),
+            (
+                &["--log-level", "info,[="],
+                "--log-level (RUST_LOG): \"info,[=\"",
+            ),
+            (
+                &["--shutdown-timeout", "soon"],
+                "--shutdown-timeout (SHUTDOWN_TIMEOUT): \"soon\" is not a duration",
+            ),
+        ];
+        for (extra, expected) in cases {
+            let mut flags: Vec<&str> = Vec::new();
+            if !extra.iter().any(|f| f.starts_with("--mail")) && !extra.contains(&"--smtp-url") {
+                flags.extend(MAILGUN);
+            } else if !extra.contains(&"--mail-recipient") && !extra.contains(&"--mailgun-domain") {
+                flags.extend(["--mail-recipient", "ops@example.com"]);
+            }
+            if extra.contains(&"--mailgun-base-url") {
+                flags.extend(["--mailgun-domain", "mg.example.com"]);
+            }
+            flags.extend(extra.iter());
+            let err = error(&flags, &with_key);
+            assert!(
+                err.starts_with(expected),
+                "{flags:?}:\n  got      {err}\n  expected {expected}"
+            );
+        }
+        assert_eq!(
+            error(MAILGUN, &no_env),
+            "--mailgun-api-key-file (MAILGUN_API_KEY_FILE, or MAILGUN_API_KEY): the Mailgun API key is required"
+        );
+    }
+
+    #[test]
+    fn config_file_errors_name_the_file_and_key() {
+        let err = error(&["--config", "/nonexistent/capm.yaml"], &no_env);
+        assert!(
+            err.starts_with("--config (CAPM_CONFIG): /nonexistent/capm.yaml: "),
+            "{err}"
+        );
+        let f = file("mailer: {sendgrid: {}}\n");
+        let err = error(&["--config", f.path().to_str().unwrap()], &no_env);
+        assert!(err.contains("unknown variant `sendgrid`"), "{err}");
+        let f = file("concurency: 3\n");
+        let err = error(&["--config", f.path().to_str().unwrap()], &no_env);
+        assert!(err.contains("unknown field `concurency`"), "{err}");
+        let f = file(
+            "mailer: {smtp: {url: 'smtp://h', timeoutSeconds: 0}}\nmailRecipients: [a@example.com]\n",
+        );
+        let err = error(&["--config", f.path().to_str().unwrap()], &no_env);
+        assert!(
+            err.starts_with("--config (CAPM_CONFIG): mailer.smtp.timeoutSeconds"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30s"), Some(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("7"), Some(Duration::from_secs(7)));
+        assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("x"), None);
+        assert_eq!(parse_duration("5d"), None);
+    }
+}

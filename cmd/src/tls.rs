@@ -1,0 +1,143 @@
+//! The webhook's serving certificate, re-read from disk when the files change.
+//!
+//! Each TLS handshake checks the files' metadata (modification time, size, inode: a Kubernetes
+//! Secret volume swaps a symlink, cert-manager rewrites files) and reloads on any change, so a
+//! renewed certificate is served from the next connection on, without a restart. A pair that
+//! does not load (for example a half-written update) is logged and the previous one kept.
+
+use std::{
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::SystemTime,
+};
+
+use rustls::{
+    ServerConfig,
+    crypto::{CryptoProvider, ring},
+    pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject},
+    server::{ClientHello, ResolvesServerCert},
+    sign::CertifiedKey,
+};
+use tracing::{info, warn};
+
+/// Why the certificate could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A file could not be read or parsed.
+    #[error("{}: {reason}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The key does not fit the certificate, or rustls refused them.
+    #[error("tls.crt/tls.key: {0}")]
+    Pair(String),
+}
+
+type Stamp = [(SystemTime, u64, u64); 2];
+
+/// Serves the current `tls.crt` / `tls.key` of a directory.
+#[derive(Debug)]
+pub struct ReloadingCert {
+    cert: PathBuf,
+    key: PathBuf,
+    provider: Arc<CryptoProvider>,
+    current: Mutex<(Stamp, Arc<CertifiedKey>)>,
+}
+
+fn stamp(paths: [&Path; 2]) -> Result<Stamp, TlsError> {
+    let one = |path: &Path| {
+        let m = std::fs::metadata(path).map_err(|e| TlsError::File {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok((
+            m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+            m.len(),
+            m.ino(),
+        ))
+    };
+    Ok([one(paths[0])?, one(paths[1])?])
+}
+
+fn load(cert: &Path, key: &Path, provider: &CryptoProvider) -> Result<CertifiedKey, TlsError> {
+    let file_err = |path: &Path| {
+        let path = path.to_owned();
+        move |e: rustls::pki_types::pem::Error| TlsError::File {
+            path,
+            reason: e.to_string(),
+        }
+    };
+    let chain = CertificateDer::pem_file_iter(cert)
+        .map_err(file_err(cert))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(file_err(cert))?;
+    if chain.is_empty() {
+        return Err(TlsError::File {
+            path: cert.to_owned(),
+            reason: "no certificate in the file".into(),
+        });
+    }
+    let key_der = PrivateKeyDer::from_pem_file(key).map_err(file_err(key))?;
+    CertifiedKey::from_der(chain, key_der, provider).map_err(|e| TlsError::Pair(e.to_string()))
+}
+
+impl ReloadingCert {
+    /// Loads `dir/tls.crt` and `dir/tls.key`.
+    ///
+    /// # Errors
+    /// When they cannot be read, parsed, or do not belong together.
+    pub fn new(dir: &Path) -> Result<Self, TlsError> {
+        let provider = Arc::new(ring::default_provider());
+        let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+        let before = stamp([&cert, &key])?;
+        let pair = load(&cert, &key, &provider)?;
+        Ok(Self {
+            cert,
+            key,
+            provider,
+            current: Mutex::new((before, Arc::new(pair))),
+        })
+    }
+
+    /// A rustls server configuration (HTTP/1.1) that serves this certificate.
+    ///
+    /// # Errors
+    /// When the crypto provider supports no safe protocol version (not expected with ring).
+    pub fn server_config(self: Arc<Self>) -> Result<ServerConfig, rustls::Error> {
+        let mut config = ServerConfig::builder_with_provider(self.provider.clone())
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_cert_resolver(self);
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(config)
+    }
+
+    fn current(&self) -> Option<Arc<CertifiedKey>> {
+        let mut guard = match self.current.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        match stamp([&self.cert, &self.key]) {
+            Ok(now) if now != guard.0 => match load(&self.cert, &self.key, &self.provider) {
+                Ok(pair) => {
+                    info!(cert = %self.cert.display(), "reloaded the webhook certificate");
+                    *guard = (now, Arc::new(pair));
+                }
+                Err(e) => warn!(error = %e, "keeping the previous webhook certificate"),
+            },
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "keeping the previous webhook certificate"),
+        }
+        Some(guard.1.clone())
+    }
+}
+
+impl ResolvesServerCert for ReloadingCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        self.current()
+    }
+}

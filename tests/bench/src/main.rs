@@ -1,0 +1,309 @@
+//! `capm-bench`: how fast the provider drains a backlog, and what it costs.
+//!
+//! Starts a local control plane and the Mailgun contract server, creates N `Cluster` +
+//! `MailgunCluster` pairs (owner references set, as the Cluster API core controller does), then
+//! starts the provider binary and reports: seconds until every object has its mail sent and
+//! recorded, objects/second, API writes per object (from the API server's
+//! `apiserver_request_total`, every write verb except on Events), mails the server accepted,
+//! the provider's peak RSS, API writes during an idle period afterwards, and the API server's raw
+//! ceiling for status merge-patches on the same objects (no client-side rate limit), with the
+//! provider's write rate as a share of it.
+//!
+//! Not a test: it prints figures and fails only when the run itself goes wrong (a mail missing,
+//! a mail duplicated, the provider dying).
+//!
+//! ```text
+//! cargo build --release -p cluster-api-provider-mailgun -p capm-bench
+//! target/release/capm-bench --objects 1000
+//! ```
+
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    process::Stdio,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use capm_api::{names, v1beta1::MailgunCluster};
+use capm_mail_servers::MailgunServer;
+use capm_test_support::{ControlPlane, Options};
+use clap::Parser;
+use futures::{StreamExt, TryStreamExt, stream};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{
+        ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+    },
+};
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(about = "Backlog benchmark for cluster-api-provider-mailgun")]
+struct Args {
+    /// Cluster + MailgunCluster pairs in the backlog.
+    #[arg(long, default_value_t = 1000)]
+    objects: usize,
+    /// The provider binary (build it with --release).
+    #[arg(long, default_value_os_t = default_provider())]
+    provider: PathBuf,
+    /// The provider's --concurrency.
+    #[arg(long, default_value_t = 10)]
+    concurrency: u16,
+    /// Seconds to watch for API writes after the backlog is drained.
+    #[arg(long, default_value_t = 120)]
+    idle_seconds: u64,
+    /// Concurrent writers when measuring the API server's raw ceiling.
+    #[arg(long, default_value_t = 64)]
+    ceiling_writers: usize,
+}
+
+fn default_provider() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/release/cluster-api-provider-mailgun")
+}
+
+const NAMESPACE: &str = "bench";
+const DOMAIN: &str = "mg.bench.example.com";
+const API_KEY: &str = "key-bench";
+
+/// Sum of `apiserver_request_total` for write verbs, except on Events.
+async fn api_writes(client: &Client) -> anyhow::Result<f64> {
+    let req = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(req).await?;
+    let mut total = 0.0;
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+    {
+        let Some((labels, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let write = [
+            "\"POST\"",
+            "\"PUT\"",
+            "\"PATCH\"",
+            "\"DELETE\"",
+            "\"APPLY\"",
+        ]
+        .iter()
+        .any(|v| labels.contains(&format!("verb={v}")));
+        if write && !labels.contains("resource=\"events\"") {
+            total += value.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    Ok(total)
+}
+
+fn peak_rss_mib(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
+}
+
+async fn sent_count(api: &Api<MailgunCluster>) -> anyhow::Result<usize> {
+    let list = api.list_metadata(&ListParams::default()).await?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|o| o.annotations().contains_key(names::MAIL_SENT_ANNOTATION))
+        .count())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if !args.provider.is_file() {
+        bail!(
+            "provider binary {} not found: cargo build --release -p cluster-api-provider-mailgun",
+            args.provider.display()
+        );
+    }
+    let n = args.objects;
+    eprintln!("starting the local control plane");
+    let cp = ControlPlane::start(Options::default()).await?;
+    let client = cp.client().await?;
+    capm_test_support::install_crds(&client, &capm_api::crd::crds()?).await?;
+    cp.install_capi_crds().await?;
+    cp.kubectl_output(&["create", "namespace", NAMESPACE])?;
+    let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
+
+    // The backlog.
+    eprintln!("creating {n} Cluster + MailgunCluster pairs");
+    let cluster_ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+    ));
+    let clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), NAMESPACE, &cluster_ar);
+    let mgcs: Api<MailgunCluster> = Api::namespaced(client.clone(), NAMESPACE);
+    let created = Instant::now();
+    stream::iter(0..n)
+        .map(|i| {
+            let (clusters, mgcs, cluster_ar) = (clusters.clone(), mgcs.clone(), cluster_ar.clone());
+            async move {
+                let name = format!("bench-{i:05}");
+                let cluster = DynamicObject::new(&name, &cluster_ar).data(json!({ "spec": {
+                    "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
+                }}));
+                let cluster = clusters.create(&PostParams::default(), &cluster).await?;
+                let mgc: MailgunCluster = serde_json::from_value(json!({
+                    "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+                    "kind": "MailgunCluster",
+                    "metadata": {
+                        "name": name,
+                        "labels": { names::CLUSTER_NAME_LABEL: name },
+                        "ownerReferences": [{
+                            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
+                            "uid": cluster.metadata.uid, "controller": true, "blockOwnerDeletion": true
+                        }]
+                    },
+                    "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "bench@example.com" }
+                }))?;
+                mgcs.create(&PostParams::default(), &mgc).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<_>>()
+        .await?;
+    eprintln!(
+        "backlog created in {:.1} s",
+        created.elapsed().as_secs_f64()
+    );
+
+    // The provider, as its own process.
+    let writes_before = api_writes(&client).await?;
+    let started = Instant::now();
+    let mut provider = tokio::process::Command::new(&args.provider)
+        .env("MAILGUN_DOMAIN", DOMAIN)
+        .env("MAILGUN_API_KEY", API_KEY)
+        .env("MAIL_RECIPIENT", "ops@example.com")
+        .args(["--mailgun-base-url", &mailgun.base_url()])
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig())
+        .args([
+            "--leader-elect=false",
+            "--webhook-port",
+            "0",
+            "--metrics-bind-address",
+            "0",
+        ])
+        .args(["--health-probe-bind-address", "127.0.0.1:0"])
+        .args([
+            "--concurrency",
+            &args.concurrency.to_string(),
+            "--log-format",
+            "json",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the provider")?;
+    let pid = provider.id().context("provider pid")?;
+    let mut peak_rss = 0.0f64;
+    loop {
+        if let Some(status) = provider.try_wait()? {
+            bail!("the provider exited early: {status}");
+        }
+        peak_rss = peak_rss.max(peak_rss_mib(pid).unwrap_or(0.0));
+        if sent_count(&mgcs).await? == n {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!("not drained after 600 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let drained = started.elapsed();
+    // Let the last status writes land before counting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let writes_after = api_writes(&client).await?;
+    peak_rss = peak_rss.max(peak_rss_mib(pid).unwrap_or(0.0));
+    let mails = mailgun.messages()?;
+    let mut per_id: BTreeMap<&str, usize> = BTreeMap::new();
+    for m in &mails {
+        *per_id.entry(m.id.as_str()).or_default() += 1;
+    }
+    let duplicates = per_id.values().filter(|&&c| c > 1).count();
+
+    eprintln!("watching {} s of idle", args.idle_seconds);
+    let idle_start = api_writes(&client).await?;
+    let mut idle_peak = 0.0f64;
+    let idle_until = Instant::now() + Duration::from_secs(args.idle_seconds);
+    while Instant::now() < idle_until {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        idle_peak = idle_peak.max(peak_rss_mib(pid).unwrap_or(0.0));
+    }
+    let idle_writes = api_writes(&client).await? - idle_start;
+    peak_rss = peak_rss.max(idle_peak);
+    provider.kill().await.ok();
+
+    // The API server's raw ceiling: concurrent status merge-patches on the same objects.
+    let ceiling_patches = n.max(1000);
+    let names_list: Arc<Vec<String>> = Arc::new((0..n).map(|i| format!("bench-{i:05}")).collect());
+    let ceiling_start = Instant::now();
+    stream::iter(0..ceiling_patches)
+        .map(|i| {
+            let (mgcs, names_list) = (mgcs.clone(), names_list.clone());
+            async move {
+                let name = &names_list[i % names_list.len()];
+                mgcs.patch_status(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "status": { "observedGeneration": i } })),
+                )
+                .await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(args.ceiling_writers)
+        .try_collect::<Vec<_>>()
+        .await?;
+    let ceiling = ceiling_patches as f64 / ceiling_start.elapsed().as_secs_f64();
+
+    let writes = writes_after - writes_before;
+    let secs = drained.as_secs_f64();
+    let provider_write_rate = writes / secs;
+    println!("objects                      {n}");
+    println!("drain time                   {secs:.2} s");
+    println!("objects/second               {:.1}", n as f64 / secs);
+    println!(
+        "API writes per object        {:.2} ({writes} writes, Events excluded)",
+        writes / n as f64
+    );
+    println!(
+        "mails accepted               {} (expected {n}, duplicated ids {duplicates})",
+        mails.len()
+    );
+    println!("provider peak RSS            {peak_rss:.1} MiB");
+    println!(
+        "API writes while idle        {idle_writes} in {} s",
+        args.idle_seconds
+    );
+    println!(
+        "API server raw ceiling       {ceiling:.0} status writes/s ({} writers)",
+        args.ceiling_writers
+    );
+    println!(
+        "provider write rate          {provider_write_rate:.0} writes/s = {:.0}% of the ceiling",
+        100.0 * provider_write_rate / ceiling
+    );
+    cp.stop();
+    if mails.len() != n || duplicates > 0 {
+        bail!(
+            "expected exactly {n} mails, one per object; got {} with {duplicates} duplicated ids",
+            mails.len()
+        );
+    }
+    Ok(())
+}
