@@ -1,0 +1,297 @@
+//! Exactly one mail per object through the real binary: crashes at the two dangerous steps
+//! (failpoints abort the process), a restart, and two replicas of which only the leader sends.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use capm_api::{names, v1beta1::MailgunCluster};
+use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer};
+use capm_test_support::{TestNamespace, install_crds, process::free_port};
+use kube::{
+    Api, ResourceExt,
+    api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
+};
+use serde_json::json;
+use tokio::sync::OnceCell;
+
+const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
+const DOMAIN: &str = "mg.example.com";
+const KEY: &str = "key-exactly-once";
+
+static CRDS: OnceCell<()> = OnceCell::const_new();
+
+async fn namespace(prefix: &str) -> TestNamespace {
+    let ns = TestNamespace::create(prefix).await.unwrap();
+    CRDS.get_or_init(|| async {
+        install_crds(&ns.client, &capm_api::crd::crds().unwrap())
+            .await
+            .unwrap();
+        ns.control_plane().install_capi_crds().await.unwrap();
+    })
+    .await;
+    ns
+}
+
+enum Backend<'a> {
+    Mailgun(&'a MailgunServer),
+    Smtp(&'a SmtpServer),
+}
+
+struct Provider {
+    child: Child,
+    metrics: SocketAddr,
+    _config: Option<tempfile::NamedTempFile>,
+}
+
+impl Provider {
+    fn start(
+        ns: &TestNamespace,
+        backend: &Backend<'_>,
+        failpoint: Option<&str>,
+        leader_elect: bool,
+    ) -> Self {
+        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
+        let probes = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
+        let mut config_file = None;
+        let mut cmd = Command::new(BIN);
+        cmd.env_clear()
+            .env("MAIL_RECIPIENT", "ops@example.com")
+            .env("RUST_LOG", "warn")
+            .arg("--kubeconfig")
+            .arg(ns.control_plane().kubeconfig())
+            .args([
+                "--namespace",
+                &ns.name,
+                "--leader-election-namespace",
+                &ns.name,
+            ])
+            .args(["--metrics-bind-address", &metrics.to_string()])
+            .args(["--health-probe-bind-address", &probes.to_string()])
+            .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
+            .arg(format!("--leader-elect={leader_elect}"));
+        match backend {
+            Backend::Mailgun(server) => {
+                cmd.env("MAILGUN_DOMAIN", DOMAIN)
+                    .env("MAILGUN_API_KEY", KEY)
+                    .args(["--mailgun-base-url", &server.base_url()]);
+            }
+            Backend::Smtp(server) => {
+                // The test relay speaks plain SMTP; the binary's default is STARTTLS required.
+                let file = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
+                let config =
+                    json!({ "mailer": { "smtp": { "url": server.url(), "starttls": "never" } } });
+                std::fs::write(file.path(), config.to_string()).unwrap();
+                cmd.arg("--config")
+                    .arg(file.path())
+                    .args(["--message-id-domain", DOMAIN]);
+                config_file = Some(file);
+            }
+        }
+        if let Some(step) = failpoint {
+            cmd.env("CAPM_FAILPOINT", step);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            metrics,
+            _config: config_file,
+        }
+    }
+
+    /// Waits for the process to end on its own (a failpoint aborts it).
+    fn wait_for_crash(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(!status.success(), "the failpoint aborts: {status}");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the provider did not reach its failpoint within 60 s");
+    }
+
+    /// Sum of a metric's samples, from the provider's /metrics.
+    fn metric(&self, name: &str) -> f64 {
+        let Ok(mut stream) = TcpStream::connect(self.metrics) else {
+            return 0.0;
+        };
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A Cluster and its MailgunCluster, owner reference set as Cluster API does.
+async fn create_pair(ns: &TestNamespace, name: &str) -> MailgunCluster {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+    ));
+    let clusters: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
+    let cluster = DynamicObject::new(name, &ar).data(json!({ "spec": {
+        "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
+    }}));
+    let cluster = clusters
+        .create(&PostParams::default(), &cluster)
+        .await
+        .unwrap();
+    let mgc: MailgunCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+        "kind": "MailgunCluster",
+        "metadata": { "name": name, "ownerReferences": [{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
+            "uid": cluster.metadata.uid, "controller": true
+        }]},
+        "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "dev@example.com" }
+    }))
+    .unwrap();
+    ns.api::<MailgunCluster>()
+        .create(&PostParams::default(), &mgc)
+        .await
+        .unwrap()
+}
+
+async fn wait_recorded(ns: &TestNamespace, name: &str) -> MailgunCluster {
+    let api = ns.api::<MailgunCluster>();
+    for _ in 0..600 {
+        let obj = api.get(name).await.unwrap();
+        if obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
+            return obj;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{name} was not recorded as sent within 60 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_intent_then_restart_sends_exactly_one() {
+    let ns = namespace("eo-intent").await;
+    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
+    let backend = Backend::Mailgun(&mailgun);
+    let mut crashing = Provider::start(&ns, &backend, Some("after-intent"), false);
+    let created = create_pair(&ns, "one").await;
+    crashing.wait_for_crash();
+    let obj = ns.api::<MailgunCluster>().get("one").await.unwrap();
+    let id = names::message_id("MailgunCluster", &created.uid().unwrap(), DOMAIN);
+    assert_eq!(
+        obj.annotations().get(names::MAIL_INTENT_ANNOTATION),
+        Some(&id)
+    );
+    assert!(!obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION));
+    assert!(mailgun.messages().unwrap().is_empty());
+
+    // The new process finds a pending intent, the backend has no record: it sends, once.
+    let _provider = Provider::start(&ns, &backend, None, false);
+    wait_recorded(&ns, "one").await;
+    let mails = mailgun.messages().unwrap();
+    assert_eq!(mails.len(), 1);
+    assert_eq!(mails[0].id, id);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_send_mailgun_lookup_finds_it() {
+    let ns = namespace("eo-sent-mg").await;
+    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
+    let backend = Backend::Mailgun(&mailgun);
+    let mut crashing = Provider::start(&ns, &backend, Some("after-send"), false);
+    create_pair(&ns, "two").await;
+    crashing.wait_for_crash();
+    assert_eq!(
+        mailgun.messages().unwrap().len(),
+        1,
+        "accepted before the crash"
+    );
+    let obj = ns.api::<MailgunCluster>().get("two").await.unwrap();
+    assert!(!obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION));
+
+    let provider = Provider::start(&ns, &backend, None, false);
+    let obj = wait_recorded(&ns, "two").await;
+    assert_eq!(
+        mailgun.messages().unwrap().len(),
+        1,
+        "the lookup found it: no second mail"
+    );
+    assert_eq!(
+        obj.annotations().get(names::MAIL_SENT_ANNOTATION),
+        Some(&mailgun.messages().unwrap()[0].id)
+    );
+    assert_eq!(provider.metric("capm_mail_resends_total"), 0.0);
+    assert!(provider.metric("mailer_lookups_total") >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_send_smtp_resends_the_same_message_id() {
+    let ns = namespace("eo-sent-smtp").await;
+    let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
+    let backend = Backend::Smtp(&smtp);
+    let mut crashing = Provider::start(&ns, &backend, Some("after-send"), false);
+    let created = create_pair(&ns, "three").await;
+    crashing.wait_for_crash();
+    assert_eq!(smtp.messages().unwrap().len(), 1);
+
+    // SMTP cannot be asked: the mail goes again with the same Message-Id, and that is counted.
+    let provider = Provider::start(&ns, &backend, None, false);
+    wait_recorded(&ns, "three").await;
+    let mails = smtp.messages().unwrap();
+    assert_eq!(mails.len(), 2);
+    let id = names::message_id("MailgunCluster", &created.uid().unwrap(), DOMAIN);
+    for mail in &mails {
+        assert_eq!(
+            mail.header("Message-ID").or(mail.header("Message-Id")),
+            Some(id.as_str())
+        );
+    }
+    assert_eq!(provider.metric("capm_mail_resends_total"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_only_the_leader_sends() {
+    let ns = namespace("eo-replicas").await;
+    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
+    let backend = Backend::Mailgun(&mailgun);
+    let a = Provider::start(&ns, &backend, None, true);
+    let b = Provider::start(&ns, &backend, None, true);
+    for i in 0..5 {
+        create_pair(&ns, &format!("r{i}")).await;
+    }
+    for i in 0..5 {
+        wait_recorded(&ns, &format!("r{i}")).await;
+    }
+    assert_eq!(mailgun.messages().unwrap().len(), 5);
+    let (leader, standby) = if a.metric("leader_election_master_status") == 1.0 {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    assert_eq!(leader.metric("leader_election_master_status"), 1.0);
+    assert_eq!(standby.metric("leader_election_master_status"), 0.0);
+    assert!(leader.metric("controller_runtime_reconcile_total") >= 5.0);
+    assert_eq!(leader.metric("mailer_messages_total"), 5.0);
+    assert_eq!(standby.metric("controller_runtime_reconcile_total"), 0.0);
+    assert_eq!(standby.metric("mailer_messages_total"), 0.0);
+}
