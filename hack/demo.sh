@@ -1,35 +1,108 @@
 #!/usr/bin/env bash
-# The demo: a local control plane, the Cluster API CRDs, our CRDs, a sample Cluster +
-# MailgunCluster, the provider, and the mail it sends. Cleans up after itself.
+# The demo: a local control plane with the Cluster API core manager, an SMTP server, and the
+# provider. A sample Cluster + MailgunCluster is applied; the request mail arrives; the request is
+# fulfilled the way the mail says; the Cluster reaches phase Provisioned with
+# InfrastructureReady=True. Everything is stopped and removed at the end, also on failure.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 say() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+die() { echo "demo: $*" >&2; exit 1; }
 
 say "building the provider and the local environment CLI"
-cargo build -q -p capm-test-support --bin capm-env -p cluster-api-provider-mailgun
+cargo build -q -p cluster-api-provider-mailgun -p capm-test-support --bin cluster-api-provider-mailgun --bin capm-env
 capm_env=target/debug/capm-env
-
-state=$(mktemp -d -t capm-demo-XXXXXX)
-rmdir "$state"
-cleanup() { "$capm_env" down --dir "$state" >/dev/null 2>&1 || true; }
-trap cleanup EXIT
-
-say "starting a local control plane (etcd, kube-apiserver, kube-controller-manager)"
-eval "$("$capm_env" up --dir "$state" --capi-crds)"
+provider=target/debug/cluster-api-provider-mailgun
 kubectl=bin/kubectl
+
+work=$(mktemp -d -t capm-demo-XXXXXX)
+state="$work/control-plane"
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  "$capm_env" down --dir "$state" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_for() { # seconds, description, command...
+  local deadline=$((SECONDS + $1)) what=$2; shift 2
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $deadline ] || die "timed out waiting for $what"
+    sleep 0.5
+  done
+}
+
+say "starting a local control plane (etcd, kube-apiserver, kube-controller-manager) with the Cluster API CRDs"
+eval "$("$capm_env" up --dir "$state" --capi-crds)"
 "$kubectl" version
 
-if [ -d config/crd ] && ls config/crd/*.yaml >/dev/null 2>&1; then
-  say "installing the provider's CRDs"
-  "$kubectl" apply --server-side -f config/crd/
-  "$kubectl" wait --for condition=established --timeout=60s -f config/crd/
-fi
+say "installing the provider's CRDs"
+"$kubectl" apply --server-side -f config/crd/ >/dev/null
+"$kubectl" wait --for condition=established --timeout=60s -f config/crd/ >/dev/null
 
-say "starting the provider"
-if ! target/debug/cluster-api-provider-mailgun; then
-  echo
-  echo "The demo stops here: the provider binary does not run yet (controllers + cmd issue)."
-  echo "Everything above it (control plane, Cluster API CRDs, our CRDs) worked; see README.md, Status."
-  exit 2
-fi
+say "starting the Cluster API core manager ($(bin/capi-manager --version 2>/dev/null | head -1 || echo v1.14))"
+mkdir -p "$work/capi-certs"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 -subj /CN=localhost \
+  -keyout "$work/capi-certs/tls.key" -out "$work/capi-certs/tls.crt" 2>/dev/null
+bin/capi-manager --kubeconfig "$KUBECONFIG" --leader-elect=false \
+  --webhook-port "$(free_port)" --webhook-cert-dir "$work/capi-certs" \
+  --health-addr "127.0.0.1:$(free_port)" --diagnostics-address "127.0.0.1:$(free_port)" --insecure-diagnostics \
+  > "$work/capi-manager.log" 2>&1 &
+pids+=($!)
+
+say "starting an SMTP server on loopback"
+mkdir -p "$work/mail"
+sleep infinity | python3 tests/mail-servers/smtp_server.py --dir "$work/mail" > "$work/smtp.port" 2>"$work/smtp.log" &
+pids+=($!)
+wait_for 20 "the SMTP server" test -s "$work/smtp.port"
+smtp_addr=$(head -1 "$work/smtp.port")
+echo "SMTP server listening on $smtp_addr"
+
+say "starting the provider (SMTP backend)"
+cat > "$work/provider.json" <<JSON
+{ "mailer": { "smtp": { "url": "smtp://$smtp_addr", "starttls": "never" } } }
+JSON
+MAIL_RECIPIENT=infrastructure-team@example.com "$provider" --config "$work/provider.json" \
+  --message-id-domain capm.example.com --kubeconfig "$KUBECONFIG" --leader-elect=false --webhook-port 0 \
+  --metrics-bind-address "127.0.0.1:$(free_port)" --health-probe-bind-address "127.0.0.1:$(free_port)" \
+  > "$work/provider.log" 2>&1 &
+pids+=($!)
+
+say "applying the sample Cluster and MailgunCluster"
+"$kubectl" apply -f config/samples/infrastructure_v1beta1_mailguncluster.yaml -f config/samples/cluster_v1beta2_cluster.yaml
+
+say "waiting for the request mail"
+wait_for 90 "the request mail (provider log: $work/provider.log)" sh -c "ls '$work'/mail/*.eml"
+mail=$(ls "$work"/mail/*.eml | head -1)
+# Headers as received, the body decoded from its transfer encoding.
+python3 - "$mail" > "$work/mail.txt" <<'PY'
+import email, sys
+msg = email.message_from_binary_file(open(sys.argv[1], "rb"))
+for name in ("From", "To", "Subject", "Message-ID", "Date"):
+    print(f"{name}: {msg[name]}")
+print()
+print(msg.get_payload(decode=True).decode(msg.get_content_charset() or "utf-8"))
+PY
+echo "----- the mail the recipient got -----"
+cat "$work/mail.txt"
+echo "-----"
+
+say "fulfilling the request as the mail says"
+fulfil=$(grep -m1 'kubectl patch mailguncluster' "$work/mail.txt" | sed 's/^ *//; s/<host>/api.hello-mailgun.example.com/')
+[ -n "$fulfil" ] || die "the mail carries no kubectl command"
+echo "\$ $fulfil"
+eval "bin/${fulfil}"
+
+say "waiting for the Cluster to be Provisioned with InfrastructureReady=True"
+wait_for 90 "Cluster phase Provisioned (core manager log: $work/capi-manager.log)" \
+  sh -c "[ \"\$($kubectl get cluster hello-mailgun -o jsonpath='{.status.phase}')\" = Provisioned ]"
+wait_for 30 "InfrastructureReady=True" \
+  sh -c "[ \"\$($kubectl get cluster hello-mailgun -o jsonpath='{.status.conditions[?(@.type==\"InfrastructureReady\")].status}')\" = True ]"
+"$kubectl" get cluster,mailguncluster -o wide
+echo
+"$kubectl" get cluster hello-mailgun -o jsonpath='phase={.status.phase} infrastructureReady={.status.conditions[?(@.type=="InfrastructureReady")].status} endpoint={.spec.controlPlaneEndpoint.host}:{.spec.controlPlaneEndpoint.port}{"\n"}'
+[ "$(ls "$work"/mail/*.eml | wc -l)" = 1 ] || die "expected exactly one mail"
+
+say "done: one mail, one cluster; cleaning up"
