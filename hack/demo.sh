@@ -19,9 +19,11 @@ work=$(mktemp -d -t capm-demo-XXXXXX)
 state="$work/control-plane"
 pids=()
 cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  "$capm_env" down --dir "$state" >/dev/null 2>&1 || true
+  set +e
+  "$capm_env" down --dir "$state" >/dev/null 2>&1
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
+  exec 3>&- 2>/dev/null
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -54,8 +56,12 @@ pids+=($!)
 
 say "starting an SMTP server on loopback"
 mkdir -p "$work/mail"
-sleep infinity | python3 tests/mail-servers/smtp_server.py --dir "$work/mail" > "$work/smtp.port" 2>"$work/smtp.log" &
+# The server exits when its stdin closes: a FIFO this script holds open, so it also goes away
+# if the script is killed.
+mkfifo "$work/smtp.in"
+python3 tests/mail-servers/smtp_server.py --dir "$work/mail" < "$work/smtp.in" > "$work/smtp.port" 2>"$work/smtp.log" &
 pids+=($!)
+exec 3> "$work/smtp.in"
 wait_for 20 "the SMTP server" test -s "$work/smtp.port"
 smtp_addr=$(head -1 "$work/smtp.port")
 echo "SMTP server listening on $smtp_addr"
