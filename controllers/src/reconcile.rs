@@ -71,6 +71,16 @@ struct Tracked {
     finalizers: Vec<String>,
 }
 
+impl Tracked {
+    fn of(obj: &impl ResourceExt) -> Self {
+        Self {
+            resource_version: obj.resource_version(),
+            annotations: obj.annotations().clone(),
+            finalizers: obj.finalizers().to_vec(),
+        }
+    }
+}
+
 /// The result of one pass, before the status write.
 struct Pass {
     action: Action,
@@ -271,11 +281,7 @@ async fn reconcile_normal<K: InfraKind>(
         }
     };
 
-    let mut tracked = Tracked {
-        resource_version: obj.resource_version(),
-        annotations: obj.annotations().clone(),
-        finalizers: obj.finalizers().to_vec(),
-    };
+    let mut tracked = Tracked::of(obj);
     match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text).await {
         Ok((id, just_sent)) => {
             let previous = status.mail.take().unwrap_or_default();
@@ -395,11 +401,7 @@ async fn reconcile_delete<K: InfraKind>(
     status: &mut Status,
 ) -> Result<Pass, ReconcileError> {
     let generation = obj.meta().generation;
-    let mut tracked = Tracked {
-        resource_version: obj.resource_version(),
-        annotations: obj.annotations().clone(),
-        finalizers: obj.finalizers().to_vec(),
-    };
+    let mut tracked = Tracked::of(obj);
     // A request that may have gone out (sent, or an intent whose outcome is unknown) is
     // cancelled: a spurious "no longer needed" costs less than infrastructure nobody uses.
     let requested = tracked
