@@ -404,9 +404,14 @@ async fn reconcile_delete<K: InfraKind>(
     let mut tracked = Tracked::of(obj);
     // A request that may have gone out (sent, or an intent whose outcome is unknown) is
     // cancelled: a spurious "no longer needed" costs less than infrastructure nobody uses.
+    // A request whose last attempt was refused permanently never went out: nothing to cancel,
+    // and trying would fail the same way and keep the finalizer forever.
+    let refused = !tracked.annotations.contains_key(Which::Request.sent_key())
+        && status.mail.as_ref().and_then(|m| m.state) == Some(MailState::Failed);
     let requested = tracked
         .annotations
-        .contains_key(Which::Request.intent_key());
+        .contains_key(Which::Request.intent_key())
+        && !refused;
     if requested {
         let text = obj.deletion_mail();
         if let Err(error) = ensure_sent(obj, ctx, &mut tracked, Which::Deletion, &text).await {

@@ -345,3 +345,43 @@ async fn shutdown_before_start_returns_promptly() {
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     env.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_refused_for_good_does_not_block_deletion() {
+    use capm_mail_servers::{FailureMode, FailureRule, FailureTarget};
+    let mut env = Env::new("mgc-refused-delete").await;
+    env.mailgun
+        .set_failure(FailureRule {
+            mode: FailureMode::Unauthorized,
+            count: None,
+            retry_after: None,
+            target: FailureTarget::All,
+        })
+        .unwrap();
+    env.start().await;
+    env.create_mailgun_cluster("eta").await;
+    env.create_owner_cluster("eta", false).await;
+    eventually("MailFailed", || async {
+        let status = env
+            .clusters()
+            .get("eta")
+            .await
+            .unwrap()
+            .status
+            .unwrap_or_default();
+        condition(&status.conditions, "MailSent")
+            .is_some_and(|c| c.reason == names::reasons::MAIL_FAILED)
+    })
+    .await;
+    // Nothing went out, so nothing is cancelled: the finalizer goes without a mail.
+    env.clusters()
+        .delete("eta", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the object to be gone", || async {
+        env.clusters().get_opt("eta").await.unwrap().is_none()
+    })
+    .await;
+    assert!(env.mails().is_empty());
+    env.stop().await;
+}
