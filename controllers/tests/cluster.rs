@@ -283,10 +283,10 @@ async fn accepted_despite_error_is_found_by_lookup_not_resent() {
     env.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn permanent_failure_is_reported_and_retried_slowly() {
+/// Makes the backend refuse everything with 401, starts the controllers, creates `name` with its
+/// owner Cluster, and waits until the refusal shows as `MailFailed`.
+async fn refuse_and_wait_for_mail_failed(env: &mut Env, name: &str) {
     use capm_mail_servers::{FailureMode, FailureRule, FailureTarget};
-    let mut env = Env::new("mgc-401").await;
     env.mailgun
         .set_failure(FailureRule {
             mode: FailureMode::Unauthorized,
@@ -296,12 +296,12 @@ async fn permanent_failure_is_reported_and_retried_slowly() {
         })
         .unwrap();
     env.start().await;
-    env.create_mailgun_cluster("zeta").await;
-    env.create_owner_cluster("zeta", false).await;
+    env.create_mailgun_cluster(name).await;
+    env.create_owner_cluster(name, false).await;
     eventually("MailFailed", || async {
         let status = env
             .clusters()
-            .get("zeta")
+            .get(name)
             .await
             .unwrap()
             .status
@@ -310,6 +310,12 @@ async fn permanent_failure_is_reported_and_retried_slowly() {
             .is_some_and(|c| c.reason == names::reasons::MAIL_FAILED)
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permanent_failure_is_reported_and_retried_slowly() {
+    let mut env = Env::new("mgc-401").await;
+    refuse_and_wait_for_mail_failed(&mut env, "zeta").await;
     let status = env.clusters().get("zeta").await.unwrap().status.unwrap();
     assert_eq!(
         status.mail.unwrap().state,
@@ -348,31 +354,8 @@ async fn shutdown_before_start_returns_promptly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_refused_for_good_does_not_block_deletion() {
-    use capm_mail_servers::{FailureMode, FailureRule, FailureTarget};
     let mut env = Env::new("mgc-refused-delete").await;
-    env.mailgun
-        .set_failure(FailureRule {
-            mode: FailureMode::Unauthorized,
-            count: None,
-            retry_after: None,
-            target: FailureTarget::All,
-        })
-        .unwrap();
-    env.start().await;
-    env.create_mailgun_cluster("eta").await;
-    env.create_owner_cluster("eta", false).await;
-    eventually("MailFailed", || async {
-        let status = env
-            .clusters()
-            .get("eta")
-            .await
-            .unwrap()
-            .status
-            .unwrap_or_default();
-        condition(&status.conditions, "MailSent")
-            .is_some_and(|c| c.reason == names::reasons::MAIL_FAILED)
-    })
-    .await;
+    refuse_and_wait_for_mail_failed(&mut env, "eta").await;
     // Nothing went out, so nothing is cancelled: the finalizer goes without a mail.
     env.clusters()
         .delete("eta", &DeleteParams::default())
