@@ -11,30 +11,21 @@ use std::{
 
 use capm_api::{names, v1beta1::MailgunCluster};
 use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer};
-use capm_test_support::{TestNamespace, install_crds, process::free_port};
+use capm_test_support::{TestNamespace, process::free_port};
 use kube::{
     Api, ResourceExt,
     api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
 };
 use serde_json::json;
-use tokio::sync::OnceCell;
 
 const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
 const DOMAIN: &str = "mg.example.com";
 const KEY: &str = "key-exactly-once";
 
-static CRDS: OnceCell<()> = OnceCell::const_new();
-
 async fn namespace(prefix: &str) -> TestNamespace {
-    let ns = TestNamespace::create(prefix).await.unwrap();
-    CRDS.get_or_init(|| async {
-        install_crds(&ns.client, &capm_api::crd::crds().unwrap())
-            .await
-            .unwrap();
-        ns.control_plane().install_capi_crds().await.unwrap();
-    })
-    .await;
-    ns
+    TestNamespace::create_with_crds(prefix, &capm_api::crd::crds().unwrap())
+        .await
+        .unwrap()
 }
 
 enum Backend<'a> {

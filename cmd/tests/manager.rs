@@ -12,7 +12,7 @@ use std::{
 
 use bytes::Bytes;
 use capm_test_support::{
-    TestNamespace, install_crds,
+    TestNamespace,
     pki::CertificateAuthority,
     process::{free_port, tail},
 };
@@ -240,16 +240,9 @@ const LEASE: &str = "cluster-api-provider-mailgun-leader";
 
 #[tokio::test]
 async fn one_leader_hands_over_on_sigterm() {
-    let ns = TestNamespace::create("capm-cmd-le")
+    let ns = TestNamespace::create_with_crds("capm-cmd-le", &capm_api::crd::crds().expect("crds"))
         .await
-        .expect("namespace");
-    install_crds(&ns.client, &capm_api::crd::crds().expect("crds"))
-        .await
-        .expect("CRDs");
-    ns.control_plane()
-        .install_capi_crds()
-        .await
-        .expect("Cluster API CRDs");
+        .expect("namespace with CRDs");
     let dir = tempfile::tempdir().expect("tempdir");
     let no_webhook = ["--webhook-port=0"];
     let mut managers = [
@@ -520,16 +513,10 @@ async fn webhook_converts_over_tls_and_picks_up_new_certificates() {
 /// non-zero (its Deployment restarts it as a standby).
 #[tokio::test]
 async fn a_leader_that_loses_the_lease_exits_non_zero() {
-    let ns = TestNamespace::create("capm-cmd-lost")
-        .await
-        .expect("namespace");
-    install_crds(&ns.client, &capm_api::crd::crds().expect("crds"))
-        .await
-        .expect("CRDs");
-    ns.control_plane()
-        .install_capi_crds()
-        .await
-        .expect("Cluster API CRDs");
+    let ns =
+        TestNamespace::create_with_crds("capm-cmd-lost", &capm_api::crd::crds().expect("crds"))
+            .await
+            .expect("namespace with CRDs");
     let dir = tempfile::tempdir().expect("tempdir");
     let mut manager = Manager::start("solo", &ns, dir.path(), &["--webhook-port=0"]);
     eventually("leadership", Duration::from_secs(30), || {

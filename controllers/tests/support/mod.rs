@@ -14,13 +14,11 @@ use kube::{
     api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams},
 };
 use serde_json::{Value, json};
-use tokio::sync::{OnceCell, oneshot};
+use tokio::sync::oneshot;
 
 pub const DOMAIN: &str = "mg.example.com";
 pub const API_KEY: &str = "key-contract-test";
 pub const RECIPIENT: &str = "ops@example.com";
-
-static CRDS: OnceCell<()> = OnceCell::const_new();
 
 /// The stop signal and the task of running controllers.
 type Running = (
@@ -38,15 +36,9 @@ pub struct Env {
 
 impl Env {
     pub async fn new(prefix: &str) -> Self {
-        let ns = TestNamespace::create(prefix).await.unwrap();
-        CRDS.get_or_init(|| async {
-            let client = ns.control_plane().client().await.unwrap();
-            capm_test_support::install_crds(&client, &capm_api::crd::crds().unwrap())
-                .await
-                .unwrap();
-            ns.control_plane().install_capi_crds().await.unwrap();
-        })
-        .await;
+        let ns = TestNamespace::create_with_crds(prefix, &capm_api::crd::crds().unwrap())
+            .await
+            .unwrap();
         let mailgun = MailgunServer::start(API_KEY, DOMAIN).unwrap();
         let key_file = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(key_file.path(), API_KEY).unwrap();

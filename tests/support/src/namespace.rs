@@ -1,12 +1,15 @@
 //! A fresh namespace and client for each test.
 
-use k8s_openapi::{NamespaceResourceScope, api::core::v1::Namespace};
+use k8s_openapi::{
+    NamespaceResourceScope, api::core::v1::Namespace,
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+};
 use kube::{
     Api, Client, Resource,
     api::{DeleteParams, ObjectMeta, PostParams},
 };
 
-use crate::{ControlPlane, Error, shared};
+use crate::{ControlPlane, Error, install_crds, shared};
 
 /// A namespace created for one test, deleted (in the background) when dropped.
 pub struct TestNamespace {
@@ -64,6 +67,25 @@ impl TestNamespace {
             client,
             control_plane,
         })
+    }
+
+    /// Like [`TestNamespace::create`], with `crds` applied (and Established) and the Cluster API
+    /// CRDs installed in the control plane. Applying unchanged CRDs is a no-op, and the Cluster
+    /// API CRDs are installed once per process, so every test can call this.
+    ///
+    /// # Errors
+    /// When the namespace cannot be created or a CRD not installed.
+    pub async fn create_with_crds(
+        prefix: &str,
+        crds: &[CustomResourceDefinition],
+    ) -> Result<Self, Error> {
+        static CAPI_CRDS: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+        let ns = Self::create(prefix).await?;
+        install_crds(&ns.client, crds).await?;
+        CAPI_CRDS
+            .get_or_try_init(|| ns.control_plane.install_capi_crds())
+            .await?;
+        Ok(ns)
     }
 
     /// An `Api` for a namespaced kind in this namespace.
