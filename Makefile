@@ -4,6 +4,7 @@ SHELL := /usr/bin/env bash
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 PYTHON ?= python3
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CAPM_ENV := $(CARGO) run -q -p capm-test-support --bin capm-env --
 
 .PHONY: help
@@ -11,9 +12,11 @@ help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 .PHONY: deps
-deps: ## Install what a fresh machine lacks (Python test servers' packages)
-	@if [ -f tests/mail-servers/requirements.txt ]; then \
-	  $(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -r tests/mail-servers/requirements.txt; fi
+deps: ## Install what a fresh machine lacks (the SMTP test server's Python packages, Debian's Prometheus)
+	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -r tests/mail-servers/requirements.txt
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  echo "installing Debian's prometheus (prometheus + promtool for the end-to-end tests)"; \
+	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; fi
 
 .PHONY: tools
 tools: ## Build the Go tools (kube-apiserver, etcd, kubectl, kube-controller-manager, helm, Cluster API manager), cached by go.sum hash
@@ -36,17 +39,20 @@ lint: ## cargo fmt --check and clippy with warnings denied
 deny: ## Licences, duplicate versions and sources of dependencies (needs cargo-deny)
 	$(CARGO) deny check licenses bans sources
 
+CHART := charts/cluster-api-provider-mailgun
+CRD_DIRS := config/crd $(CHART)/files/crds
+
 .PHONY: generate
-generate: ## Regenerate committed files (CRD YAML) from the Rust types
-	@if [ -f api/src/bin/crdgen.rs ]; then $(CARGO) run -q -p capm-api --bin crdgen -- config/crd; fi
+generate: ## Regenerate committed files (CRD YAML in config/ and the chart) from the Rust types
+	@for dir in $(CRD_DIRS); do $(CARGO) run -q -p capm-api --bin crdgen -- $$dir; done
 
 .PHONY: verify-generated
 verify-generated: ## Fail when committed generated files are stale
-	@if [ -f api/src/bin/crdgen.rs ]; then $(CARGO) run -q -p capm-api --bin crdgen -- --check config/crd; fi
+	@for dir in $(CRD_DIRS); do $(CARGO) run -q -p capm-api --bin crdgen -- --check $$dir; done
 
 .PHONY: test
 test: deps tools lint verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
-	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server
+	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
 	CAPM_MAILGUN_SERVER_BIN=$(CURDIR)/target/debug/mailgun-contract-server $(CARGO) test --workspace --no-fail-fast
 
 .PHONY: bench

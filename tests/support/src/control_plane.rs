@@ -48,6 +48,8 @@ pub struct Options {
     pub timeout: Duration,
     /// Where the binaries are. `None`: [`process::bin_dir`].
     pub bin_dir: Option<PathBuf>,
+    /// More kube-apiserver flags (e.g. an audit policy), after the defaults.
+    pub apiserver_args: Vec<std::ffi::OsString>,
 }
 
 impl Default for Options {
@@ -59,6 +61,7 @@ impl Default for Options {
             controller_manager: true,
             timeout: Duration::from_secs(90),
             bin_dir: None,
+            apiserver_args: Vec::new(),
         }
     }
 }
@@ -311,7 +314,12 @@ impl ControlPlane {
             .arg(p("sa.pub"))
             .arg("--service-account-signing-key-file")
             .arg(p("sa.key"))
-            .args(["--profiling=false", "--v=1"]);
+            // Webhooks and aggregated APIs are reached through their Service's endpoints rather
+            // than its ClusterIP: there is no kube-proxy here, so a test can point an
+            // EndpointSlice at a process on this host.
+            .arg("--enable-aggregator-routing=true")
+            .args(["--profiling=false", "--v=1"])
+            .args(&opts.apiserver_args);
         guard
             .components
             .push(Component::spawn(&dir, "kube-apiserver", apiserver)?);

@@ -1,0 +1,82 @@
+{{/* Names: <release>-<chart> unless the release name already contains the chart name. */}}
+{{- define "capm.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "capm.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels on every object. `cluster.x-k8s.io/provider` is what clusterctl uses to find a provider's objects. */}}
+{{- define "capm.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "capm.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: cluster-api
+cluster.x-k8s.io/provider: infrastructure-mailgun
+{{- end }}
+
+{{- define "capm.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "capm.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "capm.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "capm.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "capm.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "capm.webhookServiceName" -}}
+{{- printf "%s-webhook" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "capm.webhookSecretName" -}}
+{{- printf "%s-webhook-cert" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "capm.leaderElectionID" -}}
+{{- printf "%s-leader" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The self-signed webhook CA and serving certificate, generated once per render and shared by the
+Secret and the CRDs' caBundle (they are in different templates). An existing Secret is reused so
+that `helm upgrade` does not rotate the certificate. Returns a dict: caCert, tlsCert, tlsKey.
+*/}}
+{{- define "capm.selfSignedCert" -}}
+{{- if not (hasKey .Values "__capmWebhookCert") }}
+{{- $secret := lookup "v1" "Secret" .Release.Namespace (include "capm.webhookSecretName" .) }}
+{{- $svc := include "capm.webhookServiceName" . }}
+{{- if and $secret $secret.data (hasKey $secret.data "ca.crt") (hasKey $secret.data "tls.crt") (hasKey $secret.data "tls.key") }}
+{{- $_ := set .Values "__capmWebhookCert" (dict "caCert" (index $secret.data "ca.crt" | b64dec) "tlsCert" (index $secret.data "tls.crt" | b64dec) "tlsKey" (index $secret.data "tls.key" | b64dec)) }}
+{{- else }}
+{{- $days := int .Values.webhook.selfSignedValidityDays }}
+{{- $ca := genCA (printf "%s-ca" $svc) $days }}
+{{- $dns := list $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) }}
+{{- $cert := genSignedCert (printf "%s.%s.svc" $svc .Release.Namespace) nil $dns $days $ca }}
+{{- $_ := set .Values "__capmWebhookCert" (dict "caCert" $ca.Cert "tlsCert" $cert.Cert "tlsKey" $cert.Key) }}
+{{- end }}
+{{- end }}
+{{- toJson (get .Values "__capmWebhookCert") }}
+{{- end }}

@@ -1,0 +1,519 @@
+//! Helpers for the end-to-end tests: Helm, the provider binary run the way the chart runs it,
+//! the Cluster API core manager, service-account kubeconfigs, Prometheus, the API server's
+//! audit log. Every process is started on loopback and stopped when its handle drops.
+
+use std::{
+    fs,
+    io::{Read, Write},
+    net::{IpAddr, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use capm_test_support::{ControlPlane, process};
+
+/// The chart, relative to this crate.
+pub fn chart_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/cluster-api-provider-mailgun")
+}
+
+/// Runs `helm` (the one `make tools` built) against `kubeconfig` (or none) and returns stdout.
+///
+/// # Errors
+/// When Helm is missing or exits non-zero; the error carries its stderr.
+pub fn helm(kubeconfig: Option<&Path>, args: &[&str]) -> Result<String> {
+    let mut cmd = Command::new(process::binary("helm")?);
+    // Helm's caches and config in a throw-away place: nothing from the user's ~/.config.
+    let home = std::env::temp_dir().join("capm-e2e-helm");
+    cmd.env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_DATA_HOME", home.join("data"))
+        .env_remove("KUBECONFIG")
+        .args(args);
+    if let Some(kubeconfig) = kubeconfig {
+        cmd.env("KUBECONFIG", kubeconfig);
+    }
+    run(&mut cmd, &format!("helm {}", args.join(" ")))
+}
+
+/// Runs a command, returning stdout; a non-zero exit is an error carrying stderr.
+///
+/// # Errors
+/// When it cannot start or fails.
+pub fn run(cmd: &mut Command, what: &str) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("running {what}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            stdout
+        );
+    }
+    Ok(stdout)
+}
+
+/// Like [`run`] with `input` on stdin.
+///
+/// # Errors
+/// When it cannot start or fails.
+pub fn run_with_input(cmd: &mut Command, input: &str, what: &str) -> Result<String> {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {what}"))?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(input.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            stdout
+        );
+    }
+    Ok(stdout)
+}
+
+/// The provider binary from this workspace's build (`make test` builds it first).
+///
+/// # Errors
+/// When it has not been built.
+pub fn provider_binary() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("CAPM_PROVIDER_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    // Test executables live in target/<profile>/deps; binaries one level up.
+    let exe = std::env::current_exe()?;
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("locating the target directory")?;
+    let bin = profile_dir.join("cluster-api-provider-mailgun");
+    ensure!(
+        bin.is_file(),
+        "{} not found: build it with `cargo build -p cluster-api-provider-mailgun` \
+         (make test does) or set CAPM_PROVIDER_BIN",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+/// A child process stopped (SIGTERM, then SIGKILL) when dropped, with its output in a log file.
+#[derive(Debug)]
+pub struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// Spawns `cmd`, stdout and stderr to `log`.
+    ///
+    /// # Errors
+    /// When it cannot start.
+    pub fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> Result<Self> {
+        let file = fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+            log,
+        })
+    }
+
+    /// The log so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last `n` lines of the log.
+    pub fn tail(&self, n: usize) -> String {
+        process::tail(&self.log, n)
+    }
+
+    /// Fails when the process has exited.
+    ///
+    /// # Errors
+    /// When it exited, with the end of its log.
+    pub fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("{} exited ({status}); log:\n{}", self.name, self.tail(30));
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, wait up to `grace`, then SIGKILL. Returns whether it exited by itself in time
+    /// with status 0.
+    pub fn terminate(&mut self, grace: Duration) -> bool {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return false;
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        false
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.terminate(Duration::from_secs(5));
+    }
+}
+
+/// A free loopback port.
+///
+/// # Errors
+/// When none can be found.
+pub fn free_port() -> Result<u16> {
+    Ok(process::free_port()?)
+}
+
+/// An IPv4 address of this host that is not loopback: Kubernetes refuses loopback endpoints,
+/// and the API server reaches a webhook through its Service's endpoints.
+///
+/// # Errors
+/// When the host has none.
+pub fn host_ip() -> Result<IpAddr> {
+    let out = run(Command::new("hostname").arg("-I"), "hostname -I")?;
+    out.split_whitespace()
+        .filter_map(|s| s.parse::<IpAddr>().ok())
+        .find(|ip| ip.is_ipv4() && !ip.is_loopback())
+        .context(
+            "this host has no non-loopback IPv4 address; the API server cannot reach a \
+             webhook endpoint on loopback",
+        )
+}
+
+/// A kubeconfig that authenticates as a ServiceAccount with a token from the TokenRequest API.
+///
+/// # Errors
+/// When the token cannot be issued.
+pub fn service_account_kubeconfig(
+    cp: &ControlPlane,
+    namespace: &str,
+    service_account: &str,
+    dir: &Path,
+) -> Result<PathBuf> {
+    let token = cp.kubectl_output(&[
+        "-n",
+        namespace,
+        "create",
+        "token",
+        service_account,
+        "--duration",
+        "2h",
+    ])?;
+    let ca = cp.ca_file().context("the control plane's CA file")?;
+    let path = dir.join(format!("{service_account}.kubeconfig"));
+    let config = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": {"server": cp.server(), "certificate-authority": ca}}],
+        "users": [{"name": service_account, "user": {"token": token.trim()}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": service_account, "namespace": namespace}}],
+        "current-context": "sa",
+    });
+    fs::write(&path, serde_json::to_vec_pretty(&config)?)?;
+    Ok(path)
+}
+
+/// The Cluster API core manager (built by `make tools`) against `kubeconfig`, as an admin:
+/// it is Cluster API, not the provider under test.
+///
+/// # Errors
+/// When it is not built or cannot start.
+pub fn start_capi_manager(kubeconfig: &Path, dir: &Path) -> Result<Proc> {
+    let certs = dir.join("capi-webhook-certs");
+    fs::create_dir_all(&certs)?;
+    let ca = capm_test_support::pki::CertificateAuthority::new("capi-webhook-ca")?;
+    let pair = ca.serving_cert("localhost", &["localhost"], &[])?;
+    fs::write(certs.join("tls.crt"), &pair.cert_pem)?;
+    fs::write(certs.join("tls.key"), &pair.key_pem)?;
+    let mut cmd = Command::new(process::binary("capi-manager")?);
+    cmd.arg("--kubeconfig")
+        .arg(kubeconfig)
+        .arg("--leader-elect=false")
+        .args(["--webhook-port", &free_port()?.to_string()])
+        .arg("--webhook-cert-dir")
+        .arg(&certs)
+        .args(["--health-addr", &format!("127.0.0.1:{}", free_port()?)])
+        .args([
+            "--diagnostics-address",
+            &format!("127.0.0.1:{}", free_port()?),
+        ])
+        .arg("--insecure-diagnostics");
+    Proc::spawn("capi-manager", cmd, dir.join("capi-manager.log"))
+}
+
+/// A plain HTTP GET (HTTP/1.0, one connection): status code and body.
+///
+/// # Errors
+/// On connection or protocol errors.
+pub fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
+    let mut stream = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nAccept: */*\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("an HTTP response without a header end")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("an HTTP response without a status")?;
+    Ok((status, body.to_owned()))
+}
+
+/// Polls `check` every 250 ms until it returns `Some`, or fails after `timeout` with `what`.
+///
+/// # Errors
+/// On timeout, or when `check` fails.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last_err = None;
+    loop {
+        match check().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_err = Some(e),
+        }
+        if Instant::now() > deadline {
+            match last_err {
+                Some(e) => {
+                    bail!("timed out after {timeout:?} waiting for {what}; last error: {e:#}")
+                }
+                None => bail!("timed out after {timeout:?} waiting for {what}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Debian's Prometheus (`apt-get install prometheus`), scraping `targets` every second.
+#[derive(Debug)]
+pub struct Prometheus {
+    proc: Proc,
+    addr: String,
+}
+
+impl Prometheus {
+    /// Starts it with a fresh TSDB in `dir`.
+    ///
+    /// # Errors
+    /// When it is not installed or does not become ready.
+    pub async fn start(dir: &Path, targets: &[String]) -> Result<Self> {
+        let bin = which("prometheus").context(
+            "prometheus not found: install Debian's package (`make deps` does: apt-get install prometheus)",
+        )?;
+        let config = dir.join("prometheus.yml");
+        let targets = targets
+            .iter()
+            .map(|t| format!("\"{t}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
+                 scrape_configs:\n  - job_name: cluster-api-provider-mailgun\n    \
+                 static_configs:\n      - targets: [{targets}]\n"
+            ),
+        )?;
+        let addr = format!("127.0.0.1:{}", free_port()?);
+        let mut cmd = Command::new(bin);
+        cmd.arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .arg("--log.level=warn");
+        let mut proc = Proc::spawn("prometheus", cmd, dir.join("prometheus.log"))?;
+        let started = Instant::now();
+        loop {
+            proc.check_alive()?;
+            if matches!(http_get(&addr, "/-/ready"), Ok((200, _))) {
+                break;
+            }
+            ensure!(
+                started.elapsed() < Duration::from_secs(60),
+                "prometheus not ready after 60 s; log:\n{}",
+                proc.tail(20)
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Ok(Self { proc, addr })
+    }
+
+    /// An instant PromQL query; the samples' values.
+    ///
+    /// # Errors
+    /// When the query fails.
+    pub fn query(&mut self, promql: &str) -> Result<Vec<f64>> {
+        self.proc.check_alive()?;
+        let (status, body) = http_get(
+            &self.addr,
+            &format!("/api/v1/query?query={}", url_encode(promql)),
+        )?;
+        ensure!(status == 200, "query {promql:?}: HTTP {status}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        let results = v["data"]["result"]
+            .as_array()
+            .context("no data.result in the query response")?;
+        results
+            .iter()
+            .map(|r| {
+                r["value"][1]
+                    .as_str()
+                    .and_then(|s| s.parse::<f64>().ok())
+                    .context("a sample without a value")
+            })
+            .collect()
+    }
+}
+
+/// `promtool check metrics` on an exposition; its complaints, empty when clean.
+///
+/// # Errors
+/// When promtool is not installed.
+pub fn promtool_check_metrics(exposition: &str) -> Result<String> {
+    let bin = which("promtool").context("promtool not found (Debian's prometheus package)")?;
+    let mut child = Command::new(bin)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(exposition.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    if out.status.success() {
+        Ok(text.trim().to_owned())
+    } else {
+        Ok(format!(
+            "promtool exited with {}: {}",
+            out.status,
+            text.trim()
+        ))
+    }
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+fn url_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// One request from the API server's audit log (JSON lines, level Metadata).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct AuditedRequest {
+    /// `get`, `list`, `watch`, `create`, `update`, `patch`, `delete`, ...
+    pub verb: String,
+    /// API group; empty for the core group.
+    pub group: String,
+    /// Resource, with `/subresource` when there is one.
+    pub resource: String,
+    /// HTTP status of the response.
+    pub code: u16,
+    /// The client's User-Agent.
+    pub user_agent: String,
+}
+
+/// The completed requests of `username` in an audit log.
+///
+/// # Errors
+/// When the log cannot be read.
+pub fn audited_requests(log: &Path, username: &str) -> Result<Vec<AuditedRequest>> {
+    let text = fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if event["stage"] != "ResponseComplete" || event["user"]["username"] != username {
+            continue;
+        }
+        let obj = &event["objectRef"];
+        let Some(resource) = obj["resource"].as_str() else {
+            continue; // non-resource URLs (/api, /version, ...)
+        };
+        let resource = match obj["subresource"].as_str() {
+            Some(sub) => format!("{resource}/{sub}"),
+            None => resource.to_owned(),
+        };
+        out.push(AuditedRequest {
+            verb: event["verb"].as_str().unwrap_or_default().to_owned(),
+            group: obj["apiGroup"].as_str().unwrap_or_default().to_owned(),
+            resource,
+            code: event["responseStatus"]["code"]
+                .as_u64()
+                .and_then(|c| u16::try_from(c).ok())
+                .unwrap_or(0),
+            user_agent: event["userAgent"].as_str().unwrap_or_default().to_owned(),
+        });
+    }
+    Ok(out)
+}
+
+/// An audit policy that logs, at level Metadata, every request made by a ServiceAccount.
+pub const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    userGroups: [\"system:serviceaccounts\"]
+  - level: None
+";

@@ -1,0 +1,367 @@
+//! The Helm chart on its own: lint, values schema errors, a server-side dry run of its output,
+//! an install into a namespace that enforces Pod Security "restricted", upgrade and uninstall.
+//! Each cluster test starts its own control plane: the chart installs cluster-scoped CRDs.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use capm_e2e::{chart_dir, eventually, helm, run_with_input};
+use capm_test_support::{ControlPlane, Options};
+use k8s_openapi::{
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Pod, Secret},
+    },
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+};
+use kube::{Api, api::ListParams};
+use serde::Deserialize as _;
+
+fn ci_values(name: &str) -> String {
+    chart_dir()
+        .join("ci")
+        .join(name)
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn chart() -> String {
+    chart_dir().to_string_lossy().into_owned()
+}
+
+#[test]
+fn lint_is_clean_for_every_ci_values_file() -> Result<()> {
+    for values in ["mailgun-values.yaml", "smtp-values.yaml"] {
+        let out = helm(
+            None,
+            &["lint", "--strict", &chart(), "-f", &ci_values(values)],
+        )?;
+        ensure!(
+            out.contains("0 chart(s) failed") && !out.contains("[WARNING]"),
+            "{values}:\n{out}"
+        );
+    }
+    Ok(())
+}
+
+/// Renders with `--set` values and returns the error text (the render must fail).
+fn render_error(sets: &[&str]) -> String {
+    let chart = chart();
+    let mut args = vec!["template", "t", chart.as_str()];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    match helm(None, &args) {
+        Ok(out) => panic!("rendering with {sets:?} should fail, rendered:\n{out}"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn bad_values_are_refused_with_the_field_named() {
+    // Nothing set: the recipient and the Mailgun settings are required.
+    let err = render_error(&[]);
+    assert!(err.contains("/mail/recipient"), "{err}");
+    assert!(err.contains("/mail/mailgun/domain"), "{err}");
+    assert!(err.contains("/mail/mailgun/apiKeySecret/name"), "{err}");
+
+    let ok = [
+        "mail.recipient=ops@example.com",
+        "mail.mailgun.domain=mg.example.com",
+        "mail.mailgun.apiKeySecret.name=k",
+    ];
+    let with = |extra: &[&'static str]| {
+        let mut v = ok.to_vec();
+        v.extend_from_slice(extra);
+        render_error(&v)
+    };
+    let err = with(&["mail.backend=sendmail"]);
+    assert!(err.contains("/mail/backend"), "{err}");
+    let err = with(&["replicaCount=-1"]);
+    assert!(err.contains("/replicaCount"), "{err}");
+    let err = with(&["recipient=ops@example.com"]);
+    assert!(err.contains("recipient"), "unknown top-level key: {err}");
+    let err = with(&["mail.backend=smtp"]);
+    assert!(err.contains("/mail/smtp/url"), "{err}");
+    let err = with(&[
+        "mail.backend=smtp",
+        "mail.smtp.url=smtp://relay.example.com",
+        "mail.smtp.username=capm",
+    ]);
+    assert!(err.contains("/mail/smtp/passwordSecret/name"), "{err}");
+    let err = with(&["mail.smtp.url=http://relay.example.com"]);
+    assert!(err.contains("/mail/smtp/url"), "{err}");
+}
+
+async fn control_plane() -> Result<ControlPlane> {
+    Ok(ControlPlane::start(Options::default()).await?)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
+    let cp = control_plane().await?;
+    // smtp-values.yaml watches (and binds its role in) namespace `clusters`.
+    for ns in ["capm-system", "clusters"] {
+        cp.kubectl_output(&["create", "namespace", ns])?;
+    }
+    for values in ["mailgun-values.yaml", "smtp-values.yaml"] {
+        let rendered = helm(
+            None,
+            &[
+                "template",
+                "capm",
+                &chart(),
+                "-n",
+                "capm-system",
+                "-f",
+                &ci_values(values),
+            ],
+        )?;
+        // cert-manager and prometheus-operator are not installed here: their objects are
+        // checked for shape below, everything else by the API server.
+        let mut ours = Vec::new();
+        let mut foreign = Vec::new();
+        for doc in serde_yaml_ng::Deserializer::from_str(&rendered) {
+            let v = serde_json::Value::deserialize(doc)?;
+            if v.is_null() {
+                continue;
+            }
+            let api_version = v["apiVersion"].as_str().unwrap_or_default();
+            if api_version.starts_with("cert-manager.io/")
+                || api_version.starts_with("monitoring.coreos.com/")
+            {
+                foreign.push(v);
+            } else {
+                ours.push(v);
+            }
+        }
+        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": ours});
+        let mut kubectl = cp.kubectl()?;
+        kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
+        let accepted = run_with_input(
+            &mut kubectl,
+            &list.to_string(),
+            "kubectl apply --dry-run=server",
+        )?;
+        ensure!(
+            accepted.lines().count() == ours.len(),
+            "{values}: {} objects rendered, the API server accepted:\n{accepted}",
+            ours.len()
+        );
+        for kind in [
+            "Deployment",
+            "ClusterRole",
+            "Role",
+            "Service",
+            "CustomResourceDefinition",
+        ] {
+            ensure!(
+                ours.iter().any(|o| o["kind"] == kind),
+                "{values}: no {kind} rendered"
+            );
+        }
+        if values == "smtp-values.yaml" {
+            let kinds: Vec<_> = foreign
+                .iter()
+                .map(|o| o["kind"].as_str().unwrap_or_default())
+                .collect();
+            ensure!(
+                kinds.contains(&"Certificate")
+                    && kinds.contains(&"Issuer")
+                    && kinds.contains(&"ServiceMonitor"),
+                "cert-manager and ServiceMonitor objects expected, got {kinds:?}"
+            );
+            let cert = foreign
+                .iter()
+                .find(|o| o["kind"] == "Certificate")
+                .context("Certificate")?;
+            ensure!(
+                cert["spec"]["dnsNames"][0]
+                    == "capm-cluster-api-provider-mailgun-webhook.capm-system.svc",
+                "{cert}"
+            );
+            // With cert-manager the CRDs get their CA injected instead of a caBundle.
+            for crd in ours
+                .iter()
+                .filter(|o| o["kind"] == "CustomResourceDefinition")
+            {
+                ensure!(
+                    crd["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+                        == "capm-system/capm-cluster-api-provider-mailgun-webhook-cert",
+                    "{}",
+                    crd["metadata"]["name"]
+                );
+            }
+        }
+    }
+    cp.stop();
+    Ok(())
+}
+
+async fn pods_of(api: &Api<Pod>) -> Result<Vec<Pod>> {
+    Ok(api
+        .list(&ListParams::default().labels("app.kubernetes.io/name=cluster-api-provider-mailgun"))
+        .await?
+        .items)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn installs_into_a_restricted_namespace_upgrades_and_uninstalls() -> Result<()> {
+    let cp = control_plane().await?;
+    let kubeconfig = cp.kubeconfig().to_path_buf();
+    let client = cp.client().await?;
+    let ns = "capm-system";
+    cp.kubectl_output(&["create", "namespace", ns])?;
+    cp.kubectl_output(&[
+        "label",
+        "namespace",
+        ns,
+        "pod-security.kubernetes.io/enforce=restricted",
+        "pod-security.kubernetes.io/enforce-version=latest",
+    ])?;
+    cp.kubectl_output(&[
+        "-n",
+        ns,
+        "create",
+        "secret",
+        "generic",
+        "mailgun-api-key",
+        "--from-literal=api-key=key-not-a-real-one",
+    ])?;
+    let install = |extra: &[&str]| -> Result<String> {
+        let chart = chart();
+        let values = ci_values("mailgun-values.yaml");
+        let mut args = vec![
+            "upgrade",
+            "--install",
+            "capm",
+            &chart,
+            "-n",
+            ns,
+            "-f",
+            &values,
+        ];
+        args.extend_from_slice(extra);
+        helm(Some(&kubeconfig), &args)
+    };
+    let notes = install(&[])?;
+    ensure!(notes.contains("STATUS: deployed"), "{notes}");
+    ensure!(
+        notes.contains("kubectl -n capm-system rollout status"),
+        "NOTES.txt: {notes}"
+    );
+
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
+    let deployment = deployments.get("capm-cluster-api-provider-mailgun").await?;
+    let spec = deployment.spec.context("spec")?;
+    ensure!(spec.replicas == Some(2), "2 replicas by default");
+    // There are no nodes here: Pods stay Pending, but the ReplicaSet controller can only create
+    // them if Pod Security admission lets them in.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let created = eventually(Duration::from_secs(60), "2 Pods admitted", || async {
+        let list = pods_of(&pods).await?;
+        Ok((list.len() == 2).then_some(list))
+    })
+    .await?;
+    for pod in &created {
+        let c = &pod.spec.as_ref().context("pod spec")?.containers[0];
+        ensure!(
+            c.name == "manager",
+            "clusterctl expects the container to be named manager"
+        );
+        let sc = c
+            .security_context
+            .as_ref()
+            .context("container securityContext")?;
+        ensure!(
+            sc.read_only_root_filesystem == Some(true),
+            "read-only root filesystem"
+        );
+        ensure!(
+            c.resources
+                .as_ref()
+                .and_then(|r| r.limits.as_ref())
+                .is_some(),
+            "limits"
+        );
+        ensure!(
+            c.liveness_probe.is_some() && c.readiness_probe.is_some(),
+            "probes"
+        );
+    }
+    // The namespace does enforce: a non-compliant variant of the same chart is refused.
+    install(&["--set", "securityContext.allowPrivilegeEscalation=true"])?;
+    let refused = eventually(Duration::from_secs(60), "a FailedCreate event", || async {
+        let out = cp.kubectl_output(&[
+            "-n",
+            ns,
+            "get",
+            "events",
+            "--field-selector",
+            "reason=FailedCreate",
+            "-o",
+            "jsonpath={.items[*].message}",
+        ])?;
+        Ok(out
+            .contains("violates PodSecurity \"restricted")
+            .then_some(out))
+    })
+    .await?;
+    ensure!(refused.contains("allowPrivilegeEscalation"), "{refused}");
+
+    // Upgrades keep the webhook certificate, and the CRDs trust its CA.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let secret_name = "capm-cluster-api-provider-mailgun-webhook-cert";
+    let before = secrets.get(secret_name).await?.data.context("data")?;
+    install(&["--set", "concurrency=5"])?;
+    let after = secrets.get(secret_name).await?.data.context("data")?;
+    ensure!(
+        before == after,
+        "helm upgrade rotated the webhook certificate"
+    );
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let crd = crds
+        .get("mailgunclusters.infrastructure.cluster.x-k8s.io")
+        .await?;
+    let conversion = crd.spec.conversion.context("conversion")?;
+    ensure!(conversion.strategy == "Webhook", "conversion strategy");
+    let client_config = conversion
+        .webhook
+        .and_then(|w| w.client_config)
+        .context("webhook clientConfig")?;
+    ensure!(
+        client_config.ca_bundle.map(|b| b.0) == after.get("ca.crt").map(|b| b.0.clone()),
+        "the CRD's caBundle is not the webhook Secret's CA"
+    );
+    let svc = client_config.service.context("service")?;
+    ensure!(
+        svc.name == "capm-cluster-api-provider-mailgun-webhook" && svc.namespace == ns,
+        "webhook service {svc:?}"
+    );
+    ensure!(
+        crd.metadata
+            .labels
+            .unwrap_or_default()
+            .get("cluster.x-k8s.io/v1beta2")
+            == Some(&"v1beta1".to_owned()),
+        "contract label"
+    );
+
+    // Uninstall removes the provider but keeps the CRDs (and with them every user object).
+    helm(Some(&kubeconfig), &["uninstall", "capm", "-n", ns])?;
+    ensure!(
+        deployments
+            .get_opt("capm-cluster-api-provider-mailgun")
+            .await?
+            .is_none(),
+        "Deployment left after uninstall"
+    );
+    ensure!(
+        crds.get_opt("mailgunclusters.infrastructure.cluster.x-k8s.io")
+            .await?
+            .is_some(),
+        "uninstall deleted the CRDs"
+    );
+    cp.stop();
+    Ok(())
+}
