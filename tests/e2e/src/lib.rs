@@ -113,7 +113,7 @@ pub fn provider_binary() -> Result<PathBuf> {
 #[derive(Debug)]
 pub struct Proc {
     name: String,
-    child: Child,
+    child: std::sync::Mutex<Child>,
     log: PathBuf,
 }
 
@@ -132,7 +132,7 @@ impl Proc {
             .with_context(|| format!("starting {name}"))?;
         Ok(Self {
             name: name.to_owned(),
-            child,
+            child: std::sync::Mutex::new(child),
             log,
         })
     }
@@ -151,8 +151,9 @@ impl Proc {
     ///
     /// # Errors
     /// When it exited, with the end of its log.
-    pub fn check_alive(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait()? {
+    pub fn check_alive(&self) -> Result<()> {
+        let status = self.child().try_wait()?;
+        if let Some(status) = status {
             bail!("{} exited ({status}); log:\n{}", self.name, self.tail(30));
         }
         Ok(())
@@ -160,23 +161,30 @@ impl Proc {
 
     /// SIGTERM, wait up to `grace`, then SIGKILL. Returns whether it exited by itself in time
     /// with status 0.
-    pub fn terminate(&mut self, grace: Duration) -> bool {
-        if self.child.try_wait().ok().flatten().is_some() {
+    pub fn terminate(&self, grace: Duration) -> bool {
+        let mut child = self.child();
+        if child.try_wait().ok().flatten().is_some() {
             return false;
         }
         let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args(["-TERM", &child.id().to_string()])
             .status();
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
+            if let Ok(Some(status)) = child.try_wait() {
                 return status.success();
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = child.kill();
+        let _ = child.wait();
         false
+    }
+
+    fn child(&self) -> std::sync::MutexGuard<'_, Child> {
+        self.child
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -296,6 +304,7 @@ pub fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
 }
 
 /// Polls `check` every 250 ms until it returns `Some`, or fails after `timeout` with `what`.
+/// An error from `check` (a process died, the API refused) ends the wait at once.
 ///
 /// # Errors
 /// On timeout, or when `check` fails.
@@ -305,21 +314,17 @@ where
     Fut: std::future::Future<Output = Result<Option<T>>>,
 {
     let deadline = Instant::now() + timeout;
-    let mut last_err = None;
     loop {
-        match check().await {
-            Ok(Some(v)) => return Ok(v),
-            Ok(None) => {}
-            Err(e) => last_err = Some(e),
+        if let Some(v) = check()
+            .await
+            .with_context(|| format!("while waiting for {what}"))?
+        {
+            return Ok(v);
         }
-        if Instant::now() > deadline {
-            match last_err {
-                Some(e) => {
-                    bail!("timed out after {timeout:?} waiting for {what}; last error: {e:#}")
-                }
-                None => bail!("timed out after {timeout:?} waiting for {what}"),
-            }
-        }
+        ensure!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
@@ -340,6 +345,7 @@ impl Prometheus {
         let bin = which("prometheus").context(
             "prometheus not found: install Debian's package (`make deps` does: apt-get install prometheus)",
         )?;
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let config = dir.join("prometheus.yml");
         let targets = targets
             .iter()
@@ -363,7 +369,7 @@ impl Prometheus {
             ))
             .arg(format!("--web.listen-address={addr}"))
             .arg("--log.level=warn");
-        let mut proc = Proc::spawn("prometheus", cmd, dir.join("prometheus.log"))?;
+        let proc = Proc::spawn("prometheus", cmd, dir.join("prometheus.log"))?;
         let started = Instant::now();
         loop {
             proc.check_alive()?;

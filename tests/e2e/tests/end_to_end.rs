@@ -1,0 +1,706 @@
+//! End to end, with real parts only: the chart installed by Helm into a local control plane;
+//! the provider run from this build exactly as the chart's Deployment runs it (its args, its
+//! mounted Secrets, its ServiceAccount's token, so only the chart's RBAC applies); the real
+//! Cluster API core manager; a real SMTP server (STARTTLS required, AUTH); the API server
+//! calling the conversion webhook through the chart's Service and certificate; Debian's
+//! Prometheus scraping the provider. The API server's audit log then shows that the chart's
+//! RBAC was sufficient (no request of the provider was denied) and minimal (each permission it
+//! grants was used, bar the ones listed with their reason).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use capm_e2e::{
+    AUDIT_POLICY, Proc, Prometheus, audited_requests, chart_dir, eventually, free_port, helm,
+    host_ip, http_get, promtool_check_metrics, provider_binary, service_account_kubeconfig,
+    start_capi_manager,
+};
+use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
+use capm_test_support::{ControlPlane, Options};
+use k8s_openapi::{
+    ByteString,
+    api::{
+        apps::v1::Deployment,
+        core::v1::{Namespace, Secret},
+        rbac::v1::{ClusterRole, PolicyRule, Role},
+    },
+};
+use kube::{
+    Api, Client,
+    api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
+    core::ObjectMeta,
+};
+
+const NS: &str = "capm-system";
+const RELEASE: &str = "capm";
+const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
+const USER_NS: &str = "team-a";
+const RECIPIENT: &str = "infrastructure-team@example.com";
+
+fn dynamic(client: &Client, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    Api::namespaced_with(client.clone(), USER_NS, &ApiResource::from_gvk(&gvk))
+}
+
+fn object(
+    api_version: &str,
+    kind: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<DynamicObject> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": USER_NS},
+        "spec": spec,
+    }))?)
+}
+
+/// Decodes a quoted-printable body (soft breaks and `=XX`); other bodies pass unchanged.
+fn body_text(mail: &ReceivedMail) -> String {
+    let qp = mail
+        .header("Content-Transfer-Encoding")
+        .is_some_and(|e| e.eq_ignore_ascii_case("quoted-printable"));
+    if !qp {
+        return mail.body.clone();
+    }
+    let joined = mail.body.replace("=\r\n", "").replace("=\n", "");
+    let bytes = joined.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'='
+            && i + 2 < bytes.len()
+            && let Ok(b) = u8::from_str_radix(&joined[i + 1..i + 3], 16)
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The `kubectl ...` line the mail gives its recipient, placeholders filled in.
+fn fulfil_command(mail: &ReceivedMail, fill: &[(&str, &str)]) -> Result<Vec<String>> {
+    let body = body_text(mail);
+    let line = body
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("kubectl patch"))
+        .with_context(|| format!("no kubectl command in the mail:\n{body}"))?;
+    let mut line = line.to_owned();
+    for (placeholder, value) in fill {
+        line = line.replace(placeholder, value);
+    }
+    // The line is written for a POSIX shell: split it the way one would.
+    shell_words(&line)
+}
+
+/// Splits a shell line with `sh` itself (quotes as the recipient's shell would treat them).
+fn shell_words(line: &str) -> Result<Vec<String>> {
+    let out = capm_e2e::run(
+        Command::new("sh").args([
+            "-c",
+            &format!("for a in {line}; do printf '%s\\0' \"$a\"; done"),
+        ]),
+        "sh",
+    )?;
+    Ok(out
+        .split('\0')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Writes what the kubelet would mount for the Deployment's Secret volumes into `dir` and
+/// returns (mountPath, local dir) pairs.
+async fn emulate_secret_mounts(
+    client: &Client,
+    deployment: &Deployment,
+    dir: &Path,
+) -> Result<Vec<(String, PathBuf)>> {
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("pod template")?;
+    let container = &pod.containers[0];
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), NS);
+    let mut mounts = Vec::new();
+    for mount in container.volume_mounts.as_deref().unwrap_or_default() {
+        let volume = pod
+            .volumes
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .find(|v| v.name == mount.name)
+            .context("volume of a mount")?;
+        let source = volume
+            .secret
+            .as_ref()
+            .context("only Secret volumes are expected")?;
+        let secret = secrets
+            .get(source.secret_name.as_deref().context("secretName")?)
+            .await?;
+        let data = secret.data.unwrap_or_default();
+        let local = dir.join("mounts").join(&mount.name);
+        fs::create_dir_all(&local)?;
+        for item in source.items.as_deref().unwrap_or_default() {
+            let ByteString(bytes) = data
+                .get(&item.key)
+                .with_context(|| format!("key {} in Secret of volume {}", item.key, mount.name))?;
+            fs::write(local.join(&item.path), bytes)?;
+        }
+        mounts.push((mount.mount_path.clone(), local));
+    }
+    Ok(mounts)
+}
+
+/// The provider, run from this build with the Deployment's arguments: mount paths mapped to
+/// the emulated mounts, listeners moved to free ports, authenticated by `kubeconfig`.
+struct Provider {
+    proc: Proc,
+    metrics: String,
+    webhook_port: u16,
+}
+
+async fn start_provider(
+    client: &Client,
+    kubeconfig: &Path,
+    dir: &Path,
+) -> Result<(Provider, Vec<String>)> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let deployment = deployments.get(FULLNAME).await?;
+    let mounts = emulate_secret_mounts(client, &deployment, dir).await?;
+    let chart_args = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers[0].args.clone())
+        .context("container args")?;
+    let metrics = format!("127.0.0.1:{}", free_port()?);
+    let webhook_port = free_port()?;
+    let mut args = Vec::new();
+    for arg in &chart_args {
+        let (flag, value) = arg.split_once('=').unwrap_or((arg, ""));
+        let value = match flag {
+            "--metrics-bind-address" => metrics.clone(),
+            "--health-probe-bind-address" => format!("127.0.0.1:{}", free_port()?),
+            "--webhook-port" => webhook_port.to_string(),
+            _ => mounts
+                .iter()
+                .find(|(path, _)| value == path || value.starts_with(&format!("{path}/")))
+                .map(|(path, local)| value.replacen(path.as_str(), &local.to_string_lossy(), 1))
+                .unwrap_or_else(|| value.to_owned()),
+        };
+        args.push(format!("{flag}={value}"));
+    }
+    let mut cmd = Command::new(provider_binary()?);
+    cmd.args(&args)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .env("POD_NAMESPACE", NS)
+        .env_remove("KUBECONFIG")
+        .env_remove("MAILGUN_API_KEY")
+        .env_remove("SMTP_PASSWORD");
+    let proc = Proc::spawn("provider", cmd, dir.join("provider.log"))?;
+    Ok((
+        Provider {
+            proc,
+            metrics,
+            webhook_port,
+        },
+        chart_args,
+    ))
+}
+
+/// Points the chart's webhook Service at the local provider: there is no kube-proxy and no
+/// kubelet here, so the EndpointSlice the endpoint controllers would write is written by hand.
+async fn route_webhook_service(client: &Client, port: u16) -> Result<()> {
+    let ip = host_ip()?;
+    let slice: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": format!("{FULLNAME}-webhook-local"),
+            "namespace": NS,
+            "labels": {"kubernetes.io/service-name": format!("{FULLNAME}-webhook")},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip.to_string()], "conditions": {"ready": true}}],
+    }))?;
+    let gvk = GroupVersionKind::gvk("discovery.k8s.io", "v1", "EndpointSlice");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), NS, &ApiResource::from_gvk(&gvk));
+    api.create(&PostParams::default(), &slice).await?;
+    Ok(())
+}
+
+/// Granted (group, resource, verb) triples of a rule list.
+fn granted(rules: &[PolicyRule]) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for rule in rules {
+        for group in rule.api_groups.as_deref().unwrap_or_default() {
+            for resource in rule.resources.as_deref().unwrap_or_default() {
+                for verb in &rule.verbs {
+                    out.insert((group.clone(), resource.clone(), verb.clone()));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
+    let work = tempfile::tempdir()?;
+    let dir = work.path();
+    // A control plane of its own, with an audit log of every ServiceAccount's requests.
+    let policy = dir.join("audit-policy.yaml");
+    fs::write(&policy, AUDIT_POLICY)?;
+    let audit_log = dir.join("audit.log");
+    let cp = ControlPlane::start(Options {
+        apiserver_args: vec![
+            format!("--audit-policy-file={}", policy.display()).into(),
+            format!("--audit-log-path={}", audit_log.display()).into(),
+            "--audit-log-mode=blocking".into(),
+        ],
+        ..Options::default()
+    })
+    .await?;
+    cp.install_capi_crds().await?;
+    let admin = cp.client().await?;
+
+    // A real SMTP relay: STARTTLS required, AUTH, a private CA.
+    let smtp_password = "e2e-smtp-password-not-logged";
+    let smtp = SmtpServer::start(SmtpOptions {
+        tls: SmtpTls::StarttlsRequired,
+        auth: Some(("capm".into(), smtp_password.into())),
+    })?;
+    let smtp_ca = fs::read_to_string(smtp.ca_cert().context("SMTP CA")?)?;
+
+    // The chart, as a user installs it: namespace enforcing "restricted", Secrets first.
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    for (name, restricted) in [(NS, true), (USER_NS, false)] {
+        let mut labels = BTreeMap::new();
+        if restricted {
+            labels.insert(
+                "pod-security.kubernetes.io/enforce".to_owned(),
+                "restricted".to_owned(),
+            );
+        }
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(labels),
+                ..ObjectMeta::default()
+            },
+            ..Namespace::default()
+        };
+        namespaces.create(&PostParams::default(), &ns).await?;
+    }
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
+    for (name, key, value) in [
+        ("smtp-credentials", "password", smtp_password.to_owned()),
+        ("smtp-ca", "ca.crt", smtp_ca),
+    ] {
+        let secret = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..ObjectMeta::default()
+            },
+            string_data: Some(BTreeMap::from([(key.to_owned(), value)])),
+            ..Secret::default()
+        };
+        secrets.create(&PostParams::default(), &secret).await?;
+    }
+    let values = dir.join("values.yaml");
+    fs::write(
+        &values,
+        format!(
+            "mail:\n  recipient: {RECIPIENT}\n  backend: smtp\n  messageIdDomain: capm.e2e.example.com\n  \
+             smtp:\n    url: {}\n    username: capm\n    passwordSecret: {{name: smtp-credentials}}\n    \
+             caSecret: {{name: smtp-ca}}\n",
+            smtp.url()
+        ),
+    )?;
+    let chart = chart_dir();
+    helm(
+        Some(cp.kubeconfig()),
+        &[
+            "install",
+            RELEASE,
+            &chart.to_string_lossy(),
+            "-n",
+            NS,
+            "-f",
+            &values.to_string_lossy(),
+        ],
+    )?;
+
+    // The provider as the chart's ServiceAccount, the core manager as Cluster API.
+    let sa_kubeconfig = service_account_kubeconfig(&cp, NS, FULLNAME, dir)?;
+    let (provider, chart_args) = start_provider(&admin, &sa_kubeconfig, dir).await?;
+    ensure!(
+        chart_args.iter().any(|a| a == "--leader-elect=true"),
+        "the chart runs with leader election: {chart_args:?}"
+    );
+    route_webhook_service(&admin, provider.webhook_port).await?;
+    let capi = start_capi_manager(cp.kubeconfig(), dir)?;
+
+    // A Cluster and its MailgunCluster, as a user writes them: no owner references.
+    let clusters = dynamic(&admin, "cluster.x-k8s.io", "v1beta2", "Cluster");
+    let mailgun_clusters = dynamic(
+        &admin,
+        "infrastructure.cluster.x-k8s.io",
+        "v1beta1",
+        "MailgunCluster",
+    );
+    mailgun_clusters
+        .create(
+            &PostParams::default(),
+            &object(
+                "infrastructure.cluster.x-k8s.io/v1beta1",
+                "MailgunCluster",
+                "e2e",
+                serde_json::json!({"priority": "Urgent", "request": "One cluster please", "requester": "e2e@example.com"}),
+            )?,
+        )
+        .await?;
+    clusters
+        .create(
+            &PostParams::default(),
+            &object(
+                "cluster.x-k8s.io/v1beta2",
+                "Cluster",
+                "e2e",
+                serde_json::json!({"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MailgunCluster", "name": "e2e"}}),
+            )?,
+        )
+        .await?;
+
+    let wait = Duration::from_secs(120);
+    let request = eventually(wait, "the cluster request mail", || async {
+        provider.proc.check_alive()?;
+        capi.check_alive()?;
+        let mails = smtp.messages()?;
+        Ok(mails.into_iter().find(|m| {
+            m.header("Subject")
+                .is_some_and(|s| s.contains("New Cluster e2e requested"))
+        }))
+    })
+    .await?;
+    ensure!(
+        request.tls && request.auth_user.as_deref() == Some("capm"),
+        "STARTTLS + AUTH"
+    );
+    ensure!(request.rcpt_tos == [RECIPIENT], "{:?}", request.rcpt_tos);
+    let owner = mailgun_clusters
+        .get("e2e")
+        .await?
+        .metadata
+        .owner_references
+        .unwrap_or_default();
+    ensure!(
+        owner.iter().any(|o| o.kind == "Cluster" && o.name == "e2e"),
+        "Cluster API set the owner reference: {owner:?}"
+    );
+
+    // The recipient fulfils the request with the command from the mail.
+    let command = fulfil_command(&request, &[("<host>", "api.e2e.example.com")])?;
+    ensure!(command[0] == "kubectl", "{command:?}");
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(&command[1..]);
+    capm_e2e::run(&mut kubectl, &command.join(" "))?;
+    eventually(
+        wait,
+        "Cluster InfrastructureReady=True and phase Provisioned",
+        || async {
+            let c = clusters.get("e2e").await?;
+            let status = &c.data["status"];
+            let ready = status["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "InfrastructureReady" && c["status"] == "True");
+            Ok((ready && status["phase"] == "Provisioned").then_some(()))
+        },
+    )
+    .await?;
+
+    // A Machine: waits for the Cluster's infrastructure (now ready) and its bootstrap data.
+    let machines = dynamic(&admin, "cluster.x-k8s.io", "v1beta2", "Machine");
+    let mailgun_machines = dynamic(
+        &admin,
+        "infrastructure.cluster.x-k8s.io",
+        "v1beta1",
+        "MailgunMachine",
+    );
+    mailgun_machines
+        .create(
+            &PostParams::default(),
+            &object(
+                "infrastructure.cluster.x-k8s.io/v1beta1",
+                "MailgunMachine",
+                "e2e-cp-0",
+                serde_json::json!({"priority": "Urgent", "request": "A control plane node please", "requester": "e2e@example.com"}),
+            )?,
+        )
+        .await?;
+    machines
+        .create(
+            &PostParams::default(),
+            &object(
+                "cluster.x-k8s.io/v1beta2",
+                "Machine",
+                "e2e-cp-0",
+                serde_json::json!({
+                    "clusterName": "e2e",
+                    "bootstrap": {"dataSecretName": "e2e-cp-0-bootstrap"},
+                    "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MailgunMachine", "name": "e2e-cp-0"},
+                }),
+            )?,
+        )
+        .await?;
+    let machine_mail = eventually(wait, "the machine request mail", || async {
+        provider.proc.check_alive()?;
+        Ok(smtp.messages()?.into_iter().find(|m| {
+            m.header("Subject")
+                .is_some_and(|s| s.contains("Machine e2e-cp-0") && !s.contains("no longer"))
+        }))
+    })
+    .await?;
+    let text = body_text(&machine_mail);
+    ensure!(
+        text.contains("e2e-cp-0-bootstrap"),
+        "the mail names the bootstrap Secret:\n{text}"
+    );
+    let command = fulfil_command(
+        &machine_mail,
+        &[
+            ("<scheme>://<id>", "mailgun://e2e-cp-0"),
+            ("<ip>", "192.0.2.10"),
+        ],
+    )?;
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(&command[1..]);
+    capm_e2e::run(&mut kubectl, &command.join(" "))?;
+    eventually(wait, "the Machine's infrastructure provisioned", || async {
+        let m = mailgun_machines.get("e2e-cp-0").await?;
+        Ok((m.data["status"]["initialization"]["provisioned"] == true).then_some(()))
+    })
+    .await?;
+
+    // The API server converts through the chart's Service, EndpointSlice and certificate.
+    let old = dynamic(
+        &admin,
+        "infrastructure.cluster.x-k8s.io",
+        "v1alpha1",
+        "MailgunCluster",
+    )
+    .get("e2e")
+    .await
+    .context("reading v1alpha1: the conversion webhook")?;
+    ensure!(
+        old.types
+            .as_ref()
+            .is_some_and(|t| t.api_version.ends_with("/v1alpha1"))
+    );
+    ensure!(
+        old.data["status"]["ready"] == true,
+        "v1alpha1 status.ready: {}",
+        old.data["status"]
+    );
+
+    // Prometheus scrapes the provider; promtool accepts the exposition.
+    let mut prometheus = Prometheus::start(
+        &dir.join("prometheus"),
+        std::slice::from_ref(&provider.metrics),
+    )
+    .await?;
+    let reconciles = eventually(
+        Duration::from_secs(60),
+        "controller_runtime_reconcile_total in Prometheus",
+        || {
+            let v = prometheus.query("sum(controller_runtime_reconcile_total)");
+            async move { Ok(v?.first().copied().filter(|v| *v > 0.0)) }
+        },
+    )
+    .await?;
+    let sent = prometheus
+        .query("sum(mailer_messages_total)")
+        .unwrap_or_default();
+    println!(
+        "Prometheus: sum(controller_runtime_reconcile_total) = {reconciles}, sum(mailer_messages_total) = {sent:?}"
+    );
+    let (status, exposition) = http_get(&provider.metrics, "/metrics")?;
+    ensure!(status == 200, "metrics HTTP {status}");
+    let complaints = promtool_check_metrics(&exposition)?;
+    ensure!(
+        complaints.is_empty(),
+        "promtool check metrics:\n{complaints}"
+    );
+
+    // Deleting the Cluster: Cluster API deletes the Machine and the MailgunCluster; each gets
+    // its "no longer needed" mail before its finalizer goes.
+    clusters.delete("e2e", &Default::default()).await?;
+    eventually(
+        Duration::from_secs(180),
+        "the Cluster and its infrastructure gone",
+        || async {
+            provider.proc.check_alive()?;
+            let gone = clusters.get_opt("e2e").await?.is_none()
+                && mailgun_clusters.get_opt("e2e").await?.is_none()
+                && mailgun_machines.get_opt("e2e-cp-0").await?.is_none();
+            Ok(gone.then_some(()))
+        },
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "core manager log:\n{}\nprovider log:\n{}",
+            capi.tail(30),
+            provider.proc.tail(30)
+        )
+    })?;
+    let mails = smtp.messages()?;
+    let subjects: Vec<&str> = mails.iter().filter_map(|m| m.header("Subject")).collect();
+    let count = |needle: &str| subjects.iter().filter(|s| s.contains(needle)).count();
+    ensure!(
+        mails.len() == 4
+            && count("New Cluster e2e requested") == 1
+            && count("Cluster e2e no longer needed") == 1
+            && count("Machine e2e-cp-0 no longer needed") == 1,
+        "expected exactly one request and one deletion mail per object, got {subjects:?}"
+    );
+    let ids: BTreeSet<_> = mails
+        .iter()
+        .filter_map(|m| m.header("Message-ID"))
+        .collect();
+    ensure!(ids.len() == 4, "distinct Message-Ids: {ids:?}");
+
+    // RBAC, sufficient: nothing the provider asked for was denied. Minimal: everything the
+    // chart grants was used, except what is listed here with its reason.
+    ensure!(
+        provider.proc.terminate(Duration::from_secs(40)),
+        "provider did not exit 0 on SIGTERM:\n{}",
+        provider.proc.tail(20)
+    );
+    let username = format!("system:serviceaccount:{NS}:{FULLNAME}");
+    let requests = audited_requests(&audit_log, &username)?;
+    let denied: Vec<_> = requests.iter().filter(|r| r.code == 403).collect();
+    ensure!(
+        denied.is_empty(),
+        "the chart's RBAC denied the provider: {denied:#?}"
+    );
+    // Any answer but 403 means the permission was checked and granted (a 404 `get` of the
+    // Lease before it exists included).
+    let used: BTreeSet<_> = requests
+        .iter()
+        .filter(|r| r.code != 403)
+        .map(|r| (r.group.clone(), r.resource.clone(), r.verb.clone()))
+        .collect();
+    let cluster_role = Api::<ClusterRole>::all(admin.clone())
+        .get(&format!("{FULLNAME}-manager"))
+        .await?;
+    let role = Api::<Role>::namespaced(admin.clone(), NS)
+        .get(&format!("{FULLNAME}-leader-election"))
+        .await?;
+    let mut grants = granted(cluster_role.rules.as_deref().unwrap_or_default());
+    grants.extend(granted(role.rules.as_deref().unwrap_or_default()));
+    let not_exercised: BTreeMap<(&str, &str, &str), &str> = BTreeMap::from([
+        (
+            (
+                "infrastructure.cluster.x-k8s.io",
+                "mailgunclusters/finalizers",
+                "update",
+            ),
+            "checked by the OwnerReferencesPermissionEnforcement admission plugin (OpenShift enables it), not used by our merge patches",
+        ),
+        (
+            (
+                "infrastructure.cluster.x-k8s.io",
+                "mailgunmachines/finalizers",
+                "update",
+            ),
+            "as for mailgunclusters/finalizers",
+        ),
+        (
+            ("events.k8s.io", "events", "patch"),
+            "only when the same event repeats within the recorder's series window",
+        ),
+    ]);
+    let mut unused = Vec::new();
+    for (group, resource, verb) in &grants {
+        let was_used = used.contains(&(group.clone(), resource.clone(), verb.clone()));
+        if !was_used
+            && !not_exercised.contains_key(&(group.as_str(), resource.as_str(), verb.as_str()))
+        {
+            unused.push(format!("{verb} {resource}.{group}"));
+        }
+    }
+    ensure!(
+        unused.is_empty(),
+        "granted but never used by the provider: {unused:?}\nused: {used:#?}"
+    );
+
+    // And what the chart does not grant is refused.
+    let sa = format!("--kubeconfig={}", sa_kubeconfig.display());
+    for args in [
+        vec!["get", "secrets", "--all-namespaces"],
+        vec!["get", "secrets", "-n", NS],
+        vec!["get", "configmaps", "-n", USER_NS],
+        vec!["delete", "mailgunclusters", "e2e", "-n", USER_NS],
+        vec!["create", "namespace", "forbidden"],
+        vec![
+            "patch",
+            "clusters.cluster.x-k8s.io",
+            "x",
+            "-n",
+            USER_NS,
+            "--type=merge",
+            "-p",
+            "{}",
+        ],
+    ] {
+        let mut cmd = Command::new(capm_test_support::process::binary("kubectl")?);
+        cmd.arg(&sa).args(&args).env_remove("KUBECONFIG");
+        match capm_e2e::run(&mut cmd, &args.join(" ")) {
+            Ok(out) => bail!(
+                "`kubectl {}` as the provider succeeded: {out}",
+                args.join(" ")
+            ),
+            Err(e) => ensure!(
+                format!("{e:#}").contains("Forbidden"),
+                "`kubectl {}`: {e:#}",
+                args.join(" ")
+            ),
+        }
+    }
+
+    // Secrets never reach the logs.
+    let log = provider.proc.log();
+    ensure!(
+        !log.contains(smtp_password),
+        "the SMTP password is in the provider's log"
+    );
+    ensure!(
+        !log.contains("ERROR"),
+        "errors in the provider's log:\n{}",
+        provider.proc.tail(40)
+    );
+    drop(prometheus);
+    drop(capi);
+    cp.stop();
+    Ok(())
+}
