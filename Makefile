@@ -13,13 +13,13 @@ help: ## List the targets
 
 .PHONY: deps
 deps: ## Install what a fresh machine lacks (the SMTP test server's Python packages, Debian's Prometheus)
-	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -r tests/mail-servers/requirements.txt
+	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -r tests/mail-servers/requirements.txt -r hack/requirements.txt
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing Debian's prometheus (prometheus + promtool for the end-to-end tests)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; fi
 
 .PHONY: tools
-tools: ## Build the Go tools (kube-apiserver, etcd, kubectl, kube-controller-manager, helm, Cluster API manager), cached by go.sum hash
+tools: ## Build the Go tools (kube-apiserver, etcd, kubectl, kube-controller-manager, helm, Cluster API manager and clusterctl), cached by go.sum hash
 	hack/tools/build.sh
 
 .PHONY: build
@@ -64,6 +64,14 @@ bench: tools ## Backlog benchmark (not a test): N=1000 Cluster + MailgunCluster 
 bench-mailer: ## Mail backend throughput (not a test): Mailgun with 16 senders, SMTP pooled vs per message
 	$(CARGO) build --release -p capm-mail-servers --bin mailgun-contract-server
 	CAPM_MAILGUN_SERVER_BIN=$(CURDIR)/target/release/mailgun-contract-server $(CARGO) run --release -p capm-mailer --example bench
+
+.PHONY: chart-lint
+chart-lint: tools ## helm lint the chart with each of its ci/*-values.yaml
+	@for values in $(CHART)/ci/*-values.yaml; do bin/helm lint --strict $(CHART) -f $$values; done
+
+.PHONY: release-manifests
+release-manifests: tools ## Render the clusterctl assets (infrastructure-components.yaml, metadata.yaml, cluster-template.yaml) into out/
+	hack/release-manifests.sh out
 
 .PHONY: up
 up: tools ## Start a detached local control plane (with the Cluster API CRDs); `eval $$(make -s env)` to use it

@@ -29,7 +29,9 @@ binaries() {
       "kubectl k8s.io/kubernetes/cmd/kubectl" ;;
     etcd) echo "etcd go.etcd.io/etcd/server/v3" ;;
     helm) echo "helm helm.sh/helm/v4/cmd/helm" ;;
-    cluster-api) echo "capi-manager sigs.k8s.io/cluster-api/core" ;;
+    cluster-api) printf '%s\n' \
+      "capi-manager sigs.k8s.io/cluster-api/core" \
+      "clusterctl sigs.k8s.io/cluster-api/cmd/clusterctl" ;;
     *) echo "unknown tool '$1' (known: kubernetes etcd helm cluster-api)" >&2; return 1 ;;
   esac
 }

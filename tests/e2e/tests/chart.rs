@@ -2,7 +2,7 @@
 //! an install into a namespace that enforces Pod Security "restricted", upgrade and uninstall.
 //! Each cluster test starts its own control plane: the chart installs cluster-scoped CRDs.
 
-use std::time::Duration;
+use std::{path::Path, process::Command, time::Duration};
 
 use anyhow::{Context, Result, ensure};
 use capm_e2e::{chart_dir, eventually, helm, run_with_input};
@@ -361,6 +361,215 @@ async fn installs_into_a_restricted_namespace_upgrades_and_uninstalls() -> Resul
             .await?
             .is_some(),
         "uninstall deleted the CRDs"
+    );
+    cp.stop();
+    Ok(())
+}
+
+/// Runs `bin/clusterctl` offline (no version check, config under `home`).
+fn clusterctl(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String> {
+    let mut cmd = Command::new(capm_test_support::process::binary("clusterctl")?);
+    cmd.args(args)
+        .env("CLUSTERCTL_DISABLE_VERSIONCHECK", "true")
+        .env("XDG_CONFIG_HOME", home)
+        .env("HOME", home)
+        .envs(env.iter().copied());
+    capm_e2e::run(&mut cmd, &format!("clusterctl {}", args.join(" ")))
+}
+
+fn yaml_docs(text: &str) -> Result<Vec<serde_json::Value>> {
+    let mut out = Vec::new();
+    for doc in serde_yaml_ng::Deserializer::from_str(text) {
+        let v = serde_json::Value::deserialize(doc)?;
+        if !v.is_null() {
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<()> {
+    let work = tempfile::tempdir()?;
+    // A clusterctl local repository: <base>/infrastructure-mailgun/<version>/<assets>.
+    let version = format!("v{}", env!("CARGO_PKG_VERSION"));
+    let release = work
+        .path()
+        .join("repo/infrastructure-mailgun")
+        .join(&version);
+    let script = chart_dir().join("../../hack/release-manifests.sh");
+    capm_e2e::run(
+        Command::new(&script).arg(&release),
+        "hack/release-manifests.sh",
+    )?;
+    let metadata: serde_json::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(release.join("metadata.yaml"))?)?;
+    let series = metadata["releaseSeries"]
+        .as_array()
+        .context("releaseSeries")?;
+    let (major, minor) = (
+        env!("CARGO_PKG_VERSION_MAJOR").parse::<u64>()?,
+        env!("CARGO_PKG_VERSION_MINOR").parse::<u64>()?,
+    );
+    ensure!(
+        series
+            .iter()
+            .any(|s| s["major"] == major && s["minor"] == minor && s["contract"] == "v1beta2"),
+        "metadata.yaml has no v1beta2 series for {version}: {metadata}"
+    );
+    let config = work.path().join("clusterctl.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "providers:\n  - name: mailgun\n    type: InfrastructureProvider\n    url: {}\n",
+            release.join("infrastructure-components.yaml").display()
+        ),
+    )?;
+    let config = config.to_string_lossy().into_owned();
+    let home = work.path().join("home");
+    let provider = format!("mailgun:{version}");
+
+    // clusterctl reads it: target namespace, the walkthrough's variables, our image.
+    let describe = clusterctl(
+        &home,
+        &[
+            "generate",
+            "provider",
+            "--infrastructure",
+            &provider,
+            "--config",
+            &config,
+            "--describe",
+        ],
+        &[],
+    )?;
+    ensure!(
+        describe.contains("TargetNamespace:    capm-system"),
+        "{describe}"
+    );
+    for var in ["MAILGUN_API_KEY", "MAILGUN_DOMAIN", "MAIL_RECIPIENT"] {
+        ensure!(
+            describe.contains(&format!("  - {var}\n")),
+            "variable {var}: {describe}"
+        );
+    }
+    let vars = [
+        ("MAIL_RECIPIENT", "ops@example.com"),
+        ("MAILGUN_DOMAIN", "mg.example.com"),
+        ("MAILGUN_API_KEY", "key-from-clusterctl"),
+    ];
+    let components = clusterctl(
+        &home,
+        &[
+            "generate",
+            "provider",
+            "--infrastructure",
+            &provider,
+            "--config",
+            &config,
+        ],
+        &vars,
+    )?;
+    ensure!(!components.contains("${"), "unsubstituted variables left");
+    let docs = yaml_docs(&components)?;
+    let namespaces: Vec<_> = docs.iter().filter(|d| d["kind"] == "Namespace").collect();
+    ensure!(namespaces.len() == 1 && namespaces[0]["metadata"]["name"] == "capm-system");
+    for doc in &docs {
+        ensure!(
+            doc["metadata"]["labels"]["cluster.x-k8s.io/provider"] == "infrastructure-mailgun",
+            "{} {} lacks the provider label",
+            doc["kind"],
+            doc["metadata"]["name"]
+        );
+        ensure!(
+            doc["metadata"]["labels"].get("helm.sh/chart").is_none(),
+            "Helm labels left"
+        );
+    }
+    let deployment = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .context("Deployment")?;
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    ensure!(container["name"] == "manager");
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .context("args")?
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    ensure!(
+        args.contains(&"--mail-recipient=ops@example.com")
+            && args.contains(&"--mailgun-domain=mg.example.com"),
+        "{args:?}"
+    );
+    ensure!(
+        components.contains("api-key: key-from-clusterctl"),
+        "the API key Secret is filled from MAILGUN_API_KEY"
+    );
+
+    // The API server accepts it (cert-manager is not installed here: its objects are left out).
+    let cp = ControlPlane::start(Options::default()).await?;
+    cp.install_capi_crds().await?;
+    let ours: Vec<_> = docs
+        .iter()
+        .filter(|d| {
+            !d["apiVersion"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("cert-manager.io/")
+        })
+        .cloned()
+        .collect();
+    ensure!(
+        docs.len() - ours.len() == 2,
+        "a cert-manager Issuer and Certificate expected"
+    );
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "-f", "-"]);
+    run_with_input(
+        &mut kubectl,
+        &serde_json::to_string(namespaces[0])?,
+        "creating the namespace",
+    )?;
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": ours});
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
+    let accepted = run_with_input(&mut kubectl, &list.to_string(), "dry run of the components")?;
+    ensure!(accepted.lines().count() == ours.len(), "{accepted}");
+
+    // `clusterctl generate cluster` renders a Cluster + MailgunCluster the API server accepts.
+    let template = clusterctl(
+        &home,
+        &[
+            "generate",
+            "cluster",
+            "hello",
+            "--infrastructure",
+            &provider,
+            "--config",
+            &config,
+            "--target-namespace",
+            "default",
+        ],
+        &[("MAILGUN_CLUSTER_REQUESTER", "me@example.com")],
+    )?;
+    let crds = chart_dir().join("files/crds");
+    cp.kubectl_output(&["apply", "--server-side", "-f", &crds.to_string_lossy()])?;
+    cp.kubectl_output(&[
+        "wait",
+        "--for=condition=established",
+        "--timeout=60s",
+        "-f",
+        &crds.to_string_lossy(),
+    ])?;
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
+    let accepted = run_with_input(&mut kubectl, &template, "dry run of the cluster template")?;
+    ensure!(
+        accepted.contains("cluster.cluster.x-k8s.io/hello")
+            && accepted.contains("mailguncluster.infrastructure.cluster.x-k8s.io/hello"),
+        "{accepted}"
     );
     cp.stop();
     Ok(())
