@@ -43,12 +43,16 @@ CHART := charts/cluster-api-provider-mailgun
 CRD_DIRS := config/crd $(CHART)/files/crds
 
 .PHONY: generate
-generate: ## Regenerate committed files (CRD YAML in config/ and the chart) from the Rust types
+generate: tools ## Regenerate committed files: CRD YAML (config/, the chart) from the Rust types, config/rbac from the chart
 	@for dir in $(CRD_DIRS); do $(CARGO) run -q -p capm-api --bin crdgen -- $$dir; done
+	hack/render-rbac.sh > config/rbac/rbac.yaml
 
 .PHONY: verify-generated
-verify-generated: ## Fail when committed generated files are stale
+verify-generated: tools ## Fail when committed generated files are stale
 	@for dir in $(CRD_DIRS); do $(CARGO) run -q -p capm-api --bin crdgen -- --check $$dir; done
+	@hack/render-rbac.sh | diff -u config/rbac/rbac.yaml - \
+	  || { echo "config/rbac/rbac.yaml is stale: run make generate" >&2; exit 1; }
+	@echo "config/rbac/rbac.yaml is up to date"
 
 .PHONY: test
 test: deps tools lint verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane

@@ -879,6 +879,33 @@ mod tests {
     }
 
     #[test]
+    fn the_example_config_files_in_config_manager_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/manager");
+        let load = |name: &str| {
+            let path = dir.join(name);
+            resolve(&["--config", path.to_str().unwrap()], &no_env)
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        let s = load("mailgun.yaml");
+        let MailerConfig::Mailgun(m) = &s.mailer else {
+            panic!("{:?}", s.mailer)
+        };
+        assert_eq!(m.domain, "mg.example.com");
+        assert_eq!(
+            m.api_key,
+            SecretSource::File("/etc/capm/mailgun/api-key".into())
+        );
+        assert_eq!(s.metrics_address, Some("0.0.0.0:8080".parse().unwrap()));
+        let s = load("smtp.yaml");
+        let MailerConfig::Smtp(c) = &s.mailer else {
+            panic!("{:?}", s.mailer)
+        };
+        assert_eq!(c.url, "smtp://smtp.example.com:587");
+        assert_eq!(c.username.as_deref(), Some("capm"));
+        assert_eq!(s.controllers.recipients.len(), 2);
+    }
+
+    #[test]
     fn flags_override_the_file_which_overrides_defaults() {
         let f = file(
             r#"
