@@ -89,6 +89,11 @@ fn bad_values_are_refused_with_the_field_named() {
         "mail.smtp.username=capm",
     ]);
     assert!(err.contains("/mail/smtp/passwordSecret/name"), "{err}");
+    let err = with(&["leaderElection.enabled=false"]);
+    assert!(
+        err.contains("replicaCount > 1 needs leaderElection.enabled"),
+        "{err}"
+    );
     let err = with(&["mail.smtp.url=http://relay.example.com"]);
     assert!(err.contains("/mail/smtp/url"), "{err}");
 }
