@@ -10,6 +10,7 @@
 
 mod capi;
 mod context;
+mod events;
 pub mod failpoint;
 mod kinds;
 mod metrics;

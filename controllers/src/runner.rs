@@ -14,7 +14,6 @@ use kube::{
     runtime::{
         Controller, WatchStreamExt,
         controller::{self, Action},
-        events::{Recorder, Reporter},
         reflector::{self, ObjectRef, Store},
         watcher,
     },
@@ -25,6 +24,7 @@ use crate::{
     Config, Error, Metrics,
     capi::{Cluster, ContractRef, Machine},
     context::{Ctx, ReconcileError},
+    events::Events,
     kinds::InfraKind,
     reconcile::{key, reconcile},
 };
@@ -85,15 +85,15 @@ pub async fn run(
         .modify(|o| o.managed_fields_mut().clear())
         .reflect_shared(machine_writer);
 
-    let reporter = Reporter {
-        controller: "cluster-api-provider-mailgun".into(),
-        instance: Some(config.instance.clone()),
-    };
-    let recorder = Recorder::new(client.clone(), reporter);
+    let events = Events::new(
+        client.clone(),
+        "cluster-api-provider-mailgun",
+        config.instance.clone(),
+    );
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         mailer,
-        recorder,
+        events,
         config.clone(),
         metrics.clone(),
         clusters.clone(),
