@@ -57,17 +57,19 @@ verify-generated: tools ## Fail when committed generated files are stale
 .PHONY: test
 test: deps tools lint verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
 	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
-	CAPM_MAILGUN_SERVER_BIN=$(CURDIR)/target/debug/mailgun-contract-server $(CARGO) test --workspace --no-fail-fast
+	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server $(CARGO) test --workspace --no-fail-fast
 
 .PHONY: bench
 bench: tools ## Backlog benchmark (not a test): N=1000 Cluster + MailgunCluster pairs through the release binary
 	$(CARGO) build --release -p cluster-api-provider-mailgun -p capm-bench -p capm-mail-servers
-	CAPM_MAILGUN_SERVER_BIN=$(CURDIR)/target/release/mailgun-contract-server target/release/capm-bench --objects $${N:-1000}
+	T=$${CARGO_TARGET_DIR:-$(CURDIR)/target}; \
+	  CAPM_MAILGUN_SERVER_BIN=$$T/release/mailgun-contract-server $$T/release/capm-bench \
+	  --provider $$T/release/cluster-api-provider-mailgun --objects $${N:-1000}
 
 .PHONY: bench-mailer
 bench-mailer: ## Mail backend throughput (not a test): Mailgun with 16 senders, SMTP pooled vs per message
 	$(CARGO) build --release -p capm-mail-servers --bin mailgun-contract-server
-	CAPM_MAILGUN_SERVER_BIN=$(CURDIR)/target/release/mailgun-contract-server $(CARGO) run --release -p capm-mailer --example bench
+	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/release/mailgun-contract-server $(CARGO) run --release -p capm-mailer --example bench
 
 .PHONY: chart-lint
 chart-lint: tools ## helm lint the chart with each of its ci/*-values.yaml

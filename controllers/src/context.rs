@@ -8,14 +8,12 @@ use std::{
 };
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
-use kube::{
-    Client,
-    runtime::{events::Recorder, reflector::Store},
-};
+use kube::{Client, runtime::reflector::Store};
 
 use crate::{
     Config, Metrics,
     capi::{Cluster, Machine},
+    events::Events,
 };
 
 /// Why one reconcile failed; decides how soon it is retried.
@@ -86,8 +84,8 @@ pub struct Ctx {
     pub client: Client,
     /// The mail backend.
     pub mailer: Arc<dyn Mailer>,
-    /// Event recorder.
-    pub recorder: Recorder,
+    /// Event publisher.
+    pub events: Events,
     /// Configuration.
     pub config: Config,
     /// Metrics.
@@ -110,7 +108,7 @@ impl Ctx {
     pub fn new(
         client: Client,
         mailer: Arc<dyn Mailer>,
-        recorder: Recorder,
+        events: Events,
         config: Config,
         metrics: Metrics,
         clusters: Store<Cluster>,
@@ -119,7 +117,7 @@ impl Ctx {
         Self {
             client,
             mailer,
-            recorder,
+            events,
             config,
             metrics,
             clusters,
@@ -224,13 +222,7 @@ mod tests {
     fn ctx() -> Ctx {
         let client =
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
-        let recorder = Recorder::new(
-            client.clone(),
-            kube::runtime::events::Reporter {
-                controller: "t".into(),
-                instance: None,
-            },
-        );
+        let events = Events::new(client.clone(), "t", "t");
         let config = Config {
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
@@ -242,7 +234,7 @@ mod tests {
         Ctx::new(
             client,
             Arc::new(MockMailer::new()),
-            recorder,
+            events,
             config,
             metrics,
             clusters,

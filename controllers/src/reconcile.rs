@@ -13,10 +13,7 @@ use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 use kube::{
     Api, ResourceExt,
     api::{Patch, PatchParams},
-    runtime::{
-        controller::Action,
-        events::{Event, EventType},
-    },
+    runtime::controller::Action,
 };
 use serde_json::json;
 use tracing::{info, warn};
@@ -24,6 +21,7 @@ use tracing::{info, warn};
 use crate::{
     capi,
     context::{Attempt, Ctx, ReconcileError},
+    events::EventType,
     kinds::{InfraKind, MailText},
     status::Status,
 };
@@ -633,15 +631,18 @@ fn build_message<K: InfraKind>(
     builder.build().map_err(ReconcileError::Message)
 }
 
-async fn publish<K: InfraKind>(ctx: &Ctx, obj: &K, type_: EventType, reason: &str, note: String) {
-    let event = Event {
-        type_,
-        reason: reason.into(),
-        note: Some(note),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    if let Err(e) = ctx.recorder.publish(&event, &obj.object_ref(&())).await {
+async fn publish<K: InfraKind>(
+    ctx: &Ctx,
+    obj: &K,
+    type_: EventType,
+    reason: &'static str,
+    note: String,
+) {
+    if let Err(e) = ctx
+        .events
+        .publish(&obj.object_ref(&()), type_, reason, note)
+        .await
+    {
         warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "could not record an event");
     }
 }

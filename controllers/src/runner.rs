@@ -14,7 +14,6 @@ use kube::{
     runtime::{
         Controller, WatchStreamExt,
         controller::{self, Action},
-        events::{Recorder, Reporter},
         reflector::{self, ObjectRef, Store},
         watcher,
     },
@@ -22,9 +21,10 @@ use kube::{
 use tracing::{info, warn};
 
 use crate::{
-    Config, Error, Metrics,
+    Config, Error, Metrics, cache,
     capi::{Cluster, ContractRef, Machine},
     context::{Ctx, ReconcileError},
+    events::Events,
     kinds::InfraKind,
     reconcile::{key, reconcile},
 };
@@ -78,22 +78,22 @@ pub async fn run(
     let capi_wc = watcher::Config::default().page_size(PAGE_SIZE);
     let cluster_events = watcher(scoped::<Cluster>(&client, &config), capi_wc.clone())
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_cluster)
         .reflect_shared(cluster_writer);
     let machine_events = watcher(scoped::<Machine>(&client, &config), capi_wc)
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_machine)
         .reflect_shared(machine_writer);
 
-    let reporter = Reporter {
-        controller: "cluster-api-provider-mailgun".into(),
-        instance: Some(config.instance.clone()),
-    };
-    let recorder = Recorder::new(client.clone(), reporter);
+    let events = Events::new(
+        client.clone(),
+        "cluster-api-provider-mailgun",
+        config.instance.clone(),
+    );
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         mailer,
-        recorder,
+        events,
         config.clone(),
         metrics.clone(),
         clusters.clone(),
@@ -112,7 +112,7 @@ pub async fn run(
     let adds = metrics.queue_adds.clone();
     let mgc_stream = watcher(scoped::<MailgunCluster>(&client, &config), wc.clone())
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_ours)
         .reflect(mgc_writer)
         .applied_objects()
         .inspect(move |_| adds.with_label_values(&[MailgunCluster::CONTROLLER]).inc());
@@ -149,7 +149,7 @@ pub async fn run(
     let adds = metrics.queue_adds.clone();
     let mgm_stream = watcher(scoped::<MailgunMachine>(&client, &config), wc)
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_ours)
         .reflect(mgm_writer)
         .applied_objects()
         .inspect(move |_| adds.with_label_values(&[MailgunMachine::CONTROLLER]).inc());
