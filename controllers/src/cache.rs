@@ -87,7 +87,10 @@ mod tests {
             uid: Some("u".into()),
             resource_version: Some("7".into()),
             generation: Some(2),
-            finalizers: Some(vec!["other/finalizer".into(), names::CLUSTER_FINALIZER.into()]),
+            finalizers: Some(vec![
+                "other/finalizer".into(),
+                names::CLUSTER_FINALIZER.into(),
+            ]),
             annotations: Some(
                 [
                     (names::MAIL_INTENT_ANNOTATION, "<id>"),
@@ -135,15 +138,30 @@ mod tests {
         assert_eq!(m.labels, None);
         assert_eq!(m.finalizers, meta().finalizers);
         assert_eq!(
-            (&m.name, &m.namespace, &m.uid, &m.resource_version, m.generation),
-            (&meta().name, &meta().namespace, &meta().uid, &meta().resource_version, Some(2))
+            (
+                &m.name,
+                &m.namespace,
+                &m.uid,
+                &m.resource_version,
+                m.generation
+            ),
+            (
+                &meta().name,
+                &meta().namespace,
+                &meta().uid,
+                &meta().resource_version,
+                Some(2)
+            )
         );
         assert_eq!(mgc.spec, spec);
 
         let mut mgm: MailgunMachine = json("MailgunMachine");
         trim_ours(&mut mgm);
         let labels: Vec<_> = mgm.metadata.labels.iter().flatten().collect();
-        assert_eq!(labels, [(&names::CLUSTER_NAME_LABEL.to_owned(), &"c".to_owned())]);
+        assert_eq!(
+            labels,
+            [(&names::CLUSTER_NAME_LABEL.to_owned(), &"c".to_owned())]
+        );
     }
 
     #[test]
