@@ -55,6 +55,8 @@ pub trait InfraKind:
     const FINALIZER: &'static str;
     /// The Cluster API owner kind (`Cluster` / `Machine`).
     const OWNER_KIND: &'static str;
+    /// The labels the controllers read on this kind; the cache drops the others.
+    const CACHED_LABELS: &'static [&'static str];
 
     /// The current status, as the shared [`Status`].
     fn current_status(&self) -> Status;
@@ -94,6 +96,7 @@ impl InfraKind for MailgunCluster {
     const CONTROLLER: &'static str = "mailguncluster";
     const FINALIZER: &'static str = names::CLUSTER_FINALIZER;
     const OWNER_KIND: &'static str = "Cluster";
+    const CACHED_LABELS: &'static [&'static str] = &[];
     type Owner = Cluster;
 
     fn current_status(&self) -> Status {
@@ -154,6 +157,8 @@ impl InfraKind for MailgunMachine {
     const CONTROLLER: &'static str = "mailgunmachine";
     const FINALIZER: &'static str = names::MACHINE_FINALIZER;
     const OWNER_KIND: &'static str = "Machine";
+    /// The `Cluster` → `MailgunMachine` mapping selects by this label.
+    const CACHED_LABELS: &'static [&'static str] = &[names::CLUSTER_NAME_LABEL];
     type Owner = Machine;
 
     fn current_status(&self) -> Status {

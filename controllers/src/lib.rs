@@ -8,6 +8,7 @@
 //! What it is not for: configuration parsing, leader election, HTTP serving and process
 //! lifecycle live in the `cluster-api-provider-mailgun` binary (`cmd/`).
 
+mod cache;
 mod capi;
 mod context;
 mod events;

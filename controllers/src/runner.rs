@@ -21,7 +21,7 @@ use kube::{
 use tracing::{info, warn};
 
 use crate::{
-    Config, Error, Metrics,
+    Config, Error, Metrics, cache,
     capi::{Cluster, ContractRef, Machine},
     context::{Ctx, ReconcileError},
     events::Events,
@@ -78,11 +78,11 @@ pub async fn run(
     let capi_wc = watcher::Config::default().page_size(PAGE_SIZE);
     let cluster_events = watcher(scoped::<Cluster>(&client, &config), capi_wc.clone())
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_cluster)
         .reflect_shared(cluster_writer);
     let machine_events = watcher(scoped::<Machine>(&client, &config), capi_wc)
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_machine)
         .reflect_shared(machine_writer);
 
     let events = Events::new(
@@ -112,7 +112,7 @@ pub async fn run(
     let adds = metrics.queue_adds.clone();
     let mgc_stream = watcher(scoped::<MailgunCluster>(&client, &config), wc.clone())
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_ours)
         .reflect(mgc_writer)
         .applied_objects()
         .inspect(move |_| adds.with_label_values(&[MailgunCluster::CONTROLLER]).inc());
@@ -149,7 +149,7 @@ pub async fn run(
     let adds = metrics.queue_adds.clone();
     let mgm_stream = watcher(scoped::<MailgunMachine>(&client, &config), wc)
         .default_backoff()
-        .modify(|o| o.managed_fields_mut().clear())
+        .modify(cache::trim_ours)
         .reflect(mgm_writer)
         .applied_objects()
         .inspect(move |_| adds.with_label_values(&[MailgunMachine::CONTROLLER]).inc());
