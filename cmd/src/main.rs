@@ -46,10 +46,14 @@ fn main() -> ExitCode {
         }
     };
     init_logging(&settings);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    // One worker: reconciles wait on the API server and the mail backend, and each extra worker
+    // costs a stack and a malloc arena (hundreds of KiB) on every node size. Tokio's own
+    // TOKIO_WORKER_THREADS still overrides it.
+    if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
+        builder.worker_threads(1);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("{NAME}: starting the async runtime: {e}");
