@@ -72,7 +72,8 @@ bench-mailer: ## Mail backend throughput (not a test): Mailgun with 16 senders, 
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/release/mailgun-contract-server $(CARGO) run --release -p capm-mailer --example bench
 
 .PHONY: chart-lint
-chart-lint: tools ## helm lint the chart with each of its ci/*-values.yaml
+chart-lint: tools ## helm lint the chart with its defaults and with each of its ci/*-values.yaml
+	bin/helm lint --strict $(CHART)
 	@for values in $(CHART)/ci/*-values.yaml; do bin/helm lint --strict $(CHART) -f $$values; done
 
 .PHONY: release-manifests

@@ -80,3 +80,35 @@ that `helm upgrade` does not rotate the certificate. Returns a dict: caCert, tls
 {{- end }}
 {{- toJson (get .Values "__capmWebhookCert") }}
 {{- end }}
+
+{{/*
+Values that must be set, checked together so one failed install names every missing one.
+values.schema.json checks types and shapes; this checks what depends on other values (the backend,
+an SMTP user name). Under `helm lint` Helm reports a `fail` instead of failing, so the chart lints
+clean with its defaults while `helm install` and `helm template` refuse them.
+*/}}
+{{- define "capm.validateValues" -}}
+{{- $mail := .Values.mail -}}
+{{- $missing := list -}}
+{{- if not $mail.recipient -}}
+{{- $missing = append $missing "mail.recipient: who receives the request mails" -}}
+{{- end -}}
+{{- if eq $mail.backend "mailgun" -}}
+{{- if not $mail.mailgun.domain -}}
+{{- $missing = append $missing "mail.mailgun.domain: the Mailgun sending domain (backend mailgun)" -}}
+{{- end -}}
+{{- if not $mail.mailgun.apiKeySecret.name -}}
+{{- $missing = append $missing "mail.mailgun.apiKeySecret.name: an existing Secret holding the API key (backend mailgun)" -}}
+{{- end -}}
+{{- else if eq $mail.backend "smtp" -}}
+{{- if not $mail.smtp.url -}}
+{{- $missing = append $missing "mail.smtp.url: smtp://host[:port] or smtps://host[:port] (backend smtp)" -}}
+{{- end -}}
+{{- if and $mail.smtp.username (not $mail.smtp.passwordSecret.name) -}}
+{{- $missing = append $missing "mail.smtp.passwordSecret.name: an existing Secret holding the password (mail.smtp.username is set)" -}}
+{{- end -}}
+{{- end -}}
+{{- if $missing -}}
+{{- fail (printf "missing required values:\n  - %s" (join "\n  - " $missing)) -}}
+{{- end -}}
+{{- end -}}
