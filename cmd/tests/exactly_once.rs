@@ -127,6 +127,19 @@ impl Provider {
             .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
             .sum()
     }
+
+    /// Polls `name` until it reaches `floor` (or 30 s pass) and returns the last value seen.
+    async fn wait_metric_at_least(&self, name: &str, floor: f64) -> f64 {
+        let mut value = self.metric(name);
+        for _ in 0..300 {
+            if value >= floor {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            value = self.metric(name);
+        }
+        value
+    }
 }
 
 impl Drop for Provider {
@@ -281,7 +294,13 @@ async fn two_replicas_only_the_leader_sends() {
     };
     assert_eq!(leader.metric("leader_election_master_status"), 1.0);
     assert_eq!(standby.metric("leader_election_master_status"), 0.0);
-    assert!(leader.metric("controller_runtime_reconcile_total") >= 5.0);
+    // The sent annotation is written inside a reconcile; the reconcile is counted when it ends.
+    assert!(
+        leader
+            .wait_metric_at_least("controller_runtime_reconcile_total", 5.0)
+            .await
+            >= 5.0
+    );
     assert_eq!(leader.metric("mailer_messages_total"), 5.0);
     assert_eq!(standby.metric("controller_runtime_reconcile_total"), 0.0);
     assert_eq!(standby.metric("mailer_messages_total"), 0.0);
