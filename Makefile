@@ -4,6 +4,7 @@ SHELL := /usr/bin/env bash
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 PYTHON ?= python3
+CARGO_DENY_VERSION := 0.20.2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CAPM_ENV := $(CARGO) run -q -p capm-test-support --bin capm-env --
 
@@ -17,6 +18,9 @@ deps: ## Install what a fresh machine lacks (the SMTP test server's Python packa
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing Debian's prometheus (prometheus + promtool for the end-to-end tests)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; fi
+	@if ! $(CARGO) deny --version >/dev/null 2>&1; then \
+	  echo "installing cargo-deny $(CARGO_DENY_VERSION) from crates.io (make deny)"; \
+	  $(CARGO) install --locked cargo-deny --version $(CARGO_DENY_VERSION); fi
 
 .PHONY: tools
 tools: ## Build the Go tools (kube-apiserver, etcd, kubectl, kube-controller-manager, helm, Cluster API manager and clusterctl), cached by go.sum hash
@@ -36,8 +40,8 @@ lint: ## cargo fmt --check and clippy with warnings denied
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 .PHONY: deny
-deny: ## Licences, duplicate versions and sources of dependencies (needs cargo-deny)
-	$(CARGO) deny check licenses bans sources
+deny: ## Licences (permissive only), bans and sources (crates.io only) of dependencies, by deny.toml
+	$(CARGO) deny check --hide-inclusion-graph licenses bans sources
 
 CHART := charts/cluster-api-provider-mailgun
 CRD_DIRS := config/crd $(CHART)/files/crds
@@ -55,7 +59,7 @@ verify-generated: tools ## Fail when committed generated files are stale
 	@echo "config/rbac/rbac.yaml is up to date"
 
 .PHONY: test
-test: deps tools lint verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
+test: deps tools lint deny verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
 	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server $(CARGO) test --workspace --no-fail-fast
 
