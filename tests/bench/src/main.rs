@@ -18,7 +18,7 @@
 //! ```
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashSet},
     path::PathBuf,
     process::Stdio,
     sync::Arc,
@@ -33,9 +33,9 @@ use clap::Parser;
 use futures::{StreamExt, TryStreamExt, stream};
 use kube::{
     Api, Client, ResourceExt,
-    api::{
-        ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
-    },
+    api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams},
+    core::PartialObjectMeta,
+    runtime::watcher,
 };
 use serde_json::json;
 
@@ -130,13 +130,34 @@ fn peak_rss_mib(pid: u32) -> Option<f64> {
     Some(kib / 1024.0)
 }
 
-async fn sent_count(api: &Api<MailgunCluster>) -> anyhow::Result<usize> {
-    let list = api.list_metadata(&ListParams::default()).await?;
-    Ok(list
-        .items
-        .iter()
-        .filter(|o| o.annotations().contains_key(names::MAIL_SENT_ANNOTATION))
-        .count())
+/// Watches our objects' metadata and returns, once every one of the `n` carries the "sent"
+/// record, the instant the last one got it. A watch, not polling: listing N objects every few
+/// milliseconds would load the API server whose throughput is being measured.
+fn watch_sent(
+    api: Api<PartialObjectMeta<MailgunCluster>>,
+    n: usize,
+) -> tokio::task::JoinHandle<anyhow::Result<Instant>> {
+    tokio::spawn(async move {
+        let mut sent: HashSet<String> = HashSet::with_capacity(n);
+        let mut events = watcher(api, watcher::Config::default().page_size(500)).boxed();
+        while let Some(event) = events.try_next().await? {
+            let objects = match event {
+                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => vec![o],
+                watcher::Event::Delete(_) | watcher::Event::Init | watcher::Event::InitDone => {
+                    continue;
+                }
+            };
+            for o in objects {
+                if o.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
+                    sent.insert(o.name_any());
+                }
+            }
+            if sent.len() == n {
+                return Ok(Instant::now());
+            }
+        }
+        bail!("the watch on MailgunClusters ended before every object was recorded as sent")
+    })
 }
 
 #[tokio::main]
@@ -232,21 +253,22 @@ async fn main() -> anyhow::Result<()> {
         .spawn()
         .context("starting the provider")?;
     let pid = provider.id().context("provider pid")?;
+    let mut all_sent = watch_sent(Api::namespaced(client.clone(), NAMESPACE), n);
     let mut peak_rss = 0.0f64;
-    loop {
+    let deadline = started + Duration::from_secs(600);
+    let drained = loop {
         if let Some(status) = provider.try_wait()? {
             bail!("the provider exited early: {status}");
         }
         peak_rss = peak_rss.max(peak_rss_mib(pid).unwrap_or(0.0));
-        if sent_count(&mgcs).await? == n {
-            break;
+        tokio::select! {
+            done = &mut all_sent => break done.context("the sent watcher panicked")??.duration_since(started),
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
         }
-        if started.elapsed() > Duration::from_secs(600) {
+        if Instant::now() > deadline {
             bail!("not drained after 600 s");
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let drained = started.elapsed();
+    };
     // Let the last status writes land before counting.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let writes_after = api_writes(&client).await?;
