@@ -54,7 +54,7 @@ struct Args {
     /// Seconds to watch for API writes after the backlog is drained.
     #[arg(long, default_value_t = 120)]
     idle_seconds: u64,
-    /// Concurrent writer counts tried when measuring the API server's raw ceiling (the best
+    /// Concurrent writer counts tried when measuring the API server's raw ceiling (the best one
     /// counts): too few leave the server idle, too many queue on two cores.
     #[arg(long, value_delimiter = ',', default_values_t = [4, 10, 16, 32, 64])]
     ceiling_writers: Vec<usize>,
@@ -148,16 +148,11 @@ fn watch_sent(
         let mut sent: HashSet<String> = HashSet::with_capacity(n);
         let mut events = watcher(api, watcher::Config::default().page_size(500)).boxed();
         while let Some(event) = events.try_next().await? {
-            let objects = match event {
-                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => vec![o],
-                watcher::Event::Delete(_) | watcher::Event::Init | watcher::Event::InitDone => {
-                    continue;
-                }
+            let (watcher::Event::Apply(o) | watcher::Event::InitApply(o)) = event else {
+                continue;
             };
-            for o in objects {
-                if o.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
-                    sent.insert(o.name_any());
-                }
+            if o.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
+                sent.insert(o.name_any());
             }
             if sent.len() == n {
                 return Ok(Instant::now());
