@@ -8,7 +8,15 @@ input reaches end-of-file, so a test process that dies never leaves it behind.
 
 Standard input also takes commands, one per line, each answered with one line on stdout:
   fail <code> <count>   answer <code> (e.g. 451 or 550) to the next <count> messages' DATA
-  reset                 stop failing
+                        (nothing is stored: a definitive refusal)
+  hang <count>          store the next <count> messages, then never answer their DATA (the
+                        client cannot tell that they were accepted)
+  nogreet <count>       accept the next <count> connections and never greet them (nothing can
+                        be sent on them)
+  slow <ms> <count>     answer the next <count> messages' DATA <ms> milliseconds late, then
+                        store them and answer 250 as usual
+  reset                 stop all of the above (sessions already hanging stay so until the
+                        client gives up)
 """
 
 import argparse
@@ -35,13 +43,34 @@ class Handler:
     def __init__(self, directory):
         self.directory = directory
         self.seq = 0
+        self.reset()
+
+    def reset(self):
         self.fail_code = None
         self.fail_count = 0
+        self.hang_count = 0
+        self.nogreet_count = 0
+        self.slow_ms = 0
+        self.slow_count = 0
 
     async def handle_DATA(self, server, session, envelope):
         if self.fail_count > 0:
             self.fail_count -= 1
             return REPLIES.get(self.fail_code, f"{self.fail_code} Failure requested by the test")
+        if self.slow_count > 0:
+            self.slow_count -= 1
+            await asyncio.sleep(self.slow_ms / 1000)
+        hang = self.hang_count > 0
+        if hang:
+            self.hang_count -= 1
+        reply = self.store(server, session, envelope)
+        if hang:
+            # Stored, and no answer ever: the session ends when the client gives up (aiosmtpd
+            # cancels this coroutine when the connection is lost).
+            await asyncio.Event().wait()
+        return reply
+
+    def store(self, server, session, envelope):
         self.seq += 1
         base = os.path.join(self.directory, f"{self.seq:06d}")
         tls = session.ssl is not None or (
@@ -64,6 +93,13 @@ class Handler:
         os.rename(base + ".json.tmp", base + ".json")
         os.rename(base + ".eml.tmp", base + ".eml")
         return "250 2.0.0 OK: queued as %06d" % self.seq
+
+
+class Silent(asyncio.Protocol):
+    """A connection that is accepted and never greeted; whatever the client sends is ignored."""
+
+    def connection_made(self, transport):
+        self.transport = transport
 
 
 def make_authenticator(user, password):
@@ -119,8 +155,14 @@ async def main():
         )
 
     loop = asyncio.get_running_loop()
+    def protocol():
+        if handler.nogreet_count > 0:
+            handler.nogreet_count -= 1
+            return Silent()
+        return SMTP(handler, **kwargs)
+
     server = await loop.create_server(
-        lambda: SMTP(handler, **kwargs),
+        protocol,
         host="127.0.0.1",
         port=args.port,
         ssl=context if args.tls == "implicit" else None,
@@ -138,8 +180,17 @@ async def main():
         if len(words) == 3 and words[0] == "fail":
             handler.fail_code, handler.fail_count = int(words[1]), int(words[2])
             answer("ok")
+        elif len(words) == 2 and words[0] == "hang":
+            handler.hang_count = int(words[1])
+            answer("ok")
+        elif len(words) == 2 and words[0] == "nogreet":
+            handler.nogreet_count = int(words[1])
+            answer("ok")
+        elif len(words) == 3 and words[0] == "slow":
+            handler.slow_ms, handler.slow_count = int(words[1]), int(words[2])
+            answer("ok")
         elif words == ["reset"]:
-            handler.fail_code, handler.fail_count = None, 0
+            handler.reset()
             answer("ok")
         elif words:
             answer("error: unknown command")

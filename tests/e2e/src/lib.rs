@@ -159,6 +159,31 @@ impl Proc {
         Ok(())
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child().id()
+    }
+
+    /// Sends `signal` (a name `kill` knows: `STOP`, `CONT`, `KILL`, ...) to the process.
+    ///
+    /// # Errors
+    /// When `kill` cannot be run or fails (the process is gone).
+    pub fn signal(&self, signal: &str) -> Result<()> {
+        let pid = self.pid().to_string();
+        run(
+            Command::new("kill").args([&format!("-{signal}"), &pid]),
+            &format!("kill -{signal} {pid}"),
+        )
+        .map(drop)
+    }
+
+    /// SIGKILL now (a crash, no shutdown) and reap it.
+    pub fn kill_now(&self) {
+        let mut child = self.child();
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
     /// SIGTERM, wait up to `grace`, then SIGKILL. Returns whether it exited by itself in time
     /// with status 0.
     pub fn terminate(&self, grace: Duration) -> bool {

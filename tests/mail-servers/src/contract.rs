@@ -7,6 +7,9 @@
 //! - `PUT /_control/failure` with a JSON [`FailureRule`]: fail the next `count` requests (or every
 //!   request when `count` is absent) to the chosen endpoint.
 //! - `DELETE /_control/failure`: stop failing.
+//! - `PUT /_control/delay` with a JSON [`DelayRule`]: answer the next `count` message posts (or
+//!   every one when `count` is absent) `delayMs` late, then normally (slow, not failing).
+//! - `DELETE /_control/delay`: answer at once again.
 
 use std::{
     collections::BTreeMap,
@@ -114,10 +117,23 @@ pub struct FailureRule {
     pub target: FailureTarget,
 }
 
+/// A delay to add before answering message posts, set with `PUT /_control/delay`: a slow
+/// server that still answers (and stores) normally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DelayRule {
+    /// How long to wait before handling each affected request, in milliseconds.
+    pub delay_ms: u64,
+    /// How many requests to delay; absent = all until cleared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u32>,
+}
+
 #[derive(Default)]
 struct Store {
     messages: Vec<StoredMessage>,
     failure: Option<FailureRule>,
+    delay: Option<DelayRule>,
 }
 
 struct AppState {
@@ -166,6 +182,26 @@ impl AppState {
                 Some(rule)
             }
             None => Some(rule),
+        }
+    }
+
+    /// Takes one use of the delay rule, if any.
+    fn take_delay(&self) -> Option<Duration> {
+        let mut store = self.store();
+        let rule = store.delay?;
+        match rule.count {
+            Some(0) => {
+                store.delay = None;
+                None
+            }
+            Some(n) => {
+                store.delay = (n > 1).then_some(DelayRule {
+                    count: Some(n - 1),
+                    ..rule
+                });
+                Some(Duration::from_millis(rule.delay_ms))
+            }
+            None => Some(Duration::from_millis(rule.delay_ms)),
         }
     }
 
@@ -314,6 +350,9 @@ async fn send_message(
             state.domain
         ),
     };
+    if let Some(delay) = state.take_delay() {
+        tokio::time::sleep(delay).await;
+    }
     if let Some(rule) = state.take_failure(FailureTarget::Messages) {
         return fail(rule, &state, Some(message)).await;
     }
@@ -390,6 +429,16 @@ async fn clear_failure(State(state): State<Shared>) -> StatusCode {
     StatusCode::NO_CONTENT
 }
 
+async fn set_delay(State(state): State<Shared>, Json(rule): Json<DelayRule>) -> StatusCode {
+    state.store().delay = Some(rule);
+    StatusCode::NO_CONTENT
+}
+
+async fn clear_delay(State(state): State<Shared>) -> StatusCode {
+    state.store().delay = None;
+    StatusCode::NO_CONTENT
+}
+
 /// The server's routes.
 pub fn router(config: &ContractConfig) -> Router {
     let credentials =
@@ -408,6 +457,7 @@ pub fn router(config: &ContractConfig) -> Router {
             get(list_messages).delete(clear_messages),
         )
         .route("/_control/failure", put(set_failure).delete(clear_failure))
+        .route("/_control/delay", put(set_delay).delete(clear_delay))
         .with_state(state)
 }
 

@@ -15,7 +15,7 @@ use std::{
 };
 
 use crate::{
-    contract::{FailureRule, StoredMessage},
+    contract::{DelayRule, FailureRule, StoredMessage},
     pki::{PkiError, TestPki},
 };
 
@@ -360,6 +360,32 @@ impl MailgunServer {
         self.control("DELETE", "/_control/failure", None).map(drop)
     }
 
+    /// Answers the next `count` message posts (every one when `None`) `delay` late, then
+    /// normally: a slow server, not a failing one.
+    ///
+    /// # Errors
+    /// [`Error`] when the control request fails.
+    pub fn set_delay(&self, delay: Duration, count: Option<u32>) -> Result<(), Error> {
+        let rule = DelayRule {
+            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            count,
+        };
+        let body = serde_json::to_string(&rule).map_err(|e| Error::Control {
+            what: "encoding the delay rule".into(),
+            answer: e.to_string(),
+        })?;
+        self.control("PUT", "/_control/delay", Some(&body))
+            .map(drop)
+    }
+
+    /// Answers at once again.
+    ///
+    /// # Errors
+    /// [`Error`] when the control request fails.
+    pub fn clear_delay(&self) -> Result<(), Error> {
+        self.control("DELETE", "/_control/delay", None).map(drop)
+    }
+
     /// Every message accepted so far, oldest first.
     ///
     /// # Errors
@@ -580,7 +606,36 @@ impl SmtpServer {
         self.expect_ok(&format!("fail {code} {count}"))
     }
 
-    /// Stops failing.
+    /// Stores the next `count` messages and then never answers their DATA (the client cannot
+    /// tell whether they were accepted; they were). The sessions stay open until the client
+    /// gives up.
+    ///
+    /// # Errors
+    /// [`Error`] when the server does not acknowledge.
+    pub fn hang_after_data(&mut self, count: u32) -> Result<(), Error> {
+        self.expect_ok(&format!("hang {count}"))
+    }
+
+    /// Accepts the next `count` connections and never greets them (nothing can be sent on
+    /// them).
+    ///
+    /// # Errors
+    /// [`Error`] when the server does not acknowledge.
+    pub fn no_greeting(&mut self, count: u32) -> Result<(), Error> {
+        self.expect_ok(&format!("nogreet {count}"))
+    }
+
+    /// Answers the DATA of the next `count` messages `delay` late (then stores them and answers
+    /// 250 as usual).
+    ///
+    /// # Errors
+    /// [`Error`] when the server does not acknowledge.
+    pub fn slow_data(&mut self, delay: Duration, count: u32) -> Result<(), Error> {
+        self.expect_ok(&format!("slow {} {count}", delay.as_millis()))
+    }
+
+    /// Stops failing, hanging, delaying and ignoring connections (sessions already hanging or
+    /// never greeted stay so until the client gives up).
     ///
     /// # Errors
     /// [`Error`] when the server does not acknowledge.

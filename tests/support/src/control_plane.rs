@@ -75,6 +75,8 @@ pub struct ControlPlane {
     components: Mutex<Vec<Component>>,
     reaper: Mutex<Option<Reaper>>,
     started_in: Duration,
+    /// How kube-apiserver was started (program, arguments), to start it again the same way.
+    apiserver_recipe: Option<(std::ffi::OsString, Vec<std::ffi::OsString>)>,
 }
 
 /// Cleans up a half-started control plane when start-up fails.
@@ -320,6 +322,10 @@ impl ControlPlane {
             .arg("--enable-aggregator-routing=true")
             .args(["--profiling=false", "--v=1"])
             .args(&opts.apiserver_args);
+        let apiserver_recipe = (
+            apiserver.get_program().to_owned(),
+            apiserver.get_args().map(ToOwned::to_owned).collect(),
+        );
         guard
             .components
             .push(Component::spawn(&dir, "kube-apiserver", apiserver)?);
@@ -398,6 +404,7 @@ impl ControlPlane {
             components: Mutex::new(std::mem::take(&mut guard.components)),
             reaper: Mutex::new(guard.reaper.take()),
             started_in: begun.elapsed(),
+            apiserver_recipe: Some(apiserver_recipe),
         })
     }
 
@@ -426,6 +433,7 @@ impl ControlPlane {
             components: Mutex::new(Vec::new()),
             reaper: Mutex::new(None),
             started_in: Duration::ZERO,
+            apiserver_recipe: None,
         })
     }
 
@@ -545,6 +553,59 @@ impl ControlPlane {
             wait_established(&api, name).await?;
         }
         Ok(())
+    }
+
+    /// Kills kube-apiserver (SIGKILL, as a crash would) and starts it again with the same
+    /// flags, port and certificates; etcd and its data stay. Returns once `/readyz` passes again
+    /// (within `timeout`). Clients reconnect by themselves; watches see their streams end.
+    ///
+    /// # Errors
+    /// [`Error::NotRunning`] for a reused control plane; a start failure or a timeout, with the
+    /// end of the new kube-apiserver's log.
+    pub async fn restart_apiserver(&self, timeout: Duration) -> Result<Duration, Error> {
+        let begun = Instant::now();
+        let (Some(dir), Some((program, args))) = (&self.dir, &self.apiserver_recipe) else {
+            return Err(Error::NotRunning {
+                dir: self.kubeconfig.clone(),
+            });
+        };
+        {
+            let mut components = self.components.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = components.iter().position(|c| c.name == "kube-apiserver") {
+                let mut old = components.remove(i);
+                old.kill();
+            }
+            let mut cmd = Command::new(program);
+            cmd.args(args);
+            components.push(Component::spawn(dir, "kube-apiserver", cmd)?);
+        }
+        let client = self.client().await?;
+        loop {
+            {
+                let mut components = self.components.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(c) = components.iter_mut().find(|c| c.name == "kube-apiserver")
+                    && let Some(status) = c.exited()
+                {
+                    return Err(c.died(Some(status)));
+                }
+            }
+            let req = http::Request::get("/readyz")
+                .body(Vec::new())
+                .map_err(|e| Error::Shared(e.to_string()))?;
+            if matches!(client.request_text(req).await.as_deref(), Ok("ok")) {
+                return Ok(begun.elapsed());
+            }
+            if begun.elapsed() > timeout {
+                let log = dir.join("logs/kube-apiserver.log");
+                return Err(Error::Timeout {
+                    what: format!("{}/readyz after a restart", self.server),
+                    seconds: timeout.as_secs(),
+                    log_tail: process::tail(&log, 25),
+                    log,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Stops everything and removes the state directory (no-op for a reused control plane).

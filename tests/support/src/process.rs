@@ -120,7 +120,8 @@ impl Component {
     /// Starts `cmd` as component `name` of the environment in `state_dir`.
     ///
     /// The child gets its own process group (a Ctrl-C meant for the caller does not reach it;
-    /// the reaper stops it instead), no stdin, and `state_dir/logs/<name>.log` as output.
+    /// the reaper stops it instead), no stdin, and `state_dir/logs/<name>.log` as output
+    /// (appended to, so a restarted component keeps its earlier log).
     ///
     /// # Errors
     /// When the log file cannot be created or the binary cannot be executed.
@@ -128,7 +129,11 @@ impl Component {
         let logs = state_dir.join("logs");
         std::fs::create_dir_all(&logs).map_err(Error::io("creating the log directory"))?;
         let log = logs.join(format!("{name}.log"));
-        let out = File::create(&log).map_err(Error::io("creating a log file"))?;
+        let out = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(Error::io("creating a log file"))?;
         let err = out.try_clone().map_err(Error::io("opening a log file"))?;
         cmd.stdin(Stdio::null())
             .stdout(out)

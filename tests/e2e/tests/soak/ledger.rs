@@ -1,0 +1,486 @@
+//! The mail ledger: what the mail servers received, judged per object. Built only from the
+//! servers' own records (the Message-Id of each stored message, in arrival order) and from which
+//! of our objects still exist; never from the provider's annotations or status.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+};
+
+/// Which of our kinds a Message-Id names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    /// `MailgunCluster`.
+    Cluster,
+    /// `MailgunMachine`.
+    Machine,
+}
+
+impl Kind {
+    /// The Kubernetes kind.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cluster => "MailgunCluster",
+            Self::Machine => "MailgunMachine",
+        }
+    }
+
+    /// The `controller` label of the provider's metrics for this kind.
+    pub fn controller(self) -> &'static str {
+        match self {
+            Self::Cluster => "mailguncluster",
+            Self::Machine => "mailgunmachine",
+        }
+    }
+
+    /// Both kinds.
+    pub const ALL: [Kind; 2] = [Kind::Cluster, Kind::Machine];
+}
+
+/// Which mail of an object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Which {
+    /// The request mail (`capm_api::names::message_id`).
+    Request,
+    /// The "no longer needed" mail (`capm_api::names::deletion_message_id`).
+    Release,
+}
+
+/// The mail backend a lane uses: it decides which duplicates can be legitimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Mailgun's HTTP API: the provider can ask whether a Message-Id was accepted, so a
+    /// duplicate is always a violation.
+    Mailgun,
+    /// SMTP: a resend with the same Message-Id after an unknown outcome is allowed when the
+    /// provider counted it (`capm_mail_resends_total`).
+    Smtp,
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Mailgun => "mailgun",
+            Self::Smtp => "smtp",
+        })
+    }
+}
+
+/// One object's identity.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Object {
+    /// Its kind.
+    pub kind: Kind,
+    /// Its UID.
+    pub uid: String,
+}
+
+impl fmt::Display for Object {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.kind.name(), self.uid)
+    }
+}
+
+/// Reads a Message-Id of ours: `<kind.uid@domain>` (request) or `<kind-deleted.uid@domain>`
+/// (release), as `capm_api::names` makes them.
+pub fn parse_message_id(id: &str, domain: &str) -> Option<(Object, Which)> {
+    let inner = id.trim().strip_prefix('<')?.strip_suffix('>')?;
+    let local = inner.strip_suffix(domain)?.strip_suffix('@')?;
+    let (kind, uid) = local.split_once('.')?;
+    let (kind, which) = match kind {
+        "mailguncluster" => (Kind::Cluster, Which::Request),
+        "mailgunmachine" => (Kind::Machine, Which::Request),
+        "mailguncluster-deleted" => (Kind::Cluster, Which::Release),
+        "mailgunmachine-deleted" => (Kind::Machine, Which::Release),
+        _ => return None,
+    };
+    (!uid.is_empty()).then(|| {
+        (
+            Object {
+                kind,
+                uid: uid.to_owned(),
+            },
+            which,
+        )
+    })
+}
+
+/// A mail as a server stored it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Received {
+    /// Position in the server's store (arrival order).
+    pub seq: usize,
+    /// The Message-Id header as stored.
+    pub message_id: String,
+    /// The subject, for reports.
+    pub subject: String,
+}
+
+/// What the ledger knows of one object.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Entry {
+    /// Arrival positions of its request mails.
+    pub requests: Vec<usize>,
+    /// Arrival positions of its release mails.
+    pub releases: Vec<usize>,
+    /// A subject seen, for reports.
+    pub subject: String,
+}
+
+/// The ledger of one lane (one backend).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ledger {
+    /// Which backend received these.
+    pub backend: Backend,
+    /// Per object, in UID order.
+    pub entries: BTreeMap<Object, Entry>,
+    /// Mails whose Message-Id is not one of ours.
+    pub foreign: Vec<Received>,
+}
+
+impl Ledger {
+    /// Builds the ledger from everything one server stored.
+    pub fn build(backend: Backend, domain: &str, mails: &[Received]) -> Self {
+        let mut entries: BTreeMap<Object, Entry> = BTreeMap::new();
+        let mut foreign = Vec::new();
+        for mail in mails {
+            match parse_message_id(&mail.message_id, domain) {
+                Some((object, which)) => {
+                    let entry = entries.entry(object).or_default();
+                    match which {
+                        Which::Request => entry.requests.push(mail.seq),
+                        Which::Release => entry.releases.push(mail.seq),
+                    }
+                    if entry.subject.is_empty() || which == Which::Request {
+                        entry.subject.clone_from(&mail.subject);
+                    }
+                }
+                None => foreign.push(mail.clone()),
+            }
+        }
+        Self {
+            backend,
+            entries,
+            foreign,
+        }
+    }
+
+    /// Whether a request mail of `object` was accepted.
+    pub fn requested(&self, object: &Object) -> bool {
+        self.entries
+            .get(object)
+            .is_some_and(|e| !e.requests.is_empty())
+    }
+
+    /// Copies of one Message-Id beyond the first, per kind (raw duplicates).
+    pub fn extra_copies(&self) -> BTreeMap<Kind, usize> {
+        let mut out = BTreeMap::new();
+        for (object, entry) in &self.entries {
+            let extra = entry.requests.len().saturating_sub(1) + entry.releases.len().saturating_sub(1);
+            *out.entry(object.kind).or_insert(0) += extra;
+        }
+        out
+    }
+
+    /// Judges the ledger. `live` are the objects that exist and are not being deleted,
+    /// `pending` those still being deleted (their release is not judged yet: a paused
+    /// `Cluster` holds them), `resends` the provider's `capm_mail_resends_total` per kind,
+    /// summed over every process of the lane (each read before it was killed and at the end).
+    pub fn check(
+        &self,
+        live: &BTreeSet<Object>,
+        pending: &BTreeSet<Object>,
+        resends: &BTreeMap<Kind, u64>,
+    ) -> Vec<Violation> {
+        let mut out = Vec::new();
+        for mail in &self.foreign {
+            out.push(Violation::Foreign(mail.clone()));
+        }
+        for (object, entry) in &self.entries {
+            let v = |rule| Violation::Object {
+                rule,
+                object: object.clone(),
+                entry: entry.clone(),
+            };
+            if self.backend == Backend::Mailgun && entry.requests.len() > 1 {
+                out.push(v(Rule::DuplicateRequest));
+            }
+            if self.backend == Backend::Mailgun && entry.releases.len() > 1 {
+                out.push(v(Rule::DuplicateRelease));
+            }
+            if !entry.releases.is_empty() {
+                match entry.requests.first() {
+                    None => out.push(v(Rule::ReleaseWithoutRequest)),
+                    Some(first) if entry.releases[0] < *first => {
+                        out.push(v(Rule::ReleaseBeforeRequest));
+                    }
+                    Some(_) => {}
+                }
+                if live.contains(object) {
+                    out.push(v(Rule::ReleaseOfLiveObject));
+                }
+            }
+            if !entry.requests.is_empty()
+                && entry.releases.is_empty()
+                && !live.contains(object)
+                && !pending.contains(object)
+            {
+                out.push(v(Rule::MissingRelease));
+            }
+        }
+        if self.backend == Backend::Smtp {
+            let extra = self.extra_copies();
+            for kind in Kind::ALL {
+                let extra = extra.get(&kind).copied().unwrap_or(0);
+                let counted = resends.get(&kind).copied().unwrap_or(0);
+                if extra as u64 > counted {
+                    let duplicated = self
+                        .entries
+                        .iter()
+                        .filter(|(o, e)| {
+                            o.kind == kind && (e.requests.len() > 1 || e.releases.len() > 1)
+                        })
+                        .map(|(o, e)| (o.clone(), e.clone()))
+                        .collect();
+                    out.push(Violation::UnaccountedResends {
+                        kind,
+                        extra,
+                        counted,
+                        duplicated,
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Which per-object rule was broken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// Mailgun accepted the request mail more than once.
+    DuplicateRequest,
+    /// Mailgun accepted the release mail more than once.
+    DuplicateRelease,
+    /// A release mail for an object whose request mail was never accepted.
+    ReleaseWithoutRequest,
+    /// The release mail arrived before the request mail.
+    ReleaseBeforeRequest,
+    /// A release mail for an object that still exists (and is not being deleted).
+    ReleaseOfLiveObject,
+    /// The object is gone, its request was accepted, and no release mail came.
+    MissingRelease,
+}
+
+/// A broken ledger rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Violation {
+    /// A per-object rule.
+    Object {
+        /// Which.
+        rule: Rule,
+        /// The object.
+        object: Object,
+        /// Its mails.
+        entry: Entry,
+    },
+    /// More SMTP copies of one kind's Message-Ids than the provider counted resends.
+    UnaccountedResends {
+        /// The kind.
+        kind: Kind,
+        /// Copies beyond the first, over all Message-Ids of that kind.
+        extra: usize,
+        /// `capm_mail_resends_total` of that kind's controller.
+        counted: u64,
+        /// The objects with more than one copy of a mail.
+        duplicated: Vec<(Object, Entry)>,
+    },
+    /// A mail whose Message-Id is not one of ours.
+    Foreign(Received),
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Object {
+                rule,
+                object,
+                entry,
+            } => write!(
+                f,
+                "{rule:?}: {object} ({:?}): request mails at {:?}, release mails at {:?}",
+                entry.subject, entry.requests, entry.releases
+            ),
+            Self::UnaccountedResends {
+                kind,
+                extra,
+                counted,
+                duplicated,
+            } => {
+                write!(
+                    f,
+                    "UnaccountedResends: {extra} duplicate SMTP copies of {} mails, but \
+                     capm_mail_resends_total{{controller=\"{}\"}} counted {counted}:",
+                    kind.name(),
+                    kind.controller()
+                )?;
+                for (object, entry) in duplicated {
+                    write!(
+                        f,
+                        "\n      {object} ({:?}): requests at {:?}, releases at {:?}",
+                        entry.subject, entry.requests, entry.releases
+                    )?;
+                }
+                Ok(())
+            }
+            Self::Foreign(mail) => write!(
+                f,
+                "Foreign: mail #{} with Message-Id {:?} ({:?}) is not ours",
+                mail.seq, mail.message_id, mail.subject
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D: &str = "mg.soak.test";
+
+    fn mail(seq: usize, id: String) -> Received {
+        Received {
+            seq,
+            message_id: id,
+            subject: format!("mail {seq}"),
+        }
+    }
+
+    fn req(kind: &str, uid: &str) -> String {
+        capm_api::names::message_id(kind, uid, D)
+    }
+
+    fn rel(kind: &str, uid: &str) -> String {
+        capm_api::names::deletion_message_id(kind, uid, D)
+    }
+
+    fn obj(kind: Kind, uid: &str) -> Object {
+        Object {
+            kind,
+            uid: uid.into(),
+        }
+    }
+
+    fn rules(v: &[Violation]) -> Vec<Rule> {
+        v.iter()
+            .filter_map(|v| match v {
+                Violation::Object { rule, .. } => Some(*rule),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn parses_the_ids_capm_api_makes() {
+        assert_eq!(
+            parse_message_id(&req("MailgunCluster", "u-1"), D),
+            Some((obj(Kind::Cluster, "u-1"), Which::Request))
+        );
+        assert_eq!(
+            parse_message_id(&rel("MailgunMachine", "u-2"), D),
+            Some((obj(Kind::Machine, "u-2"), Which::Release))
+        );
+        assert_eq!(parse_message_id("<mailguncluster.u@other.test>", D), None);
+        assert_eq!(parse_message_id("<x.u@mg.soak.test>", D), None);
+        assert_eq!(parse_message_id("mailguncluster.u@mg.soak.test", D), None);
+    }
+
+    #[test]
+    fn a_clean_history_passes() {
+        let mails = [
+            mail(1, req("MailgunCluster", "a")),
+            mail(2, req("MailgunMachine", "m")),
+            mail(3, rel("MailgunMachine", "m")),
+        ];
+        let ledger = Ledger::build(Backend::Mailgun, D, &mails);
+        let live = BTreeSet::from([obj(Kind::Cluster, "a")]);
+        assert!(ledger.check(&live, &BTreeSet::new(), &BTreeMap::new()).is_empty());
+    }
+
+    #[test]
+    fn every_rule_fires() {
+        let mails = [
+            mail(1, req("MailgunCluster", "dup")),
+            mail(2, req("MailgunCluster", "dup")),
+            mail(3, rel("MailgunMachine", "never-requested")),
+            mail(4, req("MailgunMachine", "gone")),
+            mail(5, rel("MailgunCluster", "late")),
+            mail(6, req("MailgunCluster", "late")),
+            mail(7, req("MailgunMachine", "alive")),
+            mail(8, rel("MailgunMachine", "alive")),
+            mail(9, "<someone@else.test>".into()),
+        ];
+        let ledger = Ledger::build(Backend::Mailgun, D, &mails);
+        let live = BTreeSet::from([obj(Kind::Cluster, "dup"), obj(Kind::Machine, "alive")]);
+        let v = ledger.check(&live, &BTreeSet::new(), &BTreeMap::new());
+        assert_eq!(
+            rules(&v),
+            vec![
+                Rule::DuplicateRequest,
+                Rule::ReleaseBeforeRequest,
+                Rule::ReleaseOfLiveObject,
+                Rule::MissingRelease,
+                Rule::ReleaseWithoutRequest,
+            ],
+            "{v:#?}"
+        );
+        assert!(v.iter().any(|v| matches!(v, Violation::Foreign(_))));
+    }
+
+    #[test]
+    fn an_object_still_being_deleted_is_not_judged_yet() {
+        let mails = [mail(1, req("MailgunMachine", "m"))];
+        let ledger = Ledger::build(Backend::Mailgun, D, &mails);
+        let pending = BTreeSet::from([obj(Kind::Machine, "m")]);
+        assert!(ledger.check(&BTreeSet::new(), &pending, &BTreeMap::new()).is_empty());
+        assert_eq!(
+            rules(&ledger.check(&BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new())),
+            vec![Rule::MissingRelease]
+        );
+    }
+
+    #[test]
+    fn smtp_duplicates_need_counted_resends() {
+        let mails = [
+            mail(1, req("MailgunCluster", "a")),
+            mail(2, req("MailgunCluster", "a")),
+            mail(3, req("MailgunMachine", "m")),
+            mail(4, rel("MailgunMachine", "m")),
+            mail(5, rel("MailgunMachine", "m")),
+        ];
+        let ledger = Ledger::build(Backend::Smtp, D, &mails);
+        let live = BTreeSet::from([obj(Kind::Cluster, "a")]);
+        let counted = BTreeMap::from([(Kind::Cluster, 1), (Kind::Machine, 1)]);
+        assert!(ledger.check(&live, &BTreeSet::new(), &counted).is_empty());
+        let short = BTreeMap::from([(Kind::Cluster, 1)]);
+        let v = ledger.check(&live, &BTreeSet::new(), &short);
+        assert!(
+            matches!(
+                v.as_slice(),
+                [Violation::UnaccountedResends {
+                    kind: Kind::Machine,
+                    extra: 1,
+                    counted: 0,
+                    ..
+                }]
+            ),
+            "{v:#?}"
+        );
+        // The same history over Mailgun: both duplicates are violations, counters or not.
+        let ledger = Ledger::build(Backend::Mailgun, D, &mails);
+        assert_eq!(
+            rules(&ledger.check(&live, &BTreeSet::new(), &counted)),
+            vec![Rule::DuplicateRequest, Rule::DuplicateRelease]
+        );
+    }
+}

@@ -1,0 +1,1223 @@
+//! The soak test's world: the control plane and Cluster API, the lanes (a backend, its mail
+//! server, two provider replicas, a namespace), the plans and how a round runs and is judged.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write as _,
+    future::Future,
+    path::PathBuf,
+    pin::Pin,
+    process::Command,
+    sync::{Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use capm_e2e::{Proc, free_port, http_get, provider_binary, start_capi_manager};
+use capm_mail_servers::{FailureMode, FailureRule, FailureTarget, MailgunServer, SmtpOptions, SmtpServer};
+use capm_test_support::{ControlPlane, Options, install_crds};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::{
+    Api, Client, ResourceExt,
+    api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams},
+    core::ObjectMeta,
+};
+use rand::{RngExt as _, rngs::StdRng};
+use serde_json::{Value, json};
+
+use crate::ledger::{Backend, Kind, Ledger, Object, Received, Violation};
+
+const DOMAIN: &str = "mg.soak.test";
+const API_KEY: &str = "key-soak";
+const RECIPIENT: &str = "ops@example.com";
+const FIELD_MANAGER: &str = "capm-soak";
+const MAX_CLUSTERS: usize = 3;
+const MAX_REPLICAS: u32 = 3;
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(150);
+const QUIET_WINDOW: Duration = Duration::from_secs(3);
+const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
+const CAPI_GROUP: &str = "cluster.x-k8s.io";
+
+/// The lane's view of a kind, for dynamic APIs.
+fn resource(group: &str, version: &str, kind: &str) -> ApiResource {
+    ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, kind))
+}
+
+type BoxFuture<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
+
+/// Everything both lanes share.
+pub struct World {
+    cp: ControlPlane,
+    client: Client,
+    capi: Proc,
+    dir: tempfile::TempDir,
+}
+
+impl World {
+    /// Starts the control plane, installs the CRDs and starts the Cluster API core manager.
+    pub async fn start() -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("capm-soak-").tempdir()?;
+        let cp = ControlPlane::start(Options::default()).await?;
+        cp.install_capi_crds().await?;
+        let client = cp.client().await?;
+        install_crds(&client, &capm_api::crd::crds()?).await?;
+        let capi = start_capi_manager(cp.kubeconfig(), dir.path())?;
+        Ok(Self {
+            cp,
+            client,
+            capi,
+            dir,
+        })
+    }
+}
+
+/// A human's intent for one cluster of a lane.
+#[derive(Debug, Clone)]
+struct ClusterIntent {
+    paused: bool,
+    replicas: u32,
+}
+
+/// A backend fault.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// A definitive refusal before acceptance: nothing stored. Mailgun: 500 (the client cannot
+    /// tell, the events API can) when `server_error`, else 429.
+    Refuse { server_error: bool },
+    /// Store, then never answer.
+    Hang,
+    /// Never greet a new connection (SMTP only): nothing stored.
+    NoGreeting,
+    /// Answer late, within the client timeout.
+    Slow(Duration),
+}
+
+/// One planned operation of a lane.
+#[derive(Debug, Clone)]
+enum Op {
+    Create { cluster: String, replicas: u32 },
+    Delete { cluster: String, unpause: bool },
+    Scale { cluster: String, replicas: u32 },
+    Burst { cluster: String, up: u32, down: u32 },
+    Pause { cluster: String },
+    Unpause { cluster: String },
+    Fault { fault: Fault, lasts: Duration },
+    KillLeader { restart_after: Duration },
+    FreezeLeader { lasts: Duration },
+    Sleep(Duration),
+}
+
+/// A lane's operations for one round.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    ops: Vec<Op>,
+}
+
+/// One provider process.
+struct Replica {
+    proc: Proc,
+    metrics: String,
+    name: String,
+    frozen: bool,
+    /// `capm_mail_resends_total` per kind at the last reading.
+    resends: BTreeMap<Kind, u64>,
+}
+
+enum Server {
+    Mailgun(MailgunServer),
+    Smtp(Mutex<SmtpServer>),
+}
+
+/// One backend, its server, its namespace and its two provider replicas.
+pub struct Lane {
+    backend: Backend,
+    ns: String,
+    client: Client,
+    server: Server,
+    config: PathBuf,
+    logs: PathBuf,
+    kubeconfig: PathBuf,
+    replicas: Mutex<Vec<Replica>>,
+    started: Mutex<usize>,
+    /// Resends counted by processes that were killed (read right before).
+    retired_resends: Mutex<BTreeMap<Kind, u64>>,
+    intent: BTreeMap<String, ClusterIntent>,
+    deleted: BTreeSet<String>,
+    next_cluster: usize,
+    fulfilled: Mutex<BTreeSet<String>>,
+    log: Mutex<Vec<String>>,
+    round_start: Mutex<Instant>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The samples of `name` in a Prometheus exposition, by their `controller` label (empty when
+/// there is none).
+fn samples(exposition: &str, name: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for line in exposition.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        if !rest.starts_with(['{', ' ']) {
+            continue;
+        }
+        let Some((labels, value)) = rest.rsplit_once(' ') else {
+            continue;
+        };
+        let controller = labels
+            .split_once("controller=\"")
+            .and_then(|(_, r)| r.split_once('"'))
+            .map(|(c, _)| c.to_owned())
+            .unwrap_or_default();
+        if let Ok(v) = value.parse::<f64>() {
+            *out.entry(controller).or_insert(0.0) += v;
+        }
+    }
+    out
+}
+
+impl Replica {
+    fn scrape(&self) -> Option<String> {
+        match http_get(&self.metrics, "/metrics") {
+            Ok((200, body)) => Some(body),
+            _ => None,
+        }
+    }
+
+    /// Reads `capm_mail_resends_total` (kept from the last reading when unreachable).
+    fn read_resends(&mut self) {
+        if self.frozen {
+            return;
+        }
+        if let Some(text) = self.scrape() {
+            let s = samples(&text, "capm_mail_resends_total");
+            for kind in Kind::ALL {
+                let v = s.get(kind.controller()).copied().unwrap_or(0.0);
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                self.resends.insert(kind, v as u64);
+            }
+        }
+    }
+
+    fn leads(&self) -> bool {
+        !self.frozen
+            && self
+                .scrape()
+                .is_some_and(|t| samples(&t, "leader_election_master_status").values().sum::<f64>() >= 1.0)
+    }
+}
+
+/// Decodes a quoted-printable body (soft breaks and `=XX`); other bodies pass unchanged.
+fn decode_qp(body: &str, qp: bool) -> String {
+    if !qp {
+        return body.to_owned();
+    }
+    let joined = body.replace("=\r\n", "").replace("=\n", "");
+    let bytes = joined.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'='
+            && i + 2 < bytes.len()
+            && let Ok(b) = u8::from_str_radix(&joined[i + 1..i + 3], 16)
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The object name and namespace in the `kubectl patch <kind> <name> -n <ns>` line of a mail.
+fn fulfil_target(body: &str) -> Option<(String, String)> {
+    let line = body
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("kubectl patch "))?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let name = words.get(3)?;
+    let ns = words
+        .iter()
+        .position(|w| *w == "-n")
+        .and_then(|i| words.get(i + 1))?;
+    Some(((*name).to_owned(), (*ns).to_owned()))
+}
+
+/// A mail as the lane's server stored it, with its body for the fulfilling human.
+struct Mail {
+    received: Received,
+    body: String,
+}
+
+/// Retries a Kubernetes call while the API server is away (a restart), up to 60 s.
+async fn retry<T, F, Fut>(what: &str, mut f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, kube::Error>>,
+{
+    let begun = Instant::now();
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if begun.elapsed() < Duration::from_secs(60) => {
+                let transient = !matches!(&e, kube::Error::Api(s) if s.code < 500 && s.code != 429);
+                if !transient {
+                    return Err(e).with_context(|| what.to_owned());
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("{what} (for 60 s)")),
+        }
+    }
+}
+
+fn is_status(e: &anyhow::Error, code: u16) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<kube::Error>()
+            .is_some_and(|k| matches!(k, kube::Error::Api(s) if s.code == code))
+    })
+}
+
+impl Lane {
+    /// Starts the lane's mail server and two provider replicas in a fresh namespace.
+    pub async fn start(world: &World, backend: Backend) -> Result<Self> {
+        let ns = format!("soak-{backend}");
+        let namespaces: Api<Namespace> = Api::all(world.client.clone());
+        namespaces
+            .create(
+                &PostParams::default(),
+                &Namespace {
+                    metadata: ObjectMeta {
+                        name: Some(ns.clone()),
+                        ..ObjectMeta::default()
+                    },
+                    ..Namespace::default()
+                },
+            )
+            .await?;
+        let logs = world.dir.path().join(backend.to_string());
+        std::fs::create_dir_all(&logs)?;
+        let config = logs.join("config.json");
+        let (server, mailer) = match backend {
+            Backend::Mailgun => {
+                let server = MailgunServer::start(API_KEY, DOMAIN)?;
+                let mailer = json!({"mailgun": {
+                    "domain": DOMAIN, "baseUrl": server.base_url(), "apiKey": {"env": "MAILGUN_API_KEY"},
+                    "connectTimeoutSeconds": 2, "requestTimeoutSeconds": 5,
+                }});
+                (Server::Mailgun(server), mailer)
+            }
+            Backend::Smtp => {
+                let server = SmtpServer::start(SmtpOptions::default())?;
+                let mailer = json!({"smtp": {"url": server.url(), "starttls": "never", "timeoutSeconds": 5}});
+                (Server::Smtp(Mutex::new(server)), mailer)
+            }
+        };
+        std::fs::write(&config, json!({ "mailer": mailer }).to_string())?;
+        let mut cfg = world.cp.config().await?;
+        cfg.default_namespace = ns.clone();
+        let client = Client::try_from(cfg)?;
+        let templates: Api<DynamicObject> = Api::namespaced_with(
+            client.clone(),
+            &ns,
+            &resource(INFRA_GROUP, "v1beta1", "MailgunMachineTemplate"),
+        );
+        let template: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+            "kind": "MailgunMachineTemplate",
+            "metadata": {"name": "workers", "namespace": ns},
+            "spec": {"template": {"spec": {"priority": "Urgent", "request": "One soak worker, please.", "requester": "soak@example.com"}}},
+        }))?;
+        templates.create(&PostParams::default(), &template).await?;
+        let lane = Self {
+            backend,
+            ns,
+            client,
+            server,
+            config,
+            logs,
+            kubeconfig: world.cp.kubeconfig().to_owned(),
+            replicas: Mutex::new(Vec::new()),
+            started: Mutex::new(0),
+            retired_resends: Mutex::new(BTreeMap::new()),
+            intent: BTreeMap::new(),
+            deleted: BTreeSet::new(),
+            next_cluster: 0,
+            fulfilled: Mutex::new(BTreeSet::new()),
+            log: Mutex::new(Vec::new()),
+            round_start: Mutex::new(Instant::now()),
+        };
+        for _ in 0..2 {
+            let replica = lane.spawn_replica()?;
+            lock(&lane.replicas).push(replica);
+        }
+        Ok(lane)
+    }
+
+    fn spawn_replica(&self) -> Result<Replica> {
+        let n = {
+            let mut started = lock(&self.started);
+            *started += 1;
+            *started
+        };
+        let name = format!("{}-{n}", self.backend);
+        let metrics = format!("127.0.0.1:{}", free_port()?);
+        let mut cmd = Command::new(provider_binary()?);
+        cmd.env_clear()
+            .env("RUST_LOG", "info")
+            .env("MAIL_RECIPIENT", RECIPIENT)
+            .env("MAILGUN_API_KEY", API_KEY)
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["--namespace", &self.ns, "--leader-election-namespace", &self.ns])
+            .arg("--leader-elect=true")
+            .args(["--metrics-bind-address", &metrics])
+            .args(["--health-probe-bind-address", &format!("127.0.0.1:{}", free_port()?)])
+            .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
+            .args(["--message-id-domain", DOMAIN])
+            .arg("--config")
+            .arg(&self.config);
+        let proc = Proc::spawn(&name, cmd, self.logs.join(format!("{name}.log")))?;
+        Ok(Replica {
+            proc,
+            metrics,
+            name,
+            frozen: false,
+            resends: BTreeMap::new(),
+        })
+    }
+
+    fn api(&self, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
+        Api::namespaced_with(self.client.clone(), &self.ns, &resource(group, version, kind))
+    }
+
+    fn clusters(&self) -> Api<DynamicObject> {
+        self.api(CAPI_GROUP, "v1beta2", "Cluster")
+    }
+
+    fn deployments(&self) -> Api<DynamicObject> {
+        self.api(CAPI_GROUP, "v1beta2", "MachineDeployment")
+    }
+
+    fn infra(&self, kind: Kind) -> Api<DynamicObject> {
+        self.api(INFRA_GROUP, "v1beta1", kind.name())
+    }
+
+    fn note(&self, what: impl AsRef<str>) {
+        let at = lock(&self.round_start).elapsed().as_secs_f64();
+        lock(&self.log).push(format!("  +{at:6.2}s [{}] {}", self.backend, what.as_ref()));
+    }
+
+    // ---- planning -----------------------------------------------------------------------
+
+    /// Plans a round from the seed only, updating the lane's intent.
+    pub fn plan(&mut self, rng: &mut StdRng, round: u64) -> Plan {
+        let mut ops = Vec::new();
+        let n = rng.random_range(2..=5);
+        let fault_at = rng.random_bool(0.35).then(|| rng.random_range(0..n));
+        let chaos = rng.random_range(0..100u32);
+        let chaos_at = rng.random_range(0..n);
+        for i in 0..n {
+            if fault_at == Some(i) {
+                let fault = match (rng.random_range(0..4u32), self.backend) {
+                    (0, _) => Fault::Refuse {
+                        server_error: rng.random_bool(0.5),
+                    },
+                    (1, _) => Fault::Hang,
+                    (2, Backend::Smtp) => Fault::NoGreeting,
+                    _ => Fault::Slow(Duration::from_millis(rng.random_range(500..2500))),
+                };
+                ops.push(Op::Fault {
+                    fault,
+                    lasts: Duration::from_millis(rng.random_range(2000..6000)),
+                });
+            }
+            if chaos_at == i {
+                if chaos < 12 {
+                    ops.push(Op::FreezeLeader {
+                        lasts: Duration::from_secs(rng.random_range(15..=25)),
+                    });
+                } else if chaos < 24 {
+                    ops.push(Op::KillLeader {
+                        restart_after: Duration::from_millis(rng.random_range(0..2000)),
+                    });
+                }
+            }
+            let live: Vec<String> = self.intent.keys().cloned().collect();
+            let pick = |rng: &mut StdRng| live[rng.random_range(0..live.len())].clone();
+            let choice = rng.random_range(0..100u32);
+            let op = if live.is_empty() || (choice < 25 && live.len() < MAX_CLUSTERS) {
+                self.next_cluster += 1;
+                let cluster = format!("r{round}c{}", self.next_cluster);
+                let replicas = rng.random_range(0..=MAX_REPLICAS);
+                self.intent.insert(
+                    cluster.clone(),
+                    ClusterIntent {
+                        paused: false,
+                        replicas,
+                    },
+                );
+                Op::Create { cluster, replicas }
+            } else if choice < 40 {
+                let cluster = pick(rng);
+                let intent = self.intent.remove(&cluster);
+                self.deleted.insert(cluster.clone());
+                Op::Delete {
+                    cluster,
+                    unpause: intent.is_some_and(|i| i.paused),
+                }
+            } else if choice < 60 {
+                let cluster = pick(rng);
+                let replicas = rng.random_range(0..=MAX_REPLICAS);
+                if let Some(i) = self.intent.get_mut(&cluster) {
+                    i.replicas = replicas;
+                }
+                Op::Scale { cluster, replicas }
+            } else if choice < 85 {
+                let cluster = pick(rng);
+                let up = rng.random_range(2..=MAX_REPLICAS);
+                let down = rng.random_range(0..up);
+                if let Some(i) = self.intent.get_mut(&cluster) {
+                    i.replicas = down;
+                }
+                Op::Burst { cluster, up, down }
+            } else {
+                let cluster = pick(rng);
+                let paused = self.intent.get(&cluster).is_some_and(|i| i.paused);
+                if let Some(i) = self.intent.get_mut(&cluster) {
+                    i.paused = !paused;
+                }
+                if paused {
+                    Op::Unpause { cluster }
+                } else {
+                    Op::Pause { cluster }
+                }
+            };
+            ops.push(op);
+            ops.push(Op::Sleep(Duration::from_millis(rng.random_range(0..1200))));
+        }
+        Plan { ops }
+    }
+
+    /// The last plan: every cluster unpaused and deleted.
+    pub fn plan_teardown(&mut self) -> Plan {
+        let ops = std::mem::take(&mut self.intent)
+            .into_iter()
+            .map(|(cluster, intent)| {
+                self.deleted.insert(cluster.clone());
+                Op::Delete {
+                    cluster,
+                    unpause: intent.paused,
+                }
+            })
+            .collect();
+        Plan { ops }
+    }
+
+    // ---- executing ----------------------------------------------------------------------
+
+    async fn create(&self, cluster: &str, replicas: u32) -> Result<()> {
+        let objects = [
+            (
+                self.infra(Kind::Cluster),
+                json!({
+                    "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunCluster",
+                    "metadata": {"name": cluster, "namespace": self.ns},
+                    "spec": {"priority": "Urgent", "request": format!("Soak cluster {cluster}, please."), "requester": "soak@example.com"},
+                }),
+            ),
+            (
+                self.clusters(),
+                json!({
+                    "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+                    "metadata": {"name": cluster, "namespace": self.ns},
+                    "spec": {"infrastructureRef": {"apiGroup": INFRA_GROUP, "kind": "MailgunCluster", "name": cluster}},
+                }),
+            ),
+            (
+                self.deployments(),
+                json!({
+                    "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineDeployment",
+                    "metadata": {"name": cluster, "namespace": self.ns},
+                    "spec": {
+                        "clusterName": cluster,
+                        "replicas": replicas,
+                        "selector": {"matchLabels": {"soak.capm.test/pool": cluster}},
+                        "template": {
+                            "metadata": {"labels": {"soak.capm.test/pool": cluster}},
+                            "spec": {
+                                "clusterName": cluster,
+                                "bootstrap": {"dataSecretName": format!("{cluster}-bootstrap")},
+                                "infrastructureRef": {"apiGroup": INFRA_GROUP, "kind": "MailgunMachineTemplate", "name": "workers"},
+                            },
+                        },
+                    },
+                }),
+            ),
+        ];
+        let pp = PostParams::default();
+        for (api, object) in objects {
+            let object: DynamicObject = serde_json::from_value(object)?;
+            let created = retry("creating", || api.create(&pp, &object)).await;
+            match created {
+                Ok(_) => {}
+                Err(e) if is_status(&e, 409) => {} // a retry after the API server took it
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    async fn patch(&self, api: &Api<DynamicObject>, name: &str, patch: Value) -> Result<()> {
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        let patch = Patch::Merge(&patch);
+        retry("patching", || api.patch(name, &params, &patch))
+            .await
+            .map(drop)
+    }
+
+    async fn set_paused(&self, cluster: &str, paused: bool) -> Result<()> {
+        self.patch(&self.clusters(), cluster, json!({"spec": {"paused": paused}}))
+            .await
+    }
+
+    async fn scale(&self, cluster: &str, replicas: u32) -> Result<()> {
+        self.patch(&self.deployments(), cluster, json!({"spec": {"replicas": replicas}}))
+            .await
+    }
+
+    async fn delete(&self, cluster: &str) -> Result<()> {
+        let (api, dp) = (self.clusters(), DeleteParams::default());
+        match retry("deleting", || api.delete(cluster, &dp)).await {
+            Err(e) if is_status(&e, 404) => Ok(()),
+            other => other.map(drop),
+        }
+    }
+
+    /// The replica that leads now (waits up to 5 s for one to say so).
+    async fn leader(&self) -> Option<usize> {
+        for _ in 0..20 {
+            let found = {
+                let replicas = lock(&self.replicas);
+                replicas.iter().position(Replica::leads)
+            };
+            if found.is_some() {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        None
+    }
+
+    async fn kill_leader(&self, restart_after: Duration) -> Result<()> {
+        let Some(i) = self.leader().await else {
+            self.note("kill: no replica leads; skipped");
+            return Ok(());
+        };
+        {
+            let mut replicas = lock(&self.replicas);
+            let victim = &mut replicas[i];
+            victim.read_resends();
+            let mut retired = lock(&self.retired_resends);
+            for (kind, n) in &victim.resends {
+                *retired.entry(*kind).or_insert(0) += n;
+            }
+            victim.proc.kill_now();
+            self.note(format!("SIGKILL leader {} (pid {})", victim.name, victim.proc.pid()));
+        }
+        tokio::time::sleep(restart_after).await;
+        let replacement = self.spawn_replica()?;
+        self.note(format!("started {} in its place", replacement.name));
+        lock(&self.replicas)[i] = replacement;
+        Ok(())
+    }
+
+    async fn freeze_leader(&self, lasts: Duration) -> Result<()> {
+        let Some(i) = self.leader().await else {
+            self.note("freeze: no replica leads; skipped");
+            return Ok(());
+        };
+        let name = {
+            let mut replicas = lock(&self.replicas);
+            let victim = &mut replicas[i];
+            victim.read_resends();
+            victim.proc.signal("STOP")?;
+            victim.frozen = true;
+            victim.name.clone()
+        };
+        self.note(format!("SIGSTOP leader {name} for {:.0} s", lasts.as_secs_f64()));
+        tokio::time::sleep(lasts).await;
+        {
+            let mut replicas = lock(&self.replicas);
+            let victim = &mut replicas[i];
+            victim.proc.signal("CONT")?;
+            victim.frozen = false;
+        }
+        self.note(format!("SIGCONT {name}"));
+        Ok(())
+    }
+
+    async fn fault(&self, fault: Fault, lasts: Duration) -> Result<()> {
+        self.note(format!("backend fault {fault:?} for {:.1} s", lasts.as_secs_f64()));
+        match &self.server {
+            Server::Mailgun(server) => match fault {
+                Fault::Refuse { server_error } => server.set_failure(FailureRule {
+                    mode: if server_error {
+                        FailureMode::ServerError
+                    } else {
+                        FailureMode::RateLimited
+                    },
+                    count: None,
+                    retry_after: Some(1),
+                    target: FailureTarget::Messages,
+                })?,
+                Fault::Hang | Fault::NoGreeting => server.set_failure(FailureRule {
+                    mode: FailureMode::AcceptThenHang,
+                    count: Some(2),
+                    retry_after: None,
+                    target: FailureTarget::Messages,
+                })?,
+                Fault::Slow(delay) => server.set_delay(delay, None)?,
+            },
+            Server::Smtp(server) => {
+                let mut server = lock(server);
+                match fault {
+                    Fault::Refuse { .. } => server.fail_next(451, 100_000)?,
+                    Fault::Hang => server.hang_after_data(2)?,
+                    Fault::NoGreeting => server.no_greeting(100_000)?,
+                    Fault::Slow(delay) => server.slow_data(delay, 100_000)?,
+                }
+            }
+        }
+        tokio::time::sleep(lasts).await;
+        match &self.server {
+            Server::Mailgun(server) => {
+                server.clear_failure()?;
+                server.clear_delay()?;
+            }
+            Server::Smtp(server) => lock(server).reset()?,
+        }
+        self.note(format!("backend fault {fault:?} over"));
+        Ok(())
+    }
+
+    /// Runs a plan: operations in order, faults and freezes alongside, the human fulfilling
+    /// request mails all the while.
+    async fn execute(&self, plan: Plan) -> Result<()> {
+        let mut background: Vec<BoxFuture<'_>> = Vec::new();
+        let work = async {
+            for op in plan.ops {
+                match op {
+                    Op::Sleep(d) => tokio::time::sleep(d).await,
+                    Op::Create { cluster, replicas } => {
+                        self.note(format!("create {cluster} with {replicas} machines"));
+                        self.create(&cluster, replicas).await?;
+                    }
+                    Op::Delete { cluster, unpause } => {
+                        if unpause {
+                            self.note(format!("unpause {cluster} to delete it"));
+                            self.set_paused(&cluster, false).await?;
+                        }
+                        self.note(format!("delete {cluster}"));
+                        self.delete(&cluster).await?;
+                    }
+                    Op::Scale { cluster, replicas } => {
+                        self.note(format!("scale {cluster} to {replicas}"));
+                        self.scale(&cluster, replicas).await?;
+                    }
+                    Op::Burst { cluster, up, down } => {
+                        self.note(format!("scale {cluster} to {up}, then at once to {down}"));
+                        self.scale(&cluster, up).await?;
+                        self.scale(&cluster, down).await?;
+                    }
+                    Op::Pause { cluster } => {
+                        self.note(format!("pause {cluster}"));
+                        self.set_paused(&cluster, true).await?;
+                    }
+                    Op::Unpause { cluster } => {
+                        self.note(format!("unpause {cluster}"));
+                        self.set_paused(&cluster, false).await?;
+                    }
+                    Op::Fault { fault, lasts } => background.push(Box::pin(self.fault(fault, lasts))),
+                    Op::KillLeader { restart_after } => {
+                        background.push(Box::pin(self.kill_leader(restart_after)));
+                    }
+                    Op::FreezeLeader { lasts } => background.push(Box::pin(self.freeze_leader(lasts))),
+                }
+            }
+            Ok::<_, anyhow::Error>(background)
+        };
+        // The human reads mail while the operations run.
+        let background = tokio::select! {
+            r = work => r?,
+            r = self.fulfil_forever() => return r,
+        };
+        let all = futures::future::try_join_all(background);
+        tokio::select! {
+            r = all => r.map(drop),
+            r = self.fulfil_forever() => r,
+        }
+    }
+
+    // ---- the mail servers and the human --------------------------------------------------
+
+    fn mails(&self) -> Result<Vec<Mail>> {
+        Ok(match &self.server {
+            Server::Mailgun(server) => server
+                .messages()?
+                .into_iter()
+                .enumerate()
+                .map(|(i, m)| Mail {
+                    received: Received {
+                        seq: i + 1,
+                        message_id: m.id,
+                        subject: m.subject,
+                    },
+                    body: m.text.unwrap_or_default(),
+                })
+                .collect(),
+            Server::Smtp(server) => lock(server)
+                .messages()?
+                .into_iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    let qp = m
+                        .header("Content-Transfer-Encoding")
+                        .is_some_and(|e| e.eq_ignore_ascii_case("quoted-printable"));
+                    Mail {
+                        received: Received {
+                            seq: i + 1,
+                            message_id: m.header("Message-ID").unwrap_or_default().to_owned(),
+                            subject: m.header("Subject").unwrap_or_default().to_owned(),
+                        },
+                        body: decode_qp(&m.body, qp),
+                    }
+                })
+                .collect(),
+        })
+    }
+
+    fn ledger(&self) -> Result<Ledger> {
+        let mails: Vec<Received> = self.mails()?.into_iter().map(|m| m.received).collect();
+        Ok(Ledger::build(self.backend, DOMAIN, &mails))
+    }
+
+    /// Number of mails the lane's server stored.
+    pub fn mail_count(&self) -> usize {
+        self.mails().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// What the human does with new request mails of clusters: runs the command they give.
+    async fn fulfil(&self) -> Result<()> {
+        for mail in self.mails()? {
+            let id = &mail.received.message_id;
+            let Some((object, crate::ledger::Which::Request)) =
+                crate::ledger::parse_message_id(id, DOMAIN)
+            else {
+                continue;
+            };
+            if object.kind != Kind::Cluster || lock(&self.fulfilled).contains(id) {
+                continue;
+            }
+            let Some((name, ns)) = fulfil_target(&mail.body) else {
+                bail!("no kubectl command in mail {id}:\n{}", mail.body);
+            };
+            if ns != self.ns {
+                bail!("mail {id} names namespace {ns}, expected {}", self.ns);
+            }
+            let patch = json!({"spec": {"controlPlaneEndpoint": {"host": format!("{name}.soak.example"), "port": 6443}}});
+            let params = PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..PatchParams::default()
+            };
+            match self.infra(Kind::Cluster).patch(&name, &params, &Patch::Merge(&patch)).await {
+                Ok(obj) if obj.uid().as_deref() != Some(object.uid.as_str()) => {
+                    // A newer object of the same name: this mail is not its request.
+                }
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(_) => continue, // the API server is away: next time
+            }
+            lock(&self.fulfilled).insert(id.clone());
+        }
+        Ok(())
+    }
+
+    async fn fulfil_forever(&self) -> Result<()> {
+        loop {
+            self.fulfil().await?;
+            tokio::time::sleep(Duration::from_millis(400)).await;
+        }
+    }
+
+    // ---- judging ---------------------------------------------------------------------------
+
+    async fn list(&self, api: &Api<DynamicObject>) -> Option<Vec<DynamicObject>> {
+        api.list(&ListParams::default()).await.ok().map(|l| l.items)
+    }
+
+    /// What is still missing before the round's intent is reached (empty: settled).
+    async fn unsettled(&self) -> Result<Vec<String>> {
+        self.fulfil().await?;
+        let (Some(clusters), Some(mgcs), Some(mgms)) = (
+            self.list(&self.clusters()).await,
+            self.list(&self.infra(Kind::Cluster)).await,
+            self.list(&self.infra(Kind::Machine)).await,
+        ) else {
+            return Ok(vec!["the API server does not answer".into()]);
+        };
+        let ledger = self.ledger()?;
+        let requested = |kind: Kind, o: &DynamicObject| {
+            ledger.requested(&Object {
+                kind,
+                uid: o.uid().unwrap_or_default(),
+            })
+        };
+        let cluster_of = |m: &DynamicObject| m.labels().get("cluster.x-k8s.io/cluster-name").cloned().unwrap_or_default();
+        let mut missing = Vec::new();
+        for name in &self.deleted {
+            if clusters.iter().any(|c| c.name_any() == *name) {
+                missing.push(format!("Cluster {name} not deleted yet"));
+            }
+            for o in mgcs.iter().filter(|o| o.name_any() == *name) {
+                missing.push(format!(
+                    "MailgunCluster {name} ({}) of a deleted Cluster still there, finalizers {:?}",
+                    o.uid().unwrap_or_default(),
+                    o.finalizers()
+                ));
+            }
+            for o in mgms.iter().filter(|o| cluster_of(o) == *name) {
+                missing.push(format!(
+                    "MailgunMachine {} ({}) of deleted Cluster {name} still there, finalizers {:?}",
+                    o.name_any(),
+                    o.uid().unwrap_or_default(),
+                    o.finalizers()
+                ));
+            }
+        }
+        for (name, intent) in &self.intent {
+            if intent.paused {
+                continue;
+            }
+            let provisioned = clusters.iter().any(|c| {
+                c.name_any() == *name && c.data["status"]["initialization"]["infrastructureProvisioned"] == true
+            });
+            match mgcs.iter().find(|o| o.name_any() == *name) {
+                None => missing.push(format!("MailgunCluster {name} missing")),
+                Some(o) if !requested(Kind::Cluster, o) => {
+                    missing.push(format!("MailgunCluster {name} ({}) not requested", o.uid().unwrap_or_default()));
+                }
+                Some(_) if !provisioned => missing.push(format!("Cluster {name} not provisioned")),
+                Some(_) => {}
+            }
+            let machines: Vec<&DynamicObject> = mgms.iter().filter(|o| cluster_of(o) == *name).collect();
+            let deleting = machines.iter().filter(|o| o.metadata.deletion_timestamp.is_some()).count();
+            let live = machines.len() - deleting;
+            if deleting > 0 || live != intent.replicas as usize {
+                missing.push(format!(
+                    "Cluster {name}: {live} MailgunMachines (+{deleting} being deleted), want {}",
+                    intent.replicas
+                ));
+            }
+            for o in machines {
+                if o.metadata.deletion_timestamp.is_none() && !requested(Kind::Machine, o) {
+                    missing.push(format!(
+                        "MailgunMachine {} ({}) not requested",
+                        o.name_any(),
+                        o.uid().unwrap_or_default()
+                    ));
+                }
+            }
+        }
+        Ok(missing)
+    }
+
+    /// Our objects (both kinds): UID → (kind, name, resourceVersion, managedFields, deleting).
+    async fn snapshot(&self) -> Option<BTreeMap<String, (Kind, DynamicObject)>> {
+        let mut out = BTreeMap::new();
+        for kind in Kind::ALL {
+            for o in self.list(&self.infra(kind)).await? {
+                out.insert(o.uid().unwrap_or_default(), (kind, o));
+            }
+        }
+        Some(out)
+    }
+
+    fn resends(&self) -> BTreeMap<Kind, u64> {
+        let mut total = lock(&self.retired_resends).clone();
+        let mut replicas = lock(&self.replicas);
+        for r in replicas.iter_mut() {
+            r.read_resends();
+            for (kind, n) in &r.resends {
+                *total.entry(*kind).or_insert(0) += n;
+            }
+        }
+        total
+    }
+
+    /// Provider log lines naming any of `needles`, at most `max`.
+    fn log_lines(&self, needles: &[String], max: usize) -> String {
+        let mut out = String::new();
+        let mut n = 0;
+        let Ok(dir) = std::fs::read_dir(&self.logs) else {
+            return out;
+        };
+        let mut files: Vec<PathBuf> = dir.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        files.sort();
+        for file in files.iter().filter(|f| f.extension().is_some_and(|x| x == "log")) {
+            let text = std::fs::read_to_string(file).unwrap_or_default();
+            let label = file.file_stem().and_then(|s| s.to_str()).unwrap_or("?");
+            for line in text.lines().filter(|l| needles.iter().any(|n| l.contains(n.as_str()))) {
+                if n == max {
+                    let _ = writeln!(out, "      ... (more)");
+                    return out;
+                }
+                let _ = writeln!(out, "      {label}: {line}");
+                n += 1;
+            }
+        }
+        out
+    }
+
+    /// One line about the lane's mail.
+    pub fn summary(&self) -> String {
+        match self.ledger() {
+            Ok(l) => format!(
+                "{}: {} mails for {} objects, {:?} resends counted",
+                self.backend,
+                self.mail_count(),
+                l.entries.len(),
+                self.resends()
+            ),
+            Err(e) => format!("{}: {e}", self.backend),
+        }
+    }
+
+    /// Stops the providers (a frozen one is thawed first so it can be stopped at once).
+    pub fn stop(&self) {
+        let replicas = std::mem::take(&mut *lock(&self.replicas));
+        for r in &replicas {
+            let _ = r.proc.signal("CONT");
+            r.proc.kill_now();
+        }
+    }
+}
+
+/// What a lane's judgement found.
+struct Verdict {
+    violations: Vec<String>,
+    needles: Vec<String>,
+}
+
+/// Waits for the lane's intent, watches for writes, and checks the ledger.
+async fn judge(lane: &Lane) -> Result<Verdict> {
+    let mut violations = Vec::new();
+    let mut needles = Vec::new();
+    let begun = Instant::now();
+    let mut missing = lane.unsettled().await?;
+    while !missing.is_empty() && begun.elapsed() < SETTLE_TIMEOUT {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        missing = lane.unsettled().await?;
+    }
+    if missing.is_empty() {
+        lane.note(format!("settled after {:.1} s", begun.elapsed().as_secs_f64()));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let before = lane.snapshot().await.context("listing our objects")?;
+        tokio::time::sleep(QUIET_WINDOW).await;
+        let after = lane.snapshot().await.context("listing our objects")?;
+        for (uid, (kind, new)) in &after {
+            let old = before.get(uid).map(|(_, o)| o);
+            if old.and_then(|o| o.resource_version()) == new.resource_version() {
+                continue;
+            }
+            let writers = writers(old, new);
+            violations.push(format!(
+                "WritesWhenQuiet: {} {} ({uid}) written in the {:.0} s after settling (resourceVersion {:?} -> {:?}) by {writers:?}",
+                kind.name(),
+                new.name_any(),
+                QUIET_WINDOW.as_secs_f64(),
+                old.and_then(|o| o.resource_version()),
+                new.resource_version(),
+            ));
+            needles.push(new.name_any());
+        }
+    } else {
+        violations.push(format!(
+            "NotSettled: the round's intent was not reached within {} s:\n    {}",
+            SETTLE_TIMEOUT.as_secs(),
+            missing.join("\n    ")
+        ));
+    }
+    let snapshot = lane.snapshot().await.context("listing our objects")?;
+    let live: BTreeSet<Object> = snapshot
+        .iter()
+        .filter(|(_, (_, o))| o.metadata.deletion_timestamp.is_none())
+        .map(|(uid, (kind, _))| Object {
+            kind: *kind,
+            uid: uid.clone(),
+        })
+        .collect();
+    let pending: BTreeSet<Object> = snapshot
+        .iter()
+        .filter(|(_, (_, o))| o.metadata.deletion_timestamp.is_some())
+        .map(|(uid, (kind, _))| Object {
+            kind: *kind,
+            uid: uid.clone(),
+        })
+        .collect();
+    let ledger = lane.ledger()?;
+    let resends = lane.resends();
+    for v in ledger.check(&live, &pending, &resends) {
+        match &v {
+            Violation::Object { object, entry, .. } => {
+                needles.push(object.uid.clone());
+                needles.extend(subject_name(&entry.subject));
+            }
+            Violation::UnaccountedResends { duplicated, .. } => {
+                for (object, entry) in duplicated {
+                    needles.push(object.uid.clone());
+                    needles.extend(subject_name(&entry.subject));
+                }
+            }
+            Violation::Foreign(_) => {}
+        }
+        violations.push(v.to_string());
+    }
+    Ok(Verdict { violations, needles })
+}
+
+/// The object name in one of our subjects (`New Cluster X requested`, `Machine X no longer
+/// needed`, ...).
+fn subject_name(subject: &str) -> Option<String> {
+    let mut words = subject.split_whitespace().skip_while(|w| *w != "Cluster" && *w != "Machine");
+    words.next()?;
+    words.next().map(str::to_owned)
+}
+
+/// Field managers whose `managedFields` entries changed between two versions of an object.
+fn writers(old: Option<&DynamicObject>, new: &DynamicObject) -> Vec<String> {
+    let entries = |o: &DynamicObject| {
+        o.metadata
+            .managed_fields
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|e| {
+                (
+                    (
+                        e.manager.clone().unwrap_or_default(),
+                        e.operation.clone().unwrap_or_default(),
+                        e.subresource.clone().unwrap_or_default(),
+                    ),
+                    (
+                        e.time.map(|t| t.0.to_string()),
+                        e.fields_v1.map(|f| f.0.to_string()),
+                    ),
+                )
+            })
+            .collect::<BTreeMap<_, _>>()
+    };
+    let before = old.map(entries).unwrap_or_default();
+    let mut out: Vec<String> = entries(new)
+        .into_iter()
+        .filter(|(k, v)| before.get(k) != Some(v))
+        .map(|((manager, op, sub), _)| {
+            if sub.is_empty() {
+                format!("{manager} ({op})")
+            } else {
+                format!("{manager} ({op} {sub})")
+            }
+        })
+        .collect();
+    if out.is_empty() {
+        out.push("an unattributed writer (no managedFields entry moved)".into());
+    }
+    out
+}
+
+/// Runs one round on every lane (and the API server restart, if planned), then judges each
+/// lane. Returns the round's wall time; fails with the report on a violation.
+pub async fn run_round(
+    world: &World,
+    lanes: &[Lane],
+    plans: Vec<Plan>,
+    restart: Option<Duration>,
+    seed: u64,
+    round: u64,
+    teardown: bool,
+) -> Result<Duration> {
+    let begun = Instant::now();
+    for lane in lanes {
+        lock(&lane.log).clear();
+        *lock(&lane.round_start) = begun;
+    }
+    let restart = async {
+        if let Some(at) = restart {
+            tokio::time::sleep(at).await;
+            for lane in lanes {
+                lane.note("kube-apiserver: SIGKILL and start again");
+            }
+            let took = world.cp.restart_apiserver(Duration::from_secs(90)).await?;
+            for lane in lanes {
+                lane.note(format!("kube-apiserver ready again after {:.1} s", took.as_secs_f64()));
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+    let runs = futures::future::try_join_all(lanes.iter().zip(plans).map(|(l, p)| l.execute(p)));
+    let (runs, restart) = tokio::join!(runs, restart);
+    runs?;
+    restart?;
+    world.capi.check_alive()?;
+    let ops = begun.elapsed();
+    let verdicts = futures::future::try_join_all(lanes.iter().map(judge)).await?;
+    let took = begun.elapsed();
+    let mails: Vec<String> = lanes.iter().map(|l| format!("{} {}", l.backend, l.mail_count())).collect();
+    let label = if teardown {
+        "teardown".to_owned()
+    } else {
+        format!("round {round}")
+    };
+    println!(
+        "soak: {label}: {:.1} s (operations {:.1} s); mails so far: {}",
+        took.as_secs_f64(),
+        ops.as_secs_f64(),
+        mails.join(", ")
+    );
+    if verdicts.iter().all(|v| v.violations.is_empty()) {
+        return Ok(took);
+    }
+    let mut report = format!(
+        "soak: VIOLATION in {label} with seed {seed} (replay: SOAK_SEED={seed} SOAK_ROUNDS={round})\n"
+    );
+    for lane in lanes {
+        let _ = writeln!(report, "action log of {label} ({}):", lane.backend);
+        for line in lock(&lane.log).iter() {
+            let _ = writeln!(report, "{line}");
+        }
+    }
+    for (lane, verdict) in lanes.iter().zip(&verdicts) {
+        if verdict.violations.is_empty() {
+            continue;
+        }
+        let _ = writeln!(report, "violations ({}):", lane.backend);
+        for v in &verdict.violations {
+            let _ = writeln!(report, "  - {v}");
+        }
+        let lines = lane.log_lines(&verdict.needles, 60);
+        if !lines.is_empty() {
+            let _ = writeln!(report, "  provider log lines naming them:\n{lines}");
+        }
+    }
+    println!("{report}");
+    bail!("{report}")
+}
