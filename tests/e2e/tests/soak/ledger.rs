@@ -176,7 +176,8 @@ impl Ledger {
     pub fn extra_copies(&self) -> BTreeMap<Kind, usize> {
         let mut out = BTreeMap::new();
         for (object, entry) in &self.entries {
-            let extra = entry.requests.len().saturating_sub(1) + entry.releases.len().saturating_sub(1);
+            let extra =
+                entry.requests.len().saturating_sub(1) + entry.releases.len().saturating_sub(1);
             *out.entry(object.kind).or_insert(0) += extra;
         }
         out
@@ -404,7 +405,11 @@ mod tests {
         ];
         let ledger = Ledger::build(Backend::Mailgun, D, &mails);
         let live = BTreeSet::from([obj(Kind::Cluster, "a")]);
-        assert!(ledger.check(&live, &BTreeSet::new(), &BTreeMap::new()).is_empty());
+        assert!(
+            ledger
+                .check(&live, &BTreeSet::new(), &BTreeMap::new())
+                .is_empty()
+        );
     }
 
     #[test]
@@ -442,7 +447,11 @@ mod tests {
         let mails = [mail(1, req("MailgunMachine", "m"))];
         let ledger = Ledger::build(Backend::Mailgun, D, &mails);
         let pending = BTreeSet::from([obj(Kind::Machine, "m")]);
-        assert!(ledger.check(&BTreeSet::new(), &pending, &BTreeMap::new()).is_empty());
+        assert!(
+            ledger
+                .check(&BTreeSet::new(), &pending, &BTreeMap::new())
+                .is_empty()
+        );
         assert_eq!(
             rules(&ledger.check(&BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new())),
             vec![Rule::MissingRelease]

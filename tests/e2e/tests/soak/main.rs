@@ -63,7 +63,8 @@
 //! the same order with the same gaps; process timing still varies). `SOAK_ROUNDS` (default 20)
 //! sets the number of rounds; `make soak ROUNDS=200` runs a long one. A violation prints the
 //! seed, the round, that round's action log, the offending ledger entries and the provider log
-//! lines that name the objects, then fails. Everything (processes, namespaces, the control
+//! lines that name the objects, then fails. With `SOAK_KEEP_GOING=1` it reports each new
+//! violation and carries on, failing at the end (to survey a seed). Everything (processes, namespaces, the control
 //! plane) is removed also on failure.
 
 mod ledger;
@@ -74,15 +75,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use rand::{Rng as _, RngExt as _, SeedableRng, rngs::StdRng};
 
-use world::{Lane, Plan, World};
+use world::{Lane, Plan, Round, World};
 
 fn env_u64(name: &str) -> Result<Option<u64>> {
     match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => Ok(Some(
-            v.trim()
-                .parse()
-                .with_context(|| format!("{name}={v:?} is not a number"))?,
-        )),
+        Ok(v) if !v.trim().is_empty() => {
+            Ok(Some(v.trim().parse().with_context(|| {
+                format!("{name}={v:?} is not a number")
+            })?))
+        }
         _ => Ok(None),
     }
 }
@@ -94,6 +95,7 @@ async fn soak() -> Result<()> {
         None => rand::rng().next_u64() % 1_000_000,
     };
     let rounds = env_u64("SOAK_ROUNDS")?.unwrap_or(20);
+    let keep_going = env_u64("SOAK_KEEP_GOING")?.is_some_and(|v| v != 0);
     println!("soak: seed {seed} (replay with SOAK_SEED={seed}), {rounds} rounds");
     let begun = Instant::now();
     let world = World::start().await?;
@@ -104,6 +106,7 @@ async fn soak() -> Result<()> {
     ];
     let mut rng = StdRng::seed_from_u64(seed);
     let mut longest = Duration::ZERO;
+    let mut failed = Vec::new();
     let result = async {
         for round in 1..=rounds {
             let plans: Vec<Plan> = lanes
@@ -113,11 +116,35 @@ async fn soak() -> Result<()> {
             let restart = rng
                 .random_bool(0.08)
                 .then(|| Duration::from_millis(rng.random_range(0..4000)));
-            let took = world::run_round(&world, &lanes, plans, restart, seed, round, false).await?;
+            let spec = Round {
+                seed,
+                number: round,
+                teardown: false,
+                keep_going,
+            };
+            let (took, passed) = world::run_round(&world, &lanes, plans, restart, &spec).await?;
             longest = longest.max(took);
+            if !passed {
+                failed.push(format!("round {round}"));
+            }
         }
         let plans: Vec<Plan> = lanes.iter_mut().map(Lane::plan_teardown).collect();
-        world::run_round(&world, &lanes, plans, None, seed, rounds, true).await?;
+        let (_, passed) = world::run_round(
+            &world,
+            &lanes,
+            plans,
+            None,
+            &Round {
+                seed,
+                number: rounds,
+                teardown: true,
+                keep_going,
+            },
+        )
+        .await?;
+        if !passed {
+            failed.push("the teardown".to_owned());
+        }
         Ok::<_, anyhow::Error>(())
     }
     .await;
@@ -125,6 +152,12 @@ async fn soak() -> Result<()> {
         lane.stop();
     }
     result?;
+    if !failed.is_empty() {
+        bail!(
+            "soak: seed {seed}: violations in {} (each reported above)",
+            failed.join(", ")
+        );
+    }
     let mails: Vec<String> = lanes.iter().map(Lane::summary).collect();
     println!(
         "soak: seed {seed}: {rounds} rounds and the teardown passed in {:.1} s (longest round \

@@ -14,12 +14,17 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use capm_e2e::{Proc, free_port, http_get, provider_binary, start_capi_manager};
-use capm_mail_servers::{FailureMode, FailureRule, FailureTarget, MailgunServer, SmtpOptions, SmtpServer};
+use capm_mail_servers::{
+    FailureMode, FailureRule, FailureTarget, MailgunServer, SmtpOptions, SmtpServer,
+};
 use capm_test_support::{ControlPlane, Options, install_crds};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::{
     Api, Client, ResourceExt,
-    api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams},
+    api::{
+        ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+        PostParams,
+    },
     core::ObjectMeta,
 };
 use rand::{RngExt as _, rngs::StdRng};
@@ -145,6 +150,8 @@ pub struct Lane {
     deleted: BTreeSet<String>,
     next_cluster: usize,
     fulfilled: Mutex<BTreeSet<String>>,
+    /// Ledger violations already reported (with `SOAK_KEEP_GOING`, each is reported once).
+    reported: Mutex<BTreeSet<String>>,
     log: Mutex<Vec<String>>,
     round_start: Mutex<Instant>,
 }
@@ -204,9 +211,12 @@ impl Replica {
 
     fn leads(&self) -> bool {
         !self.frozen
-            && self
-                .scrape()
-                .is_some_and(|t| samples(&t, "leader_election_master_status").values().sum::<f64>() >= 1.0)
+            && self.scrape().is_some_and(|t| {
+                samples(&t, "leader_election_master_status")
+                    .values()
+                    .sum::<f64>()
+                    >= 1.0
+            })
     }
 }
 
@@ -350,6 +360,7 @@ impl Lane {
             deleted: BTreeSet::new(),
             next_cluster: 0,
             fulfilled: Mutex::new(BTreeSet::new()),
+            reported: Mutex::new(BTreeSet::new()),
             log: Mutex::new(Vec::new()),
             round_start: Mutex::new(Instant::now()),
         };
@@ -371,14 +382,23 @@ impl Lane {
         let mut cmd = Command::new(provider_binary()?);
         cmd.env_clear()
             .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
             .env("MAIL_RECIPIENT", RECIPIENT)
             .env("MAILGUN_API_KEY", API_KEY)
             .arg("--kubeconfig")
             .arg(&self.kubeconfig)
-            .args(["--namespace", &self.ns, "--leader-election-namespace", &self.ns])
+            .args([
+                "--namespace",
+                &self.ns,
+                "--leader-election-namespace",
+                &self.ns,
+            ])
             .arg("--leader-elect=true")
             .args(["--metrics-bind-address", &metrics])
-            .args(["--health-probe-bind-address", &format!("127.0.0.1:{}", free_port()?)])
+            .args([
+                "--health-probe-bind-address",
+                &format!("127.0.0.1:{}", free_port()?),
+            ])
             .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
             .args(["--message-id-domain", DOMAIN])
             .arg("--config")
@@ -394,7 +414,11 @@ impl Lane {
     }
 
     fn api(&self, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
-        Api::namespaced_with(self.client.clone(), &self.ns, &resource(group, version, kind))
+        Api::namespaced_with(
+            self.client.clone(),
+            &self.ns,
+            &resource(group, version, kind),
+        )
     }
 
     fn clusters(&self) -> Api<DynamicObject> {
@@ -548,6 +572,9 @@ impl Lane {
                     "spec": {
                         "clusterName": cluster,
                         "replicas": replicas,
+                        // What Cluster API's defaulting webhook would set (it is not registered
+                        // with this API server).
+                        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
                         "selector": {"matchLabels": {"soak.capm.test/pool": cluster}},
                         "template": {
                             "metadata": {"labels": {"soak.capm.test/pool": cluster}},
@@ -586,13 +613,21 @@ impl Lane {
     }
 
     async fn set_paused(&self, cluster: &str, paused: bool) -> Result<()> {
-        self.patch(&self.clusters(), cluster, json!({"spec": {"paused": paused}}))
-            .await
+        self.patch(
+            &self.clusters(),
+            cluster,
+            json!({"spec": {"paused": paused}}),
+        )
+        .await
     }
 
     async fn scale(&self, cluster: &str, replicas: u32) -> Result<()> {
-        self.patch(&self.deployments(), cluster, json!({"spec": {"replicas": replicas}}))
-            .await
+        self.patch(
+            &self.deployments(),
+            cluster,
+            json!({"spec": {"replicas": replicas}}),
+        )
+        .await
     }
 
     async fn delete(&self, cluster: &str) -> Result<()> {
@@ -632,7 +667,11 @@ impl Lane {
                 *retired.entry(*kind).or_insert(0) += n;
             }
             victim.proc.kill_now();
-            self.note(format!("SIGKILL leader {} (pid {})", victim.name, victim.proc.pid()));
+            self.note(format!(
+                "SIGKILL leader {} (pid {})",
+                victim.name,
+                victim.proc.pid()
+            ));
         }
         tokio::time::sleep(restart_after).await;
         let replacement = self.spawn_replica()?;
@@ -654,7 +693,10 @@ impl Lane {
             victim.frozen = true;
             victim.name.clone()
         };
-        self.note(format!("SIGSTOP leader {name} for {:.0} s", lasts.as_secs_f64()));
+        self.note(format!(
+            "SIGSTOP leader {name} for {:.0} s",
+            lasts.as_secs_f64()
+        ));
         tokio::time::sleep(lasts).await;
         {
             let mut replicas = lock(&self.replicas);
@@ -667,7 +709,10 @@ impl Lane {
     }
 
     async fn fault(&self, fault: Fault, lasts: Duration) -> Result<()> {
-        self.note(format!("backend fault {fault:?} for {:.1} s", lasts.as_secs_f64()));
+        self.note(format!(
+            "backend fault {fault:?} for {:.1} s",
+            lasts.as_secs_f64()
+        ));
         match &self.server {
             Server::Mailgun(server) => match fault {
                 Fault::Refuse { server_error } => server.set_failure(FailureRule {
@@ -747,11 +792,15 @@ impl Lane {
                         self.note(format!("unpause {cluster}"));
                         self.set_paused(&cluster, false).await?;
                     }
-                    Op::Fault { fault, lasts } => background.push(Box::pin(self.fault(fault, lasts))),
+                    Op::Fault { fault, lasts } => {
+                        background.push(Box::pin(self.fault(fault, lasts)))
+                    }
                     Op::KillLeader { restart_after } => {
                         background.push(Box::pin(self.kill_leader(restart_after)));
                     }
-                    Op::FreezeLeader { lasts } => background.push(Box::pin(self.freeze_leader(lasts))),
+                    Op::FreezeLeader { lasts } => {
+                        background.push(Box::pin(self.freeze_leader(lasts)))
+                    }
                 }
             }
             Ok::<_, anyhow::Error>(background)
@@ -839,7 +888,11 @@ impl Lane {
                 field_manager: Some(FIELD_MANAGER.into()),
                 ..PatchParams::default()
             };
-            match self.infra(Kind::Cluster).patch(&name, &params, &Patch::Merge(&patch)).await {
+            match self
+                .infra(Kind::Cluster)
+                .patch(&name, &params, &Patch::Merge(&patch))
+                .await
+            {
                 Ok(obj) if obj.uid().as_deref() != Some(object.uid.as_str()) => {
                     // A newer object of the same name: this mail is not its request.
                 }
@@ -882,7 +935,12 @@ impl Lane {
                 uid: o.uid().unwrap_or_default(),
             })
         };
-        let cluster_of = |m: &DynamicObject| m.labels().get("cluster.x-k8s.io/cluster-name").cloned().unwrap_or_default();
+        let cluster_of = |m: &DynamicObject| {
+            m.labels()
+                .get("cluster.x-k8s.io/cluster-name")
+                .cloned()
+                .unwrap_or_default()
+        };
         let mut missing = Vec::new();
         for name in &self.deleted {
             if clusters.iter().any(|c| c.name_any() == *name) {
@@ -909,18 +967,26 @@ impl Lane {
                 continue;
             }
             let provisioned = clusters.iter().any(|c| {
-                c.name_any() == *name && c.data["status"]["initialization"]["infrastructureProvisioned"] == true
+                c.name_any() == *name
+                    && c.data["status"]["initialization"]["infrastructureProvisioned"] == true
             });
             match mgcs.iter().find(|o| o.name_any() == *name) {
                 None => missing.push(format!("MailgunCluster {name} missing")),
                 Some(o) if !requested(Kind::Cluster, o) => {
-                    missing.push(format!("MailgunCluster {name} ({}) not requested", o.uid().unwrap_or_default()));
+                    missing.push(format!(
+                        "MailgunCluster {name} ({}) not requested",
+                        o.uid().unwrap_or_default()
+                    ));
                 }
                 Some(_) if !provisioned => missing.push(format!("Cluster {name} not provisioned")),
                 Some(_) => {}
             }
-            let machines: Vec<&DynamicObject> = mgms.iter().filter(|o| cluster_of(o) == *name).collect();
-            let deleting = machines.iter().filter(|o| o.metadata.deletion_timestamp.is_some()).count();
+            let machines: Vec<&DynamicObject> =
+                mgms.iter().filter(|o| cluster_of(o) == *name).collect();
+            let deleting = machines
+                .iter()
+                .filter(|o| o.metadata.deletion_timestamp.is_some())
+                .count();
             let live = machines.len() - deleting;
             if deleting > 0 || live != intent.replicas as usize {
                 missing.push(format!(
@@ -973,14 +1039,21 @@ impl Lane {
         };
         let mut files: Vec<PathBuf> = dir.filter_map(|e| e.ok().map(|e| e.path())).collect();
         files.sort();
-        for file in files.iter().filter(|f| f.extension().is_some_and(|x| x == "log")) {
+        for file in files
+            .iter()
+            .filter(|f| f.extension().is_some_and(|x| x == "log"))
+        {
             let text = std::fs::read_to_string(file).unwrap_or_default();
             let label = file.file_stem().and_then(|s| s.to_str()).unwrap_or("?");
-            for line in text.lines().filter(|l| needles.iter().any(|n| l.contains(n.as_str()))) {
+            for line in text
+                .lines()
+                .filter(|l| needles.iter().any(|n| l.contains(n.as_str())))
+            {
                 if n == max {
                     let _ = writeln!(out, "      ... (more)");
                     return out;
                 }
+                let line: String = strip_ansi(line).chars().take(400).collect();
                 let _ = writeln!(out, "      {label}: {line}");
                 n += 1;
             }
@@ -1012,6 +1085,24 @@ impl Lane {
     }
 }
 
+/// `text` without terminal colour escapes.
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// What a lane's judgement found.
 struct Verdict {
     violations: Vec<String>,
@@ -1029,7 +1120,10 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
         missing = lane.unsettled().await?;
     }
     if missing.is_empty() {
-        lane.note(format!("settled after {:.1} s", begun.elapsed().as_secs_f64()));
+        lane.note(format!(
+            "settled after {:.1} s",
+            begun.elapsed().as_secs_f64()
+        ));
         tokio::time::sleep(Duration::from_secs(1)).await;
         let before = lane.snapshot().await.context("listing our objects")?;
         tokio::time::sleep(QUIET_WINDOW).await;
@@ -1077,6 +1171,16 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
     let ledger = lane.ledger()?;
     let resends = lane.resends();
     for v in ledger.check(&live, &pending, &resends) {
+        let key = match &v {
+            Violation::Object { rule, object, .. } => format!("{rule:?} {object}"),
+            Violation::UnaccountedResends { kind, extra, .. } => {
+                format!("resends {kind:?} {extra}")
+            }
+            Violation::Foreign(m) => format!("foreign {}", m.seq),
+        };
+        if !lock(&lane.reported).insert(key) {
+            continue;
+        }
         match &v {
             Violation::Object { object, entry, .. } => {
                 needles.push(object.uid.clone());
@@ -1092,13 +1196,18 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
         }
         violations.push(v.to_string());
     }
-    Ok(Verdict { violations, needles })
+    Ok(Verdict {
+        violations,
+        needles,
+    })
 }
 
 /// The object name in one of our subjects (`New Cluster X requested`, `Machine X no longer
 /// needed`, ...).
 fn subject_name(subject: &str) -> Option<String> {
-    let mut words = subject.split_whitespace().skip_while(|w| *w != "Cluster" && *w != "Machine");
+    let mut words = subject
+        .split_whitespace()
+        .skip_while(|w| *w != "Cluster" && *w != "Machine");
     words.next()?;
     words.next().map(str::to_owned)
 }
@@ -1144,6 +1253,19 @@ fn writers(old: Option<&DynamicObject>, new: &DynamicObject) -> Vec<String> {
     out
 }
 
+/// Which round this is and how to report it.
+#[derive(Debug, Clone, Copy)]
+pub struct Round {
+    /// The run's seed.
+    pub seed: u64,
+    /// The round's number (for the teardown: the number of rounds before it).
+    pub number: u64,
+    /// The last round: every cluster deleted.
+    pub teardown: bool,
+    /// Report and carry on instead of failing.
+    pub keep_going: bool,
+}
+
 /// Runs one round on every lane (and the API server restart, if planned), then judges each
 /// lane. Returns the round's wall time; fails with the report on a violation.
 pub async fn run_round(
@@ -1151,10 +1273,8 @@ pub async fn run_round(
     lanes: &[Lane],
     plans: Vec<Plan>,
     restart: Option<Duration>,
-    seed: u64,
-    round: u64,
-    teardown: bool,
-) -> Result<Duration> {
+    round: &Round,
+) -> Result<(Duration, bool)> {
     let begun = Instant::now();
     for lane in lanes {
         lock(&lane.log).clear();
@@ -1168,7 +1288,10 @@ pub async fn run_round(
             }
             let took = world.cp.restart_apiserver(Duration::from_secs(90)).await?;
             for lane in lanes {
-                lane.note(format!("kube-apiserver ready again after {:.1} s", took.as_secs_f64()));
+                lane.note(format!(
+                    "kube-apiserver ready again after {:.1} s",
+                    took.as_secs_f64()
+                ));
             }
         }
         Ok::<_, anyhow::Error>(())
@@ -1181,7 +1304,16 @@ pub async fn run_round(
     let ops = begun.elapsed();
     let verdicts = futures::future::try_join_all(lanes.iter().map(judge)).await?;
     let took = begun.elapsed();
-    let mails: Vec<String> = lanes.iter().map(|l| format!("{} {}", l.backend, l.mail_count())).collect();
+    let mails: Vec<String> = lanes
+        .iter()
+        .map(|l| format!("{} {}", l.backend, l.mail_count()))
+        .collect();
+    let Round {
+        seed,
+        number: round,
+        teardown,
+        keep_going,
+    } = *round;
     let label = if teardown {
         "teardown".to_owned()
     } else {
@@ -1194,7 +1326,7 @@ pub async fn run_round(
         mails.join(", ")
     );
     if verdicts.iter().all(|v| v.violations.is_empty()) {
-        return Ok(took);
+        return Ok((took, true));
     }
     let mut report = format!(
         "soak: VIOLATION in {label} with seed {seed} (replay: SOAK_SEED={seed} SOAK_ROUNDS={round})\n"
@@ -1219,5 +1351,8 @@ pub async fn run_round(
         }
     }
     println!("{report}");
+    if keep_going {
+        return Ok((took, false));
+    }
     bail!("{report}")
 }
