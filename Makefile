@@ -63,6 +63,15 @@ test: deps tools lint deny verify-generated ## Everything CI runs: checks, unit 
 	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server $(CARGO) test --workspace --no-fail-fast
 
+ROUNDS ?= 20
+SEED ?=
+
+.PHONY: soak
+soak: tools ## The adversarial soak test alone (issue 13): ROUNDS=200 for a long run (default 20), SEED=<n> replays a run
+	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
+	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server \
+	  SOAK_ROUNDS=$(ROUNDS) SOAK_SEED=$(SEED) $(CARGO) test -p capm-e2e --test soak -- --nocapture
+
 .PHONY: bench
 bench: tools ## Backlog benchmark (not a test): N=1000 Cluster + MailgunCluster pairs through the release binary
 	$(CARGO) build --release -p cluster-api-provider-mailgun -p capm-bench -p capm-mail-servers
