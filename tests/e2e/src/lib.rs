@@ -159,6 +159,11 @@ impl Proc {
         Ok(())
     }
 
+    /// `Some(status)` once the process has exited.
+    pub fn exit_status(&self) -> Option<std::process::ExitStatus> {
+        self.child().try_wait().ok().flatten()
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child().id()

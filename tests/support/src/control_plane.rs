@@ -555,6 +555,25 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// Puts `pid` (a process the caller started against this control plane) in the reaper's
+    /// list, so it is stopped with the control plane even when the owner dies without cleaning
+    /// up. No-op for a reused control plane.
+    ///
+    /// # Errors
+    /// When the list cannot be written.
+    pub fn adopt(&self, pid: u32) -> Result<(), Error> {
+        let Some(dir) = &self.dir else {
+            return Ok(());
+        };
+        let mut pids = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("pids"))
+            .map_err(Error::io("recording a PID"))?;
+        std::io::Write::write_all(&mut pids, format!("{pid}\n").as_bytes())
+            .map_err(Error::io("recording a PID"))
+    }
+
     /// Kills kube-apiserver (SIGKILL, as a crash would) and starts it again with the same
     /// flags, port and certificates; etcd and its data stay. Returns once `/readyz` passes again
     /// (within `timeout`). Clients reconnect by themselves; watches see their streams end.

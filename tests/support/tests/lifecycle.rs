@@ -224,3 +224,37 @@ fn detached_up_env_down() {
     assert!(!down.status.success());
     assert!(String::from_utf8_lossy(&down.stderr).contains("no control plane runs"));
 }
+
+#[tokio::test]
+async fn apiserver_restart_keeps_the_data_and_the_reaper_stops_the_new_process() {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::{Api, PostParams};
+
+    let cp = ControlPlane::start(Options::default()).await.unwrap();
+    let dir = cp.dir().unwrap().to_owned();
+    let client = cp.client().await.unwrap();
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    let mut map = ConfigMap::default();
+    map.metadata.name = Some("kept".into());
+    maps.create(&PostParams::default(), &map).await.unwrap();
+    let before = pids(&dir);
+
+    cp.restart_apiserver(Duration::from_secs(90)).await.unwrap();
+    let after = pids(&dir);
+    assert_eq!(
+        after.len(),
+        before.len() + 1,
+        "the new kube-apiserver is recorded"
+    );
+    let replaced: Vec<_> = before.iter().filter(|p| !alive(**p)).collect();
+    assert_eq!(
+        replaced.len(),
+        1,
+        "exactly the old kube-apiserver is gone: {before:?}"
+    );
+    // The same client (same address, same certificates) reads what etcd kept.
+    assert!(maps.get_opt("kept").await.unwrap().is_some());
+
+    cp.stop();
+    assert_cleaned_up(&dir, &after);
+}

@@ -8,7 +8,7 @@ use std::{
     path::PathBuf,
     pin::Pin,
     process::Command,
-    sync::{Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -52,7 +52,7 @@ type BoxFuture<'a> = Pin<Box<dyn Future<Output = Result<()>> + Send + 'a>>;
 
 /// Everything both lanes share.
 pub struct World {
-    cp: ControlPlane,
+    cp: Arc<ControlPlane>,
     client: Client,
     capi: Proc,
     dir: tempfile::TempDir,
@@ -67,8 +67,9 @@ impl World {
         let client = cp.client().await?;
         install_crds(&client, &capm_api::crd::crds()?).await?;
         let capi = start_capi_manager(cp.kubeconfig(), dir.path())?;
+        cp.adopt(capi.pid())?;
         Ok(Self {
-            cp,
+            cp: Arc::new(cp),
             client,
             capi,
             dir,
@@ -126,6 +127,8 @@ struct Replica {
     frozen: bool,
     /// `capm_mail_resends_total` per kind at the last reading.
     resends: BTreeMap<Kind, u64>,
+    /// Killed by the test: its resends are counted already, and it is replaced no earlier.
+    killed: Option<Instant>,
 }
 
 enum Server {
@@ -142,6 +145,8 @@ pub struct Lane {
     config: PathBuf,
     logs: PathBuf,
     kubeconfig: PathBuf,
+    /// The control plane: its reaper also stops the providers if this test dies.
+    cp: Arc<ControlPlane>,
     replicas: Mutex<Vec<Replica>>,
     started: Mutex<usize>,
     /// Resends counted by processes that were killed (read right before).
@@ -207,6 +212,23 @@ impl Replica {
                 self.resends.insert(kind, v as u64);
             }
         }
+    }
+
+    /// This process's resends: the larger of its last `capm_mail_resends_total` reading and
+    /// the resend warnings in its log (a process that died on its own cannot be read any more).
+    fn counted_resends(&self) -> BTreeMap<Kind, u64> {
+        let log = self.proc.log();
+        Kind::ALL
+            .into_iter()
+            .map(|kind| {
+                let logged = log
+                    .lines()
+                    .filter(|l| l.contains("same Message-Id") && l.contains(kind.name()))
+                    .count() as u64;
+                let read = self.resends.get(&kind).copied().unwrap_or(0);
+                (kind, read.max(logged))
+            })
+            .collect()
     }
 
     fn leads(&self) -> bool {
@@ -353,6 +375,7 @@ impl Lane {
             config,
             logs,
             kubeconfig: world.cp.kubeconfig().to_owned(),
+            cp: Arc::clone(&world.cp),
             replicas: Mutex::new(Vec::new()),
             started: Mutex::new(0),
             retired_resends: Mutex::new(BTreeMap::new()),
@@ -404,12 +427,14 @@ impl Lane {
             .arg("--config")
             .arg(&self.config);
         let proc = Proc::spawn(&name, cmd, self.logs.join(format!("{name}.log")))?;
+        self.cp.adopt(proc.pid())?;
         Ok(Replica {
             proc,
             metrics,
             name,
             frozen: false,
             resends: BTreeMap::new(),
+            killed: None,
         })
     }
 
@@ -662,21 +687,18 @@ impl Lane {
             let mut replicas = lock(&self.replicas);
             let victim = &mut replicas[i];
             victim.read_resends();
-            let mut retired = lock(&self.retired_resends);
-            for (kind, n) in &victim.resends {
-                *retired.entry(*kind).or_insert(0) += n;
-            }
             victim.proc.kill_now();
+            victim.killed = Some(Instant::now() + restart_after);
+            let mut retired = lock(&self.retired_resends);
+            for (kind, n) in victim.counted_resends() {
+                *retired.entry(kind).or_insert(0) += n;
+            }
             self.note(format!(
                 "SIGKILL leader {} (pid {})",
                 victim.name,
                 victim.proc.pid()
             ));
         }
-        tokio::time::sleep(restart_after).await;
-        let replacement = self.spawn_replica()?;
-        self.note(format!("started {} in its place", replacement.name));
-        lock(&self.replicas)[i] = replacement;
         Ok(())
     }
 
@@ -907,6 +929,7 @@ impl Lane {
 
     async fn fulfil_forever(&self) -> Result<()> {
         loop {
+            self.supervise()?;
             self.fulfil().await?;
             tokio::time::sleep(Duration::from_millis(400)).await;
         }
@@ -920,6 +943,7 @@ impl Lane {
 
     /// What is still missing before the round's intent is reached (empty: settled).
     async fn unsettled(&self) -> Result<Vec<String>> {
+        self.supervise()?;
         self.fulfil().await?;
         let (Some(clusters), Some(mgcs), Some(mgms)) = (
             self.list(&self.clusters()).await,
@@ -1021,13 +1045,46 @@ impl Lane {
     fn resends(&self) -> BTreeMap<Kind, u64> {
         let mut total = lock(&self.retired_resends).clone();
         let mut replicas = lock(&self.replicas);
-        for r in replicas.iter_mut() {
+        for r in replicas.iter_mut().filter(|r| r.killed.is_none()) {
             r.read_resends();
-            for (kind, n) in &r.resends {
-                *total.entry(*kind).or_insert(0) += n;
+            for (kind, n) in r.counted_resends() {
+                *total.entry(kind).or_insert(0) += n;
             }
         }
         total
+    }
+
+    /// Plays the Deployment: a replica that exited (it lost its Lease, or crashed) is replaced
+    /// by a new process.
+    fn supervise(&self) -> Result<()> {
+        let mut replicas = lock(&self.replicas);
+        for slot in replicas.iter_mut() {
+            let Some(status) = slot.proc.exit_status() else {
+                continue;
+            };
+            match slot.killed {
+                Some(restart_at) if Instant::now() < restart_at => continue,
+                Some(_) => {}
+                None => {
+                    let mut retired = lock(&self.retired_resends);
+                    for (kind, n) in slot.counted_resends() {
+                        *retired.entry(kind).or_insert(0) += n;
+                    }
+                }
+            }
+            let replacement = self.spawn_replica()?;
+            let why = if slot.killed.is_some() {
+                "killed".to_owned()
+            } else {
+                format!("exited by itself: {status}")
+            };
+            self.note(format!(
+                "replica {} {why}; started {} in its place",
+                slot.name, replacement.name
+            ));
+            *slot = replacement;
+        }
+        Ok(())
     }
 
     /// Provider log lines naming any of `needles`, at most `max`.
