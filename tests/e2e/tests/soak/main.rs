@@ -6,9 +6,10 @@
 //! One control plane (etcd, kube-apiserver, kube-controller-manager), the Cluster API CRDs and
 //! core manager, our CRDs, and two *lanes* that run side by side: one with the Mailgun contract
 //! server, one with the SMTP server, each in its own namespace with two replicas of the provider
-//! (`--leader-elect`, a Lease in the lane's namespace, 5 s mail timeouts) and a
-//! `MailgunMachineTemplate` whose `MachineDeployment`s carry `bootstrap.dataSecretName`, so no
-//! bootstrap provider is needed. A round plans, per lane and from the seed only, 2 to 5
+//! (`--leader-elect`, a Lease in the lane's namespace, 5 s mail timeouts); a replica that exits
+//! (for example after losing its Lease) is started again, as its Deployment would. Each cluster
+//! has its own `MailgunMachineTemplate` (Cluster API makes the `Cluster` an owner of it) and its
+//! `MachineDeployment` carries `bootstrap.dataSecretName`, so no bootstrap provider is needed. A round plans, per lane and from the seed only, 2 to 5
 //! operations with random gaps: create a `Cluster` + `MailgunCluster` + `MachineDeployment`,
 //! delete a `Cluster`, scale a `MachineDeployment` (also down right after up, e.g. 0→3 then at
 //! once 3→1), pause or unpause a `Cluster`; and, at random moments, a backend fault for 2-6 s

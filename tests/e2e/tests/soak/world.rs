@@ -355,18 +355,7 @@ impl Lane {
         let mut cfg = world.cp.config().await?;
         cfg.default_namespace = ns.clone();
         let client = Client::try_from(cfg)?;
-        let templates: Api<DynamicObject> = Api::namespaced_with(
-            client.clone(),
-            &ns,
-            &resource(INFRA_GROUP, "v1beta1", "MailgunMachineTemplate"),
-        );
-        let template: DynamicObject = serde_json::from_value(json!({
-            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-            "kind": "MailgunMachineTemplate",
-            "metadata": {"name": "workers", "namespace": ns},
-            "spec": {"template": {"spec": {"priority": "Urgent", "request": "One soak worker, please.", "requester": "soak@example.com"}}},
-        }))?;
-        templates.create(&PostParams::default(), &template).await?;
+
         let lane = Self {
             backend,
             ns,
@@ -572,7 +561,17 @@ impl Lane {
     // ---- executing ----------------------------------------------------------------------
 
     async fn create(&self, cluster: &str, replicas: u32) -> Result<()> {
+        // One template per cluster: Cluster API makes the Cluster an owner of the templates its
+        // MachineDeployments use, so a shared one would be collected with the last Cluster.
         let objects = [
+            (
+                self.api(INFRA_GROUP, "v1beta1", "MailgunMachineTemplate"),
+                json!({
+                    "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachineTemplate",
+                    "metadata": {"name": cluster, "namespace": self.ns},
+                    "spec": {"template": {"spec": {"priority": "Urgent", "request": format!("One worker for {cluster}, please."), "requester": "soak@example.com"}}},
+                }),
+            ),
             (
                 self.infra(Kind::Cluster),
                 json!({
@@ -606,7 +605,7 @@ impl Lane {
                             "spec": {
                                 "clusterName": cluster,
                                 "bootstrap": {"dataSecretName": format!("{cluster}-bootstrap")},
-                                "infrastructureRef": {"apiGroup": INFRA_GROUP, "kind": "MailgunMachineTemplate", "name": "workers"},
+                                "infrastructureRef": {"apiGroup": INFRA_GROUP, "kind": "MailgunMachineTemplate", "name": cluster},
                             },
                         },
                     },
