@@ -60,6 +60,7 @@ impl Env {
             backoff_max: Duration::from_secs(2),
             lookup_grace: Duration::from_secs(1),
             instance: "test".into(),
+            leadership: capm_controllers::Leadership::unelected("test"),
             ..Config::default()
         }
     }
