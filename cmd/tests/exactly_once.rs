@@ -407,7 +407,10 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(backend: Backend<'_>
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(!status.success(), "losing the Lease is a failure exit: {status}");
+    assert!(
+        !status.success(),
+        "losing the Lease is a failure exit: {status}"
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         delivered(&backend),

@@ -201,6 +201,17 @@ async fn restart_and_wiped_status_send_no_second_mail() {
         sent_status(&env, "gamma").await
     })
     .await;
+    let sent_at = env
+        .clusters()
+        .get("gamma")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .mail
+        .unwrap()
+        .sent_at;
+    assert!(sent_at.is_some());
     env.stop().await;
 
     // Wipe the status, as `clusterctl move` does, and start a new controller process.
@@ -228,6 +239,17 @@ async fn restart_and_wiped_status_send_no_second_mail() {
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert_eq!(env.mails().len(), 1);
     assert_eq!(env.metric("capm_mail_resends_total", None), 0.0);
+    // Issue 13: the time it was sent is part of the durable record, not lost with status.
+    let rebuilt = env
+        .clusters()
+        .get("gamma")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .mail
+        .unwrap();
+    assert_eq!(rebuilt.sent_at, sent_at);
     env.stop().await;
 }
 
@@ -333,7 +355,10 @@ async fn permanent_failure_is_reported_and_not_retried_until_a_restart() {
         status.mail.unwrap().state,
         Some(capm_api::v1beta1::MailState::Failed)
     );
-    let failed = condition(&status.conditions, "MailSent").unwrap().message.clone();
+    let failed = condition(&status.conditions, "MailSent")
+        .unwrap()
+        .message
+        .clone();
     assert!(failed.contains("not retried automatically"), "{failed}");
     // No secret in what users see.
     let text = serde_json::to_string(&status.conditions).unwrap();
