@@ -476,17 +476,6 @@ impl Lane {
                     lasts: Duration::from_millis(rng.random_range(2000..6000)),
                 });
             }
-            if chaos_at == i {
-                if chaos < 12 {
-                    ops.push(Op::FreezeLeader {
-                        lasts: Duration::from_secs(rng.random_range(15..=25)),
-                    });
-                } else if chaos < 24 {
-                    ops.push(Op::KillLeader {
-                        restart_after: Duration::from_millis(rng.random_range(0..2000)),
-                    });
-                }
-            }
             let live: Vec<String> = self.intent.keys().cloned().collect();
             let pick = |rng: &mut StdRng| live[rng.random_range(0..live.len())].clone();
             let choice = rng.random_range(0..100u32);
@@ -538,6 +527,19 @@ impl Lane {
                 }
             };
             ops.push(op);
+            if chaos_at == i && chaos < 24 {
+                // Strike while the operation's mails are in flight.
+                ops.push(Op::Sleep(Duration::from_millis(rng.random_range(0..400))));
+                ops.push(if chaos < 12 {
+                    Op::FreezeLeader {
+                        lasts: Duration::from_secs(rng.random_range(15..=25)),
+                    }
+                } else {
+                    Op::KillLeader {
+                        restart_after: Duration::from_millis(rng.random_range(0..2000)),
+                    }
+                });
+            }
             ops.push(Op::Sleep(Duration::from_millis(rng.random_range(0..1200))));
         }
         Plan { ops }
