@@ -594,12 +594,16 @@ impl Lane {
                 self.deployments(),
                 json!({
                     "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineDeployment",
-                    "metadata": {"name": cluster, "namespace": self.ns},
+                    // The cluster-name label is what Cluster API's defaulting webhook would add;
+                    // without it an unpaused Cluster does not wake a MachineDeployment that was
+                    // created while it was paused (the Cluster → MachineDeployment mapping
+                    // selects by it).
+                    "metadata": {"name": cluster, "namespace": self.ns, "labels": {"cluster.x-k8s.io/cluster-name": cluster}},
                     "spec": {
                         "clusterName": cluster,
                         "replicas": replicas,
-                        // What Cluster API's defaulting webhook would set (it is not registered
-                        // with this API server).
+                        // What Cluster API's defaulting webhook would set (its webhooks are not
+                        // registered with this API server).
                         "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
                         "selector": {"matchLabels": {"soak.capm.test/pool": cluster}},
                         "template": {
