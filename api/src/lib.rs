@@ -35,6 +35,7 @@
 //! }
 //! ```
 
+pub mod admission;
 pub mod conversion;
 pub mod crd;
 pub mod names;

@@ -45,12 +45,23 @@ pub const MAX_TEMPLATE_METADATA_ENTRIES: u32 = 64;
 /// Maximum length of one label or annotation value in a template's metadata.
 pub const MAX_TEMPLATE_METADATA_VALUE_LENGTH: u32 = 4096;
 
-/// `spec.requester`: a plain e-mail address (`local@domain`, at least one dot in the domain).
-/// No spaces, quotes, angle brackets or control characters, so it cannot inject mail headers.
+/// `spec.requester`: a plain e-mail address, `local@domain`: the local part a dot-atom of ASCII
+/// `atext` (no leading, trailing or doubled dot; at most [`MAX_REQUESTER_LOCAL_LENGTH`]
+/// characters, see [`REQUESTER_LOCAL_PART_RULE`]), the domain at least two dot-separated labels
+/// of letters, digits and inner hyphens, each at most 63 characters. No quoted local parts, IP
+/// literals, Unicode, spaces, angle brackets or control characters: every address admitted is
+/// one the mail builder (lettre's address parser plus `capm-mailer`'s plain-address check)
+/// accepts, and none of them can inject a header. `api/testdata/requesters.json` is the table
+/// both are tested on.
 ///
 /// The schema's `pattern` is evaluated by the API server with Go's RE2; this crate uses the
 /// `regex` crate, which accepts the same syntax with the same meaning for this pattern.
-pub const REQUESTER_PATTERN: &str = r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]{1,64}@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)+$";
+pub const REQUESTER_PATTERN: &str = r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)+$";
+/// Maximum length of the local part of `spec.requester` (RFC 5321).
+pub const MAX_REQUESTER_LOCAL_LENGTH: usize = 64;
+/// The CEL rule bounding the local part of `spec.requester` (an RE2 pattern cannot bound the
+/// length of a repeated group); [`Validate`] checks the same.
+pub const REQUESTER_LOCAL_PART_RULE: &str = "self.indexOf('@') <= 64";
 /// `spec.request`: any text without control characters other than tab, line feed and carriage
 /// return (it becomes the mail body, never a header).
 pub const REQUEST_PATTERN: &str = r"^[^\x00-\x08\x0B\x0C\x0E-\x1F\x7F-\x{9F}]*$";
@@ -231,6 +242,7 @@ fn check_request_fields(
         &REQUEST,
         "text without control characters other than tab and line breaks",
     );
+    let before = errors.len();
     check_string(
         errors,
         &format!("{prefix}.requester"),
@@ -238,8 +250,21 @@ fn check_request_fields(
         3,
         MAX_REQUESTER_LENGTH,
         &REQUESTER,
-        "an e-mail address (local@domain.tld, no spaces or control characters)",
+        "a plain e-mail address (local@domain.tld: no quotes, IP literals, Unicode, spaces or \
+         leading, trailing or doubled dots)",
     );
+    if errors.len() == before
+        && requester
+            .find('@')
+            .is_some_and(|at| at > MAX_REQUESTER_LOCAL_LENGTH)
+    {
+        errors.push(FieldError::Invalid {
+            path: format!("{prefix}.requester"),
+            reason: format!(
+                "the local part (before @) must have at most {MAX_REQUESTER_LOCAL_LENGTH} characters"
+            ),
+        });
+    }
 }
 
 fn check_endpoint(errors: &mut Vec<FieldError>, path: &str, endpoint: &ApiEndpoint) {
@@ -641,6 +666,34 @@ mod tests {
                 errors[0]
             );
         }
+    }
+
+    /// The requester table shared with the API server test (`tests/crds.rs`) and the mail
+    /// builder (`capm-mailer`): what admission lets in, the mail builder must accept.
+    #[test]
+    fn requester_table_matches_the_rust_validation() {
+        let table: Vec<(String, bool, String)> =
+            serde_json::from_str(include_str!("../testdata/requesters.json")).expect("table");
+        let mut wrong = Vec::new();
+        for (address, admitted, why) in &table {
+            let mut c = cluster();
+            c.spec.requester.clone_from(address);
+            let errors = c.validate();
+            if errors.is_empty() != *admitted {
+                wrong.push(format!("{address:?} ({why}): {errors:?}"));
+            }
+            if !errors.is_empty() {
+                assert!(
+                    errors.iter().all(|e| e.path() == "spec.requester"),
+                    "{address:?}: {errors:?}"
+                );
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "disagree with the table:\n{}",
+            wrong.join("\n")
+        );
     }
 
     #[test]

@@ -564,7 +564,11 @@ mod tests {
                 }
             }
         }
-        assert!(wrong.is_empty(), "disagree with admission:\n{}", wrong.join("\n"));
+        assert!(
+            wrong.is_empty(),
+            "disagree with admission:\n{}",
+            wrong.join("\n")
+        );
     }
 
     #[test]
