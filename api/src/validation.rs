@@ -63,8 +63,11 @@ pub const MAX_REQUESTER_LOCAL_LENGTH: usize = 64;
 /// length of a repeated group); [`Validate`] checks the same.
 pub const REQUESTER_LOCAL_PART_RULE: &str = "self.indexOf('@') <= 64";
 /// `spec.request`: any text without control characters other than tab, line feed and carriage
-/// return (it becomes the mail body, never a header).
-pub const REQUEST_PATTERN: &str = r"^[^\x00-\x08\x0B\x0C\x0E-\x1F\x7F-\x{9F}]*$";
+/// return (it becomes the mail body, never a header), and without the Unicode line and
+/// paragraph separators (U+2028, U+2029) and bidirectional embedding, override and isolate
+/// controls (U+202A..U+202E, U+2066..U+2069): those can make the mail the human reads look
+/// different from what it says (a reordered `kubectl` command, a fake line break).
+pub const REQUEST_PATTERN: &str = r"^[^\x00-\x08\x0B\x0C\x0E-\x1F\x7F-\x{9F}\x{2028}\x{2029}\x{202A}-\x{202E}\x{2066}-\x{2069}]*$";
 /// `spec.controlPlaneEndpoint.host`: a DNS name or an IPv4/IPv6 address (no brackets).
 pub const HOST_PATTERN: &str = r"^[A-Za-z0-9.:-]+$";
 /// `spec.providerID`: `<scheme>://<id>`, printable ASCII, no spaces.
@@ -240,7 +243,7 @@ fn check_request_fields(
         1,
         MAX_REQUEST_LENGTH,
         &REQUEST,
-        "text without control characters other than tab and line breaks",
+        "text without control characters (other than tab and line breaks), Unicode line or paragraph separators, or bidirectional controls",
     );
     let before = errors.len();
     check_string(
@@ -596,6 +599,26 @@ mod tests {
             (
                 "ESC in request",
                 |c| c.spec.request = "a\u{1b}[31m".into(),
+                "spec.request",
+            ),
+            (
+                "U+2028 in request",
+                |c| c.spec.request = "a\u{2028}b".into(),
+                "spec.request",
+            ),
+            (
+                "U+0085 in request",
+                |c| c.spec.request = "a\u{85}b".into(),
+                "spec.request",
+            ),
+            (
+                "right-to-left override in request",
+                |c| c.spec.request = "kubectl \u{202e}dorp sn eteled".into(),
+                "spec.request",
+            ),
+            (
+                "isolate in request",
+                |c| c.spec.request = "a\u{2066}b\u{2069}".into(),
                 "spec.request",
             ),
             (
