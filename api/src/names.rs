@@ -102,8 +102,21 @@ pub mod reasons {
     pub const MAIL_PENDING: &str = "MailPending";
     /// The backend accepted the mail.
     pub const MAIL_SENT: &str = "MailSent";
-    /// The backend rejected the mail permanently (it will not be retried automatically).
+    /// The backend rejected the mail permanently (a 5xx SMTP reply, Mailgun 400/401/403). It is
+    /// not retried automatically: a change to the object's spec, or a restart of the provider
+    /// (for example after fixing its credentials), retries it once. On deletion, a release mail
+    /// refused permanently keeps the finalizer until then (remove it by hand to give up).
     pub const MAIL_FAILED: &str = "MailFailed";
+    /// The "no longer needed" mail was accepted by the backend (an event reason).
+    pub const DELETION_MAIL_SENT: &str = "DeletionMailSent";
+    /// The ownerReference does not match the owner: its UID differs from the live owner's, or
+    /// the owner's `spec.infrastructureRef` does not name this object. Nothing is mailed.
+    pub const OWNER_MISMATCH: &str = "OwnerMismatch";
+    /// The owner is being deleted: no request is started for infrastructure nobody will use.
+    pub const OWNER_DELETING: &str = "OwnerDeleting";
+    /// An annotation of this provider was found where this provider never writes it, and was
+    /// removed (an event reason).
+    pub const FOREIGN_RECORD: &str = "ForeignRecord";
     /// The mail went out; a human has not fulfilled the request yet.
     pub const WAITING_FOR_FULFILLMENT: &str = "WaitingForFulfillment";
     /// The request was fulfilled.

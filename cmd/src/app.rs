@@ -12,6 +12,7 @@ use std::{
 };
 
 use anyhow::{Context, anyhow};
+use capm_controllers::Leadership;
 use capm_mailer::{InstrumentedMailer, Mailer, MailerMetrics};
 use prometheus::{IntGaugeVec, Opts, Registry};
 use tokio::task::JoinHandle;
@@ -112,6 +113,15 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let instance = instance_name();
     let mut config = settings.controllers.clone();
     config.instance = instance.clone();
+    config.leadership = match &settings.leader_election {
+        None => Leadership::unelected(instance.clone()),
+        Some(params) => Leadership::elected(
+            format!("{instance}_{}", random_suffix()),
+            params.lease_duration,
+            params.renew_deadline,
+        ),
+    };
+    let leadership = config.leadership.clone();
     let controllers = Controllers {
         client: client.clone(),
         mailer,
@@ -123,8 +133,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         None => controllers.run(shutdown.clone(), None).await,
         Some(params) => {
             let gauge = leader_gauge.with_label_values(&[params.name.as_str()]);
-            let identity = format!("{instance}_{}", random_suffix());
-            let elector = Elector::new(client, params, identity, gauge);
+            let elector = Elector::new(client, params, leadership, gauge);
             lead(elector, controllers, shutdown.clone()).await
         }
     };
@@ -202,8 +211,9 @@ struct Controllers {
 }
 
 impl Controllers {
-    /// Runs the controllers until `shutdown` (or `lost`, when leading) and waits, at most the
-    /// shutdown timeout, for their in-flight reconciles.
+    /// Runs the controllers until `shutdown`, then waits at most the shutdown timeout for their
+    /// in-flight reconciles. When leading and `lost` fires, aborts them at once instead: a
+    /// reconcile of a replica that no longer leads must not finish its work.
     async fn run(
         self,
         shutdown: Shutdown,
@@ -212,16 +222,17 @@ impl Controllers {
         let timeout = self.timeout;
         let stop = {
             let mut shutdown = shutdown.clone();
-            async move {
-                match lost {
-                    Some(mut lost) => tokio::select! {
-                        () = shutdown.wait() => {},
-                        _ = lost.wait_for(|l| *l) => {},
-                    },
-                    None => shutdown.wait().await,
+            async move { shutdown.wait().await }
+        };
+        let lost = async move {
+            match lost {
+                Some(mut lost) => {
+                    let _ = lost.wait_for(|l| *l).await;
                 }
+                None => std::future::pending::<()>().await,
             }
         };
+        tokio::pin!(lost);
         info!("starting the controllers");
         let mut task = tokio::spawn(capm_controllers::run(
             self.client,
@@ -234,16 +245,28 @@ impl Controllers {
         let finished = tokio::select! {
             finished = &mut task => Some(finished),
             () = waiting.wait() => None,
+            () = &mut lost => {
+                task.abort();
+                let _ = task.await;
+                return Err(anyhow!("leadership lost: in-flight reconciles aborted"));
+            }
         };
         let finished = match finished {
             Some(finished) => finished,
-            None => match tokio::time::timeout(timeout, &mut task).await {
-                Ok(finished) => finished,
-                Err(_) => {
+            None => tokio::select! {
+                finished = tokio::time::timeout(timeout, &mut task) => match finished {
+                    Ok(finished) => finished,
+                    Err(_) => {
+                        task.abort();
+                        return Err(anyhow!(
+                            "the controllers did not stop within the shutdown timeout ({timeout:?})"
+                        ));
+                    }
+                },
+                () = &mut lost => {
                     task.abort();
-                    return Err(anyhow!(
-                        "the controllers did not stop within the shutdown timeout ({timeout:?})"
-                    ));
+                    let _ = task.await;
+                    return Err(anyhow!("leadership lost during shutdown: in-flight reconciles aborted"));
                 }
             },
         };
@@ -279,7 +302,7 @@ async fn lead(
     tokio::pin!(running);
     let result = tokio::select! {
         lost = elector.hold() => {
-            error!(reason = %lost, "lost the leader Lease; stopping the controllers");
+            error!(reason = %lost, "lost the leader Lease; aborting the controllers");
             lost_tx.send_replace(true);
             if tokio::time::timeout(timeout, running).await.is_err() {
                 warn!("the controllers did not stop within the shutdown timeout");

@@ -11,9 +11,12 @@
 //! without a resourceVersion precondition.
 //!
 //! # Caveats
-//! Leader election is not a fencing mechanism (client-go says so too): a paused leader may act
-//! for up to the renew deadline after it lost the Lease. The controllers' writes guarded by
-//! resourceVersion are the real fence.
+//! Leader election is not a fencing mechanism (client-go says so too): a paused leader believes
+//! it leads until its renew loop runs again. So every successful round is reported to the
+//! controllers' [`Leadership`] (with the instant the round **started**), and the controllers
+//! check it by the monotonic clock right before every send and every write: less than the renew
+//! deadline since the last renewal, or nothing happens. The writes guarded by resourceVersion
+//! fence the API server; that check fences the mail backend.
 
 use std::time::Duration;
 
@@ -29,6 +32,8 @@ use kube::{
 use prometheus::IntGauge;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
+
+use capm_controllers::Leadership;
 
 use crate::{settings::LeaderElection, shutdown::Shutdown};
 
@@ -65,6 +70,7 @@ pub struct Elector {
     params: LeaderElection,
     identity: String,
     gauge: IntGauge,
+    leadership: Leadership,
     /// The resourceVersion last seen and when (local clock) it was first seen.
     observed: Option<(String, Instant)>,
 }
@@ -90,14 +96,22 @@ fn seconds(d: Duration) -> i32 {
 }
 
 impl Elector {
-    /// A candidate named `identity`; `gauge` is its `leader_election_master_status` series.
-    pub fn new(client: Client, params: LeaderElection, identity: String, gauge: IntGauge) -> Self {
+    /// A candidate named by `leadership`'s identity; `gauge` is its
+    /// `leader_election_master_status` series. Every successful round is reported to
+    /// `leadership`.
+    pub fn new(
+        client: Client,
+        params: LeaderElection,
+        leadership: Leadership,
+        gauge: IntGauge,
+    ) -> Self {
         gauge.set(0);
         Self {
             api: Api::namespaced(client, &params.namespace),
             params,
-            identity,
+            identity: leadership.identity().to_owned(),
             gauge,
+            leadership,
             observed: None,
         }
     }
@@ -189,8 +203,10 @@ impl Elector {
     pub async fn acquire(&mut self, mut shutdown: Shutdown) -> bool {
         let mut last_holder = None;
         loop {
+            let started = Instant::now();
             match self.try_acquire_or_renew().await {
                 Ok(Round::Held) => {
+                    self.leadership.renewed(started.into_std());
                     self.gauge.set(1);
                     info!(identity = %self.identity, lease = %self.params.name, "acquired the leader Lease");
                     return true;
@@ -224,12 +240,15 @@ impl Elector {
         loop {
             tokio::time::sleep(self.params.retry_period).await;
             let deadline = last_renewal + self.params.renew_deadline;
+            let started = Instant::now();
             match tokio::time::timeout_at(deadline, self.try_acquire_or_renew()).await {
                 Ok(Ok(Round::Held)) => {
-                    last_renewal = Instant::now();
+                    self.leadership.renewed(started.into_std());
+                    last_renewal = started;
                     last_error = None;
                 }
                 Ok(Ok(Round::HeldBy(holder))) => {
+                    self.leadership.lost();
                     self.gauge.set(0);
                     return Lost::TakenBy(holder);
                 }
@@ -241,6 +260,7 @@ impl Elector {
                 Err(_) => {}
             }
             if Instant::now() >= deadline {
+                self.leadership.lost();
                 self.gauge.set(0);
                 return Lost::RenewDeadline {
                     deadline: self.params.renew_deadline,
@@ -256,6 +276,7 @@ impl Elector {
     /// # Errors
     /// When the Lease cannot be read or written.
     pub async fn release(&mut self) -> Result<(), kube::Error> {
+        self.leadership.lost();
         self.gauge.set(0);
         let Some(mut lease) = self.api.get_opt(&self.params.name).await? else {
             return Ok(());

@@ -14,9 +14,10 @@ use crate::{
     Config, Metrics,
     capi::{Cluster, Machine},
     events::Events,
+    sendonce::decide::Withheld,
 };
 
-/// Why one reconcile failed; decides how soon it is retried.
+/// Why one reconcile failed (or waits); decides how soon it is retried.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     /// A Kubernetes API call failed.
@@ -43,15 +44,50 @@ pub enum ReconcileError {
     /// The backend has no record of a mail whose outcome was unknown; wait before resending.
     #[error("no record yet of a mail whose outcome was unknown; checking again before resending")]
     AwaitingLookup(Duration),
+    /// Another replica wrote the intent recently and may still be sending; wait it out.
+    #[error(
+        "another replica recorded the intent to send less than the lease hand-over window ago \
+         and may still be sending; checking again in {0:?}"
+    )]
+    AwaitingHandover(Duration),
+    /// A send was not started now (not leading, owner deleting, refused for good, backoff).
+    #[error("mail withheld: {0:?}")]
+    Withheld(Withheld),
+    /// The object is gone: nothing more to do or write.
+    #[error("the object is gone")]
+    Gone,
 }
 
 impl ReconcileError {
-    /// Permanent errors do not go away by retrying soon.
+    /// Permanent errors do not go away by retrying: they are not retried until the object
+    /// changes (or the provider restarts).
     pub fn is_permanent(&self) -> bool {
         match self {
             Self::Mail(e) => e.kind() == ErrorKind::Permanent,
             Self::Message(_) | Self::InvalidSpec(_) => true,
-            Self::Kube { .. } | Self::Conflict(_) | Self::AwaitingLookup(_) => false,
+            Self::Withheld(w) => *w == Withheld::PermanentlyRefused,
+            Self::Kube { .. }
+            | Self::Conflict(_)
+            | Self::AwaitingLookup(_)
+            | Self::AwaitingHandover(_)
+            | Self::Gone => false,
+        }
+    }
+
+    /// Waiting, not failing: no error metric, no backoff step, no reset of it either.
+    pub fn is_wait(&self) -> bool {
+        matches!(
+            self,
+            Self::AwaitingLookup(_) | Self::AwaitingHandover(_) | Self::Withheld(_) | Self::Gone
+        )
+    }
+
+    /// The `result` label of `controller_runtime_reconcile_total`.
+    pub fn metric_label(&self) -> &'static str {
+        if self.is_wait() {
+            "requeue_after"
+        } else {
+            "error"
         }
     }
 
@@ -65,18 +101,28 @@ impl ReconcileError {
             _ => Self::Kube { context, source },
         }
     }
+
+    /// True for "the object does not exist" answers, which are normal during deletion and move.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Self::Gone)
+            || matches!(self, Self::Kube { source: kube::Error::Api(s), .. } if s.code == 404)
+    }
 }
 
-/// What this process knows about its own last send attempt for one mail.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Attempt {
-    /// The backend certainly did not accept it (refused before or without accepting).
-    NotSent,
-    /// It may have been accepted (timeout after sending, 5xx).
-    Unknown,
-    /// A lookup found no record at this instant.
-    NotFoundAt(Instant),
+/// What this process remembers about one mail of one object (never durable: only what makes
+/// retries slower or lookups patient).
+#[derive(Debug, Clone, Copy, Default)]
+struct MailMemory {
+    /// When this process first saw the mail's intent.
+    first_seen: Option<Instant>,
+    /// Since when lookups have answered "not found".
+    not_found_since: Option<Instant>,
+    /// The generation at which the backend refused this mail permanently.
+    refused_at_generation: Option<i64>,
 }
+
+/// How long a deleted object's UID is remembered, so stale cached copies of it are ignored.
+const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
 
 /// Everything a reconcile needs.
 pub struct Ctx {
@@ -94,9 +140,10 @@ pub struct Ctx {
     pub clusters: Store<Cluster>,
     /// Cached Cluster API `Machine`s.
     pub machines: Store<Machine>,
-    failures: Mutex<HashMap<String, u32>>,
+    failures: Mutex<HashMap<String, (u32, Instant)>>,
     expected_versions: Mutex<HashMap<String, u64>>,
-    attempts: Mutex<HashMap<String, Attempt>>,
+    mails: Mutex<HashMap<String, MailMemory>>,
+    tombstones: Mutex<HashMap<String, Instant>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -124,41 +171,49 @@ impl Ctx {
             machines,
             failures: Mutex::default(),
             expected_versions: Mutex::default(),
-            attempts: Mutex::default(),
+            mails: Mutex::default(),
+            tombstones: Mutex::default(),
         }
     }
 
     /// The delay before retrying `key` after `error`: exponential per object
-    /// (`backoff_base` doubling up to `backoff_max`), the maximum for permanent errors, never less
-    /// than a backend's `Retry-After`.
+    /// (`backoff_base` doubling up to `backoff_max`), never less than a backend's `Retry-After`.
+    /// Waits return their own delay and leave the count alone. The delay also gates sends:
+    /// a reconcile triggered earlier by a watch event does not send before it ran out
+    /// ([`Self::backoff_left`]).
     pub fn retry_delay(&self, key: &str, error: &ReconcileError) -> Duration {
         let max = self.config.backoff_max;
-        if let ReconcileError::AwaitingLookup(wait) = error {
-            return *wait;
+        match error {
+            ReconcileError::AwaitingLookup(wait)
+            | ReconcileError::AwaitingHandover(wait)
+            | ReconcileError::Withheld(Withheld::Backoff(wait)) => return *wait,
+            ReconcileError::Withheld(Withheld::NotLeading) => return self.config.backoff_base,
+            ReconcileError::Conflict(_) => return self.config.backoff_base.min(max),
+            _ => {}
         }
-        if matches!(error, ReconcileError::Conflict(_)) {
-            return self.config.backoff_base.min(max);
-        }
-        let failures = {
-            let mut map = lock(&self.failures);
-            let n = map.entry(key.to_owned()).or_insert(0);
-            *n = n.saturating_add(1);
-            *n
-        };
+        let mut map = lock(&self.failures);
+        let entry = map.entry(key.to_owned()).or_insert((0, Instant::now()));
+        entry.0 = entry.0.saturating_add(1);
         let exponential = self
             .config
             .backoff_base
-            .saturating_mul(1u32 << (failures - 1).min(20))
+            .saturating_mul(1u32 << (entry.0 - 1).min(20))
             .min(max);
-        let delay = if error.is_permanent() {
-            max
-        } else {
-            exponential
+        let delay = match error {
+            ReconcileError::Mail(e) => exponential.max(e.retry_after().unwrap_or_default()),
+            _ => exponential,
         };
-        match error {
-            ReconcileError::Mail(e) => delay.max(e.retry_after().unwrap_or_default()),
-            _ => delay,
-        }
+        entry.1 = Instant::now() + delay;
+        delay
+    }
+
+    /// How long sends for `key` must still wait after its last failure (zero: none).
+    pub fn backoff_left(&self, key: &str) -> Duration {
+        lock(&self.failures)
+            .get(key)
+            .map_or(Duration::ZERO, |(_, not_before)| {
+                not_before.saturating_duration_since(Instant::now())
+            })
     }
 
     /// Forgets `key`'s failures after a successful reconcile.
@@ -174,8 +229,11 @@ impl Ctx {
         }
     }
 
-    /// True when the cached copy predates our own last write.
+    /// True when the cached copy predates our own last write, or the object is known gone.
     pub fn is_stale(&self, uid: &str, resource_version: Option<&str>) -> bool {
+        if lock(&self.tombstones).contains_key(uid) {
+            return true;
+        }
         let mut map = lock(&self.expected_versions);
         let Some(&expected) = map.get(uid) else {
             return false;
@@ -189,28 +247,56 @@ impl Ctx {
         }
     }
 
-    /// The last attempt recorded for one mail.
-    pub fn attempt(&self, mail_key: &str) -> Option<Attempt> {
-        lock(&self.attempts).get(mail_key).copied()
+    fn with_mail<T>(&self, mail_key: &str, f: impl FnOnce(&mut MailMemory) -> T) -> T {
+        f(lock(&self.mails).entry(mail_key.to_owned()).or_default())
     }
 
-    /// Records (or with `None` forgets) the last attempt for one mail.
-    pub fn set_attempt(&self, mail_key: &str, attempt: Option<Attempt>) {
-        let mut map = lock(&self.attempts);
-        match attempt {
-            Some(a) => {
-                map.insert(mail_key.to_owned(), a);
-            }
-            None => {
-                map.remove(mail_key);
-            }
-        }
+    /// How long ago this process first saw the intent of `mail_key` (now, the first time).
+    pub fn first_seen_ago(&self, mail_key: &str) -> Duration {
+        self.with_mail(mail_key, |m| {
+            m.first_seen.get_or_insert_with(Instant::now).elapsed()
+        })
     }
 
-    /// Forgets everything about an object that is gone.
-    pub fn forget(&self, uid: &str) {
+    /// Since how long lookups answer "not found" for `mail_key`, if they do.
+    pub fn not_found_for(&self, mail_key: &str) -> Option<Duration> {
+        lock(&self.mails)
+            .get(mail_key)
+            .and_then(|m| m.not_found_since)
+            .map(|at| at.elapsed())
+    }
+
+    /// A lookup answered "not found" for the first time.
+    pub fn start_not_found(&self, mail_key: &str) {
+        self.with_mail(mail_key, |m| m.not_found_since = Some(Instant::now()));
+    }
+
+    /// The backend refused `mail_key` permanently at `generation`.
+    pub fn mark_permanently_refused(&self, mail_key: &str, generation: i64) {
+        self.with_mail(mail_key, |m| m.refused_at_generation = Some(generation));
+    }
+
+    /// True when the backend refused `mail_key` permanently at this `generation`.
+    pub fn permanently_refused(&self, mail_key: &str, generation: i64) -> bool {
+        lock(&self.mails)
+            .get(mail_key)
+            .is_some_and(|m| m.refused_at_generation == Some(generation))
+    }
+
+    /// The mail went out or was found: forget the attempts.
+    pub fn clear_mail(&self, mail_key: &str) {
+        lock(&self.mails).remove(mail_key);
+    }
+
+    /// The object with this UID is gone (its finalizer removed, or the API server says so):
+    /// every cached copy of it is stale from now on. Remembered for [`TOMBSTONE_TTL`].
+    pub fn gone(&self, uid: &str) {
         lock(&self.expected_versions).remove(uid);
-        lock(&self.attempts).retain(|k, _| !k.starts_with(uid));
+        lock(&self.mails).retain(|k, _| !k.starts_with(uid));
+        let mut tombstones = lock(&self.tombstones);
+        let now = Instant::now();
+        tombstones.retain(|_, at| now.duration_since(*at) < TOMBSTONE_TTL);
+        tombstones.insert(uid.to_owned(), now);
     }
 }
 
@@ -275,12 +361,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn permanent_errors_wait_the_maximum_and_retry_after_is_honoured() {
+    async fn retry_after_is_honoured_waits_keep_their_delay_and_backoff_gates_sends() {
         let ctx = ctx();
-        assert_eq!(
-            ctx.retry_delay("ns/a", &ReconcileError::InvalidSpec("x".into())),
-            Duration::from_secs(10)
-        );
         let limited = ReconcileError::Mail(MailError::Retryable {
             backend: "mock",
             message: "slow down".into(),
@@ -289,10 +371,53 @@ mod tests {
             source: None,
         });
         assert_eq!(ctx.retry_delay("ns/c", &limited), Duration::from_secs(7));
+        let left = ctx.backoff_left("ns/c");
+        assert!(
+            left > Duration::from_secs(6) && left <= Duration::from_secs(7),
+            "{left:?}"
+        );
+        // A wait does not move the count or the gate.
+        let wait = Duration::from_secs(3);
+        assert_eq!(
+            ctx.retry_delay("ns/c", &ReconcileError::AwaitingLookup(wait)),
+            wait
+        );
+        assert_eq!(
+            ctx.retry_delay("ns/c", &ReconcileError::Withheld(Withheld::Backoff(wait))),
+            wait
+        );
+        assert_eq!(
+            ctx.retry_delay("ns/c", &transient()),
+            Duration::from_millis(200)
+        );
         assert_eq!(
             ctx.retry_delay("ns/d", &ReconcileError::Conflict("x")),
             Duration::from_millis(100)
         );
+        assert_eq!(ctx.backoff_left("ns/d"), Duration::ZERO);
+        ctx.succeeded("ns/c");
+        assert_eq!(ctx.backoff_left("ns/c"), Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn a_gone_object_stays_stale_whatever_copy_arrives() {
+        let ctx = ctx();
+        ctx.expect_version("u1", Some("120"));
+        ctx.gone("u1");
+        assert!(ctx.is_stale("u1", Some("100")));
+        assert!(ctx.is_stale("u1", Some("121")));
+        assert!(!ctx.is_stale("u2", Some("1")));
+    }
+
+    #[tokio::test]
+    async fn permanent_refusals_are_remembered_per_generation() {
+        let ctx = ctx();
+        ctx.mark_permanently_refused("u/request", 3);
+        assert!(ctx.permanently_refused("u/request", 3));
+        assert!(!ctx.permanently_refused("u/request", 4));
+        assert!(!ctx.permanently_refused("u/deletion", 3));
+        ctx.gone("u");
+        assert!(!ctx.permanently_refused("u/request", 3));
     }
 
     #[tokio::test]

@@ -12,7 +12,7 @@ use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    capi::{Cluster, Machine},
+    capi::{Cluster, ContractRef, Machine},
     context::Ctx,
     status::Status,
 };
@@ -67,11 +67,20 @@ pub trait InfraKind:
     /// What the human provided, once they did.
     fn fulfilment(&self) -> Option<String>;
     /// The Cluster API owner type.
-    type Owner: Send + Sync + 'static;
+    type Owner: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + Debug
+        + DeserializeOwned
+        + Send
+        + Sync
+        + 'static;
     /// Addresses to publish in status (machines).
     fn addresses(&self) -> Option<Vec<MachineAddress>> {
         None
     }
+    /// True when the owner's `spec.infrastructureRef` names this object (what Cluster API
+    /// guarantees for the objects it owns).
+    fn owner_refers_to(owner: &Self::Owner, obj: &Self) -> bool;
     /// The owner object from the caches.
     fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Self::Owner>>;
     /// The `Cluster` that pauses this object.
@@ -80,6 +89,12 @@ pub trait InfraKind:
     fn request_mail(&self, ctx: &Ctx, owner: &Self::Owner) -> Result<MailText, Wait>;
     /// The "no longer needed" mail.
     fn deletion_mail(&self) -> MailText;
+}
+
+fn refers_to(reference: Option<&ContractRef>, kind: &str, obj: &impl ResourceExt) -> bool {
+    reference.is_some_and(|r| {
+        r.api_group == capm_api::GROUP && r.kind == kind && r.name == obj.name_any()
+    })
 }
 
 fn fulfil_command(kind: &str, obj: &impl ResourceExt, patch: &str) -> String {
@@ -113,6 +128,9 @@ impl InfraKind for MailgunCluster {
             .control_plane_endpoint
             .as_ref()
             .map(|e| format!("control plane endpoint {}:{}", e.host, e.port))
+    }
+    fn owner_refers_to(owner: &Cluster, obj: &Self) -> bool {
+        refers_to(owner.spec.infrastructure_ref.as_ref(), Self::KIND, obj)
     }
     fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Cluster>> {
         ctx.clusters.get(&ObjectRef::new(name).within(namespace))
@@ -178,6 +196,9 @@ impl InfraKind for MailgunMachine {
     }
     fn addresses(&self) -> Option<Vec<MachineAddress>> {
         self.spec.addresses.clone()
+    }
+    fn owner_refers_to(owner: &Machine, obj: &Self) -> bool {
+        refers_to(owner.spec.infrastructure_ref.as_ref(), Self::KIND, obj)
     }
     fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Machine>> {
         ctx.machines.get(&ObjectRef::new(name).within(namespace))

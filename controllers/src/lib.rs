@@ -14,11 +14,14 @@ mod context;
 mod events;
 pub mod failpoint;
 mod kinds;
+mod leadership;
 mod metrics;
 mod reconcile;
 mod runner;
+mod sendonce;
 mod status;
 
+pub use leadership::Leadership;
 pub use metrics::Metrics;
 pub use runner::run;
 
@@ -48,6 +51,9 @@ pub struct Config {
     /// How long a backend lookup must keep answering "not found" for a mail whose outcome was
     /// unknown before it is sent again (event stores lag behind sends).
     pub lookup_grace: Duration,
+    /// This process's standing as leader, consulted right before every send; its identity is
+    /// recorded with every mail intent.
+    pub leadership: Leadership,
 }
 
 impl Default for Config {
@@ -62,6 +68,7 @@ impl Default for Config {
             backoff_max: Duration::from_secs(300),
             instance: "cluster-api-provider-mailgun".into(),
             lookup_grace: Duration::from_secs(10),
+            leadership: Leadership::default(),
         }
     }
 }

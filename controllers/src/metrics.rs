@@ -20,6 +20,10 @@ const RECONCILE_BUCKETS: &[f64] = &[
 /// - `workqueue_adds_total{name}`, `workqueue_retries_total{name}`
 /// - `capm_mail_resends_total{controller}`: mails sent again with the same Message-Id because
 ///   an earlier attempt's outcome could not be established.
+/// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
+///   `owner_deleting`, `permanently_refused`, `backoff`, `handover`).
+/// - `capm_mail_orphan_releases_total{controller}`: release mails sent at once for an object that
+///   vanished right after its request went out.
 #[derive(Debug, Clone)]
 pub struct Metrics {
     pub(crate) reconcile_total: IntCounterVec,
@@ -30,6 +34,8 @@ pub struct Metrics {
     pub(crate) queue_adds: IntCounterVec,
     pub(crate) queue_retries: IntCounterVec,
     pub(crate) resends: IntCounterVec,
+    pub(crate) withheld: IntCounterVec,
+    pub(crate) orphan_releases: IntCounterVec,
 }
 
 impl Metrics {
@@ -91,6 +97,16 @@ impl Metrics {
             resends: counter(
                 "capm_mail_resends_total",
                 "Mails sent again with the same Message-Id because an earlier attempt's outcome was unknown",
+                &["controller"],
+            )?,
+            withheld: counter(
+                "capm_mail_withheld_total",
+                "Sends not started: not leading, owner deleting, refused for good, backoff, another replica's hand-over window",
+                &["controller", "reason"],
+            )?,
+            orphan_releases: counter(
+                "capm_mail_orphan_releases_total",
+                "Release mails sent at once because the object vanished right after its request went out",
                 &["controller"],
             )?,
         })

@@ -1,83 +1,36 @@
-//! The reconcile loop shared by both kinds: owner -> paused -> `reconcile_normal` /
-//! `reconcile_delete`, one status write at the end when something changed, and the crash-safe
-//! "send exactly one mail" recipe.
+//! The reconcile loop shared by both kinds, in the order every Cluster API provider follows:
+//! owner (matched by UID, and naming this object back) -> paused -> `reconcile_normal` /
+//! `reconcile_delete`, then one status write at the end when something changed. The mails
+//! themselves go through [`crate::sendonce`].
 
-use std::{collections::BTreeMap, sync::Arc, time::Instant};
+use std::{sync::Arc, time::Instant};
 
 use capm_api::{
     names::{self, conditions, reasons},
     v1beta1::{Initialization, MailState, MailStatus},
 };
-use capm_mailer::{ErrorKind, Lookup, Message, MessageId};
-use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{
-    Api, ResourceExt,
+    Api, Resource, ResourceExt,
     api::{Patch, PatchParams},
     runtime::controller::Action,
 };
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::{debug, info};
 
 use crate::{
     capi,
-    context::{Attempt, Ctx, ReconcileError},
+    context::{Ctx, ReconcileError},
     events::EventType,
-    kinds::{InfraKind, MailText},
+    kinds::InfraKind,
+    sendonce::{
+        Which,
+        decide::{Release, Withheld, release_needed},
+        execute::{OwnerCheck, Tracked, adopt, ensure_sent, publish, read_records},
+        records::IntentState,
+    },
     status::Status,
 };
-
-/// Which of an object's two mails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Which {
-    /// "One cluster please".
-    Request,
-    /// "No longer needed", sent during deletion if a request went out.
-    Deletion,
-}
-
-impl Which {
-    fn intent_key(self) -> &'static str {
-        match self {
-            Self::Request => names::MAIL_INTENT_ANNOTATION,
-            Self::Deletion => names::DELETION_MAIL_INTENT_ANNOTATION,
-        }
-    }
-    fn sent_key(self) -> &'static str {
-        match self {
-            Self::Request => names::MAIL_SENT_ANNOTATION,
-            Self::Deletion => names::DELETION_MAIL_SENT_ANNOTATION,
-        }
-    }
-    fn message_id(self, kind: &str, uid: &str, domain: &str) -> String {
-        match self {
-            Self::Request => names::message_id(kind, uid, domain),
-            Self::Deletion => names::deletion_message_id(kind, uid, domain),
-        }
-    }
-    fn label(self) -> &'static str {
-        match self {
-            Self::Request => "request",
-            Self::Deletion => "deletion",
-        }
-    }
-}
-
-/// The object's metadata as this pass last wrote or read it.
-struct Tracked {
-    resource_version: Option<String>,
-    annotations: BTreeMap<String, String>,
-    finalizers: Vec<String>,
-}
-
-impl Tracked {
-    fn of(obj: &impl ResourceExt) -> Self {
-        Self {
-            resource_version: obj.resource_version(),
-            annotations: obj.annotations().clone(),
-            finalizers: obj.finalizers().to_vec(),
-        }
-    }
-}
 
 /// The result of one pass, before the status write.
 struct Pass {
@@ -86,40 +39,71 @@ struct Pass {
     gone: bool,
 }
 
-/// One reconcile of `obj`, with metrics around it.
-pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
-    let metrics = &ctx.metrics;
-    let controller = K::CONTROLLER;
-    metrics
-        .active_workers
-        .with_label_values(&[controller])
-        .inc();
-    let started = Instant::now();
-    let result = reconcile_inner(&*obj, &ctx).await;
-    metrics
-        .active_workers
-        .with_label_values(&[controller])
-        .dec();
-    metrics
-        .reconcile_time
-        .with_label_values(&[controller])
-        .observe(started.elapsed().as_secs_f64());
-    let result_label = match &result {
-        Ok(_) => "success",
-        Err(_) => "error",
-    };
-    metrics
-        .reconcile_total
-        .with_label_values(&[controller, result_label])
-        .inc();
-    if result.is_ok() {
-        ctx.succeeded(&key(&*obj));
-    } else {
-        metrics
-            .reconcile_errors
+impl Pass {
+    fn wait() -> Self {
+        Self {
+            action: Action::await_change(),
+            gone: false,
+        }
+    }
+}
+
+/// Records one reconcile in the controller metrics when dropped, so a reconcile future that
+/// is dropped half-way (shutdown, lost Lease) still leaves `active_workers` right.
+struct MetricsGuard<'a> {
+    ctx: &'a Ctx,
+    controller: &'static str,
+    started: Instant,
+    result: &'static str,
+}
+
+impl<'a> MetricsGuard<'a> {
+    fn start(ctx: &'a Ctx, controller: &'static str) -> Self {
+        ctx.metrics
+            .active_workers
             .with_label_values(&[controller])
             .inc();
+        Self {
+            ctx,
+            controller,
+            started: Instant::now(),
+            result: "cancelled",
+        }
     }
+}
+
+impl Drop for MetricsGuard<'_> {
+    fn drop(&mut self) {
+        let m = &self.ctx.metrics;
+        m.active_workers.with_label_values(&[self.controller]).dec();
+        m.reconcile_time
+            .with_label_values(&[self.controller])
+            .observe(self.started.elapsed().as_secs_f64());
+        m.reconcile_total
+            .with_label_values(&[self.controller, self.result])
+            .inc();
+        if self.result == "error" {
+            m.reconcile_errors
+                .with_label_values(&[self.controller])
+                .inc();
+        }
+    }
+}
+
+/// One reconcile of `obj`, with metrics around it.
+pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
+    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER);
+    let result = reconcile_inner(&*obj, &ctx).await;
+    guard.result = match &result {
+        Ok(_) => "success",
+        Err(e) => e.metric_label(),
+    };
+    match &result {
+        Ok(_) => ctx.succeeded(&key(&*obj)),
+        Err(e) if e.is_wait() => {}
+        Err(_) => {}
+    }
+    drop(guard);
     result
 }
 
@@ -131,22 +115,40 @@ pub fn key(obj: &impl ResourceExt) -> String {
 async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
     if ctx.is_stale(&uid, obj.resource_version().as_deref()) {
-        // Our own newer write is on its way to the cache; its event triggers the next pass.
+        // Our own newer write is on its way to the cache (or the object is gone); its event
+        // triggers the next pass.
         return Ok(Action::await_change());
     }
-    if obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION) {
+    if !ctx.config.leadership.may_act() {
+        // A replica that cannot prove it leads writes nothing at all.
+        return Err(ReconcileError::Withheld(Withheld::NotLeading));
+    }
+    let deleting = obj.meta().deletion_timestamp.is_some();
+    let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
+    let managed_elsewhere = obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION);
+    if managed_elsewhere && !(deleting && has_finalizer) {
+        // Someone else manages it; but our own finalizer, if we ever set it, is ours to release.
         return Ok(Action::await_change());
     }
     let original = obj.current_status();
     let mut status = original.clone();
     status.observed_generation = obj.meta().generation;
-    let outcome = steps(obj, ctx, &mut status).await;
-    let gone = matches!(outcome, Ok(Pass { gone: true, .. }));
-    if !gone && status != original {
-        write_status(obj, ctx, &status).await?;
-    }
+    let outcome = if managed_elsewhere {
+        reconcile_delete(obj, ctx, &mut status).await
+    } else {
+        steps(obj, ctx, &mut status).await
+    };
+    let gone = match &outcome {
+        Ok(Pass { gone, .. }) => *gone,
+        Err(ReconcileError::Gone) => true,
+        Err(_) => false,
+    };
     if gone {
-        ctx.forget(&uid);
+        ctx.gone(&uid);
+        return Ok(Action::await_change());
+    }
+    if status != original {
+        write_status(obj, ctx, &status).await?;
     }
     outcome.map(|p| p.action)
 }
@@ -156,6 +158,9 @@ async fn write_status<K: InfraKind>(
     ctx: &Ctx,
     status: &Status,
 ) -> Result<(), ReconcileError> {
+    if !ctx.config.leadership.may_act() {
+        return Err(ReconcileError::Withheld(Withheld::NotLeading));
+    }
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let written = api
         .patch_status(
@@ -172,6 +177,50 @@ async fn write_status<K: InfraKind>(
     Ok(())
 }
 
+/// The owner as Cluster API guarantees it: the ownerReference's UID is the live owner's, and
+/// the owner's `spec.infrastructureRef` names this object.
+enum Owner<O> {
+    /// No ownerReference of the owner kind, or the owner is not (yet) in the cache.
+    Missing(String),
+    /// The ownerReference does not match what the owner says.
+    Mismatch(String),
+    /// The confirmed owner and its UID.
+    Confirmed(Arc<O>, String),
+}
+
+fn owner_of<K: InfraKind>(obj: &K, ctx: &Ctx) -> Owner<K::Owner> {
+    let namespace = obj.namespace().unwrap_or_default();
+    let Some(reference) = capi::owner(obj.owner_references(), K::OWNER_KIND) else {
+        return Owner::Missing(format!(
+            "waiting for Cluster API to set an owner {}",
+            K::OWNER_KIND
+        ));
+    };
+    let Some(owner) = K::owner_in_cache(ctx, &namespace, &reference.name) else {
+        return Owner::Missing(format!(
+            "waiting for the owner {} {} to be seen",
+            K::OWNER_KIND,
+            reference.name
+        ));
+    };
+    if owner.meta().uid.as_deref() != Some(reference.uid.as_str()) {
+        return Owner::Mismatch(format!(
+            "the ownerReference's UID is not that of {} {}",
+            K::OWNER_KIND,
+            reference.name
+        ));
+    }
+    if !K::owner_refers_to(&owner, obj) {
+        return Owner::Mismatch(format!(
+            "{} {}'s spec.infrastructureRef does not name this {}",
+            K::OWNER_KIND,
+            reference.name,
+            K::KIND
+        ));
+    }
+    Owner::Confirmed(owner, reference.uid.clone())
+}
+
 async fn steps<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
@@ -181,31 +230,34 @@ async fn steps<K: InfraKind>(
     let deleting = obj.meta().deletion_timestamp.is_some();
     let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
     if deleting && !has_finalizer {
-        return Ok(Pass {
-            action: Action::await_change(),
-            gone: false,
-        });
+        return Ok(Pass::wait());
     }
-    let namespace = obj.namespace().unwrap_or_default();
-    let owner = capi::owner(obj.owner_references(), K::OWNER_KIND)
-        .and_then(|o| K::owner_in_cache(ctx, &namespace, &o.name));
-    let Some(owner) = owner else {
-        if deleting {
-            // The owner is gone first (or never came): nothing can pause us; clean up.
+    let (owner, owner_uid) = match owner_of(obj, ctx) {
+        Owner::Confirmed(owner, uid) => (owner, uid),
+        // Nothing that is not our confirmed owner can pause a deletion: clean up.
+        Owner::Missing(_) | Owner::Mismatch(_) if deleting => {
             return reconcile_delete(obj, ctx, status).await;
         }
-        let message = format!("waiting for Cluster API to set an owner {}", K::OWNER_KIND);
-        status.set_condition(
-            conditions::READY,
-            false,
-            reasons::WAITING_FOR_OWNER,
-            &message,
-            generation,
-        );
-        return Ok(Pass {
-            action: Action::await_change(),
-            gone: false,
-        });
+        Owner::Missing(message) => {
+            status.set_condition(
+                conditions::READY,
+                false,
+                reasons::WAITING_FOR_OWNER,
+                &message,
+                generation,
+            );
+            return Ok(Pass::wait());
+        }
+        Owner::Mismatch(message) => {
+            status.set_condition(
+                conditions::READY,
+                false,
+                reasons::OWNER_MISMATCH,
+                &message,
+                generation,
+            );
+            return Ok(Pass::wait());
+        }
     };
 
     let cluster = K::cluster_in_cache(ctx, obj, &owner);
@@ -219,10 +271,7 @@ async fn steps<K: InfraKind>(
             "reconciliation is paused",
             generation,
         );
-        return Ok(Pass {
-            action: Action::await_change(),
-            gone: false,
-        });
+        return Ok(Pass::wait());
     }
     status.set_condition(
         conditions::PAUSED,
@@ -235,8 +284,64 @@ async fn steps<K: InfraKind>(
     if deleting {
         reconcile_delete(obj, ctx, status).await
     } else {
-        reconcile_normal(obj, ctx, status, &owner).await
+        let check = OwnerCheck {
+            deleting_in_cache: owner.meta().deletion_timestamp.is_some(),
+            name: owner.meta().name.clone().unwrap_or_default(),
+            uid: owner_uid,
+        };
+        reconcile_normal(obj, ctx, status, &owner, &check).await
     }
+}
+
+/// Removes release records from an object that is not being deleted: we write them only during
+/// deletion, so these were written by someone else (and would suppress the release later).
+async fn strip_foreign_release_records<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    tracked: &mut Tracked,
+) -> Result<(), ReconcileError> {
+    let keys = [
+        names::DELETION_MAIL_INTENT_ANNOTATION,
+        names::DELETION_MAIL_SENT_ANNOTATION,
+    ];
+    let present: Vec<&str> = keys
+        .into_iter()
+        .filter(|k| tracked.annotations.contains_key(*k))
+        .collect();
+    if present.is_empty() {
+        return Ok(());
+    }
+    let mut annotations = serde_json::Map::new();
+    for k in &present {
+        annotations.insert((*k).to_owned(), serde_json::Value::Null);
+    }
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let written = api
+        .patch(
+            &obj.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": {
+                "resourceVersion": tracked.resource_version,
+                "annotations": annotations,
+            }})),
+        )
+        .await
+        .map_err(ReconcileError::from_write(
+            "removing release records of an object not being deleted",
+        ))?;
+    adopt(ctx, tracked, &written);
+    publish(
+        ctx,
+        obj,
+        EventType::Warning,
+        reasons::FOREIGN_RECORD,
+        format!(
+            "removed {} (written only while this provider deletes an object)",
+            present.join(", ")
+        ),
+    )
+    .await;
+    Ok(())
 }
 
 async fn reconcile_normal<K: InfraKind>(
@@ -244,6 +349,7 @@ async fn reconcile_normal<K: InfraKind>(
     ctx: &Ctx,
     status: &mut Status,
     owner: &K::Owner,
+    check: &OwnerCheck,
 ) -> Result<Pass, ReconcileError> {
     let generation = obj.meta().generation;
     let invalid = obj.validate();
@@ -272,69 +378,76 @@ async fn reconcile_normal<K: InfraKind>(
                 &wait.message,
                 generation,
             );
-            return Ok(Pass {
-                action: Action::await_change(),
-                gone: false,
-            });
+            return Ok(Pass::wait());
         }
     };
 
     let mut tracked = Tracked::of(obj);
-    match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text).await {
-        Ok((id, just_sent)) => {
+    strip_foreign_release_records(obj, ctx, &mut tracked).await?;
+    let found = read_records(&tracked.annotations, K::KIND, Which::Request);
+    for (key, why) in &found.ignored {
+        debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
+    }
+    match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text, Some(check)).await {
+        Ok(outcome) => {
             let previous = status.mail.take().unwrap_or_default();
+            let same = previous.message_id.as_deref() == Some(outcome.message_id.as_str());
             status.mail = Some(MailStatus {
-                message_id: Some(id.clone()),
+                message_id: Some(outcome.message_id.clone()),
                 state: Some(MailState::Sent),
-                sent_at: previous
-                    .sent_at
-                    .filter(|_| previous.message_id.as_deref() == Some(id.as_str()))
-                    .or_else(|| just_sent.then(|| Time(Timestamp::now()))),
+                sent_at: outcome
+                    .at
+                    .map(Time)
+                    .or_else(|| previous.sent_at.filter(|_| same)),
             });
             status.set_condition(
                 conditions::MAIL_SENT,
                 true,
                 reasons::MAIL_SENT,
-                format!("request mailed as {id}"),
+                format!("request mailed as {}", outcome.message_id),
                 generation,
             );
         }
-        Err(error) => {
-            let pending = tracked
-                .annotations
-                .contains_key(Which::Request.intent_key());
-            let state = if error.is_permanent() {
-                MailState::Failed
-            } else {
-                MailState::Pending
-            };
-            let mail = status.mail.get_or_insert_with(MailStatus::default);
-            mail.state = Some(state);
-            if pending {
-                mail.message_id = tracked
-                    .annotations
-                    .get(Which::Request.intent_key())
-                    .cloned();
-            }
-            let reason = if error.is_permanent() {
-                reasons::MAIL_FAILED
-            } else {
-                reasons::MAIL_PENDING
-            };
-            status.set_condition(
-                conditions::MAIL_SENT,
-                false,
-                reason,
-                error.to_string(),
-                generation,
+        Err(ReconcileError::Withheld(Withheld::OwnerDeleting)) => {
+            let message = format!(
+                "the owner {} is being deleted: no request is mailed",
+                K::OWNER_KIND
             );
             status.set_condition(
                 conditions::READY,
                 false,
-                reason,
-                error.to_string(),
+                reasons::OWNER_DELETING,
+                &message,
                 generation,
             );
+            return Ok(Pass::wait());
+        }
+        Err(ReconcileError::Withheld(Withheld::PermanentlyRefused)) => {
+            // Status already says MailFailed; nothing new until the object changes.
+            return Ok(Pass::wait());
+        }
+        Err(error @ (ReconcileError::Withheld(_) | ReconcileError::Gone)) => return Err(error),
+        Err(error) => {
+            let intent = read_records(&tracked.annotations, K::KIND, Which::Request).intent;
+            let (state, reason) = if error.is_permanent() {
+                (MailState::Failed, reasons::MAIL_FAILED)
+            } else {
+                (MailState::Pending, reasons::MAIL_PENDING)
+            };
+            let mail = status.mail.get_or_insert_with(MailStatus::default);
+            mail.state = Some(state);
+            if let Some(intent) = intent {
+                mail.message_id = Some(intent.message_id);
+            }
+            let message = if error.is_permanent() {
+                format!(
+                    "{error}; not retried until the object's spec changes or the provider restarts"
+                )
+            } else {
+                error.to_string()
+            };
+            status.set_condition(conditions::MAIL_SENT, false, reason, &message, generation);
+            status.set_condition(conditions::READY, false, reason, &message, generation);
             return Err(error);
         }
     }
@@ -387,10 +500,7 @@ async fn reconcile_normal<K: InfraKind>(
             );
         }
     }
-    Ok(Pass {
-        action: Action::await_change(),
-        gone: false,
-    })
+    Ok(Pass::wait())
 }
 
 async fn reconcile_delete<K: InfraKind>(
@@ -400,28 +510,43 @@ async fn reconcile_delete<K: InfraKind>(
 ) -> Result<Pass, ReconcileError> {
     let generation = obj.meta().generation;
     let mut tracked = Tracked::of(obj);
-    // A request that may have gone out (sent, or an intent whose outcome is unknown) is
-    // cancelled: a spurious "no longer needed" costs less than infrastructure nobody uses.
-    // A request whose last attempt was refused permanently never went out: nothing to cancel,
-    // and trying would fail the same way and keep the finalizer forever.
-    let refused = !tracked.annotations.contains_key(Which::Request.sent_key())
-        && status.mail.as_ref().and_then(|m| m.state) == Some(MailState::Failed);
-    let requested = tracked
-        .annotations
-        .contains_key(Which::Request.intent_key())
-        && !refused;
-    if requested {
+    // A request that went out, or may have (outcome unknown), is released. One that was never
+    // attempted, or whose every attempt was refused (recorded durably in the intent), is not:
+    // nothing reached the human.
+    let request = read_records(&tracked.annotations, K::KIND, Which::Request);
+    let release = release_needed(
+        request.sent.is_some(),
+        request.intent.as_ref().map(|i| i.state),
+    );
+    if release == Release::Needed {
         let text = obj.deletion_mail();
-        if let Err(error) = ensure_sent(obj, ctx, &mut tracked, Which::Deletion, &text).await {
+        if let Err(error) = ensure_sent(obj, ctx, &mut tracked, Which::Deletion, &text, None).await
+        {
+            let message = match &error {
+                ReconcileError::Withheld(Withheld::PermanentlyRefused) => {
+                    "the release mail was refused permanently; not retried until the object \
+                     changes or the provider restarts (remove the finalizer by hand to give up)"
+                        .to_owned()
+                }
+                other => other.to_string(),
+            };
             status.set_condition(
                 conditions::READY,
                 false,
                 reasons::DELETING,
-                error.to_string(),
+                message,
                 generation,
             );
-            return Err(error);
+            return match error {
+                ReconcileError::Withheld(Withheld::PermanentlyRefused) => Ok(Pass::wait()),
+                other => Err(other),
+            };
         }
+    } else if request
+        .intent
+        .is_some_and(|i| i.state == IntentState::Refused)
+    {
+        debug!(kind = K::KIND, name = %obj.name_any(), "the request was never accepted: no release mail");
     }
     let remaining: Vec<String> = tracked
         .finalizers
@@ -430,219 +555,24 @@ async fn reconcile_delete<K: InfraKind>(
         .cloned()
         .collect();
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    api.patch(
-        &obj.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(json!({
-            "metadata": { "resourceVersion": tracked.resource_version, "finalizers": remaining }
-        })),
-    )
-    .await
-    .map_err(ReconcileError::from_write("removing the finalizer"))?;
-    info!(kind = K::KIND, name = %obj.name_any(), "finalizer removed");
+    match api
+        .patch(
+            &obj.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({
+                "metadata": { "resourceVersion": tracked.resource_version, "finalizers": remaining }
+            })),
+        )
+        .await
+    {
+        Ok(_) => info!(kind = K::KIND, name = %obj.name_any(), "finalizer removed"),
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            debug!(kind = K::KIND, name = %obj.name_any(), "already gone");
+        }
+        Err(e) => return Err(ReconcileError::from_write("removing the finalizer")(e)),
+    }
     Ok(Pass {
         action: Action::await_change(),
         gone: true,
     })
-}
-
-/// Sends one of the object's mails at most once, crash-safely:
-/// 1. record the intent (deterministic Message-Id) in metadata, guarded by `resourceVersion`
-///    (also adds the finalizer);
-/// 2. send with that Message-Id;
-/// 3. record "sent" in metadata.
-///
-/// An intent without "sent" found later means an earlier attempt's outcome is unknown: the
-/// backend is asked first; one that cannot answer gets the mail again with the same Message-Id.
-/// Returns the backend's id and whether it was sent in this call.
-async fn ensure_sent<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    tracked: &mut Tracked,
-    which: Which,
-    text: &MailText,
-) -> Result<(String, bool), ReconcileError> {
-    if let Some(sent) = tracked.annotations.get(which.sent_key()) {
-        return Ok((sent.clone(), false));
-    }
-    let uid = obj.uid().unwrap_or_default();
-    let mail_key = format!("{uid}/{}", which.label());
-    let id = which.message_id(K::KIND, &uid, &ctx.config.message_id_domain);
-    let message_id = MessageId::parse(&id).map_err(ReconcileError::Message)?;
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let name = obj.name_any();
-
-    let mut resend = false;
-    if tracked.annotations.contains_key(which.intent_key()) {
-        match ctx.attempt(&mail_key) {
-            // Our own last attempt was refused outright: just try again.
-            Some(Attempt::NotSent) => {}
-            previous => match ctx
-                .mailer
-                .lookup(&message_id)
-                .await
-                .map_err(ReconcileError::Mail)?
-            {
-                Lookup::Accepted { event } => {
-                    info!(kind = K::KIND, %name, %id, %event, "the backend already accepted the pending mail");
-                    record_sent(obj, ctx, &api, tracked, which, &id).await?;
-                    return Ok((id, false));
-                }
-                Lookup::NotFound => {
-                    // Event stores lag: trust "not found" only after a grace period.
-                    let grace = ctx.config.lookup_grace;
-                    match previous {
-                        Some(Attempt::NotFoundAt(at)) if at.elapsed() >= grace => resend = true,
-                        Some(Attempt::NotFoundAt(at)) => {
-                            return Err(ReconcileError::AwaitingLookup(
-                                grace.saturating_sub(at.elapsed()),
-                            ));
-                        }
-                        _ => {
-                            ctx.set_attempt(&mail_key, Some(Attempt::NotFoundAt(Instant::now())));
-                            return Err(ReconcileError::AwaitingLookup(grace));
-                        }
-                    }
-                }
-                Lookup::Unsupported => resend = true,
-            },
-        }
-    } else {
-        let mut annotations = serde_json::Map::new();
-        annotations.insert(which.intent_key().into(), id.clone().into());
-        let mut metadata = json!({
-            "resourceVersion": tracked.resource_version,
-            "annotations": annotations,
-        });
-        if !tracked.finalizers.iter().any(|f| f == K::FINALIZER) {
-            let mut finalizers = tracked.finalizers.clone();
-            finalizers.push(K::FINALIZER.to_owned());
-            metadata["finalizers"] = json!(finalizers);
-        }
-        let written = api
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "metadata": metadata })),
-            )
-            .await
-            .map_err(ReconcileError::from_write("recording the mail intent"))?;
-        adopt(ctx, tracked, &written);
-    }
-
-    crate::failpoint::hit("after-intent");
-    let message = build_message(obj, ctx, text, &id, which)?;
-    if resend {
-        ctx.metrics
-            .resends
-            .with_label_values(&[K::CONTROLLER])
-            .inc();
-        warn!(kind = K::KIND, %name, %id, "sending again with the same Message-Id: the earlier outcome is unknown");
-    }
-    match ctx.mailer.send(&message).await {
-        Ok(receipt) => {
-            ctx.set_attempt(&mail_key, None);
-            crate::failpoint::hit("after-send");
-            record_sent(obj, ctx, &api, tracked, which, &receipt.message_id).await?;
-            let reason = match which {
-                Which::Request => reasons::MAIL_SENT,
-                Which::Deletion => "DeletionMailSent",
-            };
-            publish(
-                ctx,
-                obj,
-                EventType::Normal,
-                reason,
-                format!("mailed {} as {}", which.label(), receipt.message_id),
-            )
-            .await;
-            Ok((receipt.message_id, true))
-        }
-        Err(error) => {
-            let attempt = match error.kind() {
-                ErrorKind::UnknownOutcome => Attempt::Unknown,
-                ErrorKind::Permanent | ErrorKind::Retryable => Attempt::NotSent,
-            };
-            ctx.set_attempt(&mail_key, Some(attempt));
-            publish(
-                ctx,
-                obj,
-                EventType::Warning,
-                reasons::MAIL_FAILED,
-                format!("{} mail: {error}", which.label()),
-            )
-            .await;
-            Err(ReconcileError::Mail(error))
-        }
-    }
-}
-
-async fn record_sent<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    api: &Api<K>,
-    tracked: &mut Tracked,
-    which: Which,
-    id: &str,
-) -> Result<(), ReconcileError> {
-    // Adding one annotation clobbers nothing, so no resourceVersion precondition: a concurrent
-    // change (Cluster API adding a label, a human fulfilling) must not make us lose the record.
-    let written = api
-        .patch(
-            &obj.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "metadata": { "annotations": { which.sent_key(): id } } })),
-        )
-        .await
-        .map_err(ReconcileError::kube("recording the mail as sent"))?;
-    adopt(ctx, tracked, &written);
-    Ok(())
-}
-
-fn adopt<K: InfraKind>(ctx: &Ctx, tracked: &mut Tracked, written: &K) {
-    tracked.resource_version = written.resource_version();
-    tracked.annotations = written.annotations().clone();
-    tracked.finalizers = written.finalizers().to_vec();
-    ctx.expect_version(
-        &written.uid().unwrap_or_default(),
-        written.resource_version().as_deref(),
-    );
-}
-
-fn build_message<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    text: &MailText,
-    id: &str,
-    which: Which,
-) -> Result<Message, ReconcileError> {
-    let mut builder = Message::builder()
-        .from(obj.requester())
-        .subject(&text.subject)
-        .text(&text.body)
-        .message_id(id)
-        .tag(format!("{}-{}", K::CONTROLLER, which.label()))
-        .variable("namespace", obj.namespace().unwrap_or_default())
-        .variable("name", obj.name_any())
-        .variable("priority", obj.priority().as_str());
-    for to in &ctx.config.recipients {
-        builder = builder.to(to);
-    }
-    builder.build().map_err(ReconcileError::Message)
-}
-
-async fn publish<K: InfraKind>(
-    ctx: &Ctx,
-    obj: &K,
-    type_: EventType,
-    reason: &'static str,
-    note: String,
-) {
-    if let Err(e) = ctx
-        .events
-        .publish(&obj.object_ref(&()), type_, reason, note)
-        .await
-    {
-        warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "could not record an event");
-    }
 }

@@ -18,7 +18,7 @@ use kube::{
         watcher,
     },
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     Config, Error, Metrics, cache,
@@ -246,13 +246,25 @@ fn log_result<K: InfraKind>(
     match result {
         Ok(_) => {}
         Err(controller::Error::ReconcilerFailed(error, obj)) => {
-            warn!(controller, object = %obj, %error, "reconcile failed");
+            if error.is_wait() || error.is_not_found() {
+                debug!(controller, object = %obj, %error, "reconcile waits");
+            } else {
+                warn!(controller, object = %obj, %error, "reconcile failed");
+            }
+        }
+        // The object was deleted (or moved) between its event and its turn: normal.
+        Err(controller::Error::ObjectNotFound(obj)) => {
+            debug!(controller, object = %obj, "object gone before its reconcile");
         }
         Err(error) => warn!(controller, %error, "controller error"),
     }
 }
 
 fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>) -> Action {
+    if error.is_permanent() || matches!(error, ReconcileError::Gone) {
+        // Retrying cannot help: the next change to the object (or a restart) will.
+        return Action::await_change();
+    }
     let delay = ctx.retry_delay(&key(&*obj), error);
     ctx.metrics
         .queue_retries

@@ -1,0 +1,169 @@
+//! Whether this process may still act as the leader, judged by its own monotonic clock.
+//!
+//! Leader election is not a fencing mechanism: a leader frozen (SIGSTOP, a long GC-like stall, a
+//! VM pause) keeps believing it leads until its renew loop runs again, while another replica has
+//! already taken the Lease over. The writes guarded by `resourceVersion` fence the API server; a
+//! mail backend has no such fence. So, right before every send, the controllers ask
+//! [`Leadership::may_act`]: less than the renew deadline must have passed since the start of this
+//! process's last successful renewal. A standby takes the Lease over only after it has seen the
+//! Lease unchanged for the lease duration, which is longer than the renew deadline, so a send
+//! that passes this check started before any other replica could lead.
+//!
+//! # Caveats
+//! A process frozen *between* this check and the backend's acceptance of the mail (a window of
+//! one network write) still delivers on resume. The standby's side of the protocol (see
+//! [`Leadership::handover`]) waits for intents written by another holder to age past the lease
+//! duration plus the renew deadline before looking them up or resending, which covers a freeze
+//! before the check; the window after it cannot be closed from the client.
+
+use std::{
+    fmt,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+/// This process's standing as the one replica that may send mail. Cheap to clone.
+#[derive(Clone)]
+pub struct Leadership {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    identity: String,
+    /// `None` without leader election: the only replica always acts.
+    elected: Option<Elected>,
+}
+
+struct Elected {
+    lease_duration: Duration,
+    renew_deadline: Duration,
+    /// Start of the last successful acquire or renew round; `None` before the first.
+    renewed: Mutex<Option<Instant>>,
+}
+
+impl fmt::Debug for Leadership {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Leadership")
+            .field("identity", &self.inner.identity)
+            .field("elected", &self.inner.elected.is_some())
+            .field("may_act", &self.may_act())
+            .finish()
+    }
+}
+
+impl Default for Leadership {
+    fn default() -> Self {
+        Self::unelected("cluster-api-provider-mailgun")
+    }
+}
+
+impl Leadership {
+    /// No leader election: this process is the only replica and always acts.
+    pub fn unelected(identity: impl Into<String>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                identity: identity.into(),
+                elected: None,
+            }),
+        }
+    }
+
+    /// Leader election on a Lease with these timings. Acts only after [`Self::renewed`].
+    pub fn elected(
+        identity: impl Into<String>,
+        lease_duration: Duration,
+        renew_deadline: Duration,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                identity: identity.into(),
+                elected: Some(Elected {
+                    lease_duration,
+                    renew_deadline,
+                    renewed: Mutex::new(None),
+                }),
+            }),
+        }
+    }
+
+    /// The Lease holder identity this process writes (also recorded with each mail intent).
+    pub fn identity(&self) -> &str {
+        &self.inner.identity
+    }
+
+    /// Records a successful acquire or renew round that **started** at `started` (the start,
+    /// not the end: the API server may have applied the write any time in between).
+    pub fn renewed(&self, started: Instant) {
+        if let Some(elected) = &self.inner.elected {
+            let mut renewed = elected.renewed.lock().unwrap_or_else(|e| e.into_inner());
+            if renewed.is_none_or(|at| at < started) {
+                *renewed = Some(started);
+            }
+        }
+    }
+
+    /// Forgets every renewal: this process no longer leads.
+    pub fn lost(&self) {
+        if let Some(elected) = &self.inner.elected {
+            *elected.renewed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+    }
+
+    /// True when this process may send now: unelected, or less than the renew deadline has
+    /// passed (monotonic clock) since its last successful renewal started.
+    pub fn may_act(&self) -> bool {
+        self.may_act_at(Instant::now())
+    }
+
+    fn may_act_at(&self, now: Instant) -> bool {
+        match &self.inner.elected {
+            None => true,
+            Some(elected) => elected
+                .renewed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some_and(|at| now.saturating_duration_since(at) < elected.renew_deadline),
+        }
+    }
+
+    /// How long an intent written by another holder may still be acted on by that holder:
+    /// lease duration + renew deadline with leader election, zero without (there is no other
+    /// replica).
+    pub fn handover(&self) -> Duration {
+        self.inner
+            .elected
+            .as_ref()
+            .map_or(Duration::ZERO, |e| e.lease_duration + e.renew_deadline)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unelected_always_acts_and_has_no_handover() {
+        let l = Leadership::unelected("me");
+        assert!(l.may_act());
+        assert_eq!(l.handover(), Duration::ZERO);
+        assert_eq!(l.identity(), "me");
+    }
+
+    #[test]
+    fn elected_acts_only_within_the_renew_deadline_of_the_last_renewal() {
+        let l = Leadership::elected("me", Duration::from_secs(15), Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert!(!l.may_act_at(t0), "never renewed");
+        l.renewed(t0);
+        assert!(l.may_act_at(t0 + Duration::from_secs(9)));
+        assert!(!l.may_act_at(t0 + Duration::from_secs(10)));
+        // An older round finishing late does not move the renewal back.
+        l.renewed(t0 + Duration::from_secs(5));
+        l.renewed(t0 + Duration::from_secs(1));
+        assert!(l.may_act_at(t0 + Duration::from_secs(14)));
+        assert!(!l.may_act_at(t0 + Duration::from_secs(15)));
+        l.lost();
+        assert!(!l.may_act_at(t0 + Duration::from_secs(6)));
+        assert_eq!(l.handover(), Duration::from_secs(25));
+    }
+}

@@ -1,0 +1,549 @@
+//! Performs the steps [`super::decide`] chooses: the writes, the lookup and the send.
+
+use std::time::Duration;
+
+use capm_api::names::reasons;
+use capm_mailer::{ErrorKind, Message, MessageId};
+use k8s_openapi::jiff::Timestamp;
+use kube::{
+    Api, ResourceExt,
+    api::{Patch, PatchParams},
+};
+use serde_json::json;
+use tracing::{debug, info, warn};
+
+use super::{
+    Which,
+    decide::{Facts, IntentFacts, Step, Withheld, decide, foreign_wait},
+    records::{self, Intent, IntentState, RecordError, Sent},
+};
+use crate::{
+    context::{Ctx, ReconcileError},
+    events::EventType,
+    kinds::{InfraKind, MailText},
+};
+
+/// The object's metadata as this pass last wrote or read it.
+pub(crate) struct Tracked {
+    pub(crate) resource_version: Option<String>,
+    pub(crate) annotations: std::collections::BTreeMap<String, String>,
+    pub(crate) finalizers: Vec<String>,
+}
+
+impl Tracked {
+    pub(crate) fn of(obj: &impl ResourceExt) -> Self {
+        Self {
+            resource_version: obj.resource_version(),
+            annotations: obj.annotations().clone(),
+            finalizers: obj.finalizers().to_vec(),
+        }
+    }
+
+    pub(crate) fn has_finalizer(&self, finalizer: &str) -> bool {
+        self.finalizers.iter().any(|f| f == finalizer)
+    }
+}
+
+/// One mail's durable records as found, each either believed or ignored with the reason.
+pub(crate) struct Records {
+    pub(crate) intent: Option<Intent>,
+    pub(crate) sent: Option<Sent>,
+    /// Annotations present but not believed: key and reason.
+    pub(crate) ignored: Vec<(&'static str, RecordError)>,
+}
+
+/// Reads one mail's records from `annotations`.
+pub(crate) fn read_records(
+    annotations: &std::collections::BTreeMap<String, String>,
+    kind: &str,
+    which: Which,
+) -> Records {
+    let mut ignored = Vec::new();
+    let intent = annotations.get(which.intent_key()).and_then(|v| {
+        match records::parse_intent(v, kind, which) {
+            Ok(i) => Some(i),
+            Err(e) => {
+                ignored.push((which.intent_key(), e));
+                None
+            }
+        }
+    });
+    let sent = annotations.get(which.sent_key()).and_then(|v| {
+        match records::parse_sent(v, intent.as_ref()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                ignored.push((which.sent_key(), e));
+                None
+            }
+        }
+    });
+    Records {
+        intent,
+        sent,
+        ignored,
+    }
+}
+
+/// What [`ensure_sent`] established.
+#[derive(Debug, Clone)]
+pub(crate) struct Outcome {
+    /// Our Message-Id.
+    pub(crate) message_id: String,
+    /// When the backend accepted it, when known.
+    pub(crate) at: Option<Timestamp>,
+}
+
+/// Whether the owner allows a new request: checked in the cache by the caller and once more
+/// against the API server right before the intent is written.
+pub(crate) struct OwnerCheck {
+    /// The cached owner is being deleted.
+    pub(crate) deleting_in_cache: bool,
+    /// The owner's name and UID from our ownerReference, for the live check.
+    pub(crate) name: String,
+    pub(crate) uid: String,
+}
+
+fn age(now: Timestamp, at: Timestamp) -> Duration {
+    let ms = now.as_millisecond().saturating_sub(at.as_millisecond());
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// Sends one of the object's mails at most once, crash-safely (see the module docs of
+/// [`super`]). Returns what is known of the accepted mail; an `Err` leaves the records in a state
+/// the next call continues from.
+pub(crate) async fn ensure_sent<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    tracked: &mut Tracked,
+    which: Which,
+    text: &MailText,
+    owner: Option<&OwnerCheck>,
+) -> Result<Outcome, ReconcileError> {
+    let uid = obj.uid().unwrap_or_default();
+    let mail_key = format!("{uid}/{}", which.label());
+    let object_key = crate::reconcile::key(obj);
+    let generation = obj.meta().generation.unwrap_or_default();
+    let leadership = &ctx.config.leadership;
+    let mut lookup = None;
+    // Each step either returns or changes the facts; a few rounds always suffice.
+    for _ in 0..6 {
+        let found = read_records(&tracked.annotations, K::KIND, which);
+        let now = Timestamp::now();
+        let intent_facts = found.intent.as_ref().map(|i| IntentFacts {
+            state: i.state,
+            foreign_wait: foreign_wait(
+                i.writer.as_deref(),
+                leadership.identity(),
+                i.at.map(|at| age(now, at)),
+                ctx.first_seen_ago(&mail_key),
+                leadership.handover(),
+            ),
+        });
+        let facts = Facts {
+            sent: found.sent.is_some(),
+            intent: intent_facts,
+            leading: leadership.may_act(),
+            owner_deleting: owner.is_some_and(|o| o.deleting_in_cache),
+            has_finalizer: tracked.has_finalizer(K::FINALIZER),
+            permanently_refused: ctx.permanently_refused(&mail_key, generation),
+            backoff_left: ctx.backoff_left(&object_key),
+            lookup: lookup.clone(),
+            not_found_for: ctx.not_found_for(&mail_key),
+            lookup_grace: ctx.config.lookup_grace,
+        };
+        let id = found
+            .intent
+            .as_ref()
+            .map(|i| i.message_id.clone())
+            .unwrap_or_else(|| which.message_id(K::KIND, &uid, &ctx.config.message_id_domain));
+        let step = decide(&facts);
+        debug!(kind = K::KIND, name = %obj.name_any(), mail = which.label(), ?step, "send-once step");
+        match step {
+            Step::Done => {
+                let sent = found.sent.unwrap_or_else(|| Sent {
+                    message_id: None,
+                    backend_id: id.clone(),
+                    at: None,
+                });
+                return Ok(Outcome {
+                    message_id: sent.message_id.unwrap_or(id),
+                    at: sent.at,
+                });
+            }
+            Step::Withhold(why) => return Err(withheld::<K>(ctx, why)),
+            Step::WriteIntent => {
+                if let Some(owner) = owner
+                    && !owner_alive::<K>(ctx, obj, owner).await?
+                {
+                    return Err(withheld::<K>(ctx, Withheld::OwnerDeleting));
+                }
+                write_intent(obj, ctx, tracked, which, &id, None).await?;
+                crate::failpoint::hit("after-intent");
+                return send(obj, ctx, tracked, which, text, &id, true).await;
+            }
+            Step::EnsureFinalizer => {
+                let mut finalizers = tracked.finalizers.clone();
+                finalizers.push(K::FINALIZER.to_owned());
+                patch_metadata(
+                    obj,
+                    ctx,
+                    tracked,
+                    json!({ "resourceVersion": tracked.resource_version, "finalizers": finalizers }),
+                    "adding the finalizer under an existing intent",
+                )
+                .await?;
+            }
+            Step::Rearm => {
+                write_intent(obj, ctx, tracked, which, &id, Some(generation)).await?;
+                return send(obj, ctx, tracked, which, text, &id, true).await;
+            }
+            Step::AwaitHandover(wait) => {
+                ctx.metrics
+                    .withheld
+                    .with_label_values(&[K::CONTROLLER, "handover"])
+                    .inc();
+                return Err(ReconcileError::AwaitingHandover(wait));
+            }
+            Step::Lookup => {
+                let message_id = MessageId::parse(&id).map_err(ReconcileError::Message)?;
+                lookup = Some(
+                    ctx.mailer
+                        .lookup(&message_id)
+                        .await
+                        .map_err(ReconcileError::Mail)?,
+                );
+            }
+            Step::RecordFound => {
+                info!(kind = K::KIND, name = %obj.name_any(), %id, "the backend already accepted the pending mail");
+                ctx.clear_mail(&mail_key);
+                let sent = Sent {
+                    message_id: Some(id.clone()),
+                    backend_id: id.clone(),
+                    at: None,
+                };
+                record_sent(obj, ctx, tracked, which, &sent).await?;
+                return Ok(Outcome {
+                    message_id: id,
+                    at: None,
+                });
+            }
+            Step::StartLookupGrace(wait) => {
+                ctx.start_not_found(&mail_key);
+                return Err(ReconcileError::AwaitingLookup(wait));
+            }
+            Step::AwaitLookupGrace(wait) => return Err(ReconcileError::AwaitingLookup(wait)),
+            Step::Resend => {
+                ctx.metrics
+                    .resends
+                    .with_label_values(&[K::CONTROLLER])
+                    .inc();
+                warn!(kind = K::KIND, name = %obj.name_any(), %id, "sending again with the same Message-Id: the earlier outcome is unknown");
+                return send(obj, ctx, tracked, which, text, &id, false).await;
+            }
+        }
+    }
+    Err(ReconcileError::Conflict("deciding the next send-once step"))
+}
+
+fn withheld<K: InfraKind>(ctx: &Ctx, why: Withheld) -> ReconcileError {
+    let label = match why {
+        Withheld::NotLeading => "not_leading",
+        Withheld::OwnerDeleting => "owner_deleting",
+        Withheld::PermanentlyRefused => "permanently_refused",
+        Withheld::Backoff(_) => "backoff",
+    };
+    ctx.metrics
+        .withheld
+        .with_label_values(&[K::CONTROLLER, label])
+        .inc();
+    ReconcileError::Withheld(why)
+}
+
+/// Asks the API server (not the cache) whether the owner still exists, is the one our
+/// ownerReference names, and is not being deleted.
+async fn owner_alive<K: InfraKind>(
+    ctx: &Ctx,
+    obj: &K,
+    owner: &OwnerCheck,
+) -> Result<bool, ReconcileError> {
+    let api: Api<K::Owner> =
+        Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let live = api
+        .get_metadata_opt(&owner.name)
+        .await
+        .map_err(ReconcileError::kube("reading the owner before the request"))?;
+    Ok(live.is_some_and(|o| {
+        o.metadata.uid.as_deref() == Some(owner.uid.as_str())
+            && o.metadata.deletion_timestamp.is_none()
+    }))
+}
+
+/// Writes a fresh intent (`sending`, this process, now) with our finalizer, and clears a sent
+/// record that does not belong to it, in one write guarded by `resourceVersion`: the fence
+/// between two processes that both believe they lead. `rearm` carries the generation when an
+/// earlier, refused intent is re-armed (for the log only).
+async fn write_intent<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    tracked: &mut Tracked,
+    which: Which,
+    id: &str,
+    rearm: Option<i64>,
+) -> Result<(), ReconcileError> {
+    let intent = Intent {
+        message_id: id.to_owned(),
+        writer: Some(ctx.config.leadership.identity().to_owned()),
+        at: Some(Timestamp::now()),
+        state: IntentState::Sending,
+    };
+    let mut metadata = json!({
+        "resourceVersion": tracked.resource_version,
+        "annotations": {
+            which.intent_key(): records::to_value(&intent),
+            which.sent_key(): null,
+        },
+    });
+    if !tracked.has_finalizer(K::FINALIZER) {
+        let mut finalizers = tracked.finalizers.clone();
+        finalizers.push(K::FINALIZER.to_owned());
+        metadata["finalizers"] = json!(finalizers);
+    }
+    if let Some(generation) = rearm {
+        debug!(kind = K::KIND, name = %obj.name_any(), generation, "re-arming a refused intent");
+    }
+    patch_metadata(obj, ctx, tracked, metadata, "recording the mail intent").await
+}
+
+async fn patch_metadata<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    tracked: &mut Tracked,
+    metadata: serde_json::Value,
+    what: &'static str,
+) -> Result<(), ReconcileError> {
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let written = api
+        .patch(
+            &obj.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": metadata })),
+        )
+        .await
+        .map_err(ReconcileError::from_write(what))?;
+    adopt(ctx, tracked, &written);
+    Ok(())
+}
+
+/// Sends, right after checking that this process still leads. `fresh`: this attempt follows
+/// an intent this pass wrote or re-armed, so a refusal proves nothing was ever accepted.
+#[allow(clippy::too_many_arguments)]
+async fn send<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    tracked: &mut Tracked,
+    which: Which,
+    text: &MailText,
+    id: &str,
+    fresh: bool,
+) -> Result<Outcome, ReconcileError> {
+    let uid = obj.uid().unwrap_or_default();
+    let mail_key = format!("{uid}/{}", which.label());
+    let message = build_message(obj, ctx, text, id, which)?;
+    if !ctx.config.leadership.may_act() {
+        return Err(withheld::<K>(ctx, Withheld::NotLeading));
+    }
+    match ctx.mailer.send(&message).await {
+        Ok(receipt) => {
+            ctx.clear_mail(&mail_key);
+            crate::failpoint::hit("after-send");
+            let sent = Sent {
+                message_id: Some(id.to_owned()),
+                backend_id: receipt.message_id.clone(),
+                at: Some(Timestamp::now()),
+            };
+            match record_sent(obj, ctx, tracked, which, &sent).await {
+                Ok(()) => {}
+                Err(ReconcileError::Kube {
+                    source: kube::Error::Api(s),
+                    ..
+                }) if s.code == 404 => {
+                    return Err(vanished_after_send(obj, ctx, which).await);
+                }
+                Err(e) => return Err(e),
+            }
+            let reason = match which {
+                Which::Request => reasons::MAIL_SENT,
+                Which::Deletion => reasons::DELETION_MAIL_SENT,
+            };
+            publish(
+                ctx,
+                obj,
+                EventType::Normal,
+                reason,
+                format!("mailed {} as {}", which.label(), receipt.message_id),
+            )
+            .await;
+            Ok(Outcome {
+                message_id: id.to_owned(),
+                at: sent.at,
+            })
+        }
+        Err(error) => {
+            match error.kind() {
+                ErrorKind::UnknownOutcome => {}
+                ErrorKind::Permanent | ErrorKind::Retryable => {
+                    if fresh {
+                        mark_refused(obj, ctx, tracked, which).await;
+                    }
+                    if error.kind() == ErrorKind::Permanent {
+                        ctx.mark_permanently_refused(
+                            &mail_key,
+                            obj.meta().generation.unwrap_or_default(),
+                        );
+                    }
+                }
+            }
+            publish(
+                ctx,
+                obj,
+                EventType::Warning,
+                reasons::MAIL_FAILED,
+                format!("{} mail: {error}", which.label()),
+            )
+            .await;
+            Err(ReconcileError::Mail(error))
+        }
+    }
+}
+
+/// Records in the intent that the attempt just made was refused before anything was accepted,
+/// so deletion knows no release is owed. Best effort: when it cannot be written the intent
+/// stays `sending` ("may have gone out"), which errs on the side of a release.
+async fn mark_refused<K: InfraKind>(obj: &K, ctx: &Ctx, tracked: &mut Tracked, which: Which) {
+    let Some(mut intent) = read_records(&tracked.annotations, K::KIND, which).intent else {
+        return;
+    };
+    intent.state = IntentState::Refused;
+    let value = records::to_value(&intent);
+    let metadata = json!({
+        "resourceVersion": tracked.resource_version,
+        "annotations": { which.intent_key(): value },
+    });
+    if let Err(error) = patch_metadata(obj, ctx, tracked, metadata, "recording the refusal").await {
+        debug!(kind = K::KIND, name = %obj.name_any(), %error, "could not record the refusal; the intent stays 'sending'");
+    }
+}
+
+/// The request went out but the object is gone: Cluster API deleted it while (or just after)
+/// the intent and finalizer were written, and the API server's delete decision predated our
+/// finalizer. Nobody will ever reconcile it again, so the release goes out now (the request was
+/// for infrastructure nobody will use). Nothing can be recorded: counted in
+/// `capm_mail_orphan_releases_total`.
+async fn vanished_after_send<K: InfraKind>(obj: &K, ctx: &Ctx, which: Which) -> ReconcileError {
+    if which == Which::Request {
+        let uid = obj.uid().unwrap_or_default();
+        let id = Which::Deletion.message_id(K::KIND, &uid, &ctx.config.message_id_domain);
+        let text = obj.deletion_mail();
+        info!(kind = K::KIND, name = %obj.name_any(), "the object vanished right after its request went out; sending its release");
+        let mut delay = Duration::from_millis(500);
+        for attempt in 1..=4 {
+            if !ctx.config.leadership.may_act() {
+                break;
+            }
+            let result = match build_message(obj, ctx, &text, &id, Which::Deletion) {
+                Ok(message) => ctx.mailer.send(&message).await,
+                Err(_) => break,
+            };
+            match result {
+                Ok(_) => {
+                    ctx.metrics
+                        .orphan_releases
+                        .with_label_values(&[K::CONTROLLER])
+                        .inc();
+                    break;
+                }
+                Err(e) if e.kind() == ErrorKind::Retryable && attempt < 4 => {
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                Err(e) => {
+                    warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "the release of a vanished object could not be sent");
+                    break;
+                }
+            }
+        }
+    }
+    ReconcileError::Gone
+}
+
+async fn record_sent<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    tracked: &mut Tracked,
+    which: Which,
+    sent: &Sent,
+) -> Result<(), ReconcileError> {
+    // Adding one annotation clobbers nothing, so no resourceVersion precondition: a concurrent
+    // change (Cluster API adding a label, a human fulfilling) must not make us lose the record.
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    let written = api
+        .patch(
+            &obj.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({
+                "metadata": { "annotations": { which.sent_key(): records::to_value(sent) } }
+            })),
+        )
+        .await
+        .map_err(ReconcileError::kube("recording the mail as sent"))?;
+    adopt(ctx, tracked, &written);
+    Ok(())
+}
+
+pub(crate) fn adopt<K: InfraKind>(ctx: &Ctx, tracked: &mut Tracked, written: &K) {
+    tracked.resource_version = written.resource_version();
+    tracked.annotations = written.annotations().clone();
+    tracked.finalizers = written.finalizers().to_vec();
+    ctx.expect_version(
+        &written.uid().unwrap_or_default(),
+        written.resource_version().as_deref(),
+    );
+}
+
+fn build_message<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    text: &MailText,
+    id: &str,
+    which: Which,
+) -> Result<Message, ReconcileError> {
+    let mut builder = Message::builder()
+        .from(obj.requester())
+        .subject(&text.subject)
+        .text(&text.body)
+        .message_id(id)
+        .tag(format!("{}-{}", K::CONTROLLER, which.label()))
+        .variable("namespace", obj.namespace().unwrap_or_default())
+        .variable("name", obj.name_any())
+        .variable("priority", obj.priority().as_str());
+    for to in &ctx.config.recipients {
+        builder = builder.to(to);
+    }
+    builder.build().map_err(ReconcileError::Message)
+}
+
+pub(crate) async fn publish<K: InfraKind>(
+    ctx: &Ctx,
+    obj: &K,
+    type_: EventType,
+    reason: &'static str,
+    note: String,
+) {
+    if let Err(e) = ctx
+        .events
+        .publish(&obj.object_ref(&()), type_, reason, note)
+        .await
+    {
+        warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "could not record an event");
+    }
+}
