@@ -200,7 +200,8 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
             // With cert-manager the CRDs and the admission webhook get their CA injected
             // instead of a caBundle.
             for crd in ours.iter().filter(|o| {
-                o["kind"] == "CustomResourceDefinition" || o["kind"] == "ValidatingWebhookConfiguration"
+                o["kind"] == "CustomResourceDefinition"
+                    || o["kind"] == "ValidatingWebhookConfiguration"
             }) {
                 ensure!(
                     crd["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
