@@ -103,9 +103,11 @@ pub mod reasons {
     /// The backend accepted the mail.
     pub const MAIL_SENT: &str = "MailSent";
     /// The backend rejected the mail permanently (a 5xx SMTP reply, Mailgun 400/401/403). It is
-    /// not retried automatically: a change to the object's spec, or a restart of the provider
-    /// (for example after fixing its credentials), retries it once. On deletion, a release mail
-    /// refused permanently keeps the finalizer until then (remove it by hand to give up).
+    /// not retried automatically, neither on a timer nor on unrelated changes: restarting the
+    /// provider (for example after fixing its credentials or the relay's policy) retries it
+    /// once; a refusal of the object's own data (its requester address) needs a new object. On
+    /// deletion, a release mail refused permanently keeps the finalizer until then (remove it by
+    /// hand to give up).
     pub const MAIL_FAILED: &str = "MailFailed";
     /// The "no longer needed" mail was accepted by the backend (an event reason).
     pub const DELETION_MAIL_SENT: &str = "DeletionMailSent";

@@ -126,8 +126,8 @@ pub struct Initialization {
 }
 
 /// state of the request mail: `Pending` (intent recorded, outcome not known yet), `Sent`
-/// (accepted by the backend) or `Failed` (rejected permanently; retried only when the spec
-/// changes or the provider restarts).
+/// (accepted by the backend) or `Failed` (rejected permanently; retried only when the provider
+/// restarts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum MailState {
     /// The intent to send was recorded; whether the backend accepted the mail is not known yet.
@@ -135,8 +135,8 @@ pub enum MailState {
     /// The backend accepted the mail.
     Sent,
     /// The backend rejected the mail permanently; see the `MailSent` condition's message. Not
-    /// retried automatically: a change to the spec, or a restart of the provider (for example
-    /// after fixing its credentials), retries it once.
+    /// retried automatically: restarting the provider (for example after fixing its
+    /// credentials) retries it once.
     Failed,
 }
 

@@ -10,6 +10,7 @@ use std::{
 };
 
 use capm_api::{names, v1beta1::MailgunCluster};
+use capm_controllers::sendonce::{Which, records};
 use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer};
 use capm_test_support::{TestNamespace, process::free_port};
 use kube::{
@@ -180,6 +181,15 @@ async fn create_pair(ns: &TestNamespace, name: &str) -> MailgunCluster {
         .unwrap()
 }
 
+fn intent_of(obj: &MailgunCluster) -> records::Intent {
+    records::parse_intent(
+        &obj.annotations()[names::MAIL_INTENT_ANNOTATION],
+        "MailgunCluster",
+        Which::Request,
+    )
+    .unwrap()
+}
+
 async fn wait_recorded(ns: &TestNamespace, name: &str) -> MailgunCluster {
     let api = ns.api::<MailgunCluster>();
     for _ in 0..600 {
@@ -202,10 +212,7 @@ async fn crash_after_intent_then_restart_sends_exactly_one() {
     crashing.wait_for_crash();
     let obj = ns.api::<MailgunCluster>().get("one").await.unwrap();
     let id = names::message_id("MailgunCluster", &created.uid().unwrap(), DOMAIN);
-    assert_eq!(
-        obj.annotations().get(names::MAIL_INTENT_ANNOTATION),
-        Some(&id)
-    );
+    assert_eq!(intent_of(&obj).message_id, id);
     assert!(!obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION));
     assert!(mailgun.messages().unwrap().is_empty());
 
@@ -240,10 +247,12 @@ async fn crash_after_send_mailgun_lookup_finds_it() {
         1,
         "the lookup found it: no second mail"
     );
-    assert_eq!(
-        obj.annotations().get(names::MAIL_SENT_ANNOTATION),
-        Some(&mailgun.messages().unwrap()[0].id)
-    );
+    let sent = records::parse_sent(
+        &obj.annotations()[names::MAIL_SENT_ANNOTATION],
+        Some(&intent_of(&obj)),
+    )
+    .unwrap();
+    assert_eq!(sent.backend_id, mailgun.messages().unwrap()[0].id);
     assert_eq!(provider.metric("capm_mail_resends_total"), 0.0);
     assert!(provider.metric("mailer_lookups_total") >= 1.0);
 }
@@ -304,4 +313,122 @@ async fn two_replicas_only_the_leader_sends() {
     assert_eq!(leader.metric("mailer_messages_total"), 5.0);
     assert_eq!(standby.metric("controller_runtime_reconcile_total"), 0.0);
     assert_eq!(standby.metric("mailer_messages_total"), 0.0);
+}
+
+/// `/proc/<pid>/stat` says the process is stopped (SIGSTOP).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
+fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
+fn delivered(backend: &Backend<'_>) -> Vec<String> {
+    match backend {
+        Backend::Mailgun(server) => server
+            .messages()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.id)
+            .collect(),
+        Backend::Smtp(server) => server
+            .messages()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                m.header("Message-ID")
+                    .or(m.header("Message-Id"))
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect(),
+    }
+}
+
+/// Issue 13, defect 1 (path a): the leader records its intent and is frozen before it sends;
+/// the standby takes the Lease over and sends; then the old leader resumes. It must not send:
+/// it has not renewed its Lease within the renew deadline. Before the fix it sent on resume
+/// (and, with SMTP, the new leader resent at once, not waiting for the hand-over window).
+async fn frozen_leader_does_not_send_after_losing_its_lease(backend: Backend<'_>, prefix: &str) {
+    let ns = namespace(prefix).await;
+    let mut old = Provider::start(&ns, &backend, Some("after-intent:stop"), true);
+    assert_eq!(
+        old.wait_metric_at_least("leader_election_master_status", 1.0)
+            .await,
+        1.0,
+        "the first replica leads"
+    );
+    let new = Provider::start(&ns, &backend, None, true);
+    let created = create_pair(&ns, "frozen").await;
+    let pid = old.child.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !is_stopped(pid) {
+        assert!(Instant::now() < deadline, "the leader never froze");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let obj = ns.api::<MailgunCluster>().get("frozen").await.unwrap();
+    let intent = intent_of(&obj);
+    assert!(
+        intent.writer.is_some() && intent.at.is_some(),
+        "the intent names its writer and time: {intent:?}"
+    );
+    // The standby takes over once the Lease has gone unrenewed for its duration (15 s)...
+    assert_eq!(
+        new.wait_metric_at_least("leader_election_master_status", 1.0)
+            .await,
+        1.0,
+        "the standby takes the Lease over"
+    );
+    // ...and, once the old holder's attempt cannot be in flight any more, sends the mail.
+    wait_recorded(&ns, "frozen").await;
+    let id = names::message_id("MailgunCluster", &created.uid().unwrap(), DOMAIN);
+    assert_eq!(delivered(&backend), vec![id.clone()]);
+    // Now the old leader resumes right before its send.
+    signal(pid, "-CONT");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = old.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the old leader did not give up within 30 s of resuming"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        !status.success(),
+        "losing the Lease is a failure exit: {status}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        delivered(&backend),
+        vec![id],
+        "exactly one mail: the resumed old leader did not send"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_leader_does_not_send_after_losing_its_lease_mailgun() {
+    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(Backend::Mailgun(&mailgun), "eo-frozen-mg")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_leader_does_not_send_after_losing_its_lease_smtp() {
+    let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(Backend::Smtp(&smtp), "eo-frozen-smtp")
+        .await;
 }

@@ -59,8 +59,8 @@ pub enum ReconcileError {
 }
 
 impl ReconcileError {
-    /// Permanent errors do not go away by retrying: they are not retried until the object
-    /// changes (or the provider restarts).
+    /// Permanent errors do not go away by retrying: they are not retried on a timer (the next
+    /// change of the object reconciles it again; a refused mail waits for a provider restart).
     pub fn is_permanent(&self) -> bool {
         match self {
             Self::Mail(e) => e.kind() == ErrorKind::Permanent,

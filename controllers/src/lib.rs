@@ -18,7 +18,7 @@ mod leadership;
 mod metrics;
 mod reconcile;
 mod runner;
-mod sendonce;
+pub mod sendonce;
 mod status;
 
 pub use leadership::Leadership;

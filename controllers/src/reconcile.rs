@@ -440,9 +440,7 @@ async fn reconcile_normal<K: InfraKind>(
                 mail.message_id = Some(intent.message_id);
             }
             let message = if error.is_permanent() {
-                format!(
-                    "{error}; not retried until the object's spec changes or the provider restarts"
-                )
+                format!("{error}; not retried automatically (restart the provider to retry)")
             } else {
                 error.to_string()
             };
@@ -524,8 +522,8 @@ async fn reconcile_delete<K: InfraKind>(
         {
             let message = match &error {
                 ReconcileError::Withheld(Withheld::PermanentlyRefused) => {
-                    "the release mail was refused permanently; not retried until the object \
-                     changes or the provider restarts (remove the finalizer by hand to give up)"
+                    "the release mail was refused permanently; not retried automatically \
+                     (restart the provider to retry, or remove the finalizer by hand to give up)"
                         .to_owned()
                 }
                 other => other.to_string(),

@@ -4,6 +4,7 @@
 mod support;
 
 use capm_api::names;
+use capm_controllers::sendonce::{Which, records};
 use kube::{
     ResourceExt,
     api::{DeleteParams, Patch, PatchParams},
@@ -67,10 +68,21 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
     );
 
     let obj = env.clusters().get("alpha").await.unwrap();
-    assert_eq!(
-        obj.annotations().get(names::MAIL_SENT_ANNOTATION),
-        Some(&mail.id)
-    );
+    let intent = records::parse_intent(
+        &obj.annotations()[names::MAIL_INTENT_ANNOTATION],
+        "MailgunCluster",
+        Which::Request,
+    )
+    .unwrap();
+    assert_eq!(intent.message_id, mail.id);
+    assert_eq!(intent.writer.as_deref(), Some("test"));
+    let sent = records::parse_sent(
+        &obj.annotations()[names::MAIL_SENT_ANNOTATION],
+        Some(&intent),
+    )
+    .unwrap();
+    assert_eq!(sent.backend_id, mail.id);
+    assert!(sent.at.is_some());
     assert!(
         obj.finalizers()
             .contains(&names::CLUSTER_FINALIZER.to_string())
@@ -189,6 +201,17 @@ async fn restart_and_wiped_status_send_no_second_mail() {
         sent_status(&env, "gamma").await
     })
     .await;
+    let sent_at = env
+        .clusters()
+        .get("gamma")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .mail
+        .unwrap()
+        .sent_at;
+    assert!(sent_at.is_some());
     env.stop().await;
 
     // Wipe the status, as `clusterctl move` does, and start a new controller process.
@@ -216,6 +239,17 @@ async fn restart_and_wiped_status_send_no_second_mail() {
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert_eq!(env.mails().len(), 1);
     assert_eq!(env.metric("capm_mail_resends_total", None), 0.0);
+    // Issue 13: the time it was sent is part of the durable record, not lost with status.
+    let rebuilt = env
+        .clusters()
+        .get("gamma")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .mail
+        .unwrap();
+    assert_eq!(rebuilt.sent_at, sent_at);
     env.stop().await;
 }
 
@@ -313,7 +347,7 @@ async fn refuse_and_wait_for_mail_failed(env: &mut Env, name: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn permanent_failure_is_reported_and_retried_slowly() {
+async fn permanent_failure_is_reported_and_not_retried_until_a_restart() {
     let mut env = Env::new("mgc-401").await;
     refuse_and_wait_for_mail_failed(&mut env, "zeta").await;
     let status = env.clusters().get("zeta").await.unwrap().status.unwrap();
@@ -321,18 +355,38 @@ async fn permanent_failure_is_reported_and_retried_slowly() {
         status.mail.unwrap().state,
         Some(capm_api::v1beta1::MailState::Failed)
     );
+    let failed = condition(&status.conditions, "MailSent")
+        .unwrap()
+        .message
+        .clone();
+    assert!(failed.contains("not retried automatically"), "{failed}");
     // No secret in what users see.
     let text = serde_json::to_string(&status.conditions).unwrap();
     assert!(!text.contains(support::API_KEY), "{text}");
-    // Slow retries: backoff_max is 2 s here, so a few seconds see only a handful of attempts.
-    let before = env.metric("controller_runtime_reconcile_errors_total", None);
-    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
-    let retries = env.metric("controller_runtime_reconcile_errors_total", None) - before;
-    assert!(
-        retries <= 4.0,
-        "{retries} failed reconciles in 4 s: a hot loop"
-    );
+    // Not retried automatically: the backend accepts again, yet nothing is sent, even when
+    // unrelated changes trigger reconciles (before the fix: retried at once, then on a timer).
+    let errors = env.metric("controller_runtime_reconcile_errors_total", None);
     env.mailgun.clear_failure().unwrap();
+    for i in 0..3 {
+        env.clusters()
+            .patch(
+                "zeta",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": { "labels": { "poke": i.to_string() } } })),
+            )
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+    assert!(env.mails().is_empty(), "a permanent refusal was retried");
+    assert_eq!(
+        env.metric("controller_runtime_reconcile_errors_total", None),
+        errors,
+        "no further send attempt"
+    );
+    // A restart of the provider (after fixing its credentials) retries, once.
+    env.stop().await;
+    env.start().await;
     eventually("the request mail", || async {
         sent_status(&env, "zeta").await
     })

@@ -30,7 +30,7 @@
 
 pub(crate) mod decide;
 pub(crate) mod execute;
-pub(crate) mod records;
+pub mod records;
 
 use capm_api::names;
 

@@ -60,6 +60,7 @@ impl Env {
             backoff_max: Duration::from_secs(2),
             lookup_grace: Duration::from_secs(1),
             instance: "test".into(),
+            leadership: capm_controllers::Leadership::unelected("test"),
             ..Config::default()
         }
     }
@@ -78,13 +79,24 @@ impl Env {
     }
 
     pub async fn start_with(&mut self, config: Config) {
+        let mailer = self.mailer();
+        self.start_with_mailer(config, mailer).await;
+    }
+
+    /// Starts the controllers with a mailer of the test's choosing (for example one that plays
+    /// a race around the real one).
+    pub async fn start_with_mailer(
+        &mut self,
+        config: Config,
+        mailer: Arc<dyn capm_mailer::Mailer>,
+    ) {
         assert!(self.running.is_none(), "already running");
         self.registry = prometheus::Registry::new();
         let metrics = Metrics::register(&self.registry).unwrap();
         let (tx, rx) = oneshot::channel::<()>();
         let handle = tokio::spawn(capm_controllers::run(
             self.ns.client.clone(),
-            self.mailer(),
+            mailer,
             config,
             metrics,
             async move {
