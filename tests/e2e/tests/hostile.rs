@@ -687,6 +687,33 @@ fn rows() -> Vec<Row> {
         row("253-character name (event name)", Expect::Handled(1, ("MailSent", "True", "MailSent")), |env| async move {
             env.owned_cluster(&"l".repeat(253), json!({})).await
         }),
+        // A write through v1alpha1 keeps only the status v1alpha1 holds (the conversion
+        // annotation never carries status); the controller rebuilds the rest from metadata.
+        row("v1alpha1 write wipes v1beta1 status, controller rebuilds it", Expect::Handled(1, ("MailSent", "True", "MailSent")), |env| async move {
+            let created = env.owned_cluster("alpha-rewrite", json!({})).await?;
+            let beta = ours(&env.admin, "v1beta1", "MailgunCluster");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let obj = beta.get("alpha-rewrite").await?;
+                if obj.data["status"]["mail"]["state"] == "Sent" {
+                    break;
+                }
+                ensure!(Instant::now() < deadline, "never mailed");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let hacked = json!({"status": {"conditions": [{"type": "Hacked", "status": "True", "reason": "x", "message": "", "lastTransitionTime": "2026-01-02T03:04:05Z"}]}});
+            ours(&env.mallory, "v1alpha1", "MailgunCluster")
+                .patch("alpha-rewrite", &PatchParams::default(), &Patch::Merge(json!({"metadata": {
+                    "labels": {"touched": "through-v1alpha1"},
+                    "annotations": {names::CONVERSION_DATA_ANNOTATION: hacked.to_string()}}})))
+                .await?;
+            let after = beta.get("alpha-rewrite").await?;
+            ensure!(
+                !after.data["status"]["conditions"].as_array().into_iter().flatten().any(|c| c["type"] == "Hacked"),
+                "a condition from the annotation was stored: {}", after.data["status"]
+            );
+            Ok(created)
+        }),
         // Spoofed owners (issue 14 item 4).
         needs_fix(row("owner Cluster does not name it back", Expect::Handled(0, OWNER_MISMATCH), |env| async move {
             let owner = env.owner_cluster("owner-elsewhere", "someone-else").await?;
