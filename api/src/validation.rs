@@ -330,6 +330,20 @@ fn check_template_metadata(errors: &mut Vec<FieldError>, path: &str, meta: &Temp
                     actual: len,
                 });
             }
+            if name == "annotations"
+                && key
+                    .strip_prefix(crate::names::ANNOTATION_PREFIX)
+                    .is_some_and(|rest| rest.starts_with('/'))
+            {
+                errors.push(FieldError::Forbidden {
+                    path: format!("{path}.annotations.{key}"),
+                    reason: format!(
+                        "annotations under {}/ are the provider's records: a template must not \
+                         stamp them onto the objects it creates",
+                        crate::names::ANNOTATION_PREFIX
+                    ),
+                });
+            }
         }
     }
 }
@@ -870,6 +884,36 @@ mod tests {
                 "spec.template.metadata.labels.k",
                 "spec.template.spec.providerID"
             ]
+        );
+        let mut forged = t.clone();
+        forged.spec.template.spec.provider_id = None;
+        forged.spec.template.metadata = Some(TemplateMetadata {
+            labels: None,
+            annotations: Some(
+                [
+                    (
+                        crate::names::MAIL_SENT_ANNOTATION.to_owned(),
+                        "x".to_owned(),
+                    ),
+                    (
+                        "mailgun.infrastructure.cluster.x-k8s.io.example/x".to_owned(),
+                        "y".to_owned(),
+                    ),
+                ]
+                .into(),
+            ),
+        });
+        let paths: Vec<_> = forged
+            .validate()
+            .iter()
+            .map(|e| e.path().to_owned())
+            .collect();
+        assert_eq!(
+            paths,
+            [format!(
+                "spec.template.metadata.annotations.{}",
+                crate::names::MAIL_SENT_ANNOTATION
+            )]
         );
     }
 }

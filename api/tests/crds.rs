@@ -163,7 +163,7 @@ fn admission_objects() -> Vec<DynamicObject> {
                 }
                 objects.push(serde_json::from_value(value).expect("object"));
             }
-            assert_eq!(objects.len(), 3, "webhook, policy and binding");
+            assert_eq!(objects.len(), 5, "webhook, two policies and their bindings");
             objects
         })
         .clone()

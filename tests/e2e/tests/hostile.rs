@@ -661,6 +661,24 @@ fn rows() -> Vec<Row> {
         create_with("conversion-data on a v1beta1 object", "MailgunCluster", "/metadata/annotations/mailgun.infrastructure.cluster.x-k8s.io~1conversion-data", json!("{\"controlPlaneEndpoint\":{\"host\":\"x\",\"port\":1}}"), "metadata.annotations"),
         patch_after("mail-intent added later", "MailgunCluster", json!({}), "v1beta1", json!({"metadata": {"annotations": {names::MAIL_INTENT_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
         patch_after("mail-sent added through v1alpha1", "MailgunCluster", json!({}), "v1alpha1", json!({"metadata": {"annotations": {names::MAIL_SENT_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
+        row("template stamping our records", Expect::Refused("spec.template.metadata.annotations"), |env| async move {
+            create(&ours(&env.mallory, "v1beta1", "MailgunMachineTemplate"), json!({
+                "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunMachineTemplate",
+                "metadata": {"name": "forging-template", "namespace": TEAM},
+                "spec": {"template": {
+                    "metadata": {"annotations": {names::MAIL_SENT_ANNOTATION: "<forged@evil.example>"}},
+                    "spec": {"priority": "Urgent", "request": "r", "requester": REQUESTER}}},
+            })).await
+        }),
+        row("template stamping our records, through v1alpha1", Expect::Refused("spec.template.metadata.annotations"), |env| async move {
+            create(&ours(&env.mallory, "v1alpha1", "MailgunClusterTemplate"), json!({
+                "apiVersion": format!("{}/v1alpha1", capm_api::GROUP), "kind": "MailgunClusterTemplate",
+                "metadata": {"name": "forging-template-alpha", "namespace": TEAM},
+                "spec": {"template": {
+                    "metadata": {"annotations": {names::DELETION_MAIL_SENT_ANNOTATION: "x"}},
+                    "spec": {"priority": "Urgent", "request": "r", "requester": REQUESTER}}},
+            })).await
+        }),
         // Set-once and immutable fields through both versions.
         patch_after("endpoint changed through v1beta1", "MailgunCluster", json!({"controlPlaneEndpoint": {"host": "api.example.com", "port": 6443}}), "v1beta1", json!({"spec": {"controlPlaneEndpoint": {"host": "api.evil.example", "port": 1}}}), "spec.controlPlaneEndpoint"),
         patch_after("endpoint changed through conversion-data", "MailgunCluster", json!({"controlPlaneEndpoint": {"host": "api.example.com", "port": 6443}}), "v1alpha1", data(json!({"controlPlaneEndpoint": {"host": "api.evil.example", "port": 1}})), "spec.controlPlaneEndpoint"),
