@@ -40,6 +40,7 @@
 pub mod admission;
 pub mod conversion;
 pub mod crd;
+pub mod limits;
 pub mod names;
 pub mod v1alpha1;
 pub mod v1beta1;

@@ -16,7 +16,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::validation::{
+use crate::limits::{
     MAX_MESSAGE_ID_LENGTH, MAX_PROVIDER_ID_LENGTH, MAX_REQUEST_LENGTH, MAX_REQUESTER_LENGTH,
     PROVIDER_ID_PATTERN, REQUEST_PATTERN, REQUESTER_LOCAL_PART_RULE, REQUESTER_PATTERN,
     string_map_schema,
