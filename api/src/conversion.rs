@@ -1,18 +1,26 @@
 //! Lossless conversion between [`crate::v1alpha1`] and [`crate::v1beta1`].
 //!
-//! `v1beta1` is the hub (the storage version). Going down to `v1alpha1`, whatever that version
-//! cannot hold (the control plane endpoint, the failure domain, spec addresses, conditions, the
-//! mail state, ...) is written as JSON to the [`CONVERSION_DATA_ANNOTATION`] annotation; going
-//! up, the annotation is read, removed, and its fields restored. Fields `v1alpha1` *can* hold
-//! always win over the annotation, so a `v1alpha1` client that changes `status.ready` or
-//! `status.response` is not silently overruled by stale data.
+//! `v1beta1` is the hub (the storage version). Going down to `v1alpha1`, the spec fields that
+//! version cannot hold (the control plane endpoint, the failure domain, spec addresses) are
+//! written as JSON to the [`CONVERSION_DATA_ANNOTATION`] annotation; going up, the annotation is
+//! read, removed, and those fields restored.
+//!
+//! The annotation never carries status: anyone who may write the object may write the
+//! annotation, and status is the controller's. Status converts up from what `v1alpha1` holds
+//! (`ready`, `response`) and nothing else, so a write through `v1alpha1` leaves the rest of the
+//! `v1beta1` status (conditions, mail state) empty until the controller, which rebuilds status
+//! from metadata, writes it again. Restored spec fields are checked against every `v1beta1` rule,
+//! and refused when they differ from the stored object, by the admission webhook
+//! ([`crate::admission`]).
 //!
 //! The conversions are plain [`From`] implementations on the typed objects; [`convert`] does the
 //! same on the JSON objects a `ConversionReview` carries (see [`crate::webhook`]).
 //!
 //! # Caveats
 //! An annotation that is not valid JSON of the expected shape (someone edited it by hand) is
-//! dropped: conversion never fails because of it, the fields it held are lost.
+//! dropped: conversion never fails because of it, the fields it held are lost (and the admission
+//! webhook refuses the write if that changes a stored field). A `status` key in it, written by an
+//! earlier version of this provider or by hand, is ignored.
 
 use std::collections::BTreeMap;
 
@@ -63,9 +71,6 @@ struct ConversionData {
     failure_domain: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     addresses: Option<Vec<b::MachineAddress>>,
-    /// The full `v1beta1` status, kept only when `v1alpha1` cannot represent it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    status: Option<Value>,
 }
 
 /// Removes the annotation and returns what it held (default when absent or unreadable).
@@ -142,14 +147,6 @@ fn provisioned(init: Option<&b::Initialization>) -> bool {
     init.and_then(|i| i.provisioned).unwrap_or(false)
 }
 
-fn set_message_id(mail: &mut Option<b::MailStatus>, id: Option<String>) {
-    let m = mail.get_or_insert_with(Default::default);
-    m.message_id = id;
-    if *m == b::MailStatus::default() {
-        *mail = None;
-    }
-}
-
 fn cluster_status_down(s: &b::MailgunClusterStatus) -> a::MailgunClusterStatus {
     a::MailgunClusterStatus {
         response: s.mail.as_ref().and_then(|m| m.message_id.clone()),
@@ -185,19 +182,6 @@ fn machine_status_up(s: &a::MailgunMachineStatus) -> b::MailgunMachineStatus {
     }
 }
 
-/// The status snapshot to keep, when the down-converted status does not convert back to `s`.
-fn snapshot<S: Serialize + PartialEq>(s: &S, back: &S) -> Option<Value> {
-    if s == back {
-        None
-    } else {
-        serde_json::to_value(s).ok()
-    }
-}
-
-fn restore<S: DeserializeOwned>(data: Option<Value>) -> Option<S> {
-    data.and_then(|v| serde_json::from_value(v).ok())
-}
-
 impl From<b::MailgunCluster> for a::MailgunCluster {
     fn from(obj: b::MailgunCluster) -> Self {
         let b::MailgunCluster {
@@ -205,15 +189,11 @@ impl From<b::MailgunCluster> for a::MailgunCluster {
             spec,
             status,
         } = obj;
-        let mut data = ConversionData {
+        let data = ConversionData {
             control_plane_endpoint: spec.control_plane_endpoint,
             ..Default::default()
         };
-        let status = status.map(|s| {
-            let down = cluster_status_down(&s);
-            data.status = snapshot(&s, &cluster_status_up(&down));
-            down
-        });
+        let status = status.as_ref().map(cluster_status_down);
         put_data(&mut metadata, &data);
         Self {
             metadata,
@@ -235,23 +215,7 @@ impl From<a::MailgunCluster> for b::MailgunCluster {
             status,
         } = obj;
         let data = take_data(&mut metadata);
-        let kept: Option<b::MailgunClusterStatus> = restore(data.status);
-        let status = match (status, kept) {
-            (None, _) => None,
-            (Some(alpha), None) => Some(cluster_status_up(&alpha)),
-            (Some(alpha), Some(mut kept)) => {
-                let was = cluster_status_down(&kept);
-                if alpha.ready != was.ready {
-                    kept.initialization
-                        .get_or_insert_with(Default::default)
-                        .provisioned = Some(alpha.ready);
-                }
-                if alpha.response != was.response {
-                    set_message_id(&mut kept.mail, alpha.response);
-                }
-                Some(kept)
-            }
-        };
+        let status = status.as_ref().map(cluster_status_up);
         Self {
             metadata,
             spec: b::MailgunClusterSpec {
@@ -272,16 +236,12 @@ impl From<b::MailgunMachine> for a::MailgunMachine {
             spec,
             status,
         } = obj;
-        let mut data = ConversionData {
+        let data = ConversionData {
             failure_domain: spec.failure_domain,
             addresses: spec.addresses,
             ..Default::default()
         };
-        let status = status.map(|s| {
-            let down = machine_status_down(&s);
-            data.status = snapshot(&s, &machine_status_up(&down));
-            down
-        });
+        let status = status.as_ref().map(machine_status_down);
         put_data(&mut metadata, &data);
         Self {
             metadata,
@@ -304,19 +264,7 @@ impl From<a::MailgunMachine> for b::MailgunMachine {
             status,
         } = obj;
         let data = take_data(&mut metadata);
-        let kept: Option<b::MailgunMachineStatus> = restore(data.status);
-        let status = match (status, kept) {
-            (None, _) => None,
-            (Some(alpha), None) => Some(machine_status_up(&alpha)),
-            (Some(alpha), Some(mut kept)) => {
-                if alpha.ready != machine_status_down(&kept).ready {
-                    kept.initialization
-                        .get_or_insert_with(Default::default)
-                        .provisioned = Some(alpha.ready);
-                }
-                Some(kept)
-            }
-        };
+        let status = status.as_ref().map(machine_status_up);
         Self {
             metadata,
             spec: b::MailgunMachineSpec {

@@ -8,8 +8,10 @@
 //!   ([`names`]);
 //! - the same validation the CRD schema enforces, as Rust ([`validation`]), so a controller can
 //!   report an invalid object that reached the cluster some other way (an older CRD, a restore);
-//! - lossless conversion between the versions ([`conversion`]) and a conversion webhook handler
-//!   ([`webhook`]) that the manager binary serves;
+//! - conversion between the versions ([`conversion`]: spec losslessly, status as far as
+//!   `v1alpha1` can hold it) and a conversion webhook handler ([`webhook`]) that the manager
+//!   binary serves, next to the admission webhook ([`admission`]) that holds writes made through
+//!   `v1alpha1` to every `v1beta1` rule;
 //! - the CustomResourceDefinitions themselves ([`crd`]), written to `config/crd/` by
 //!   `cargo run -p capm-api --bin crdgen -- config/crd` and checked with `--check`.
 //!
@@ -35,8 +37,10 @@
 //! }
 //! ```
 
+pub mod admission;
 pub mod conversion;
 pub mod crd;
+pub mod limits;
 pub mod names;
 pub mod v1alpha1;
 pub mod v1beta1;

@@ -16,9 +16,10 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::validation::{
+use crate::limits::{
     MAX_MESSAGE_ID_LENGTH, MAX_PROVIDER_ID_LENGTH, MAX_REQUEST_LENGTH, MAX_REQUESTER_LENGTH,
-    PROVIDER_ID_PATTERN, REQUEST_PATTERN, REQUESTER_PATTERN, string_map_schema,
+    PROVIDER_ID_PATTERN, REQUEST_PATTERN, REQUESTER_LOCAL_PART_RULE, REQUESTER_PATTERN,
+    string_map_schema,
 };
 
 /// How urgently the request should be handled; it appears in the mail subject.
@@ -106,7 +107,10 @@ pub struct MailgunClusterSpec {
     #[schemars(
         length(min = 3, max = MAX_REQUESTER_LENGTH),
         pattern(REQUESTER_PATTERN),
-        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "requester is immutable"}])
+        extend("x-kubernetes-validations" = [
+            {"rule": "self == oldSelf", "message": "requester is immutable"},
+            {"rule": REQUESTER_LOCAL_PART_RULE, "message": "requester: the local part (before @) must have at most 64 characters"}
+        ])
     )]
     pub requester: String,
 }
@@ -192,7 +196,10 @@ pub struct MailgunMachineSpec {
     #[schemars(
         length(min = 3, max = MAX_REQUESTER_LENGTH),
         pattern(REQUESTER_PATTERN),
-        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "requester is immutable"}])
+        extend("x-kubernetes-validations" = [
+            {"rule": "self == oldSelf", "message": "requester is immutable"},
+            {"rule": REQUESTER_LOCAL_PART_RULE, "message": "requester: the local part (before @) must have at most 64 characters"}
+        ])
     )]
     pub requester: String,
     /// providerID (optional, set-once): `<scheme>://<id>`, at most 512 characters; set by the

@@ -24,11 +24,11 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::validation::{
+use crate::limits::{
     ADDRESS_PATTERN, FAILURE_DOMAIN_PATTERN, HOST_PATTERN, MAX_ADDRESS_LENGTH, MAX_ADDRESSES,
     MAX_CONDITIONS, MAX_FAILURE_DOMAIN_LENGTH, MAX_HOST_LENGTH, MAX_MESSAGE_ID_LENGTH,
     MAX_PROVIDER_ID_LENGTH, MAX_REQUEST_LENGTH, MAX_REQUESTER_LENGTH, PROVIDER_ID_PATTERN,
-    REQUEST_PATTERN, REQUESTER_PATTERN, string_map_schema,
+    REQUEST_PATTERN, REQUESTER_LOCAL_PART_RULE, REQUESTER_PATTERN, string_map_schema,
 };
 
 /// How urgently the request should be handled; it appears in the mail subject.
@@ -238,7 +238,10 @@ pub struct MailgunClusterSpec {
     #[schemars(
         length(min = 3, max = MAX_REQUESTER_LENGTH),
         pattern(REQUESTER_PATTERN),
-        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "requester is immutable"}])
+        extend("x-kubernetes-validations" = [
+            {"rule": "self == oldSelf", "message": "requester is immutable"},
+            {"rule": REQUESTER_LOCAL_PART_RULE, "message": "requester: the local part (before @) must have at most 64 characters"}
+        ])
     )]
     pub requester: String,
     /// controlPlaneEndpoint (optional, set-once): set by the human who fulfils the request;
@@ -357,7 +360,10 @@ pub struct MailgunMachineSpec {
     #[schemars(
         length(min = 3, max = MAX_REQUESTER_LENGTH),
         pattern(REQUESTER_PATTERN),
-        extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "requester is immutable"}])
+        extend("x-kubernetes-validations" = [
+            {"rule": "self == oldSelf", "message": "requester is immutable"},
+            {"rule": REQUESTER_LOCAL_PART_RULE, "message": "requester: the local part (before @) must have at most 64 characters"}
+        ])
     )]
     pub requester: String,
     /// providerID (optional, set-once): `<scheme>://<id>`, at most 512 characters; set by the

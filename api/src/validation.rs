@@ -15,53 +15,13 @@
 use std::sync::LazyLock;
 
 use regex::Regex;
-use schemars::{Schema, SchemaGenerator, json_schema};
 
 use crate::v1beta1::{
     ApiEndpoint, MachineAddress, MailgunCluster, MailgunClusterSpec, MailgunClusterTemplate,
     MailgunMachine, MailgunMachineSpec, MailgunMachineTemplate, TemplateMetadata,
 };
 
-/// Maximum length of `spec.request` (characters). Also keeps CEL `self == oldSelf` cheap.
-pub const MAX_REQUEST_LENGTH: u32 = 4096;
-/// Maximum length of `spec.requester` (the RFC 5321 limit of a forward path).
-pub const MAX_REQUESTER_LENGTH: u32 = 254;
-/// Maximum length of `spec.controlPlaneEndpoint.host` (a DNS name's limit).
-pub const MAX_HOST_LENGTH: u32 = 253;
-/// Maximum length of `spec.providerID`.
-pub const MAX_PROVIDER_ID_LENGTH: u32 = 512;
-/// Maximum length of `spec.failureDomain`.
-pub const MAX_FAILURE_DOMAIN_LENGTH: u32 = 256;
-/// Maximum length of one machine address.
-pub const MAX_ADDRESS_LENGTH: u32 = 256;
-/// Maximum number of machine addresses.
-pub const MAX_ADDRESSES: u32 = 16;
-/// Maximum number of conditions in a status.
-pub const MAX_CONDITIONS: u32 = 32;
-/// Maximum length of a recorded mail id.
-pub const MAX_MESSAGE_ID_LENGTH: u32 = 998;
-/// Maximum number of labels or of annotations in a template's metadata.
-pub const MAX_TEMPLATE_METADATA_ENTRIES: u32 = 64;
-/// Maximum length of one label or annotation value in a template's metadata.
-pub const MAX_TEMPLATE_METADATA_VALUE_LENGTH: u32 = 4096;
-
-/// `spec.requester`: a plain e-mail address (`local@domain`, at least one dot in the domain).
-/// No spaces, quotes, angle brackets or control characters, so it cannot inject mail headers.
-///
-/// The schema's `pattern` is evaluated by the API server with Go's RE2; this crate uses the
-/// `regex` crate, which accepts the same syntax with the same meaning for this pattern.
-pub const REQUESTER_PATTERN: &str = r"^[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]{1,64}@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)+$";
-/// `spec.request`: any text without control characters other than tab, line feed and carriage
-/// return (it becomes the mail body, never a header).
-pub const REQUEST_PATTERN: &str = r"^[^\x00-\x08\x0B\x0C\x0E-\x1F\x7F-\x{9F}]*$";
-/// `spec.controlPlaneEndpoint.host`: a DNS name or an IPv4/IPv6 address (no brackets).
-pub const HOST_PATTERN: &str = r"^[A-Za-z0-9.:-]+$";
-/// `spec.providerID`: `<scheme>://<id>`, printable ASCII, no spaces.
-pub const PROVIDER_ID_PATTERN: &str = r"^[a-z0-9][a-z0-9+.-]*://[!-~]+$";
-/// `spec.failureDomain`: printable ASCII, no spaces.
-pub const FAILURE_DOMAIN_PATTERN: &str = r"^[!-~]+$";
-/// A machine address: printable ASCII, no spaces.
-pub const ADDRESS_PATTERN: &str = r"^[!-~]+$";
+pub use crate::limits::*;
 
 /// One violated rule, naming the field by its JSON path.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -153,22 +113,6 @@ pub trait Validate {
     fn validate_update(old: &Self, new: &Self) -> Vec<FieldError>;
 }
 
-/// Schema of a bounded string-to-string map (template labels and annotations).
-///
-/// # Caveats
-/// Structural schemas cannot constrain map keys; the API server validates label and annotation
-/// keys only on the objects finally created from the template.
-pub fn string_map_schema(_: &mut SchemaGenerator) -> Schema {
-    json_schema!({
-        "type": "object",
-        "maxProperties": MAX_TEMPLATE_METADATA_ENTRIES,
-        "additionalProperties": {
-            "type": "string",
-            "maxLength": MAX_TEMPLATE_METADATA_VALUE_LENGTH,
-        },
-    })
-}
-
 fn compile(pattern: &str) -> Regex {
     // The patterns are constants covered by unit tests; they cannot fail at run time.
     #[allow(clippy::expect_used)]
@@ -229,8 +173,9 @@ fn check_request_fields(
         1,
         MAX_REQUEST_LENGTH,
         &REQUEST,
-        "text without control characters other than tab and line breaks",
+        "text without control characters (other than tab and line breaks), Unicode line or paragraph separators, or bidirectional controls",
     );
+    let before = errors.len();
     check_string(
         errors,
         &format!("{prefix}.requester"),
@@ -238,8 +183,21 @@ fn check_request_fields(
         3,
         MAX_REQUESTER_LENGTH,
         &REQUESTER,
-        "an e-mail address (local@domain.tld, no spaces or control characters)",
+        "a plain e-mail address (local@domain.tld: no quotes, IP literals, Unicode, spaces or \
+         leading, trailing or doubled dots)",
     );
+    if errors.len() == before
+        && requester
+            .find('@')
+            .is_some_and(|at| at > MAX_REQUESTER_LOCAL_LENGTH)
+    {
+        errors.push(FieldError::Invalid {
+            path: format!("{prefix}.requester"),
+            reason: format!(
+                "the local part (before @) must have at most {MAX_REQUESTER_LOCAL_LENGTH} characters"
+            ),
+        });
+    }
 }
 
 fn check_endpoint(errors: &mut Vec<FieldError>, path: &str, endpoint: &ApiEndpoint) {
@@ -300,6 +258,20 @@ fn check_template_metadata(errors: &mut Vec<FieldError>, path: &str, meta: &Temp
                     path: format!("{path}.{name}.{key}"),
                     max,
                     actual: len,
+                });
+            }
+            if name == "annotations"
+                && key
+                    .strip_prefix(crate::names::ANNOTATION_PREFIX)
+                    .is_some_and(|rest| rest.starts_with('/'))
+            {
+                errors.push(FieldError::Forbidden {
+                    path: format!("{path}.annotations.{key}"),
+                    reason: format!(
+                        "annotations under {}/ are the provider's records: a template must not \
+                         stamp them onto the objects it creates",
+                        crate::names::ANNOTATION_PREFIX
+                    ),
                 });
             }
         }
@@ -574,6 +546,26 @@ mod tests {
                 "spec.request",
             ),
             (
+                "U+2028 in request",
+                |c| c.spec.request = "a\u{2028}b".into(),
+                "spec.request",
+            ),
+            (
+                "U+0085 in request",
+                |c| c.spec.request = "a\u{85}b".into(),
+                "spec.request",
+            ),
+            (
+                "right-to-left override in request",
+                |c| c.spec.request = "kubectl \u{202e}dorp sn eteled".into(),
+                "spec.request",
+            ),
+            (
+                "isolate in request",
+                |c| c.spec.request = "a\u{2066}b\u{2069}".into(),
+                "spec.request",
+            ),
+            (
                 "not an e-mail",
                 |c| c.spec.requester = "nobody".into(),
                 "spec.requester",
@@ -641,6 +633,34 @@ mod tests {
                 errors[0]
             );
         }
+    }
+
+    /// The requester table shared with the API server test (`tests/crds.rs`) and the mail
+    /// builder (`capm-mailer`): what admission lets in, the mail builder must accept.
+    #[test]
+    fn requester_table_matches_the_rust_validation() {
+        let table: Vec<(String, bool, String)> =
+            serde_json::from_str(include_str!("../testdata/requesters.json")).expect("table");
+        let mut wrong = Vec::new();
+        for (address, admitted, why) in &table {
+            let mut c = cluster();
+            c.spec.requester.clone_from(address);
+            let errors = c.validate();
+            if errors.is_empty() != *admitted {
+                wrong.push(format!("{address:?} ({why}): {errors:?}"));
+            }
+            if !errors.is_empty() {
+                assert!(
+                    errors.iter().all(|e| e.path() == "spec.requester"),
+                    "{address:?}: {errors:?}"
+                );
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "disagree with the table:\n{}",
+            wrong.join("\n")
+        );
     }
 
     #[test]
@@ -794,6 +814,36 @@ mod tests {
                 "spec.template.metadata.labels.k",
                 "spec.template.spec.providerID"
             ]
+        );
+        let mut forged = t.clone();
+        forged.spec.template.spec.provider_id = None;
+        forged.spec.template.metadata = Some(TemplateMetadata {
+            labels: None,
+            annotations: Some(
+                [
+                    (
+                        crate::names::MAIL_SENT_ANNOTATION.to_owned(),
+                        "x".to_owned(),
+                    ),
+                    (
+                        "mailgun.infrastructure.cluster.x-k8s.io.example/x".to_owned(),
+                        "y".to_owned(),
+                    ),
+                ]
+                .into(),
+            ),
+        });
+        let paths: Vec<_> = forged
+            .validate()
+            .iter()
+            .map(|e| e.path().to_owned())
+            .collect();
+        assert_eq!(
+            paths,
+            [format!(
+                "spec.template.metadata.annotations.{}",
+                crate::names::MAIL_SENT_ANNOTATION
+            )]
         );
     }
 }

@@ -106,6 +106,14 @@ fn describe(object: &serde_json::Value) -> String {
 pub fn review_json(body: &[u8]) -> Result<Vec<u8>, WebhookError> {
     let parsed: ConversionReview =
         serde_json::from_slice(body).map_err(|e| WebhookError::Decode(e.to_string()))?;
+    if parsed.types.api_version != "apiextensions.k8s.io/v1"
+        || parsed.types.kind != "ConversionReview"
+    {
+        return Err(WebhookError::Decode(format!(
+            "apiVersion {:?} kind {:?} (expected apiextensions.k8s.io/v1 ConversionReview)",
+            parsed.types.api_version, parsed.types.kind
+        )));
+    }
     if parsed.request.is_none() {
         return Err(WebhookError::Decode("no request".into()));
     }

@@ -271,6 +271,61 @@ fn no_conversion_annotation(meta: &ObjectMeta) -> bool {
         .is_none_or(|a| !a.contains_key(CONVERSION_DATA_ANNOTATION))
 }
 
+/// What survives a round trip through v1alpha1: all of spec and metadata, and of status only
+/// what v1alpha1 holds (the conversion-data annotation never carries status: issue 14).
+trait AfterRoundTrip: Clone {
+    fn after_round_trip(&self) -> Self {
+        self.clone()
+    }
+}
+
+fn provisioned_after(provisioned: Option<bool>) -> Option<b::Initialization> {
+    Some(b::Initialization {
+        provisioned: Some(provisioned.unwrap_or(false)),
+    })
+}
+
+impl AfterRoundTrip for b::MailgunCluster {
+    fn after_round_trip(&self) -> Self {
+        let mut out = self.clone();
+        out.status = self.status.as_ref().map(|s| b::MailgunClusterStatus {
+            initialization: provisioned_after(
+                s.initialization.as_ref().and_then(|i| i.provisioned),
+            ),
+            mail: s
+                .mail
+                .as_ref()
+                .and_then(|m| m.message_id.clone())
+                .map(|id| b::MailStatus {
+                    message_id: Some(id),
+                    ..Default::default()
+                }),
+            ..Default::default()
+        });
+        out
+    }
+}
+
+impl AfterRoundTrip for b::MailgunMachine {
+    fn after_round_trip(&self) -> Self {
+        let mut out = self.clone();
+        out.status = self.status.as_ref().map(|s| b::MailgunMachineStatus {
+            initialization: provisioned_after(
+                s.initialization.as_ref().and_then(|i| i.provisioned),
+            ),
+            ..Default::default()
+        });
+        out
+    }
+}
+
+impl AfterRoundTrip for b::MailgunClusterTemplate {}
+impl AfterRoundTrip for b::MailgunMachineTemplate {}
+impl AfterRoundTrip for a::MailgunCluster {}
+impl AfterRoundTrip for a::MailgunMachine {}
+impl AfterRoundTrip for a::MailgunClusterTemplate {}
+impl AfterRoundTrip for a::MailgunMachineTemplate {}
+
 macro_rules! round_trips {
     ($name:ident, $strategy:expr, $from:ty, $to:ty, $from_v:literal, $to_v:literal) => {
         proptest! {
@@ -278,6 +333,7 @@ macro_rules! round_trips {
             fn $name(original in $strategy) {
                 let there: $to = original.clone().into();
                 let back: $from = there.clone().into();
+                let original = original.after_round_trip();
                 prop_assert_eq!(&back, &original);
                 prop_assert!(no_conversion_annotation(&back.metadata));
                 let there_json: $to = via_review(&original, $to_v);
@@ -355,6 +411,36 @@ round_trips!(
 );
 
 proptest! {
+    /// Issue 14: down-conversion never writes status into the annotation, and up-conversion
+    /// ignores a status someone put there.
+    #[test]
+    fn the_annotation_never_carries_status(original in beta_cluster(), machine in beta_machine()) {
+        let alpha: a::MailgunCluster = original.clone().into();
+        let alpha_machine: a::MailgunMachine = machine.into();
+        for annotations in [&alpha.metadata.annotations, &alpha_machine.metadata.annotations] {
+            if let Some(data) = annotations.as_ref().and_then(|a| a.get(CONVERSION_DATA_ANNOTATION)) {
+                let data: serde_json::Value = serde_json::from_str(data).expect("JSON");
+                prop_assert!(data.get("status").is_none(), "{}", data);
+            }
+        }
+        let mut forged = alpha.clone();
+        forged.metadata.annotations.get_or_insert_with(Default::default).insert(
+            CONVERSION_DATA_ANNOTATION.to_owned(),
+            r#"{"status":{"conditions":[{"type":"Hacked","status":"True","reason":"x","message":"","lastTransitionTime":"2026-01-02T03:04:05Z"}],"mail":{"state":"Sent","messageID":"<forged@evil.example>"}}}"#.to_owned(),
+        );
+        let stored: b::MailgunCluster = forged.clone().into();
+        let expected: b::MailgunCluster = {
+            let mut alpha = alpha;
+            alpha.metadata.annotations.as_mut().map(|a| a.remove(CONVERSION_DATA_ANNOTATION));
+            if alpha.metadata.annotations.as_ref().is_some_and(|a| a.is_empty()) {
+                alpha.metadata.annotations = None;
+            }
+            alpha.into()
+        };
+        prop_assert_eq!(&stored.status, &expected.status);
+        prop_assert!(stored.status.as_ref().is_none_or(|s| s.conditions.is_none() && s.mail.as_ref().is_none_or(|m| m.state.is_none())));
+    }
+
     /// Up-conversion never carries the annotation into the storage version.
     #[test]
     fn alpha_objects_store_without_conversion_data(original in alpha_cluster()) {

@@ -26,6 +26,7 @@ use kube::{
     api::{DynamicObject, Patch, PatchParams, PostParams},
     core::{ApiResource, GroupVersionKind},
 };
+use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_rustls::{
     TlsAcceptor,
@@ -80,9 +81,16 @@ fn webhook() -> &'static Webhook {
                         let Ok(tls) = acceptor.accept(tcp).await else {
                             return;
                         };
-                        let service = service_fn(|req| async move {
-                            Ok::<_, std::convert::Infallible>(capm_api::webhook::handle(req).await)
-                        });
+                        let service =
+                            service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+                                let response =
+                                    if req.uri().path() == capm_api::admission::VALIDATE_PATH {
+                                        capm_api::admission::handle(req).await
+                                    } else {
+                                        capm_api::webhook::handle(req).await
+                                    };
+                                Ok::<_, std::convert::Infallible>(response)
+                            });
                         let _ = hyper::server::conn::http1::Builder::new()
                             .serve_connection(TokioIo::new(tls), service)
                             .await;
@@ -95,6 +103,131 @@ fn webhook() -> &'static Webhook {
             ca_pem: ca.cert_pem().to_owned(),
         }
     })
+}
+
+/// The identity the chart's annotation policy is told is the provider's, in these tests.
+const PROVIDER: &str = "system:serviceaccount:capm-system:capm-cluster-api-provider-mailgun";
+
+/// The chart's admission objects (templates/admission.yaml, rendered by Helm as `helm install`
+/// would), the webhook pointed at this binary's server instead of the chart's Service.
+fn admission_objects() -> Vec<DynamicObject> {
+    static OBJECTS: OnceLock<Vec<DynamicObject>> = OnceLock::new();
+    OBJECTS
+        .get_or_init(|| {
+            let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../charts/cluster-api-provider-mailgun");
+            let helm = capm_test_support::process::binary("helm").expect("helm (make tools)");
+            let home = std::env::temp_dir().join("capm-api-test-helm");
+            let out = std::process::Command::new(helm)
+                .env("HELM_CACHE_HOME", home.join("cache"))
+                .env("HELM_CONFIG_HOME", home.join("config"))
+                .env("HELM_DATA_HOME", home.join("data"))
+                .env_remove("KUBECONFIG")
+                .args(["template", "capm"])
+                .arg(&chart)
+                .args([
+                    "--namespace",
+                    "capm-system",
+                    "--show-only",
+                    "templates/admission.yaml",
+                ])
+                .args(["--set", "mail.recipient=ops@example.com"])
+                .args(["--set", "mail.mailgun.domain=mg.example.com"])
+                .args(["--set", "mail.mailgun.apiKeySecret.name=key"])
+                .output()
+                .expect("helm template");
+            assert!(
+                out.status.success(),
+                "helm template: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let hook = webhook();
+            let url = hook
+                .url
+                .replace("/convert", capm_api::admission::VALIDATE_PATH);
+            let text = String::from_utf8(out.stdout).expect("utf-8");
+            let mut objects = Vec::new();
+            for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+                let value = Value::deserialize(doc).expect("YAML");
+                if value.is_null() {
+                    continue;
+                }
+                let mut value = value;
+                if value["kind"] == "ValidatingWebhookConfiguration" {
+                    for webhook in value["webhooks"].as_array_mut().expect("webhooks") {
+                        webhook["clientConfig"] = json!({
+                            "url": url,
+                            "caBundle": base64(hook.ca_pem.as_bytes()),
+                        });
+                    }
+                }
+                objects.push(serde_json::from_value(value).expect("object"));
+            }
+            assert_eq!(objects.len(), 5, "webhook, two policies and their bindings");
+            objects
+        })
+        .clone()
+}
+
+fn base64(bytes: &[u8]) -> String {
+    serde_json::to_value(k8s_openapi::ByteString(bytes.to_vec()))
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .expect("base64")
+}
+
+/// Applies the chart's admission objects (server-side apply; unchanged objects are a no-op).
+async fn install_admission(client: &kube::Client) {
+    for object in admission_objects() {
+        let kind = object.types.as_ref().expect("types").kind.clone();
+        let gvk = GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", &kind);
+        let api: Api<DynamicObject> = Api::all_with(client.clone(), &ApiResource::from_gvk(&gvk));
+        let name = object.metadata.name.clone().expect("name");
+        api.patch(
+            &name,
+            &PatchParams::apply("capm-api-tests").force(),
+            &Patch::Apply(&object),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("applying {kind} {name}: {e}"));
+    }
+}
+
+/// A client in `ns` acting as `user` in `groups` (impersonated by the admin).
+async fn client_as(ns: &TestNamespace, user: &str, groups: &[&str]) -> kube::Client {
+    let mut config = ns.control_plane().config().await.expect("config");
+    config.default_namespace = ns.name.clone();
+    config.auth_info.impersonate = Some(user.to_owned());
+    config.auth_info.impersonate_groups = Some(groups.iter().map(|g| (*g).to_owned()).collect());
+    kube::Client::try_from(config).expect("client")
+}
+
+/// Lets `user` do what a namespace's developer may: create, update and patch our kinds.
+async fn grant_developer(ns: &TestNamespace, user: &str) {
+    let role = object(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": "mailgun-developer", "namespace": ns.name},
+        "rules": [{"apiGroups": [capm_api::GROUP], "resources": ["*"],
+                   "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}],
+    }));
+    let binding = object(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": format!("mailgun-developer-{user}"), "namespace": ns.name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "mailgun-developer"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }));
+    for (kind, obj) in [("Role", role), ("RoleBinding", binding)] {
+        let gvk = GroupVersionKind::gvk("rbac.authorization.k8s.io", "v1", kind);
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(ns.client.clone(), &ns.name, &ApiResource::from_gvk(&gvk));
+        api.patch(
+            obj.metadata.name.as_deref().expect("name"),
+            &PatchParams::apply("capm-api-tests").force(),
+            &Patch::Apply(&obj),
+        )
+        .await
+        .expect("RBAC");
+    }
 }
 
 /// A namespace in the shared control plane, with our CRDs installed (webhook conversion).
@@ -113,6 +246,7 @@ async fn setup(prefix: &str) -> TestNamespace {
         })
         .collect();
     install_crds(&ns.client, &crds).await.expect("install CRDs");
+    install_admission(&ns.client).await;
     ns
 }
 
@@ -266,6 +400,42 @@ async fn kubectl_explain_shows_the_field_docs() {
         ])
         .expect("explain");
     assert!(status.contains("Pending"), "{status}");
+}
+
+/// The requester table the Rust validation and the mail builder are held to
+/// (`api/testdata/requesters.json`), against the real API server: what it admits, the mail
+/// builder accepts, and the other way round.
+#[tokio::test]
+async fn requester_table_matches_the_api_server() {
+    let ns = setup("api-requesters").await;
+    let clusters = api(&ns, "v1beta1", "MailgunCluster");
+    let table: Vec<(String, bool, String)> =
+        serde_json::from_str(include_str!("../testdata/requesters.json")).expect("table");
+    let mut wrong = Vec::new();
+    for (i, (address, admitted, why)) in table.iter().enumerate() {
+        let name = format!("r{i}");
+        let result = create(
+            &clusters,
+            with(cluster(&name, "v1beta1"), "/spec/requester", json!(address)),
+        )
+        .await;
+        match (result, admitted) {
+            (Ok(_), true) => {}
+            (Err(kube::Error::Api(e)), false) if e.code == 422 => {
+                assert!(
+                    e.message.contains("spec.requester"),
+                    "{address:?}: {}",
+                    e.message
+                );
+            }
+            (result, _) => wrong.push(format!("{address:?} ({why}): {result:?}")),
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "the API server disagrees with the table:\n{}",
+        wrong.join("\n")
+    );
 }
 
 #[tokio::test]
@@ -632,7 +802,8 @@ async fn the_api_server_converts_through_the_webhook_losslessly() {
     assert_eq!(s.observed_generation, Some(1));
     assert_eq!(created.metadata.uid, stored.metadata.uid);
 
-    // An update through v1alpha1 keeps the v1beta1-only fields.
+    // An update through v1alpha1 keeps the v1beta1-only spec fields. Status keeps what v1alpha1
+    // can say (the annotation never carries status: issue 14); the controller rebuilds the rest.
     alpha
         .patch(
             "beta",
@@ -646,7 +817,13 @@ async fn the_api_server_converts_through_the_webhook_losslessly() {
     )
     .expect("decodes");
     assert_eq!(after.spec, stored.spec);
-    assert_eq!(after.status, stored.status);
+    let s = after.status.clone().expect("status");
+    assert_eq!(s.initialization.and_then(|i| i.provisioned), Some(true));
+    assert_eq!(
+        s.mail.as_ref().and_then(|m| m.message_id.as_deref()),
+        Some("<id@example.com>")
+    );
+    assert_eq!(s.conditions, None);
     assert_eq!(
         after
             .metadata
@@ -713,4 +890,272 @@ async fn the_api_server_converts_through_the_webhook_losslessly() {
     let m_beta = mbeta.get("m").await.expect("get as v1beta1");
     assert_eq!(m_beta.data["spec"]["failureDomain"], "rack-1");
     assert_eq!(m_beta.data["spec"]["addresses"][0]["type"], "InternalIP");
+}
+
+fn refused(result: Result<DynamicObject, kube::Error>) -> String {
+    match result {
+        Ok(obj) => panic!("accepted: {:?}", obj.metadata),
+        Err(kube::Error::Api(e)) => {
+            assert!((400..500).contains(&e.code), "{e:?}");
+            e.message
+        }
+        Err(e) => panic!("unexpected error {e}"),
+    }
+}
+
+/// Issue 14 item 1: what arrives through v1alpha1 (the conversion-data annotation) obeys every
+/// v1beta1 rule, set-once included; the annotation never carries status.
+#[tokio::test]
+async fn tampered_conversion_data_is_refused_and_never_carries_status() {
+    let ns = setup("api-tamper").await;
+    let beta = api(&ns, "v1beta1", "MailgunCluster");
+    let alpha = api(&ns, "v1alpha1", "MailgunCluster");
+    let alpha_machines = api(&ns, "v1alpha1", "MailgunMachine");
+    let beta_machines = api(&ns, "v1beta1", "MailgunMachine");
+    let pp = PatchParams::default();
+    let data = |value: Value| {
+        Patch::Merge(json!({"metadata": {"annotations": {CONVERSION_DATA_ANNOTATION: value}}}))
+    };
+    create(
+        &beta,
+        with(
+            cluster("set", "v1beta1"),
+            "/spec/controlPlaneEndpoint",
+            json!({"host": "api.example.com", "port": 6443}),
+        ),
+    )
+    .await
+    .expect("create");
+    create(&beta, cluster("unset", "v1beta1"))
+        .await
+        .expect("create");
+
+    // Changing and removing a set-once field through the annotation.
+    for (what, value) in [
+        (
+            "changed",
+            json!(r#"{"controlPlaneEndpoint":{"host":"api.evil.example","port":1}}"#),
+        ),
+        ("removed", json!("{}")),
+        ("unreadable", json!("not json")),
+        ("deleted annotation", Value::Null),
+    ] {
+        let message = refused(alpha.patch("set", &pp, &data(value)).await);
+        assert!(
+            message.contains("spec.controlPlaneEndpoint"),
+            "{what}: {message}"
+        );
+    }
+    // A value the v1beta1 schema forbids, on an object that has none yet.
+    let evil =
+        json!(r#"{"controlPlaneEndpoint":{"host":"bad host\r\nBcc: x@evil.example","port":0}}"#);
+    let message = refused(alpha.patch("unset", &pp, &data(evil.clone())).await);
+    assert!(
+        message.contains("spec.controlPlaneEndpoint.host"),
+        "{message}"
+    );
+    assert!(
+        message.contains("spec.controlPlaneEndpoint.port"),
+        "{message}"
+    );
+    // The same through a v1alpha1 create.
+    let mut obj = cluster("created", "v1alpha1");
+    obj["metadata"]["annotations"] = json!({CONVERSION_DATA_ANNOTATION: evil});
+    let message = refused(create(&alpha, obj).await);
+    assert!(
+        message.contains("spec.controlPlaneEndpoint.host"),
+        "{message}"
+    );
+    // A machine's failure domain.
+    create(
+        &beta_machines,
+        with(
+            machine("m", "v1beta1"),
+            "/spec/failureDomain",
+            json!("rack-1"),
+        ),
+    )
+    .await
+    .expect("machine");
+    let message = refused(
+        alpha_machines
+            .patch("m", &pp, &data(json!(r#"{"failureDomain":"rack-2"}"#)))
+            .await,
+    );
+    assert!(message.contains("spec.failureDomain"), "{message}");
+
+    // Status in the annotation is ignored, on the main resource and on /status.
+    let hacked = json!(
+        r#"{"status":{"conditions":[{"type":"Hacked","status":"True","reason":"not a reason!","message":"","lastTransitionTime":"2026-01-02T03:04:05Z"}],"mail":{"state":"Sent"}}}"#
+    );
+    alpha
+        .patch("unset", &pp, &data(hacked.clone()))
+        .await
+        .expect("label-free patch");
+    alpha
+        .patch_status(
+            "unset",
+            &pp,
+            &Patch::Merge(
+                json!({"metadata": {"annotations": {CONVERSION_DATA_ANNOTATION: hacked}},
+                                 "status": {"ready": false}}),
+            ),
+        )
+        .await
+        .expect("status through v1alpha1");
+    let stored = beta.get("unset").await.expect("get");
+    let status = stored.data.get("status").cloned().unwrap_or(Value::Null);
+    assert!(status.get("conditions").is_none(), "{status}");
+    assert!(status.pointer("/mail/state").is_none(), "{status}");
+    assert!(
+        stored
+            .metadata
+            .annotations
+            .as_ref()
+            .is_none_or(|a| !a.contains_key(CONVERSION_DATA_ANNOTATION)),
+        "{:?}",
+        stored.metadata.annotations
+    );
+
+    // Untouched, the annotation round-trips: v1alpha1 writes keep working.
+    alpha
+        .patch(
+            "set",
+            &pp,
+            &Patch::Merge(json!({"metadata": {"labels": {"ok": "yes"}}})),
+        )
+        .await
+        .expect("label through v1alpha1");
+    let stored = beta.get("set").await.expect("get");
+    assert_eq!(
+        stored.data["spec"]["controlPlaneEndpoint"]["host"],
+        "api.example.com"
+    );
+}
+
+/// Issue 14 (defence for item 5): only the provider's identity may add, change or remove our
+/// annotations; privileged users (clusterctl move) may create objects carrying them.
+#[tokio::test]
+async fn only_the_provider_writes_our_annotations() {
+    let ns = setup("api-annotations").await;
+    grant_developer(&ns, "mallory").await;
+    grant_developer(&ns, PROVIDER).await;
+    let mallory = client_as(&ns, "mallory", &["team-a"]).await;
+    let provider = client_as(&ns, PROVIDER, &["system:serviceaccounts"]).await;
+    let kinds = |client: &kube::Client, version: &str, kind: &str| {
+        let gvk = GroupVersionKind::gvk(capm_api::GROUP, version, kind);
+        let plural = format!("{}s", kind.to_lowercase());
+        Api::<DynamicObject>::namespaced_with(
+            client.clone(),
+            &ns.name,
+            &ApiResource::from_gvk_with_plural(&gvk, &plural),
+        )
+    };
+    let as_mallory = kinds(&mallory, "v1beta1", "MailgunCluster");
+    let as_mallory_alpha = kinds(&mallory, "v1alpha1", "MailgunCluster");
+    let as_mallory_machines = kinds(&mallory, "v1beta1", "MailgunMachine");
+    let as_provider = kinds(&provider, "v1beta1", "MailgunCluster");
+    let as_admin = api(&ns, "v1beta1", "MailgunCluster");
+    let pp = PatchParams::default();
+    let sent = capm_api::names::MAIL_SENT_ANNOTATION;
+    let intent = capm_api::names::MAIL_INTENT_ANNOTATION;
+    let annotate =
+        |key: &str, value: Value| Patch::Merge(json!({"metadata": {"annotations": {key: value}}}));
+
+    // A forged record at creation (the policy takes a moment to become active).
+    let mut forged = cluster("forged", "v1beta1");
+    forged["metadata"]["annotations"] = json!({sent: "<forged@evil.example>"});
+    let mut message = None;
+    for _ in 0..100 {
+        match create(&as_mallory, forged.clone()).await {
+            Ok(_) => {
+                as_admin
+                    .delete("forged", &Default::default())
+                    .await
+                    .expect("delete");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => {
+                message = Some(refused(other));
+                break;
+            }
+        }
+    }
+    let message = message.expect("the policy never became active");
+    assert!(
+        message.contains("metadata.annotations") && message.contains(sent),
+        "{message}"
+    );
+    let mut machine_forged = machine("mforged", "v1beta1");
+    machine_forged["metadata"]["annotations"] =
+        json!({capm_api::names::DELETION_MAIL_SENT_ANNOTATION: "x"});
+    refused(create(&as_mallory_machines, machine_forged).await);
+
+    // Added, changed and removed after creation.
+    create(&as_mallory, cluster("c", "v1beta1"))
+        .await
+        .expect("clean create");
+    let message = refused(
+        as_mallory
+            .patch("c", &pp, &annotate(intent, json!("x")))
+            .await,
+    );
+    assert!(message.contains(intent), "{message}");
+    refused(
+        as_mallory
+            .patch("c", &pp, &annotate(CONVERSION_DATA_ANNOTATION, json!("{}")))
+            .await,
+    );
+    refused(
+        as_mallory_alpha
+            .patch("c", &pp, &annotate(sent, json!("x")))
+            .await,
+    );
+    as_provider
+        .patch(
+            "c",
+            &pp,
+            &annotate(intent, json!("<mailguncluster.u@mg.example.com>")),
+        )
+        .await
+        .expect("the provider writes its record");
+    refused(
+        as_mallory
+            .patch("c", &pp, &annotate(intent, json!("other")))
+            .await,
+    );
+    refused(
+        as_mallory
+            .patch("c", &pp, &annotate(intent, Value::Null))
+            .await,
+    );
+    // Everything else stays the user's.
+    as_mallory
+        .patch("c", &pp, &annotate("example.com/note", json!("mine")))
+        .await
+        .expect("other annotations are the user's");
+    as_mallory_alpha
+        .patch(
+            "c",
+            &pp,
+            &Patch::Merge(json!({"metadata": {"labels": {"team": "a"}}})),
+        )
+        .await
+        .expect("labels through v1alpha1");
+    as_provider
+        .patch("c", &pp, &annotate(intent, Value::Null))
+        .await
+        .expect("the provider removes its record");
+
+    // clusterctl move: a privileged user creates objects with our records, and only creates.
+    let mut moved = cluster("moved", "v1beta1");
+    moved["metadata"]["annotations"] = json!({sent: "<mailguncluster.u@mg.example.com>"});
+    create(&as_admin, moved)
+        .await
+        .expect("system:masters may create with our records");
+    refused(
+        as_admin
+            .patch("moved", &pp, &annotate(sent, json!("changed")))
+            .await,
+    );
 }

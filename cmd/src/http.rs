@@ -1,5 +1,5 @@
-//! The three HTTP endpoints: `/metrics`, the probes `/healthz` + `/readyz`, and the conversion
-//! webhook over TLS. Each stops accepting when shutdown is requested and lets open requests
+//! The three HTTP endpoints: `/metrics`, the probes `/healthz` + `/readyz`, and the webhooks
+//! (conversion and admission) over TLS. Each stops accepting when shutdown is requested and lets open requests
 //! finish.
 
 use std::{
@@ -182,11 +182,12 @@ pub fn probe_handler(
     }
 }
 
-/// The conversion webhook at `/convert`.
+/// The conversion webhook at `/convert`, the admission webhook for writes through `v1alpha1`
+/// at `/validate`.
 pub async fn webhook_handler(req: Request<Incoming>) -> Response<Full<Bytes>> {
-    if req.uri().path() == capm_api::webhook::CONVERT_PATH {
-        capm_api::webhook::handle(req).await
-    } else {
-        text(StatusCode::NOT_FOUND, "not found\n")
+    match req.uri().path() {
+        capm_api::webhook::CONVERT_PATH => capm_api::webhook::handle(req).await,
+        capm_api::admission::VALIDATE_PATH => capm_api::admission::handle(req).await,
+        _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }

@@ -66,6 +66,26 @@ struct SeriesEntry {
     last_observed: Instant,
 }
 
+/// Longest object name the API server accepts (a DNS subdomain).
+const MAX_NAME_LENGTH: usize = 253;
+
+/// `<object name>.<nanoseconds in hex>`, as client-go names events, with the object name
+/// shortened when the result would exceed [`MAX_NAME_LENGTH`]: cut to fit, then stripped of
+/// trailing `.` and `-` so every label still ends in a letter or digit. Deterministic (the same
+/// inputs give the same name), unlike client-go's fallback to a random UUID, and the event name
+/// still starts with the object's. Object names are DNS subdomains already, so nothing else
+/// needs escaping.
+fn event_name(object: &str, nanos: i128) -> String {
+    let suffix = format!(".{nanos:x}");
+    let room = MAX_NAME_LENGTH.saturating_sub(suffix.len());
+    let mut end = object.len().min(room);
+    while !object.is_char_boundary(end) {
+        end -= 1;
+    }
+    let prefix = object[..end].trim_end_matches(['.', '-']);
+    format!("{prefix}{suffix}")
+}
+
 /// Publishes events for one reporting controller and instance.
 pub struct Events {
     client: Client,
@@ -166,10 +186,9 @@ impl Events {
                     .namespace
                     .clone()
                     .unwrap_or_else(|| "default".to_owned());
-                let name = format!(
-                    "{}.{:x}",
+                let name = event_name(
                     regarding.name.as_deref().unwrap_or(&self.controller),
-                    now.as_nanosecond()
+                    now.as_nanosecond(),
                 );
                 let event = Event {
                     action: Some("Reconcile".into()),
@@ -233,6 +252,25 @@ mod tests {
     }
 
     #[test]
+    fn event_names_fit_and_end_labels_in_alphanumerics() {
+        assert_eq!(event_name("demo", 255), "demo.ff");
+        let nanos = 0x18ea_a61c_bbc0_5adf_i128;
+        for object in [
+            "a".repeat(253),
+            format!("{}.b", "a".repeat(235)),
+            format!("{}-{}", "c".repeat(236), "d".repeat(16)),
+        ] {
+            let name = event_name(&object, nanos);
+            assert!(name.len() <= MAX_NAME_LENGTH, "{name}");
+            assert!(name.ends_with(".18eaa61cbbc05adf"), "{name}");
+            let prefix = name.trim_end_matches(".18eaa61cbbc05adf");
+            assert!(object.starts_with(prefix));
+            assert!(!prefix.ends_with(['.', '-']), "{name}");
+            assert_eq!(event_name(&object, nanos), name, "deterministic");
+        }
+    }
+
+    #[test]
     fn prune_drops_expired_entries_and_is_rate_limited() {
         let start = Instant::now();
         let mut series = Series::default();
@@ -249,6 +287,47 @@ mod tests {
         series.entries.insert(key("old"), entry(start));
         series.prune(expired + Duration::from_secs(1));
         assert_eq!(series.entries.len(), 2);
+    }
+
+    /// Issue 14 item 7: a 253-character object name (the longest the API server allows) still
+    /// gets its event, on the real API server.
+    #[tokio::test]
+    async fn events_about_objects_with_the_longest_names_are_accepted() {
+        let ns = capm_test_support::TestNamespace::create("events-long")
+            .await
+            .unwrap();
+        let events = Events::new(ns.client.clone(), "mailguncluster-controller", "i-1");
+        for (i, name) in [
+            "a".repeat(253),
+            format!("{}.b", "a".repeat(236)),
+            format!("{}-{}", "c".repeat(240), "d".repeat(12)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let regarding = ObjectReference {
+                api_version: Some("infrastructure.cluster.x-k8s.io/v1beta1".into()),
+                kind: Some("MailgunCluster".into()),
+                uid: Some(format!("uid-{i}")),
+                name: Some(name.clone()),
+                namespace: Some(ns.name.clone()),
+                resource_version: Some("1".into()),
+                ..ObjectReference::default()
+            };
+            events
+                .publish(&regarding, EventType::Normal, "MailSent", "sent".into())
+                .await
+                .unwrap_or_else(|e| panic!("event about {} characters: {e}", name.len()));
+        }
+        let list = Api::<Event>::namespaced(ns.client.clone(), &ns.name)
+            .list(&Default::default())
+            .await
+            .unwrap();
+        assert_eq!(list.items.len(), 3);
+        for event in &list.items {
+            let name = event.metadata.name.clone().unwrap();
+            assert!(name.len() <= 253, "{name}");
+        }
     }
 
     #[tokio::test]

@@ -4,15 +4,21 @@
 //! (`after-intent`: intent recorded, mail not sent; `after-send`: mail accepted, not recorded).
 //! `CAPM_FAILPOINT=<name>:stop` freezes it there instead, once (SIGSTOP to itself, as an
 //! operator's `kill -STOP` or a stalled node would): the test resumes it with SIGCONT.
-//! Only tests set it; the Helm chart never does.
+//! Compiled in only with the `failpoints` cargo feature, which only the tests enable: a release
+//! build has no way to make library code abort.
 
-use std::sync::{
-    OnceLock,
-    atomic::{AtomicBool, Ordering},
-};
+/// Does nothing: failpoints are compiled out (`failpoints` feature off).
+#[cfg(not(feature = "failpoints"))]
+#[inline]
+pub fn hit(_step: &str) {}
 
 /// Aborts (or freezes) the process if `CAPM_FAILPOINT` names this step.
+#[cfg(feature = "failpoints")]
 pub fn hit(step: &str) {
+    use std::sync::{
+        OnceLock,
+        atomic::{AtomicBool, Ordering},
+    };
     static ARMED: OnceLock<Option<String>> = OnceLock::new();
     static STOPPED: AtomicBool = AtomicBool::new(false);
     let armed = ARMED.get_or_init(|| {

@@ -17,7 +17,10 @@ const RECONCILE_BUCKETS: &[f64] = &[
 /// - `controller_runtime_reconcile_time_seconds{controller}`
 /// - `controller_runtime_active_workers{controller}`
 /// - `controller_runtime_max_concurrent_reconciles{controller}`
-/// - `workqueue_adds_total{name}`, `workqueue_retries_total{name}`
+/// - `workqueue_retries_total{name}`: requeues after an error, as controller-runtime counts them
+/// - `capm_reconcile_triggers_total{name}`: watch events that asked for a reconcile. Not
+///   `workqueue_adds_total`: kube-runtime does not expose its queue, and its scheduler folds
+///   requests for an object already waiting, which this count includes.
 /// - `capm_mail_resends_total{controller}`: mails sent again with the same Message-Id because
 ///   an earlier attempt's outcome could not be established.
 /// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
@@ -85,8 +88,8 @@ impl Metrics {
                 "Maximum number of concurrent reconciles per controller",
             )?,
             queue_adds: counter(
-                "workqueue_adds_total",
-                "Total number of adds handled by workqueue",
+                "capm_reconcile_triggers_total",
+                "Watch events that asked for a reconcile, before kube-runtime's scheduler folds requests for the same object (so not workqueue_adds_total)",
                 &["name"],
             )?,
             queue_retries: counter(

@@ -56,7 +56,7 @@ pub use error::{BoxError, ErrorKind, MailError};
 pub use mailgun::MailgunMailer;
 pub use message::{
     MAX_MESSAGE_ID_LEN, MAX_METADATA_BYTES, MAX_SUBJECT_CHARS, MAX_TAG_LEN, MAX_TAGS, Message,
-    MessageBuilder, MessageError, MessageId,
+    MessageBuilder, MessageError, MessageId, is_plain_address,
 };
 pub use metrics::{InstrumentedMailer, MailerMetrics};
 pub use secret::{Secret, SecretError, SecretSource};

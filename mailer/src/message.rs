@@ -155,6 +155,48 @@ fn parse_mailbox(field: &'static str, value: &str) -> Result<Mailbox, MessageErr
         .map_err(|e| invalid(field, format!("not a valid e-mail address ({e})")))
 }
 
+/// Whether `address` is a plain e-mail address, the only form the API admits as a requester:
+/// a dot-atom local part of ASCII `atext` (no leading, trailing or doubled dot) of at most 64
+/// characters, `@`, and a domain of at least two labels of ASCII letters, digits and inner
+/// hyphens, each 1 to 63 characters; at most 254 characters in all. No quoted local parts, IP
+/// literals or Unicode (lettre accepts those; the API does not). `capm-api`'s requester pattern
+/// and this function are tested on the same table (`api/testdata/requesters.json`).
+pub fn is_plain_address(address: &str) -> bool {
+    let Some((local, domain)) = address.split_once('@') else {
+        return false;
+    };
+    let label = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    address.len() <= 254
+        && local.len() <= 64
+        && is_dot_atom_text(local)
+        && domain.split('.').count() >= 2
+        && domain.split('.').all(label)
+}
+
+fn parse_sender(value: &str) -> Result<Mailbox, MessageError> {
+    const FIELD: &str = "from";
+    let mailbox = parse_mailbox(FIELD, value)?;
+    // The address as written (lettre normalises, e.g. drops the quotes of a quoted local
+    // part) must be plain and be exactly what lettre will send.
+    let written = match value.strip_suffix('>') {
+        Some(rest) => rest.rsplit_once('<').map_or("", |(_, address)| address),
+        None => value,
+    };
+    if !is_plain_address(written) || mailbox.email.to_string() != written {
+        return Err(invalid(
+            FIELD,
+            "not a plain e-mail address (local@domain.tld: no quotes, IP literals, Unicode, \
+             spaces or leading, trailing or doubled dots)",
+        ));
+    }
+    Ok(mailbox)
+}
+
 fn check_tag(tag: &str) -> Result<(), MessageError> {
     const FIELD: &str = "tags";
     check_no_control(FIELD, tag)?;
@@ -273,7 +315,9 @@ pub struct MessageBuilder {
 }
 
 impl MessageBuilder {
-    /// Sets the sender: `user@domain` or `Name <user@domain>` (required).
+    /// Sets the sender: `user@domain` or `Name <user@domain>` (required). The address must be
+    /// plain (see [`is_plain_address`]): the sender is the requester, which the API admits only
+    /// in that form.
     pub fn from(mut self, from: impl Into<String>) -> Self {
         self.from = Some(from.into());
         self
@@ -320,10 +364,7 @@ impl MessageBuilder {
     /// # Errors
     /// A [`MessageError`] naming the first field that is missing or invalid.
     pub fn build(self) -> Result<Message, MessageError> {
-        let from = parse_mailbox(
-            "from",
-            &self.from.ok_or(MessageError::Missing { field: "from" })?,
-        )?;
+        let from = parse_sender(&self.from.ok_or(MessageError::Missing { field: "from" })?)?;
         if self.to.is_empty() {
             return Err(MessageError::Missing { field: "to" });
         }
@@ -487,6 +528,47 @@ mod tests {
                 "{bad}: {err}"
             );
         }
+    }
+
+    /// The same table the API's validation and the API server are held to
+    /// (`api/testdata/requesters.json`): a requester admission lets in must build as `from`,
+    /// one it refuses must not, bare or behind a display name.
+    #[test]
+    fn requester_table_matches_admission() {
+        let table: Vec<(String, bool, String)> =
+            serde_json::from_str(include_str!("../../api/testdata/requesters.json")).unwrap();
+        let mut wrong = Vec::new();
+        for (address, admitted, why) in &table {
+            let named = format!("Requester <{address}>");
+            // A display-name form is a mailbox, not a requester: only its address part counts.
+            let forms: &[&str] = if address.contains('<') {
+                &[named.as_str()]
+            } else {
+                &[address.as_str(), named.as_str()]
+            };
+            for form in forms {
+                let built = base().from(*form).build();
+                if built.is_ok() != *admitted {
+                    wrong.push(format!("{form:?} ({why}): {:?}", built.as_ref().err()));
+                }
+                if let Err(e) = built {
+                    assert!(
+                        matches!(
+                            e,
+                            MessageError::Invalid { field: "from", .. }
+                                | MessageError::ControlCharacter { field: "from", .. }
+                                | MessageError::Missing { field: "from" }
+                        ),
+                        "{form:?}: {e}"
+                    );
+                }
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "disagree with admission:\n{}",
+            wrong.join("\n")
+        );
     }
 
     #[test]

@@ -168,6 +168,9 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
             "Role",
             "Service",
             "CustomResourceDefinition",
+            "ValidatingWebhookConfiguration",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
         ] {
             ensure!(
                 ours.iter().any(|o| o["kind"] == kind),
@@ -194,11 +197,12 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
                     == "capm-cluster-api-provider-mailgun-webhook.capm-system.svc",
                 "{cert}"
             );
-            // With cert-manager the CRDs get their CA injected instead of a caBundle.
-            for crd in ours
-                .iter()
-                .filter(|o| o["kind"] == "CustomResourceDefinition")
-            {
+            // With cert-manager the CRDs and the admission webhook get their CA injected
+            // instead of a caBundle.
+            for crd in ours.iter().filter(|o| {
+                o["kind"] == "CustomResourceDefinition"
+                    || o["kind"] == "ValidatingWebhookConfiguration"
+            }) {
                 ensure!(
                     crd["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
                         == "capm-system/capm-cluster-api-provider-mailgun-webhook-cert",

@@ -1,0 +1,99 @@
+//! What the controllers need to know besides the cluster and the mailer, and why they stop.
+
+use std::time::Duration;
+
+use crate::Leadership;
+
+/// What the controllers need to know besides the cluster and the mailer.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Who receives the request mails (`MAIL_RECIPIENT`); at least one address.
+    pub recipients: Vec<String>,
+    /// The domain of the deterministic Message-Ids (`<kind.uid@domain>`), usually the Mailgun
+    /// sending domain.
+    pub message_id_domain: String,
+    /// Reconcile only this namespace (`--namespace`); `None` for all namespaces.
+    pub namespace: Option<String>,
+    /// Reconcile only objects whose `cluster.x-k8s.io/watch-filter` label has this value
+    /// (`--watch-filter`).
+    pub watch_filter: Option<String>,
+    /// Reconciles running at once per controller (`--concurrency`), at least 1.
+    pub concurrency: u16,
+    /// First retry delay after an error; doubles per consecutive failure of one object.
+    pub backoff_base: Duration,
+    /// Ceiling of the per-object retry delay, also the delay after a permanent error.
+    pub backoff_max: Duration,
+    /// `reportingInstance` of the events this process records (for example the pod name).
+    pub instance: String,
+    /// How long a backend lookup must keep answering "not found" for a mail whose outcome was
+    /// unknown before it is sent again (event stores lag behind sends).
+    pub lookup_grace: Duration,
+    /// This process's standing as leader, consulted right before every send; its identity is
+    /// recorded with every mail intent.
+    pub leadership: Leadership,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            recipients: Vec::new(),
+            message_id_domain: String::new(),
+            namespace: None,
+            watch_filter: None,
+            concurrency: 10,
+            backoff_base: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(300),
+            instance: "cluster-api-provider-mailgun".into(),
+            lookup_grace: Duration::from_secs(10),
+            leadership: Leadership::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Checks that this configuration can work.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the field.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.recipients.is_empty() {
+            return Err(Error::Config(
+                "recipients: at least one recipient is required".into(),
+            ));
+        }
+        if self.message_id_domain.is_empty()
+            || self.message_id_domain.contains(['<', '>', '@', ' '])
+        {
+            return Err(Error::Config(format!(
+                "message_id_domain: {:?} is not a domain",
+                self.message_id_domain
+            )));
+        }
+        if self.concurrency == 0 {
+            return Err(Error::Config("concurrency: must be at least 1".into()));
+        }
+        if self.backoff_base.is_zero() || self.backoff_base > self.backoff_max {
+            return Err(Error::Config(
+                "backoff_base: must be positive and at most backoff_max".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why the controllers stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration cannot work.
+    #[error("invalid controller configuration: {0}")]
+    Config(String),
+    /// The Kubernetes API refused something the controllers need to start.
+    #[error("{context}: {source}")]
+    Kube {
+        /// What was being done.
+        context: &'static str,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+}
