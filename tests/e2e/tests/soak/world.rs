@@ -528,7 +528,14 @@ impl Lane {
             };
             ops.push(op);
             if chaos_at == i && chaos < 24 {
-                // Strike while the operation's mails are in flight.
+                // Strike while the operation's mails are in flight; a freeze often comes with
+                // a slow backend, so that sends are still waiting for their answer.
+                if chaos < 12 && fault_at.is_none() && rng.random_bool(0.6) {
+                    ops.push(Op::Fault {
+                        fault: Fault::Slow(Duration::from_millis(rng.random_range(1000..3000))),
+                        lasts: Duration::from_millis(rng.random_range(3000..6000)),
+                    });
+                }
                 ops.push(Op::Sleep(Duration::from_millis(rng.random_range(0..400))));
                 ops.push(if chaos < 12 {
                     Op::FreezeLeader {
