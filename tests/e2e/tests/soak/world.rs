@@ -155,6 +155,8 @@ pub struct Lane {
     deleted: BTreeSet<String>,
     next_cluster: usize,
     fulfilled: Mutex<BTreeSet<String>>,
+    /// Deleted clusters whose MailgunCluster was left without owner (deleted by the test).
+    orphans: Mutex<BTreeSet<String>>,
     /// Ledger violations already reported (with `SOAK_KEEP_GOING`, each is reported once).
     reported: Mutex<BTreeSet<String>>,
     log: Mutex<Vec<String>>,
@@ -372,6 +374,7 @@ impl Lane {
             deleted: BTreeSet::new(),
             next_cluster: 0,
             fulfilled: Mutex::new(BTreeSet::new()),
+            orphans: Mutex::new(BTreeSet::new()),
             reported: Mutex::new(BTreeSet::new()),
             log: Mutex::new(Vec::new()),
             round_start: Mutex::new(Instant::now()),
@@ -979,10 +982,26 @@ impl Lane {
         };
         let mut missing = Vec::new();
         for name in &self.deleted {
-            if clusters.iter().any(|c| c.name_any() == *name) {
+            let cluster_gone = !clusters.iter().any(|c| c.name_any() == *name);
+            if !cluster_gone {
                 missing.push(format!("Cluster {name} not deleted yet"));
             }
             for o in mgcs.iter().filter(|o| o.name_any() == *name) {
+                // A Cluster deleted before Cluster API adopted its MailgunCluster (no owner
+                // reference, no finalizer yet) goes at once and leaves the MailgunCluster behind:
+                // Kubernetes semantics, not the provider's doing. The human deletes it.
+                let orphan = cluster_gone
+                    && o.owner_references().is_empty()
+                    && o.metadata.deletion_timestamp.is_none();
+                if orphan && !lock(&self.orphans).contains(name) {
+                    lock(&self.orphans).insert(name.clone());
+                    self.note(format!(
+                        "MailgunCluster {name} was left without owner; deleting it"
+                    ));
+                    let dp = DeleteParams::default();
+                    let _ = self.infra(Kind::Cluster).delete(name, &dp).await;
+                    let _ = self.deployments().delete(name, &dp).await;
+                }
                 missing.push(format!(
                     "MailgunCluster {name} ({}) of a deleted Cluster still there, finalizers {:?}",
                     o.uid().unwrap_or_default(),
