@@ -34,7 +34,9 @@
 //! The round waits (up to 150 s) until its intent is reached: deleted `Cluster`s and all their
 //! objects are gone; every unpaused `Cluster`'s `MailgunCluster` was requested (its request mail
 //! is in the ledger), fulfilled and provisioned, and its `MachineDeployment` has exactly
-//! `replicas` `MailgunMachine`s, each requested. Paused `Cluster`s are left alone. Not getting
+//! `replicas` `MailgunMachine`s, each requested. Paused `Cluster`s are left alone. (A `Cluster`
+//! deleted before Cluster API adopted its `MailgunCluster` leaves that one without owner, as
+//! Kubernetes does; the human then deletes it too.) Not getting
 //! there is itself a violation (`NotSettled`, with what is missing). Then it waits 1 s and
 //! watches every `MailgunCluster` and `MailgunMachine` of the lane for 3 s: any write is a
 //! violation (`WritesWhenQuiet`, with the field managers whose `managedFields` entries moved).
