@@ -55,18 +55,24 @@ pub struct World {
     cp: Arc<ControlPlane>,
     client: Client,
     capi: Proc,
-    dir: tempfile::TempDir,
+    /// Logs of the core manager and the providers: inside the control plane's state
+    /// directory, so its reaper removes them whatever happens to this test.
+    dir: PathBuf,
 }
 
 impl World {
     /// Starts the control plane, installs the CRDs and starts the Cluster API core manager.
     pub async fn start() -> Result<Self> {
-        let dir = tempfile::Builder::new().prefix("capm-soak-").tempdir()?;
         let cp = ControlPlane::start(Options::default()).await?;
+        let dir = cp
+            .dir()
+            .context("a started control plane has a directory")?
+            .join("soak");
+        std::fs::create_dir_all(&dir)?;
         cp.install_capi_crds().await?;
         let client = cp.client().await?;
         install_crds(&client, &capm_api::crd::crds()?).await?;
-        let capi = start_capi_manager(cp.kubeconfig(), dir.path())?;
+        let capi = start_capi_manager(cp.kubeconfig(), &dir)?;
         cp.adopt(capi.pid())?;
         Ok(Self {
             cp: Arc::new(cp),
@@ -335,7 +341,7 @@ impl Lane {
                 },
             )
             .await?;
-        let logs = world.dir.path().join(backend.to_string());
+        let logs = world.dir.join(backend.to_string());
         std::fs::create_dir_all(&logs)?;
         let config = logs.join("config.json");
         let (server, mailer) = match backend {
