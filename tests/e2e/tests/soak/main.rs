@@ -151,6 +151,8 @@ async fn soak() -> Result<()> {
         Ok::<_, anyhow::Error>(())
     }
     .await;
+    // Read before stopping: the summary includes the live replicas' resend counters.
+    let mails: Vec<String> = lanes.iter().map(Lane::summary).collect();
     for lane in &lanes {
         lane.stop();
     }
@@ -161,7 +163,6 @@ async fn soak() -> Result<()> {
             failed.join(", ")
         );
     }
-    let mails: Vec<String> = lanes.iter().map(Lane::summary).collect();
     println!(
         "soak: seed {seed}: {rounds} rounds and the teardown passed in {:.1} s (longest round \
          {:.1} s); {}",
