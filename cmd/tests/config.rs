@@ -112,7 +112,7 @@ fn secret_stays_out_of_logs_and_errors_past_validation() {
             "--kubeconfig",
             dir.path().join("missing").to_str().expect("utf-8"),
             "--webhook-port=0",
-            "--metrics-bind-address=0",
+            "--diagnostics-address=0",
             "--health-probe-bind-address=0",
         ],
     );
@@ -152,7 +152,9 @@ fn help_documents_every_variable() {
         "SMTP_URL",
         "LEADER_ELECT",
         "WEBHOOK_CERT_DIR",
-        "default: 127.0.0.1:8080",
+        "DIAGNOSTICS_ADDRESS",
+        "INSECURE_DIAGNOSTICS",
+        "default: :8443",
     ] {
         assert!(help.contains(var), "{var} missing from --help:\n{help}");
     }
