@@ -72,7 +72,7 @@ cat > "$work/provider.json" <<JSON
 JSON
 MAIL_RECIPIENT=infrastructure-team@example.com "$provider" --config "$work/provider.json" \
   --message-id-domain capm.example.com --kubeconfig "$KUBECONFIG" --leader-elect=false --webhook-port 0 \
-  --metrics-bind-address "127.0.0.1:$(free_port)" --health-probe-bind-address "127.0.0.1:$(free_port)" \
+  --diagnostics-address "127.0.0.1:$(free_port)" --insecure-diagnostics --health-probe-bind-address "127.0.0.1:$(free_port)" \
   > "$work/provider.log" 2>&1 &
 pids+=($!)
 
