@@ -6,10 +6,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-say() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+started=$SECONDS
+say() { printf '\n\033[1m==> [%dm%02ds] %s\033[0m\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
 die() { echo "demo: $*" >&2; exit 1; }
 
-say "building the provider and the local environment CLI"
+say "building the provider and the local environment CLI (a fresh clone compiles every crate: minutes)"
 cargo build -q -p cluster-api-provider-mailgun -p capm-test-support --bin cluster-api-provider-mailgun --bin capm-env
 capm_env=target/debug/capm-env
 provider=target/debug/cluster-api-provider-mailgun
