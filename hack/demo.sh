@@ -21,9 +21,11 @@ state="$work/control-plane"
 pids=()
 cleanup() {
   set +e
-  "$capm_env" down --dir "$state" >/dev/null 2>&1
+  # The managers first, while the API server they talk to is still up: they stop in moments
+  # instead of retrying an absent server until their shutdown timeouts.
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
+  "$capm_env" down --dir "$state" >/dev/null 2>&1
   exec 3>&- 2>/dev/null
   rm -rf "$work"
 }
