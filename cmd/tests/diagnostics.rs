@@ -31,9 +31,11 @@ use tokio::net::TcpStream;
 use tokio_rustls::{
     TlsConnector,
     rustls::{
-        ClientConfig, RootCertStore,
+        ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+        client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
         crypto::ring,
-        pki_types::{CertificateDer, ServerName, pem::PemObject},
+        crypto::{verify_tls12_signature, verify_tls13_signature},
+        pki_types::{CertificateDer, ServerName, UnixTime, pem::PemObject},
     },
 };
 
@@ -175,7 +177,56 @@ async fn revoke(ns: &TestNamespace, name: &str) {
         .await;
 }
 
-fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: &Path) -> Killed {
+/// Accepts any server certificate: only for the self-signed one, which nothing can verify.
+#[derive(Debug)]
+struct AnyCertificate(Arc<tokio_rustls::rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, tokio_rustls::rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: Option<&Path>) -> Killed {
     let log = dir.join("manager.log");
     let out = File::create(&log).expect("log file");
     let err = out.try_clone().expect("log file");
@@ -197,9 +248,8 @@ fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: &Path) -> Killed {
             "--health-probe-bind-address=0",
             "--diagnostics-address",
             &format!("127.0.0.1:{port}"),
-            "--diagnostics-cert-dir",
-            certs.to_str().expect("utf-8"),
         ])
+        .args(certs.map(|dir| format!("--diagnostics-cert-dir={}", dir.display())))
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
@@ -227,7 +277,7 @@ async fn metrics_need_a_token_the_api_server_accepts_and_rbac_allows() {
     let role = grant_metrics(&ns, "prometheus").await;
 
     let port = free_port().expect("port");
-    let _manager = start(&ns, dir.path(), port, &certs);
+    let _manager = start(&ns, dir.path(), port, Some(&certs));
     let connector = tls_client(ca.cert_pem());
     let start = Instant::now();
     let (status, body) = loop {
@@ -269,4 +319,45 @@ async fn metrics_need_a_token_the_api_server_accepts_and_rbac_allows() {
         !log.contains(&allowed) && !log.contains(&denied),
         "a token reached the log"
     );
+}
+
+#[tokio::test]
+async fn without_a_certificate_directory_it_serves_a_self_signed_certificate() {
+    let ns =
+        TestNamespace::create_with_crds("capm-cmd-diag", &capm_api::crd::crds().expect("crds"))
+            .await
+            .expect("namespace with CRDs");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port().expect("port");
+    let _manager = start(&ns, dir.path(), port, None);
+    let provider = Arc::new(ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .expect("protocols")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+        .with_no_client_auth();
+    let connector = TlsConnector::from(Arc::new(config));
+    let start = Instant::now();
+    let (status, _) = loop {
+        match get_metrics(&connector, port, None).await {
+            Ok(answer) => break answer,
+            Err(e) => {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "diagnostics never answered: {e}\n{}",
+                    tail(&dir.path().join("manager.log"), 40)
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    assert_eq!(status, 401, "HTTPS without a token");
+    // And the certificate is not one a client could trust without pinning it.
+    let strict = tls_client(
+        CertificateAuthority::new("unrelated CA")
+            .expect("CA")
+            .cert_pem(),
+    );
+    assert!(get_metrics(&strict, port, None).await.is_err());
 }
