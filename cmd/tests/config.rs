@@ -141,6 +141,29 @@ fn webhook_without_certificates_fails_naming_the_directory() {
 }
 
 #[test]
+fn diagnostics_without_certificates_fail_naming_the_directory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = run(
+        &[
+            ("MAILGUN_DOMAIN", "mg.example.com"),
+            ("MAILGUN_API_KEY", SECRET),
+            ("MAIL_RECIPIENT", "ops@example.com"),
+        ],
+        &[
+            "--webhook-port=0",
+            "--diagnostics-cert-dir",
+            dir.path().to_str().expect("utf-8"),
+        ],
+    );
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("--diagnostics-cert-dir (DIAGNOSTICS_CERT_DIR)") && text.contains("tls.crt"),
+        "{text}"
+    );
+}
+
+#[test]
 fn help_documents_every_variable() {
     let out = run(&[], &["--help"]);
     assert!(out.status.success());
