@@ -121,7 +121,11 @@ async fn token(ns: &TestNamespace, account: &str) -> String {
 
 /// A ClusterRole granting `get` on `/metrics` to `account`; cluster-scoped, so removed by hand.
 async fn grant_metrics(ns: &TestNamespace, account: &str) -> String {
-    let name = format!("{}-metrics-reader", ns.name);
+    grant_metrics_named(ns, account, "metrics-reader").await
+}
+
+async fn grant_metrics_named(ns: &TestNamespace, account: &str, suffix: &str) -> String {
+    let name = format!("{}-{suffix}", ns.name);
     let roles: Api<ClusterRole> = Api::all(ns.client.clone());
     roles
         .create(
@@ -313,6 +317,30 @@ async fn metrics_need_a_token_the_api_server_accepts_and_rbac_allows() {
         .expect("GET");
     assert_eq!(status, 401);
 
+    // Refusals are cached briefly: granting the permission is seen after REFUSED_TTL (10 s),
+    // not on the very next scrape, and no later than that plus a little.
+    let late = grant_metrics_named(&ns, "nosy", "late").await;
+    let (status, _) = get_metrics(&connector, port, Some(&denied))
+        .await
+        .expect("GET");
+    assert_eq!(status, 403, "the refusal was not cached");
+    let granted_at = Instant::now();
+    loop {
+        let (status, body) = get_metrics(&connector, port, Some(&denied))
+            .await
+            .expect("GET");
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            granted_at.elapsed() < Duration::from_secs(20),
+            "a refusal outlived its cache time"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    revoke(&ns, &late).await;
     revoke(&ns, &role).await;
     let log = std::fs::read_to_string(dir.path().join("manager.log")).unwrap_or_default();
     assert!(
