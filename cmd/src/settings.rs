@@ -107,7 +107,32 @@ pub struct Args {
     #[arg(long, env = "CONCURRENCY", value_name = "N")]
     pub concurrency: Option<u16>,
 
-    /// Address of the Prometheus /metrics endpoint; `0` disables it [default: 127.0.0.1:8080].
+    /// Address of the diagnostics endpoint (/metrics): HTTPS, each request authenticated
+    /// (TokenReview) and authorized (SubjectAccessReview: `get` on the non-resource URL
+    /// `/metrics`) by the API server; `0` disables it [default: :8443].
+    #[arg(long, env = "DIAGNOSTICS_ADDRESS", value_name = "ADDR")]
+    pub diagnostics_address: Option<String>,
+
+    /// Serve diagnostics over plain HTTP without authentication or authorization [default:
+    /// false].
+    #[arg(
+        long,
+        env = "INSECURE_DIAGNOSTICS",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        value_parser = BoolishValueParser::new()
+    )]
+    pub insecure_diagnostics: Option<bool>,
+
+    /// Directory with the diagnostics endpoint's tls.crt and tls.key, re-read when they change
+    /// [default: a self-signed certificate generated at start].
+    #[arg(long, env = "DIAGNOSTICS_CERT_DIR", value_name = "DIR")]
+    pub diagnostics_cert_dir: Option<PathBuf>,
+
+    /// Deprecated: `--diagnostics-address ADDR --insecure-diagnostics` (plain HTTP, no
+    /// authentication), as this flag always meant; not together with --diagnostics-address.
     #[arg(long, env = "METRICS_BIND_ADDRESS", value_name = "ADDR")]
     pub metrics_bind_address: Option<String>,
 
@@ -209,7 +234,13 @@ pub struct FileConfig {
     pub watch_filter: Option<String>,
     /// See `--concurrency`.
     pub concurrency: Option<u16>,
-    /// See `--metrics-bind-address`.
+    /// See `--diagnostics-address`.
+    pub diagnostics_address: Option<String>,
+    /// See `--insecure-diagnostics`.
+    pub insecure_diagnostics: Option<bool>,
+    /// See `--diagnostics-cert-dir`.
+    pub diagnostics_cert_dir: Option<PathBuf>,
+    /// See `--metrics-bind-address` (deprecated).
     pub metrics_bind_address: Option<String>,
     /// See `--health-probe-bind-address`.
     pub health_probe_bind_address: Option<String>,
@@ -268,6 +299,9 @@ pub mod field {
         NAMESPACE = "namespace", "WATCH_NAMESPACE";
         WATCH_FILTER = "watch-filter", "WATCH_FILTER";
         CONCURRENCY = "concurrency", "CONCURRENCY";
+        DIAGNOSTICS_ADDRESS = "diagnostics-address", "DIAGNOSTICS_ADDRESS";
+        INSECURE_DIAGNOSTICS = "insecure-diagnostics", "INSECURE_DIAGNOSTICS";
+        DIAGNOSTICS_CERT_DIR = "diagnostics-cert-dir", "DIAGNOSTICS_CERT_DIR";
         METRICS_BIND_ADDRESS = "metrics-bind-address", "METRICS_BIND_ADDRESS";
         HEALTH_PROBE_BIND_ADDRESS = "health-probe-bind-address", "HEALTH_PROBE_BIND_ADDRESS";
         LEADER_ELECTION_NAMESPACE = "leader-election-namespace", "LEADER_ELECTION_NAMESPACE";
@@ -362,6 +396,27 @@ pub struct Webhook {
     pub cert_dir: PathBuf,
 }
 
+/// The diagnostics endpoint's serving parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostics {
+    /// Where it listens.
+    pub bind: SocketAddr,
+    /// HTTPS with authentication and authorization, or plain HTTP for anyone.
+    pub security: DiagnosticsSecurity,
+}
+
+/// How the diagnostics endpoint is protected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiagnosticsSecurity {
+    /// HTTPS; every request reviewed by the API server.
+    Secure {
+        /// Directory holding `tls.crt` and `tls.key`; `None`: self-signed, made at start.
+        cert_dir: Option<PathBuf>,
+    },
+    /// Plain HTTP, no authentication (`--insecure-diagnostics`).
+    Insecure,
+}
+
 /// Everything the manager needs, validated. Holds no secret values (only where to read them).
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -369,8 +424,10 @@ pub struct Settings {
     pub mailer: MailerConfig,
     /// The controllers' configuration (`instance` is filled in at start).
     pub controllers: capm_controllers::Config,
-    /// `/metrics` address, if enabled.
-    pub metrics_address: Option<SocketAddr>,
+    /// The diagnostics endpoint (`/metrics`), if enabled.
+    pub diagnostics: Option<Diagnostics>,
+    /// Deprecated settings in use, one sentence each, for a warning at start.
+    pub deprecations: Vec<String>,
     /// `/healthz` + `/readyz` address, if enabled.
     pub probe_address: Option<SocketAddr>,
     /// Leader election, if enabled.
@@ -446,12 +503,13 @@ impl Settings {
             return Err(invalid(field::CONCURRENCY, "must be at least 1"));
         }
 
-        let metrics_address = bind_address(
-            field::METRICS_BIND_ADDRESS,
-            args.metrics_bind_address
-                .or(file.metrics_bind_address)
-                .as_deref()
-                .unwrap_or("127.0.0.1:8080"),
+        let mut deprecations = Vec::new();
+        let diagnostics = resolve_diagnostics(
+            args.diagnostics_address.or(file.diagnostics_address),
+            args.insecure_diagnostics.or(file.insecure_diagnostics),
+            args.diagnostics_cert_dir.or(file.diagnostics_cert_dir),
+            args.metrics_bind_address.or(file.metrics_bind_address),
+            &mut deprecations,
         )?;
         let probe_address = bind_address(
             field::HEALTH_PROBE_BIND_ADDRESS,
@@ -523,7 +581,8 @@ impl Settings {
                 concurrency,
                 ..capm_controllers::Config::default()
             },
-            metrics_address,
+            diagnostics,
+            deprecations,
             probe_address,
             leader_election,
             webhook,
@@ -765,6 +824,71 @@ fn bind_address(field: Field, value: &str) -> Result<Option<SocketAddr>, Setting
     })
 }
 
+/// `--diagnostics-address` and friends, with `--metrics-bind-address` as the deprecated way to
+/// ask for plain HTTP.
+fn resolve_diagnostics(
+    address: Option<String>,
+    insecure: Option<bool>,
+    cert_dir: Option<PathBuf>,
+    metrics_bind_address: Option<String>,
+    deprecations: &mut Vec<String>,
+) -> Result<Option<Diagnostics>, SettingsError> {
+    let (bind, insecure) = match (address, metrics_bind_address) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                field::METRICS_BIND_ADDRESS,
+                format!(
+                    "deprecated and replaced by {}: set only that one",
+                    field::DIAGNOSTICS_ADDRESS
+                ),
+            ));
+        }
+        (None, Some(old)) => {
+            if insecure == Some(false) {
+                return Err(invalid(
+                    field::METRICS_BIND_ADDRESS,
+                    format!(
+                        "serves plain HTTP, which {} false forbids: use {} instead",
+                        field::INSECURE_DIAGNOSTICS,
+                        field::DIAGNOSTICS_ADDRESS
+                    ),
+                ));
+            }
+            deprecations.push(format!(
+                "{} is deprecated: use {} with {} (or drop it for HTTPS with authentication)",
+                field::METRICS_BIND_ADDRESS,
+                field::DIAGNOSTICS_ADDRESS,
+                field::INSECURE_DIAGNOSTICS
+            ));
+            (bind_address(field::METRICS_BIND_ADDRESS, &old)?, true)
+        }
+        (address, None) => (
+            bind_address(
+                field::DIAGNOSTICS_ADDRESS,
+                address.as_deref().unwrap_or(":8443"),
+            )?,
+            insecure.unwrap_or(false),
+        ),
+    };
+    if insecure && let Some(dir) = &cert_dir {
+        return Err(invalid(
+            field::DIAGNOSTICS_CERT_DIR,
+            format!(
+                "{} is only used over HTTPS, and diagnostics are insecure (plain HTTP)",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(bind.map(|bind| Diagnostics {
+        bind,
+        security: if insecure {
+            DiagnosticsSecurity::Insecure
+        } else {
+            DiagnosticsSecurity::Secure { cert_dir }
+        },
+    }))
+}
+
 fn in_cluster_namespace() -> Option<String> {
     std::fs::read_to_string(IN_CLUSTER_NAMESPACE_FILE)
         .ok()
@@ -858,7 +982,14 @@ mod tests {
         assert_eq!(s.controllers.recipients, ["ops@example.com"]);
         assert_eq!(s.controllers.message_id_domain, "mg.example.com");
         assert_eq!(s.controllers.concurrency, 10);
-        assert_eq!(s.metrics_address, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(
+            s.diagnostics,
+            Some(Diagnostics {
+                bind: "0.0.0.0:8443".parse().unwrap(),
+                security: DiagnosticsSecurity::Secure { cert_dir: None },
+            })
+        );
+        assert!(s.deprecations.is_empty());
         assert_eq!(s.probe_address, Some("127.0.0.1:8081".parse().unwrap()));
         let le = s.leader_election.as_ref().unwrap();
         assert_eq!(le.name, "cluster-api-provider-mailgun-leader");
@@ -895,7 +1026,15 @@ mod tests {
             m.api_key,
             SecretSource::File("/etc/capm/mailgun/api-key".into())
         );
-        assert_eq!(s.metrics_address, Some("0.0.0.0:8080".parse().unwrap()));
+        assert_eq!(
+            s.diagnostics,
+            Some(Diagnostics {
+                bind: "0.0.0.0:8443".parse().unwrap(),
+                security: DiagnosticsSecurity::Secure {
+                    cert_dir: Some("/etc/capm/diagnostics".into())
+                },
+            })
+        );
         let s = load("smtp.yaml");
         let MailerConfig::Smtp(c) = &s.mailer else {
             panic!("{:?}", s.mailer)
@@ -913,7 +1052,7 @@ mailer:
   mailgun: {domain: file.example.com, region: eu, apiKey: {file: /run/key}, testMode: true}
 mailRecipients: [file@example.com]
 concurrency: 3
-metricsBindAddress: "0"
+diagnosticsAddress: "0"
 leaderElect: false
 webhookPort: 0
 logFormat: json
@@ -932,7 +1071,7 @@ shutdownTimeout: 5s
         assert_eq!(m.api_key, SecretSource::File("/run/key".into()));
         assert_eq!(s.controllers.recipients, ["file@example.com"]);
         assert_eq!(s.controllers.concurrency, 3);
-        assert_eq!(s.metrics_address, None);
+        assert_eq!(s.diagnostics, None);
         assert!(s.leader_election.is_none());
         assert!(s.webhook.is_none());
         assert_eq!(s.log_format, LogFormat::Json);
@@ -950,8 +1089,9 @@ shutdownTimeout: 5s
                 "--concurrency",
                 "7",
                 "--leader-elect",
-                "--metrics-bind-address",
+                "--diagnostics-address",
                 ":9090",
+                "--insecure-diagnostics",
                 "--mailgun-region",
                 "us",
             ],
@@ -968,7 +1108,13 @@ shutdownTimeout: 5s
         assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
         assert_eq!(s.controllers.recipients, ["a@example.com", "b@example.com"]);
         assert_eq!(s.controllers.concurrency, 7);
-        assert_eq!(s.metrics_address, Some("0.0.0.0:9090".parse().unwrap()));
+        assert_eq!(
+            s.diagnostics,
+            Some(Diagnostics {
+                bind: "0.0.0.0:9090".parse().unwrap(),
+                security: DiagnosticsSecurity::Insecure,
+            })
+        );
         assert!(s.leader_election.is_some());
         let s = resolve(
             &["--config", path, "--mailgun-api-key-file", "/k"],
@@ -1137,6 +1283,31 @@ shutdownTimeout: 5s
             (
                 &["--metrics-bind-address", "localhost"],
                 "--metrics-bind-address (METRICS_BIND_ADDRESS): \"localhost\" is not host:port",
+            ),
+            (
+                &["--diagnostics-address", "localhost"],
+                "--diagnostics-address (DIAGNOSTICS_ADDRESS): \"localhost\" is not host:port",
+            ),
+            (
+                &[
+                    "--diagnostics-address",
+                    ":1",
+                    "--metrics-bind-address",
+                    ":2",
+                ],
+                "--metrics-bind-address (METRICS_BIND_ADDRESS): deprecated and replaced by --diagnostics-address",
+            ),
+            (
+                &[
+                    "--metrics-bind-address",
+                    ":2",
+                    "--insecure-diagnostics=false",
+                ],
+                "--metrics-bind-address (METRICS_BIND_ADDRESS): serves plain HTTP",
+            ),
+            (
+                &["--insecure-diagnostics", "--diagnostics-cert-dir", "/d"],
+                "--diagnostics-cert-dir (DIAGNOSTICS_CERT_DIR): /d is only used over HTTPS",
             ),
             (
                 &["--health-probe-bind-address", ":x"],
