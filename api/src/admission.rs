@@ -327,7 +327,7 @@ where
     B: http_body::Body,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    crate::webhook::serve(req, review_json).await
+    crate::webhook::serve(req, MAX_REVIEW_BYTES, review_json).await
 }
 
 #[cfg(test)]

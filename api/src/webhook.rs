@@ -115,7 +115,7 @@ pub fn review_json(body: &[u8]) -> Result<Vec<u8>, WebhookError> {
 pub(crate) trait ReviewError: std::fmt::Display {
     /// The request was not a POST.
     fn method(method: Method) -> Self;
-    /// The body could not be read, or exceeded [`MAX_REVIEW_BYTES`].
+    /// The body could not be read, or exceeded the webhook's limit.
     fn body(detail: String) -> Self;
     /// The HTTP status the error is answered with.
     fn status_code(&self) -> StatusCode;
@@ -137,11 +137,12 @@ impl ReviewError for WebhookError {
     }
 }
 
-/// Serves one webhook request: a POSTed JSON review of at most [`MAX_REVIEW_BYTES`] in,
-/// `review_json`'s answer out (200, JSON), or the error as plain text with its status. Shared by
-/// the conversion and admission webhooks.
+/// Serves one webhook request: a POSTed JSON review of at most `max_bytes` in, `review_json`'s
+/// answer out (200, JSON), or the error as plain text with its status. Shared by the conversion
+/// and admission webhooks.
 pub(crate) async fn serve<B, E>(
     req: Request<B>,
+    max_bytes: usize,
     review_json: impl FnOnce(&[u8]) -> Result<Vec<u8>, E>,
 ) -> Response<Full<Bytes>>
 where
@@ -153,7 +154,7 @@ where
         if req.method() != Method::POST {
             return Err(E::method(req.method().clone()));
         }
-        let body = Limited::new(req.into_body(), MAX_REVIEW_BYTES)
+        let body = Limited::new(req.into_body(), max_bytes)
             .collect()
             .await
             .map_err(|e| E::body(e.to_string()))?
@@ -186,5 +187,5 @@ where
     B: http_body::Body,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    serve(req, review_json).await
+    serve(req, MAX_REVIEW_BYTES, review_json).await
 }
