@@ -25,7 +25,7 @@ use capm_mailer::{
 use clap::{
     Command, FromArgMatches, Parser, ValueEnum,
     builder::BoolishValueParser,
-    error::{ContextKind, ContextValue, ErrorKind},
+    error::{ContextKind, ContextValue},
 };
 
 /// Environment variable holding the Mailgun API key (the walkthrough's name).
@@ -63,7 +63,8 @@ pub struct Args {
         long = "mail-recipient",
         env = "MAIL_RECIPIENT",
         value_delimiter = ',',
-        value_name = "ADDRESS"
+        value_name = "ADDRESS",
+        value_parser = recipient
     )]
     pub mail_recipients: Option<Vec<String>>,
 
@@ -107,11 +108,11 @@ pub struct Args {
     pub message_id_domain: Option<String>,
 
     /// Reconcile only this namespace [default: all namespaces].
-    #[arg(long, env = "WATCH_NAMESPACE", value_name = "NAMESPACE")]
+    #[arg(long, env = "WATCH_NAMESPACE", value_name = "NAMESPACE", value_parser = namespace)]
     pub namespace: Option<String>,
 
     /// Reconcile only objects labelled cluster.x-k8s.io/watch-filter=<VALUE> [default: all].
-    #[arg(long, env = "WATCH_FILTER", value_name = "VALUE")]
+    #[arg(long, env = "WATCH_FILTER", value_name = "VALUE", value_parser = label_value)]
     pub watch_filter: Option<String>,
 
     /// Reconciles running at once per controller.
@@ -226,7 +227,7 @@ pub struct Args {
     pub log_format: LogFormat,
 
     /// Log filter: a level (`info`) or tracing directives (`info,kube=debug`).
-    #[arg(long, env = "RUST_LOG", value_name = "FILTER", default_value = "info")]
+    #[arg(long, env = "RUST_LOG", value_name = "FILTER", default_value = "info", value_parser = log_filter)]
     pub log_level: String,
 
     /// How long in-flight reconciles may take to finish after SIGTERM, e.g. `30s`, `2m`.
@@ -320,8 +321,6 @@ pub mod field {
         SMTP_PASSWORD = "smtp-password-file", "SMTP_PASSWORD_FILE, or SMTP_PASSWORD";
         SMTP_CA_FILE = "smtp-ca-file", "SMTP_CA_FILE";
         MESSAGE_ID_DOMAIN = "message-id-domain", "MESSAGE_ID_DOMAIN";
-        NAMESPACE = "namespace", "WATCH_NAMESPACE";
-        WATCH_FILTER = "watch-filter", "WATCH_FILTER";
         CONCURRENCY = "concurrency", "CONCURRENCY";
         DIAGNOSTICS_ADDRESS = "diagnostics-address", "DIAGNOSTICS_ADDRESS";
         INSECURE_DIAGNOSTICS = "insecure-diagnostics", "INSECURE_DIAGNOSTICS";
@@ -331,7 +330,6 @@ pub mod field {
         LEADER_ELECTION_NAMESPACE = "leader-election-namespace", "LEADER_ELECTION_NAMESPACE";
         LEADER_ELECTION_ID = "leader-election-id", "LEADER_ELECTION_ID";
         WEBHOOK_CERT_DIR = "webhook-cert-dir", "WEBHOOK_CERT_DIR";
-        LOG_LEVEL = "log-level", "RUST_LOG";
         BACKOFF_BASE = "backoff-base", "BACKOFF_BASE";
         BACKOFF_MAX = "backoff-max", "BACKOFF_MAX";
         LOOKUP_GRACE = "lookup-grace", "LOOKUP_GRACE";
@@ -530,8 +528,8 @@ impl Settings {
 
         let recipients = args
             .mail_recipients
+            .filter(|r| !r.is_empty())
             .ok_or_else(|| invalid(field::MAIL_RECIPIENT, "at least one recipient is required"))?;
-        let recipients = check_recipients(recipients)?;
 
         let message_id_domain = match args.message_id_domain {
             Some(domain) => domain,
@@ -549,12 +547,6 @@ impl Settings {
             ));
         }
 
-        if let Some(ns) = &args.namespace {
-            check_dns_label(field::NAMESPACE, ns)?;
-        }
-        if let Some(value) = &args.watch_filter {
-            check_label_value(field::WATCH_FILTER, value)?;
-        }
         if args.concurrency == 0 {
             return Err(invalid(field::CONCURRENCY, "must be at least 1"));
         }
@@ -613,7 +605,8 @@ impl Settings {
                 .or_else(|| env("POD_NAMESPACE"))
                 .or_else(in_cluster_namespace)
                 .unwrap_or_else(|| "default".to_owned());
-            check_dns_label(field::LEADER_ELECTION_NAMESPACE, &namespace)?;
+            let namespace = self::namespace(&namespace)
+                .map_err(|r| invalid(field::LEADER_ELECTION_NAMESPACE, r.0))?;
             check_dns_subdomain(field::LEADER_ELECTION_ID, &args.leader_election_id)?;
             Some(LeaderElection {
                 namespace,
@@ -630,13 +623,6 @@ impl Settings {
             bind: SocketAddr::from((Ipv4Addr::UNSPECIFIED, args.webhook_port)),
             cert_dir: args.webhook_cert_dir,
         });
-
-        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&args.log_level) {
-            return Err(invalid(
-                field::LOG_LEVEL,
-                format!("{:?}: {e}", args.log_level),
-            ));
-        }
 
         Ok(Self {
             mailer,
@@ -669,28 +655,21 @@ fn parse(command: Command, argv: &[OsString]) -> Result<Args, clap::Error> {
     Args::from_arg_matches_mut(&mut matches)
 }
 
-/// A duration the parser refused names the flag and its variable, like every other invalid
-/// setting (exit status 1); other refused values stay clap's usage errors (exit status 2).
+/// A value one of this module's parsers refused names the flag and its variable, like every
+/// other invalid setting (exit status 1); clap's own refusals stay usage errors (exit status 2).
 fn usage_error(error: clap::Error) -> SettingsError {
+    let refused = std::error::Error::source(&error).and_then(|e| e.downcast_ref::<Refused>());
     // The declaration, not the caller's variant of it: tests turn the variables off.
     let command = <Args as clap::CommandFactory>::command();
-    let refused = matches!(error.kind(), ErrorKind::ValueValidation);
-    let long = match error.get(ContextKind::InvalidArg) {
-        Some(ContextValue::String(arg)) if refused => arg
-            .trim_start_matches("--")
-            .split([' ', '='])
-            .next()
-            .map(str::to_owned),
+    let arg = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg)) => {
+            let long = arg.trim_start_matches("--").split([' ', '=']).next();
+            command.get_arguments().find(|a| a.get_long() == long)
+        }
         _ => None,
     };
-    let arg = long.and_then(|long| {
-        command
-            .get_arguments()
-            .find(|a| a.get_long() == Some(long.as_str()))
-            .filter(|a| a.get_value_names() == Some(&["DURATION".into()]))
-    });
-    match (arg, std::error::Error::source(&error)) {
-        (Some(arg), Some(reason)) => invalid(
+    match (arg, refused) {
+        (Some(arg), Some(Refused(reason))) => invalid(
             Field {
                 flag: Cow::Owned(arg.get_long().unwrap_or_default().to_owned()),
                 env: Cow::Owned(
@@ -699,7 +678,7 @@ fn usage_error(error: clap::Error) -> SettingsError {
                         .unwrap_or_default(),
                 ),
             },
-            reason.to_string(),
+            reason.clone(),
         ),
         _ => SettingsError::Usage(error),
     }
@@ -874,26 +853,25 @@ fn resolve_mailer(
 static ADDRESS: LazyLock<Option<regex::Regex>> =
     LazyLock::new(|| regex::Regex::new(capm_api::validation::REQUESTER_PATTERN).ok());
 
-fn check_recipients(values: Vec<String>) -> Result<Vec<String>, SettingsError> {
-    let mut recipients = Vec::with_capacity(values.len());
-    for value in values {
-        let address = value.trim();
-        let valid = ADDRESS.as_ref().is_some_and(|re| re.is_match(address));
-        if !valid {
-            return Err(invalid(
-                field::MAIL_RECIPIENT,
-                format!("{address:?} is not an e-mail address"),
-            ));
-        }
-        recipients.push(address.to_owned());
+/// Why one of this module's value parsers refused a value; the caller names the flag.
+#[derive(Debug)]
+struct Refused(String);
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
     }
-    if recipients.is_empty() {
-        return Err(invalid(
-            field::MAIL_RECIPIENT,
-            "at least one recipient is required",
-        ));
+}
+
+impl std::error::Error for Refused {}
+
+fn recipient(value: &str) -> Result<String, Refused> {
+    let address = value.trim();
+    if ADDRESS.as_ref().is_some_and(|re| re.is_match(address)) {
+        Ok(address.to_owned())
+    } else {
+        Err(Refused(format!("{address:?} is not an e-mail address")))
     }
-    Ok(recipients)
 }
 
 fn default_message_id_domain(mailer: &MailerConfig) -> Option<String> {
@@ -910,7 +888,7 @@ fn default_message_id_domain(mailer: &MailerConfig) -> Option<String> {
     }
 }
 
-fn check_dns_label(field: Field, value: &str) -> Result<(), SettingsError> {
+fn namespace(value: &str) -> Result<String, Refused> {
     let ok = !value.is_empty()
         && value.len() <= 63
         && value
@@ -919,12 +897,11 @@ fn check_dns_label(field: Field, value: &str) -> Result<(), SettingsError> {
         && !value.starts_with('-')
         && !value.ends_with('-');
     if ok {
-        Ok(())
+        Ok(value.to_owned())
     } else {
-        Err(invalid(
-            field,
-            format!("{value:?} is not a namespace name (lower-case letters, digits, '-')"),
-        ))
+        Err(Refused(format!(
+            "{value:?} is not a namespace name (lower-case letters, digits, '-')"
+        )))
     }
 }
 
@@ -949,7 +926,7 @@ fn check_dns_subdomain(field: Field, value: &str) -> Result<(), SettingsError> {
     }
 }
 
-fn check_label_value(field: Field, value: &str) -> Result<(), SettingsError> {
+fn label_value(value: &str) -> Result<String, Refused> {
     let ok = value.len() <= 63
         && value
             .chars()
@@ -957,12 +934,18 @@ fn check_label_value(field: Field, value: &str) -> Result<(), SettingsError> {
         && value.starts_with(|c: char| c.is_ascii_alphanumeric())
         && value.ends_with(|c: char| c.is_ascii_alphanumeric());
     if ok {
-        Ok(())
+        Ok(value.to_owned())
     } else {
-        Err(invalid(
-            field,
-            format!("{value:?} is not a label value (at most 63 letters, digits, '-', '_', '.')"),
-        ))
+        Err(Refused(format!(
+            "{value:?} is not a label value (at most 63 letters, digits, '-', '_', '.')"
+        )))
+    }
+}
+
+fn log_filter(value: &str) -> Result<String, Refused> {
+    match tracing_subscriber::EnvFilter::try_new(value) {
+        Ok(_) => Ok(value.to_owned()),
+        Err(e) => Err(Refused(format!("{value:?}: {e}"))),
     }
 }
 
@@ -1070,8 +1053,9 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
 }
 
 /// [`parse_duration`] as a flag's value parser.
-fn duration(text: &str) -> Result<Duration, String> {
-    parse_duration(text).ok_or_else(|| format!("{text:?} is not a duration like 30s, 2m or 500ms"))
+fn duration(text: &str) -> Result<Duration, Refused> {
+    parse_duration(text)
+        .ok_or_else(|| Refused(format!("{text:?} is not a duration like 30s, 2m or 500ms")))
 }
 
 #[cfg(test)]
