@@ -515,7 +515,12 @@ impl Settings {
             let values: Vec<&'static str> = values.into_iter().map(|v| &*v.leak()).collect();
             command = command.mut_arg(id, |a| a.default_values(values));
         }
-        let args = parse(command, argv).map_err(|e| file_error(&path, e.to_string()))?;
+        let args = parse(command, argv).map_err(|e| {
+            // clap's first line names the flag and the value; the rest is usage advice.
+            let text = e.to_string();
+            let line = text.lines().next().unwrap_or_default();
+            file_error(&path, line.trim_start_matches("error: ").to_owned())
+        })?;
         Self::from_args(args, mailer, env)
     }
 
