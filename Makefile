@@ -12,9 +12,15 @@ CAPM_ENV := $(CARGO) run -q -p capm-test-support --bin capm-env --
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+PIP_INSTALL := $(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore
+
+.PHONY: deps-demo
+deps-demo: ## Install only what the demo needs (the SMTP server's Python packages)
+	$(PIP_INSTALL) -r tests/mail-servers/requirements.txt
+
 .PHONY: deps
-deps: ## Install what a fresh machine lacks (the SMTP test server's Python packages, Debian's Prometheus)
-	$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore -r tests/mail-servers/requirements.txt -r hack/requirements.txt
+deps: deps-demo ## Install what the tests need too (the release script's Python packages, Debian's Prometheus, cargo-deny)
+	$(PIP_INSTALL) -r hack/requirements.txt
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing Debian's prometheus (prometheus + promtool for the end-to-end tests)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; fi
@@ -106,5 +112,5 @@ down: ## Stop the detached control plane and remove its state
 	$(CAPM_ENV) down
 
 .PHONY: demo
-demo: deps tools ## The demo: local control plane, provider, a sample Cluster, a mail received
+demo: deps-demo tools ## The demo: local control plane, provider, a sample Cluster, a mail received
 	hack/demo.sh

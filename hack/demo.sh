@@ -6,10 +6,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-say() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+started=$SECONDS
+say() { printf '\n\033[1m==> [%dm%02ds] %s\033[0m\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
 die() { echo "demo: $*" >&2; exit 1; }
 
-say "building the provider and the local environment CLI"
+say "building the provider and the local environment CLI (a fresh clone compiles every crate: minutes)"
 cargo build -q -p cluster-api-provider-mailgun -p capm-test-support --bin cluster-api-provider-mailgun --bin capm-env
 capm_env=target/debug/capm-env
 provider=target/debug/cluster-api-provider-mailgun
@@ -20,9 +21,11 @@ state="$work/control-plane"
 pids=()
 cleanup() {
   set +e
-  "$capm_env" down --dir "$state" >/dev/null 2>&1
+  # The managers first, while the API server they talk to is still up: they stop in moments
+  # instead of retrying an absent server until their shutdown timeouts.
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
+  "$capm_env" down --dir "$state" >/dev/null 2>&1
   exec 3>&- 2>/dev/null
   rm -rf "$work"
 }
@@ -72,7 +75,7 @@ cat > "$work/provider.json" <<JSON
 JSON
 MAIL_RECIPIENT=infrastructure-team@example.com "$provider" --config "$work/provider.json" \
   --message-id-domain capm.example.com --kubeconfig "$KUBECONFIG" --leader-elect=false --webhook-port 0 \
-  --metrics-bind-address "127.0.0.1:$(free_port)" --health-probe-bind-address "127.0.0.1:$(free_port)" \
+  --diagnostics-address "127.0.0.1:$(free_port)" --insecure-diagnostics --health-probe-bind-address "127.0.0.1:$(free_port)" \
   > "$work/provider.log" 2>&1 &
 pids+=($!)
 

@@ -24,8 +24,8 @@
 //! write can put into status is what the `v1alpha1` schema admits (`ready`, `response`).
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_json::Value;
 
@@ -281,7 +281,13 @@ pub enum AdmissionError {
     Decode(String),
 }
 
-impl AdmissionError {
+impl crate::webhook::ReviewError for AdmissionError {
+    fn method(method: Method) -> Self {
+        Self::Method(method)
+    }
+    fn body(detail: String) -> Self {
+        Self::Body(detail)
+    }
     fn status_code(&self) -> StatusCode {
         match self {
             Self::Method(_) => StatusCode::METHOD_NOT_ALLOWED,
@@ -311,22 +317,6 @@ pub fn review_json(body: &[u8]) -> Result<Vec<u8>, AdmissionError> {
         .map_err(|e| AdmissionError::Decode(e.to_string()))
 }
 
-async fn try_handle<B>(req: Request<B>) -> Result<Vec<u8>, AdmissionError>
-where
-    B: http_body::Body,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    if req.method() != Method::POST {
-        return Err(AdmissionError::Method(req.method().clone()));
-    }
-    let body = Limited::new(req.into_body(), MAX_REVIEW_BYTES)
-        .collect()
-        .await
-        .map_err(|e| AdmissionError::Body(e.to_string()))?
-        .to_bytes();
-    review_json(&body)
-}
-
 /// Serves one HTTP request: an `AdmissionReview` JSON body in, the verdict out.
 ///
 /// Answers 200 with the review (refusals are inside it), 405 for anything but POST, 413 for a
@@ -337,20 +327,7 @@ where
     B: http_body::Body,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (status, content_type, body) = match try_handle(req).await {
-        Ok(body) => (StatusCode::OK, "application/json", body),
-        Err(e) => (
-            e.status_code(),
-            "text/plain; charset=utf-8",
-            e.to_string().into_bytes(),
-        ),
-    };
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    if let Ok(value) = header::HeaderValue::from_str(content_type) {
-        response.headers_mut().insert(header::CONTENT_TYPE, value);
-    }
-    response
+    crate::webhook::serve(req, MAX_REVIEW_BYTES, review_json).await
 }
 
 #[cfg(test)]

@@ -42,16 +42,6 @@ pub enum WebhookError {
     Decode(String),
 }
 
-impl WebhookError {
-    fn status_code(&self) -> StatusCode {
-        match self {
-            Self::Method(_) => StatusCode::METHOD_NOT_ALLOWED,
-            Self::Body(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Decode(_) => StatusCode::BAD_REQUEST,
-        }
-    }
-}
-
 /// Converts every object of a `ConversionReview` request and returns the response review.
 ///
 /// All objects convert or none do: on the first failure the response carries a `Failure`
@@ -120,33 +110,58 @@ pub fn review_json(body: &[u8]) -> Result<Vec<u8>, WebhookError> {
     serde_json::to_vec(&review(parsed)).map_err(|e| WebhookError::Decode(e.to_string()))
 }
 
-async fn try_handle<B>(req: Request<B>) -> Result<Vec<u8>, WebhookError>
-where
-    B: http_body::Body,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    if req.method() != Method::POST {
-        return Err(WebhookError::Method(req.method().clone()));
-    }
-    let body = Limited::new(req.into_body(), MAX_REVIEW_BYTES)
-        .collect()
-        .await
-        .map_err(|e| WebhookError::Body(e.to_string()))?
-        .to_bytes();
-    review_json(&body)
+/// What a webhook's errors must offer for [`serve`]: build the two transport failures and say
+/// which HTTP status each error gets.
+pub(crate) trait ReviewError: std::fmt::Display {
+    /// The request was not a POST.
+    fn method(method: Method) -> Self;
+    /// The body could not be read, or exceeded the webhook's limit.
+    fn body(detail: String) -> Self;
+    /// The HTTP status the error is answered with.
+    fn status_code(&self) -> StatusCode;
 }
 
-/// Serves one HTTP request: a `ConversionReview` JSON body in, the converted review out.
-///
-/// Answers 200 with the review (conversion failures are reported inside it, as the API server
-/// expects), 405 for anything but POST, 413 for a body over [`MAX_REVIEW_BYTES`], 400 for a body
-/// that is not a `ConversionReview` request; error bodies are plain text.
-pub async fn handle<B>(req: Request<B>) -> Response<Full<Bytes>>
+impl ReviewError for WebhookError {
+    fn method(method: Method) -> Self {
+        Self::Method(method)
+    }
+    fn body(detail: String) -> Self {
+        Self::Body(detail)
+    }
+    fn status_code(&self) -> StatusCode {
+        match self {
+            Self::Method(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::Body(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Decode(_) => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+/// Serves one webhook request: a POSTed JSON review of at most `max_bytes` in, `review_json`'s
+/// answer out (200, JSON), or the error as plain text with its status. Shared by the conversion
+/// and admission webhooks.
+pub(crate) async fn serve<B, E>(
+    req: Request<B>,
+    max_bytes: usize,
+    review_json: impl FnOnce(&[u8]) -> Result<Vec<u8>, E>,
+) -> Response<Full<Bytes>>
 where
     B: http_body::Body,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    E: ReviewError,
 {
-    let (status, content_type, body) = match try_handle(req).await {
+    let answer = async {
+        if req.method() != Method::POST {
+            return Err(E::method(req.method().clone()));
+        }
+        let body = Limited::new(req.into_body(), max_bytes)
+            .collect()
+            .await
+            .map_err(|e| E::body(e.to_string()))?
+            .to_bytes();
+        review_json(&body)
+    };
+    let (status, content_type, body) = match answer.await {
         Ok(body) => (StatusCode::OK, "application/json", body),
         Err(e) => (
             e.status_code(),
@@ -160,4 +175,17 @@ where
         response.headers_mut().insert(header::CONTENT_TYPE, value);
     }
     response
+}
+
+/// Serves one HTTP request: a `ConversionReview` JSON body in, the converted review out.
+///
+/// Answers 200 with the review (conversion failures are reported inside it, as the API server
+/// expects), 405 for anything but POST, 413 for a body over [`MAX_REVIEW_BYTES`], 400 for a body
+/// that is not a `ConversionReview` request; error bodies are plain text.
+pub async fn handle<B>(req: Request<B>) -> Response<Full<Bytes>>
+where
+    B: http_body::Body,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    serve(req, MAX_REVIEW_BYTES, review_json).await
 }

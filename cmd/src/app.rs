@@ -20,11 +20,11 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{error, info, warn};
 
 use crate::{
-    http,
+    diagnostics, http,
     leader::Elector,
-    settings::{Settings, field, mailer_error},
+    settings::{DiagnosticsSecurity, Settings, field, mailer_error},
     shutdown::Shutdown,
-    tls::ReloadingCert,
+    tls::{self, ReloadingCert},
 };
 
 /// How often `/readyz` re-checks that the API server answers.
@@ -41,6 +41,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     shutdown
         .on_signals()
         .context("installing signal handlers")?;
+    for deprecation in &settings.deprecations {
+        warn!("{deprecation}");
+    }
 
     let registry = Registry::new();
     #[cfg(target_os = "linux")]
@@ -76,18 +79,25 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let diagnostics_tls = diagnostics_tls(&settings)?;
 
     let client = kube_client(settings.kubeconfig.as_deref()).await?;
 
     let mut servers: Vec<JoinHandle<()>> = Vec::new();
-    if let Some(address) = settings.metrics_address {
-        let listener = http::bind("metrics", address).await?;
-        servers.push(http::serve(
-            listener,
-            None,
-            http::metrics_handler(registry.clone()),
-            shutdown.clone(),
-        ));
+    if let Some(diag) = &settings.diagnostics {
+        let metrics = http::metrics_handler(registry.clone());
+        servers.push(match diagnostics_tls {
+            Some(tls) => {
+                let listener = http::bind("diagnostics (HTTPS, authorized)", diag.bind).await?;
+                let authorizer = Arc::new(diagnostics::Authorizer::new(client.clone()));
+                let handler = diagnostics::secured(authorizer, metrics);
+                http::serve(listener, Some(tls), handler, shutdown.clone())
+            }
+            None => {
+                let listener = http::bind("diagnostics (insecure HTTP)", diag.bind).await?;
+                http::serve(listener, None, metrics, shutdown.clone())
+            }
+        });
     }
     let api_reachable = Arc::new(AtomicBool::new(false));
     if let Some(address) = settings.probe_address {
@@ -145,6 +155,28 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     }
     result
+}
+
+/// The diagnostics endpoint's TLS: the certificate directory's pair, else a self-signed one;
+/// `None` when diagnostics are off or insecure.
+fn diagnostics_tls(settings: &Settings) -> anyhow::Result<Option<TlsAcceptor>> {
+    let config = match settings.diagnostics.as_ref().map(|d| &d.security) {
+        Some(DiagnosticsSecurity::Secure {
+            cert_dir: Some(dir),
+        }) => {
+            let cert = ReloadingCert::new(dir)
+                .map_err(|e| anyhow!("{}: {e}", field::DIAGNOSTICS_CERT_DIR))?;
+            Arc::new(cert).server_config()?
+        }
+        Some(DiagnosticsSecurity::Secure { cert_dir: None }) => {
+            let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+            names.push(instance_name());
+            tls::self_signed_server_config(names)
+                .context("making the diagnostics endpoint's self-signed certificate")?
+        }
+        Some(DiagnosticsSecurity::Insecure) | None => return Ok(None),
+    };
+    Ok(Some(TlsAcceptor::from(Arc::new(config))))
 }
 
 async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {

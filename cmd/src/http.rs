@@ -32,7 +32,8 @@ use crate::shutdown::Shutdown;
 /// Slow clients get this long to send their request headers or finish a TLS handshake.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+/// A plain-text response.
+pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(body.into()));
     *response.status_mut() = status;
     response.headers_mut().insert(

@@ -9,6 +9,7 @@
 //! fatal error or a lost leader Lease; 2 for unparsable command lines (clap).
 
 mod app;
+mod diagnostics;
 mod http;
 mod leader;
 mod settings;
@@ -17,9 +18,9 @@ mod tls;
 
 use std::{process::ExitCode, time::Duration};
 
-use clap::Parser;
+use clap::CommandFactory;
 
-use settings::{Args, LogFormat, Settings, process_env};
+use settings::{Args, LogFormat, Settings, SettingsError, process_env};
 
 const NAME: &str = "cluster-api-provider-mailgun";
 
@@ -37,9 +38,11 @@ fn init_logging(settings: &Settings) {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    let settings = match Settings::resolve(args, &process_env) {
+    let argv: Vec<_> = std::env::args_os().collect();
+    let settings = match Settings::resolve(Args::command(), &argv, &process_env) {
         Ok(settings) => settings,
+        // --help, --version, unknown flags: clap prints them and exits as it always did.
+        Err(SettingsError::Usage(e)) => e.exit(),
         Err(e) => {
             eprintln!("{NAME}: invalid configuration: {e}");
             return ExitCode::FAILURE;

@@ -5,8 +5,13 @@
 //! are read by the mailer from a file (`--mailgun-api-key-file`, `--smtp-password-file`) or from
 //! the environment variables `MAILGUN_API_KEY` / `SMTP_PASSWORD`, so neither `Debug` nor an error
 //! message can show them.
+//!
+//! Why this file is long: [`Args`] is the one declaration of every setting (its `--help` text,
+//! flag, variable, default and parser), and a third of the file is tests pinning each error.
 
 use std::{
+    borrow::Cow,
+    ffi::OsString,
     fmt,
     net::{Ipv4Addr, SocketAddr},
     path::{Path, PathBuf},
@@ -17,8 +22,11 @@ use std::{
 use capm_mailer::{
     ConfigError, MailerConfig, MailgunConfig, MailgunRegion, SecretSource, SmtpConfig,
 };
-use clap::{Parser, ValueEnum, builder::BoolishValueParser};
-use serde::Deserialize;
+use clap::{
+    Command, FromArgMatches, Parser, ValueEnum,
+    builder::BoolishValueParser,
+    error::{ContextKind, ContextValue},
+};
 
 /// Environment variable holding the Mailgun API key (the walkthrough's name).
 pub const MAILGUN_API_KEY_ENV: &str = "MAILGUN_API_KEY";
@@ -35,7 +43,10 @@ const DEFAULT_WEBHOOK_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
 /// (camelCase keys, e.g. `metricsBindAddress`; the mail backend under `mailer`, in the format of
 /// `capm_mailer::MailerConfig`). A flag beats its variable, which beats the file, which beats the
 /// default.
-#[derive(Debug, Default, Parser)]
+///
+/// Each setting is declared here once: its flag, variable, default and parser. The file's values
+/// become the flags' defaults (see [`Settings::resolve`]), so nothing else lists the settings.
+#[derive(Debug, Parser)]
 #[command(name = "cluster-api-provider-mailgun", version, about, long_about)]
 pub struct Args {
     /// Config file, YAML or JSON. Flags and environment variables override its values.
@@ -52,7 +63,8 @@ pub struct Args {
         long = "mail-recipient",
         env = "MAIL_RECIPIENT",
         value_delimiter = ',',
-        value_name = "ADDRESS"
+        value_name = "ADDRESS",
+        value_parser = recipient
     )]
     pub mail_recipients: Option<Vec<String>>,
 
@@ -96,76 +108,157 @@ pub struct Args {
     pub message_id_domain: Option<String>,
 
     /// Reconcile only this namespace [default: all namespaces].
-    #[arg(long, env = "WATCH_NAMESPACE", value_name = "NAMESPACE")]
+    #[arg(long, env = "WATCH_NAMESPACE", value_name = "NAMESPACE", value_parser = namespace)]
     pub namespace: Option<String>,
 
     /// Reconcile only objects labelled cluster.x-k8s.io/watch-filter=<VALUE> [default: all].
-    #[arg(long, env = "WATCH_FILTER", value_name = "VALUE")]
+    #[arg(long, env = "WATCH_FILTER", value_name = "VALUE", value_parser = label_value)]
     pub watch_filter: Option<String>,
 
-    /// Reconciles running at once per controller [default: 10].
-    #[arg(long, env = "CONCURRENCY", value_name = "N")]
-    pub concurrency: Option<u16>,
+    /// Reconciles running at once per controller.
+    #[arg(long, env = "CONCURRENCY", value_name = "N", default_value_t = 10)]
+    pub concurrency: u16,
 
-    /// Address of the Prometheus /metrics endpoint; `0` disables it [default: 127.0.0.1:8080].
-    #[arg(long, env = "METRICS_BIND_ADDRESS", value_name = "ADDR")]
-    pub metrics_bind_address: Option<String>,
+    /// First retry delay of an object after an error; doubles with each consecutive failure.
+    #[arg(long, env = "BACKOFF_BASE", value_name = "DURATION", default_value = "500ms", value_parser = duration)]
+    pub backoff_base: Duration,
 
-    /// Address of /healthz and /readyz; `0` disables them [default: 127.0.0.1:8081].
-    #[arg(long, env = "HEALTH_PROBE_BIND_ADDRESS", value_name = "ADDR")]
-    pub health_probe_bind_address: Option<String>,
+    /// Longest retry delay of an object, also the delay after a permanent error.
+    #[arg(long, env = "BACKOFF_MAX", value_name = "DURATION", default_value = "5m", value_parser = duration)]
+    pub backoff_max: Duration,
 
-    /// Elect a leader on a Lease so only one replica reconciles [default: true].
+    /// How long the mail backend must keep answering "not found" for a mail whose outcome was
+    /// unknown before it is sent again (event stores lag behind sends).
+    #[arg(long, env = "LOOKUP_GRACE", value_name = "DURATION", default_value = "10s", value_parser = duration)]
+    pub lookup_grace: Duration,
+
+    /// Address of the diagnostics endpoint (/metrics): HTTPS, each request authenticated
+    /// (TokenReview) and authorized (SubjectAccessReview: `get` on the non-resource URL
+    /// `/metrics`) by the API server; `0` disables it [default: :8443].
+    #[arg(long, env = "DIAGNOSTICS_ADDRESS", value_name = "ADDR")]
+    pub diagnostics_address: Option<String>,
+
+    /// Serve diagnostics over plain HTTP without authentication or authorization [default:
+    /// false].
     #[arg(
         long,
-        env = "LEADER_ELECT",
+        env = "INSECURE_DIAGNOSTICS",
         value_name = "BOOL",
         num_args = 0..=1,
         require_equals = true,
         default_missing_value = "true",
         value_parser = BoolishValueParser::new()
     )]
-    pub leader_elect: Option<bool>,
+    pub insecure_diagnostics: Option<bool>,
+
+    /// Directory with the diagnostics endpoint's tls.crt and tls.key, re-read when they change
+    /// [default: a self-signed certificate generated at start].
+    #[arg(long, env = "DIAGNOSTICS_CERT_DIR", value_name = "DIR")]
+    pub diagnostics_cert_dir: Option<PathBuf>,
+
+    /// Deprecated: `--diagnostics-address ADDR --insecure-diagnostics` (plain HTTP, no
+    /// authentication), as this flag always meant; not together with --diagnostics-address.
+    #[arg(long, env = "METRICS_BIND_ADDRESS", value_name = "ADDR")]
+    pub metrics_bind_address: Option<String>,
+
+    /// Address of /healthz and /readyz; `0` disables them.
+    #[arg(
+        long,
+        env = "HEALTH_PROBE_BIND_ADDRESS",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:8081"
+    )]
+    pub health_probe_bind_address: String,
+
+    /// Elect a leader on a Lease so only one replica reconciles.
+    #[arg(
+        long,
+        env = "LEADER_ELECT",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "true",
+        default_missing_value = "true",
+        value_parser = BoolishValueParser::new()
+    )]
+    pub leader_elect: bool,
 
     /// Namespace of the leader-election Lease [default: $POD_NAMESPACE, else the in-cluster
     /// namespace, else `default`].
     #[arg(long, env = "LEADER_ELECTION_NAMESPACE", value_name = "NAMESPACE")]
     pub leader_election_namespace: Option<String>,
 
-    /// Name of the leader-election Lease [default: cluster-api-provider-mailgun-leader].
-    #[arg(long, env = "LEADER_ELECTION_ID", value_name = "NAME")]
-    pub leader_election_id: Option<String>,
+    /// Name of the leader-election Lease.
+    #[arg(
+        long,
+        env = "LEADER_ELECTION_ID",
+        value_name = "NAME",
+        default_value = "cluster-api-provider-mailgun-leader"
+    )]
+    pub leader_election_id: String,
 
-    /// Port of the conversion webhook (HTTPS, all interfaces); `0` disables it [default: 9443].
-    #[arg(long, env = "WEBHOOK_PORT", value_name = "PORT")]
-    pub webhook_port: Option<u16>,
+    /// How long a Lease is valid after its last renewal; longer than the renew deadline.
+    #[arg(long, env = "LEADER_ELECT_LEASE_DURATION", value_name = "DURATION", default_value = "15s", value_parser = duration)]
+    pub leader_elect_lease_duration: Duration,
 
-    /// Directory with the webhook's tls.crt and tls.key, re-read when they change [default:
-    /// /tmp/k8s-webhook-server/serving-certs].
-    #[arg(long, env = "WEBHOOK_CERT_DIR", value_name = "DIR")]
-    pub webhook_cert_dir: Option<PathBuf>,
+    /// How long the leader keeps trying to renew before it gives up; longer than the retry period.
+    #[arg(long, env = "LEADER_ELECT_RENEW_DEADLINE", value_name = "DURATION", default_value = "10s", value_parser = duration)]
+    pub leader_elect_renew_deadline: Duration,
 
-    /// Log format [default: text].
-    #[arg(long, env = "LOG_FORMAT", value_enum)]
-    pub log_format: Option<LogFormat>,
+    /// How often candidates try to acquire the Lease and the leader renews it.
+    #[arg(long, env = "LEADER_ELECT_RETRY_PERIOD", value_name = "DURATION", default_value = "2s", value_parser = duration)]
+    pub leader_elect_retry_period: Duration,
 
-    /// Log filter: a level (`info`) or tracing directives (`info,kube=debug`) [default: info].
-    #[arg(long, env = "RUST_LOG", value_name = "FILTER")]
-    pub log_level: Option<String>,
+    /// Port of the conversion webhook (HTTPS, all interfaces); `0` disables it.
+    #[arg(
+        long,
+        env = "WEBHOOK_PORT",
+        value_name = "PORT",
+        default_value_t = 9443
+    )]
+    pub webhook_port: u16,
 
-    /// How long in-flight reconciles may take to finish after SIGTERM, e.g. `30s`, `2m`
-    /// [default: 30s].
-    #[arg(long, env = "SHUTDOWN_TIMEOUT", value_name = "DURATION")]
-    pub shutdown_timeout: Option<String>,
+    /// Directory with the webhook's tls.crt and tls.key, re-read when they change.
+    #[arg(long, env = "WEBHOOK_CERT_DIR", value_name = "DIR", default_value = DEFAULT_WEBHOOK_CERT_DIR)]
+    pub webhook_cert_dir: PathBuf,
+
+    /// Log format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t)]
+    pub log_format: LogFormat,
+
+    /// Log filter: a level (`info`) or tracing directives (`info,kube=debug`).
+    #[arg(long, env = "RUST_LOG", value_name = "FILTER", default_value = "info", value_parser = log_filter)]
+    pub log_level: String,
+
+    /// How long in-flight reconciles may take to finish after SIGTERM, e.g. `30s`, `2m`.
+    #[arg(long, env = "SHUTDOWN_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = duration)]
+    pub shutdown_timeout: Duration,
 
     /// Kubeconfig file [default: $KUBECONFIG, the in-cluster service account, ~/.kube/config].
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
 }
 
+/// Flags the config file cannot set: the file itself, and the mail backend's flags (the file
+/// has its own `mailer` section for those).
+const FLAG_ONLY: &[&str] = &[
+    "help",
+    "version",
+    "config",
+    "mail_backend",
+    "mailgun_domain",
+    "mailgun_api_key_file",
+    "mailgun_region",
+    "mailgun_base_url",
+    "smtp_url",
+    "smtp_username",
+    "smtp_password_file",
+    "smtp_ca_file",
+    "kubeconfig",
+];
+
 /// The mail backends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
     /// Mailgun's HTTP API.
     Mailgun,
@@ -183,8 +276,7 @@ pub enum Region {
 }
 
 /// Log output format.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     /// Human-readable lines.
     #[default]
@@ -193,49 +285,11 @@ pub enum LogFormat {
     Json,
 }
 
-/// The `--config` file: every key optional, camelCase like the flags' long names.
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct FileConfig {
-    /// The mail backend, e.g. `{mailgun: {domain: ..., apiKey: {file: ...}}}`.
-    pub mailer: Option<MailerConfig>,
-    /// Recipients of the request mails.
-    pub mail_recipients: Option<Vec<String>>,
-    /// See `--message-id-domain`.
-    pub message_id_domain: Option<String>,
-    /// See `--namespace`.
-    pub namespace: Option<String>,
-    /// See `--watch-filter`.
-    pub watch_filter: Option<String>,
-    /// See `--concurrency`.
-    pub concurrency: Option<u16>,
-    /// See `--metrics-bind-address`.
-    pub metrics_bind_address: Option<String>,
-    /// See `--health-probe-bind-address`.
-    pub health_probe_bind_address: Option<String>,
-    /// See `--leader-elect`.
-    pub leader_elect: Option<bool>,
-    /// See `--leader-election-namespace`.
-    pub leader_election_namespace: Option<String>,
-    /// See `--leader-election-id`.
-    pub leader_election_id: Option<String>,
-    /// See `--webhook-port`.
-    pub webhook_port: Option<u16>,
-    /// See `--webhook-cert-dir`.
-    pub webhook_cert_dir: Option<PathBuf>,
-    /// See `--log-format`.
-    pub log_format: Option<LogFormat>,
-    /// See `--log-level`.
-    pub log_level: Option<String>,
-    /// See `--shutdown-timeout`.
-    pub shutdown_timeout: Option<String>,
-}
-
 /// A configuration field as the user knows it: its flag and environment variable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Field {
-    flag: &'static str,
-    env: &'static str,
+    flag: Cow<'static, str>,
+    env: Cow<'static, str>,
 }
 
 impl fmt::Display for Field {
@@ -246,13 +300,15 @@ impl fmt::Display for Field {
 
 macro_rules! fields {
     ($($name:ident = $flag:literal, $env:literal;)*) => {
-        $(#[allow(missing_docs)] pub const $name: Field = Field { flag: $flag, env: $env };)*
+        $(#[allow(missing_docs)] pub const $name: Field =
+            Field { flag: Cow::Borrowed($flag), env: Cow::Borrowed($env) };)*
     };
 }
 
 /// The fields that can be named in an error.
 pub mod field {
     use super::Field;
+    use std::borrow::Cow;
     fields! {
         CONFIG = "config", "CAPM_CONFIG";
         MAIL_BACKEND = "mail-backend", "MAIL_BACKEND";
@@ -265,16 +321,21 @@ pub mod field {
         SMTP_PASSWORD = "smtp-password-file", "SMTP_PASSWORD_FILE, or SMTP_PASSWORD";
         SMTP_CA_FILE = "smtp-ca-file", "SMTP_CA_FILE";
         MESSAGE_ID_DOMAIN = "message-id-domain", "MESSAGE_ID_DOMAIN";
-        NAMESPACE = "namespace", "WATCH_NAMESPACE";
-        WATCH_FILTER = "watch-filter", "WATCH_FILTER";
         CONCURRENCY = "concurrency", "CONCURRENCY";
+        DIAGNOSTICS_ADDRESS = "diagnostics-address", "DIAGNOSTICS_ADDRESS";
+        INSECURE_DIAGNOSTICS = "insecure-diagnostics", "INSECURE_DIAGNOSTICS";
+        DIAGNOSTICS_CERT_DIR = "diagnostics-cert-dir", "DIAGNOSTICS_CERT_DIR";
         METRICS_BIND_ADDRESS = "metrics-bind-address", "METRICS_BIND_ADDRESS";
         HEALTH_PROBE_BIND_ADDRESS = "health-probe-bind-address", "HEALTH_PROBE_BIND_ADDRESS";
         LEADER_ELECTION_NAMESPACE = "leader-election-namespace", "LEADER_ELECTION_NAMESPACE";
         LEADER_ELECTION_ID = "leader-election-id", "LEADER_ELECTION_ID";
         WEBHOOK_CERT_DIR = "webhook-cert-dir", "WEBHOOK_CERT_DIR";
-        LOG_LEVEL = "log-level", "RUST_LOG";
-        SHUTDOWN_TIMEOUT = "shutdown-timeout", "SHUTDOWN_TIMEOUT";
+        BACKOFF_BASE = "backoff-base", "BACKOFF_BASE";
+        BACKOFF_MAX = "backoff-max", "BACKOFF_MAX";
+        LOOKUP_GRACE = "lookup-grace", "LOOKUP_GRACE";
+        LEADER_ELECT_LEASE_DURATION = "leader-elect-lease-duration", "LEADER_ELECT_LEASE_DURATION";
+        LEADER_ELECT_RENEW_DEADLINE = "leader-elect-renew-deadline", "LEADER_ELECT_RENEW_DEADLINE";
+        LEADER_ELECT_RETRY_PERIOD = "leader-elect-retry-period", "LEADER_ELECT_RETRY_PERIOD";
     }
 }
 
@@ -297,6 +358,9 @@ pub enum SettingsError {
         /// What is wrong.
         reason: String,
     },
+    /// Not a command line (also `--help` and `--version`, which `main` lets clap print).
+    #[error("{0}")]
+    Usage(#[source] clap::Error),
     /// The config file's mailer section has an unusable value (a key without a flag).
     #[error("{}: mailer.{source}", field::CONFIG)]
     FileMailer {
@@ -362,6 +426,27 @@ pub struct Webhook {
     pub cert_dir: PathBuf,
 }
 
+/// The diagnostics endpoint's serving parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostics {
+    /// Where it listens.
+    pub bind: SocketAddr,
+    /// HTTPS with authentication and authorization, or plain HTTP for anyone.
+    pub security: DiagnosticsSecurity,
+}
+
+/// How the diagnostics endpoint is protected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiagnosticsSecurity {
+    /// HTTPS; every request reviewed by the API server.
+    Secure {
+        /// Directory holding `tls.crt` and `tls.key`; `None`: self-signed, made at start.
+        cert_dir: Option<PathBuf>,
+    },
+    /// Plain HTTP, no authentication (`--insecure-diagnostics`).
+    Insecure,
+}
+
 /// Everything the manager needs, validated. Holds no secret values (only where to read them).
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -369,8 +454,10 @@ pub struct Settings {
     pub mailer: MailerConfig,
     /// The controllers' configuration (`instance` is filled in at start).
     pub controllers: capm_controllers::Config,
-    /// `/metrics` address, if enabled.
-    pub metrics_address: Option<SocketAddr>,
+    /// The diagnostics endpoint (`/metrics`), if enabled.
+    pub diagnostics: Option<Diagnostics>,
+    /// Deprecated settings in use, one sentence each, for a warning at start.
+    pub deprecations: Vec<String>,
     /// `/healthz` + `/readyz` address, if enabled.
     pub probe_address: Option<SocketAddr>,
     /// Leader election, if enabled.
@@ -393,31 +480,63 @@ pub fn process_env(name: &str) -> Option<String> {
 }
 
 impl Settings {
-    /// Resolves `args` (flags and their variables, already merged by clap) with the config file
-    /// and the defaults, and validates everything. Touches no network and reads no secret.
+    /// Parses `argv` with `command` (`Args::command()`, or a variant of it), applies the
+    /// `--config` file, and validates everything. Touches no network and reads no secret.
+    ///
+    /// The file's values become the flags' defaults, so a flag still beats its variable, which
+    /// beats the file, which beats the built-in default, and every value goes through its flag's
+    /// parser.
     ///
     /// `env` looks up the variables that are not flag fallbacks: `MAILGUN_API_KEY` and
     /// `SMTP_PASSWORD` (only whether they are set) and `POD_NAMESPACE`.
     ///
     /// # Errors
-    /// [`SettingsError`] naming the first field that is wrong.
+    /// [`SettingsError`] naming the first field that is wrong; [`SettingsError::Usage`] for what
+    /// is not a command line at all (and for `--help` and `--version`).
     pub fn resolve(
-        args: Args,
+        command: Command,
+        argv: &[OsString],
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, SettingsError> {
-        let file = match &args.config {
-            Some(path) => read_file(path)?,
-            None => FileConfig::default(),
+        let args = parse(command.clone(), argv).map_err(usage_error)?;
+        let Some(path) = args.config.clone() else {
+            return Self::from_args(args, None, env);
         };
-        let mailer = resolve_mailer(&args, file.mailer.clone(), env)?;
+        let (mailer, defaults) = read_file(&path)?;
+        let mut command = command;
+        for (id, values) in defaults {
+            if !command.get_arguments().any(|a| a.get_id() == id.as_str())
+                || FLAG_ONLY.contains(&id.as_str())
+            {
+                let key = snake_to_camel(&id);
+                return Err(file_error(&path, format!("unknown field `{key}`")));
+            }
+            // `Arg` keeps `&'static str`s; the file is read once per process.
+            let values: Vec<&'static str> = values.into_iter().map(|v| &*v.leak()).collect();
+            command = command.mut_arg(id, |a| a.default_values(values));
+        }
+        let args = parse(command, argv).map_err(|e| {
+            // clap's first line names the flag and the value; the rest is usage advice.
+            let text = e.to_string();
+            let line = text.lines().next().unwrap_or_default();
+            file_error(&path, line.trim_start_matches("error: ").to_owned())
+        })?;
+        Self::from_args(args, mailer, env)
+    }
+
+    fn from_args(
+        args: Args,
+        file_mailer: Option<MailerConfig>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, SettingsError> {
+        let mailer = resolve_mailer(&args, file_mailer, env)?;
 
         let recipients = args
             .mail_recipients
-            .or(file.mail_recipients)
+            .filter(|r| !r.is_empty())
             .ok_or_else(|| invalid(field::MAIL_RECIPIENT, "at least one recipient is required"))?;
-        let recipients = check_recipients(recipients)?;
 
-        let message_id_domain = match args.message_id_domain.or(file.message_id_domain) {
+        let message_id_domain = match args.message_id_domain {
             Some(domain) => domain,
             None => default_message_id_domain(&mailer).ok_or_else(|| {
                 invalid(
@@ -433,124 +552,210 @@ impl Settings {
             ));
         }
 
-        let namespace = args.namespace.or(file.namespace);
-        if let Some(ns) = &namespace {
-            check_dns_label(field::NAMESPACE, ns)?;
-        }
-        let watch_filter = args.watch_filter.or(file.watch_filter);
-        if let Some(value) = &watch_filter {
-            check_label_value(field::WATCH_FILTER, value)?;
-        }
-        let concurrency = args.concurrency.or(file.concurrency).unwrap_or(10);
-        if concurrency == 0 {
+        if args.concurrency == 0 {
             return Err(invalid(field::CONCURRENCY, "must be at least 1"));
         }
+        if args.backoff_base.is_zero() {
+            return Err(invalid(field::BACKOFF_BASE, "must be positive"));
+        }
+        if args.backoff_base > args.backoff_max {
+            return Err(invalid(
+                field::BACKOFF_BASE,
+                format!("must not be longer than {}", field::BACKOFF_MAX),
+            ));
+        }
+        if args.lookup_grace.is_zero() {
+            return Err(invalid(field::LOOKUP_GRACE, "must be positive"));
+        }
 
-        let metrics_address = bind_address(
-            field::METRICS_BIND_ADDRESS,
-            args.metrics_bind_address
-                .or(file.metrics_bind_address)
-                .as_deref()
-                .unwrap_or("127.0.0.1:8080"),
+        let mut deprecations = Vec::new();
+        let diagnostics = resolve_diagnostics(
+            args.diagnostics_address,
+            args.insecure_diagnostics,
+            args.diagnostics_cert_dir,
+            args.metrics_bind_address,
+            &mut deprecations,
         )?;
         let probe_address = bind_address(
             field::HEALTH_PROBE_BIND_ADDRESS,
-            args.health_probe_bind_address
-                .or(file.health_probe_bind_address)
-                .as_deref()
-                .unwrap_or("127.0.0.1:8081"),
+            &args.health_probe_bind_address,
         )?;
 
-        let leader_election = if args.leader_elect.or(file.leader_elect).unwrap_or(true) {
+        let (lease_duration, renew_deadline, retry_period) = (
+            args.leader_elect_lease_duration,
+            args.leader_elect_renew_deadline,
+            args.leader_elect_retry_period,
+        );
+        if renew_deadline >= lease_duration {
+            return Err(invalid(
+                field::LEADER_ELECT_RENEW_DEADLINE,
+                format!(
+                    "must be shorter than {}",
+                    field::LEADER_ELECT_LEASE_DURATION
+                ),
+            ));
+        }
+        if retry_period.is_zero() || retry_period >= renew_deadline {
+            return Err(invalid(
+                field::LEADER_ELECT_RETRY_PERIOD,
+                format!(
+                    "must be positive and shorter than {}",
+                    field::LEADER_ELECT_RENEW_DEADLINE
+                ),
+            ));
+        }
+        let leader_election = if args.leader_elect {
             let namespace = args
                 .leader_election_namespace
-                .or(file.leader_election_namespace)
                 .or_else(|| env("POD_NAMESPACE"))
                 .or_else(in_cluster_namespace)
                 .unwrap_or_else(|| "default".to_owned());
-            check_dns_label(field::LEADER_ELECTION_NAMESPACE, &namespace)?;
-            let name = args
-                .leader_election_id
-                .or(file.leader_election_id)
-                .unwrap_or_else(|| "cluster-api-provider-mailgun-leader".to_owned());
-            check_dns_subdomain(field::LEADER_ELECTION_ID, &name)?;
+            let namespace = self::namespace(&namespace)
+                .map_err(|r| invalid(field::LEADER_ELECTION_NAMESPACE, r.0))?;
+            check_dns_subdomain(field::LEADER_ELECTION_ID, &args.leader_election_id)?;
             Some(LeaderElection {
                 namespace,
-                name,
-                lease_duration: Duration::from_secs(15),
-                renew_deadline: Duration::from_secs(10),
-                retry_period: Duration::from_secs(2),
+                name: args.leader_election_id,
+                lease_duration,
+                renew_deadline,
+                retry_period,
             })
         } else {
             None
         };
 
-        let webhook = match args.webhook_port.or(file.webhook_port).unwrap_or(9443) {
-            0 => None,
-            port => Some(Webhook {
-                bind: SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)),
-                cert_dir: args
-                    .webhook_cert_dir
-                    .or(file.webhook_cert_dir)
-                    .unwrap_or_else(|| PathBuf::from(DEFAULT_WEBHOOK_CERT_DIR)),
-            }),
-        };
-
-        let log_level = args
-            .log_level
-            .or(file.log_level)
-            .unwrap_or_else(|| "info".to_owned());
-        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log_level) {
-            return Err(invalid(field::LOG_LEVEL, format!("{log_level:?}: {e}")));
-        }
-        let shutdown_timeout = match args.shutdown_timeout.or(file.shutdown_timeout) {
-            Some(text) => parse_duration(&text).ok_or_else(|| {
-                invalid(
-                    field::SHUTDOWN_TIMEOUT,
-                    format!("{text:?} is not a duration like 30s, 2m or 500ms"),
-                )
-            })?,
-            None => Duration::from_secs(30),
-        };
+        let webhook = (args.webhook_port != 0).then(|| Webhook {
+            bind: SocketAddr::from((Ipv4Addr::UNSPECIFIED, args.webhook_port)),
+            cert_dir: args.webhook_cert_dir,
+        });
 
         Ok(Self {
             mailer,
             controllers: capm_controllers::Config {
                 recipients,
                 message_id_domain,
-                namespace,
-                watch_filter,
-                concurrency,
+                namespace: args.namespace,
+                watch_filter: args.watch_filter,
+                concurrency: args.concurrency,
+                backoff_base: args.backoff_base,
+                backoff_max: args.backoff_max,
+                lookup_grace: args.lookup_grace,
                 ..capm_controllers::Config::default()
             },
-            metrics_address,
+            diagnostics,
+            deprecations,
             probe_address,
             leader_election,
             webhook,
-            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
-            log_level,
-            shutdown_timeout,
+            log_format: args.log_format,
+            log_level: args.log_level,
+            shutdown_timeout: args.shutdown_timeout,
             kubeconfig: args.kubeconfig,
         })
     }
 }
 
-fn read_file(path: &Path) -> Result<FileConfig, SettingsError> {
-    let text = std::fs::read_to_string(path).map_err(|e| SettingsError::File {
-        path: path.to_owned(),
-        reason: e.to_string(),
-    })?;
-    if text.trim().is_empty() {
-        return Ok(FileConfig::default());
-    }
-    let reason = |e: &dyn fmt::Display| SettingsError::File {
-        path: path.to_owned(),
-        reason: e.to_string(),
+fn parse(command: Command, argv: &[OsString]) -> Result<Args, clap::Error> {
+    let mut matches = command.try_get_matches_from(argv)?;
+    Args::from_arg_matches_mut(&mut matches)
+}
+
+/// A value one of this module's parsers refused names the flag and its variable, like every
+/// other invalid setting (exit status 1); clap's own refusals stay usage errors (exit status 2).
+fn usage_error(error: clap::Error) -> SettingsError {
+    let refused = std::error::Error::source(&error).and_then(|e| e.downcast_ref::<Refused>());
+    // The declaration, not the caller's variant of it: tests turn the variables off.
+    let command = <Args as clap::CommandFactory>::command();
+    let arg = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg)) => {
+            let long = arg.trim_start_matches("--").split([' ', '=']).next();
+            command.get_arguments().find(|a| a.get_long() == long)
+        }
+        _ => None,
     };
+    match (arg, refused) {
+        (Some(arg), Some(Refused(reason))) => invalid(
+            Field {
+                flag: Cow::Owned(arg.get_long().unwrap_or_default().to_owned()),
+                env: Cow::Owned(
+                    arg.get_env()
+                        .map(|e| e.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                ),
+            },
+            reason.clone(),
+        ),
+        _ => SettingsError::Usage(error),
+    }
+}
+
+fn file_error(path: &Path, reason: String) -> SettingsError {
+    SettingsError::File {
+        path: path.to_owned(),
+        reason,
+    }
+}
+
+fn snake_to_camel(id: &str) -> String {
+    let mut parts = id.split('_');
+    let mut out = parts.next().unwrap_or_default().to_owned();
+    for part in parts {
+        let mut chars = part.chars();
+        if let Some(first) = chars.next() {
+            out.extend(first.to_uppercase());
+            out.push_str(chars.as_str());
+        }
+    }
+    out
+}
+
+/// The file's `mailer` section and, for every other key, the flag it sets (by clap id,
+/// snake_case) with its value(s) as the flag would take them.
+type FileSettings = (Option<MailerConfig>, Vec<(String, Vec<String>)>);
+
+fn read_file(path: &Path) -> Result<FileSettings, SettingsError> {
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(path, e.to_string()))?;
+    if text.trim().is_empty() {
+        return Ok((None, Vec::new()));
+    }
     // YAML is a superset of JSON: one parser reads both. Going through a JSON value keeps the
     // mailer's `{mailgun: {...}}` form (serde_yaml_ng would want a `!mailgun` tag).
-    let value: serde_json::Value = serde_yaml_ng::from_str(&text).map_err(|e| reason(&e))?;
-    serde_json::from_value(value).map_err(|e| reason(&e))
+    let value: serde_json::Value =
+        serde_yaml_ng::from_str(&text).map_err(|e| file_error(path, e.to_string()))?;
+    let serde_json::Value::Object(mut map) = value else {
+        return Err(file_error(path, "expected a map of settings".into()));
+    };
+    let mailer = match map.remove("mailer") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => Some(serde_json::from_value(v).map_err(|e| file_error(path, e.to_string()))?),
+    };
+    let mut defaults = Vec::new();
+    for (key, value) in map {
+        let scalar = |v: serde_json::Value| match v {
+            serde_json::Value::String(s) => Ok(s),
+            serde_json::Value::Bool(_) | serde_json::Value::Number(_) => Ok(v.to_string()),
+            other => Err(file_error(
+                path,
+                format!("{key}: {other} is not a single value"),
+            )),
+        };
+        let values = match value {
+            serde_json::Value::Null => continue,
+            serde_json::Value::Array(items) => {
+                items.into_iter().map(scalar).collect::<Result<_, _>>()?
+            }
+            other => vec![scalar(other)?],
+        };
+        let id = key.chars().fold(String::new(), |mut id, c| {
+            if c.is_ascii_uppercase() {
+                id.push('_');
+            }
+            id.push(c.to_ascii_lowercase());
+            id
+        });
+        defaults.push((id, values));
+    }
+    Ok((mailer, defaults))
 }
 
 fn backend_of(config: &MailerConfig) -> Backend {
@@ -653,26 +858,25 @@ fn resolve_mailer(
 static ADDRESS: LazyLock<Option<regex::Regex>> =
     LazyLock::new(|| regex::Regex::new(capm_api::validation::REQUESTER_PATTERN).ok());
 
-fn check_recipients(values: Vec<String>) -> Result<Vec<String>, SettingsError> {
-    let mut recipients = Vec::with_capacity(values.len());
-    for value in values {
-        let address = value.trim();
-        let valid = ADDRESS.as_ref().is_some_and(|re| re.is_match(address));
-        if !valid {
-            return Err(invalid(
-                field::MAIL_RECIPIENT,
-                format!("{address:?} is not an e-mail address"),
-            ));
-        }
-        recipients.push(address.to_owned());
+/// Why one of this module's value parsers refused a value; the caller names the flag.
+#[derive(Debug)]
+struct Refused(String);
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
     }
-    if recipients.is_empty() {
-        return Err(invalid(
-            field::MAIL_RECIPIENT,
-            "at least one recipient is required",
-        ));
+}
+
+impl std::error::Error for Refused {}
+
+fn recipient(value: &str) -> Result<String, Refused> {
+    let address = value.trim();
+    if ADDRESS.as_ref().is_some_and(|re| re.is_match(address)) {
+        Ok(address.to_owned())
+    } else {
+        Err(Refused(format!("{address:?} is not an e-mail address")))
     }
-    Ok(recipients)
 }
 
 fn default_message_id_domain(mailer: &MailerConfig) -> Option<String> {
@@ -689,7 +893,7 @@ fn default_message_id_domain(mailer: &MailerConfig) -> Option<String> {
     }
 }
 
-fn check_dns_label(field: Field, value: &str) -> Result<(), SettingsError> {
+fn namespace(value: &str) -> Result<String, Refused> {
     let ok = !value.is_empty()
         && value.len() <= 63
         && value
@@ -698,12 +902,11 @@ fn check_dns_label(field: Field, value: &str) -> Result<(), SettingsError> {
         && !value.starts_with('-')
         && !value.ends_with('-');
     if ok {
-        Ok(())
+        Ok(value.to_owned())
     } else {
-        Err(invalid(
-            field,
-            format!("{value:?} is not a namespace name (lower-case letters, digits, '-')"),
-        ))
+        Err(Refused(format!(
+            "{value:?} is not a namespace name (lower-case letters, digits, '-')"
+        )))
     }
 }
 
@@ -728,7 +931,7 @@ fn check_dns_subdomain(field: Field, value: &str) -> Result<(), SettingsError> {
     }
 }
 
-fn check_label_value(field: Field, value: &str) -> Result<(), SettingsError> {
+fn label_value(value: &str) -> Result<String, Refused> {
     let ok = value.len() <= 63
         && value
             .chars()
@@ -736,12 +939,18 @@ fn check_label_value(field: Field, value: &str) -> Result<(), SettingsError> {
         && value.starts_with(|c: char| c.is_ascii_alphanumeric())
         && value.ends_with(|c: char| c.is_ascii_alphanumeric());
     if ok {
-        Ok(())
+        Ok(value.to_owned())
     } else {
-        Err(invalid(
-            field,
-            format!("{value:?} is not a label value (at most 63 letters, digits, '-', '_', '.')"),
-        ))
+        Err(Refused(format!(
+            "{value:?} is not a label value (at most 63 letters, digits, '-', '_', '.')"
+        )))
+    }
+}
+
+fn log_filter(value: &str) -> Result<String, Refused> {
+    match tracing_subscriber::EnvFilter::try_new(value) {
+        Ok(_) => Ok(value.to_owned()),
+        Err(e) => Err(Refused(format!("{value:?}: {e}"))),
     }
 }
 
@@ -765,6 +974,71 @@ fn bind_address(field: Field, value: &str) -> Result<Option<SocketAddr>, Setting
     })
 }
 
+/// `--diagnostics-address` and friends, with `--metrics-bind-address` as the deprecated way to
+/// ask for plain HTTP.
+fn resolve_diagnostics(
+    address: Option<String>,
+    insecure: Option<bool>,
+    cert_dir: Option<PathBuf>,
+    metrics_bind_address: Option<String>,
+    deprecations: &mut Vec<String>,
+) -> Result<Option<Diagnostics>, SettingsError> {
+    let (bind, insecure) = match (address, metrics_bind_address) {
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                field::METRICS_BIND_ADDRESS,
+                format!(
+                    "deprecated and replaced by {}: set only that one",
+                    field::DIAGNOSTICS_ADDRESS
+                ),
+            ));
+        }
+        (None, Some(old)) => {
+            if insecure == Some(false) {
+                return Err(invalid(
+                    field::METRICS_BIND_ADDRESS,
+                    format!(
+                        "serves plain HTTP, which {} false forbids: use {} instead",
+                        field::INSECURE_DIAGNOSTICS,
+                        field::DIAGNOSTICS_ADDRESS
+                    ),
+                ));
+            }
+            deprecations.push(format!(
+                "{} is deprecated: use {} with {} (or drop it for HTTPS with authentication)",
+                field::METRICS_BIND_ADDRESS,
+                field::DIAGNOSTICS_ADDRESS,
+                field::INSECURE_DIAGNOSTICS
+            ));
+            (bind_address(field::METRICS_BIND_ADDRESS, &old)?, true)
+        }
+        (address, None) => (
+            bind_address(
+                field::DIAGNOSTICS_ADDRESS,
+                address.as_deref().unwrap_or(":8443"),
+            )?,
+            insecure.unwrap_or(false),
+        ),
+    };
+    if insecure && let Some(dir) = &cert_dir {
+        return Err(invalid(
+            field::DIAGNOSTICS_CERT_DIR,
+            format!(
+                "{} is only used over HTTPS, and diagnostics are insecure (plain HTTP)",
+                dir.display()
+            ),
+        ));
+    }
+    Ok(bind.map(|bind| Diagnostics {
+        bind,
+        security: if insecure {
+            DiagnosticsSecurity::Insecure
+        } else {
+            DiagnosticsSecurity::Secure { cert_dir }
+        },
+    }))
+}
+
 fn in_cluster_namespace() -> Option<String> {
     std::fs::read_to_string(IN_CLUSTER_NAMESPACE_FILE)
         .ok()
@@ -772,22 +1046,21 @@ fn in_cluster_namespace() -> Option<String> {
         .filter(|ns| !ns.is_empty())
 }
 
-/// `30s`, `2m`, `1h`, `500ms` or plain seconds.
+/// `30s`, `2m`, `1h`, `500ms`, `1m30s` (jiff's friendly format, without calendar units: a day
+/// is not always 24 hours) or plain seconds.
 pub fn parse_duration(text: &str) -> Option<Duration> {
     let text = text.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number.parse().ok()?;
-    let seconds = match unit {
-        "" | "s" => number,
-        "ms" => number / 1000.0,
-        "m" => number * 60.0,
-        "h" => number * 3600.0,
-        _ => return None,
-    };
-    Duration::try_from_secs_f64(seconds).ok()
+    if let Ok(seconds) = text.parse::<f64>() {
+        return Duration::try_from_secs_f64(seconds).ok();
+    }
+    let signed: jiff::SignedDuration = text.parse().ok()?;
+    Duration::try_from(signed).ok()
+}
+
+/// [`parse_duration`] as a flag's value parser.
+fn duration(text: &str) -> Result<Duration, Refused> {
+    parse_duration(text)
+        .ok_or_else(|| Refused(format!("{text:?} is not a duration like 30s, 2m or 500ms")))
 }
 
 #[cfg(test)]
@@ -796,10 +1069,10 @@ mod tests {
 
     use super::*;
 
-    /// Parses flags only: clap's environment fallbacks are turned off, so the tests do not
-    /// depend on the variables of whoever runs them.
-    fn args(flags: &[&str]) -> Args {
-        use clap::{CommandFactory, FromArgMatches};
+    /// Flags only: clap's environment fallbacks are turned off, so the tests do not depend on
+    /// the variables of whoever runs them.
+    fn flags_only() -> Command {
+        use clap::CommandFactory;
         let mut command = Args::command();
         let ids: Vec<_> = command
             .get_arguments()
@@ -808,10 +1081,7 @@ mod tests {
         for id in ids {
             command = command.mut_arg(id, |a| a.env(None::<&str>));
         }
-        let matches = command
-            .try_get_matches_from(std::iter::once("capm").chain(flags.iter().copied()))
-            .unwrap();
-        Args::from_arg_matches(&matches).unwrap()
+        command
     }
 
     fn no_env(_: &str) -> Option<String> {
@@ -833,7 +1103,11 @@ mod tests {
         flags: &[&str],
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Settings, SettingsError> {
-        Settings::resolve(args(flags), env)
+        let argv: Vec<OsString> = std::iter::once("capm")
+            .chain(flags.iter().copied())
+            .map(Into::into)
+            .collect();
+        Settings::resolve(flags_only(), &argv, env)
     }
 
     fn error(flags: &[&str], env: &dyn Fn(&str) -> Option<String>) -> String {
@@ -858,7 +1132,14 @@ mod tests {
         assert_eq!(s.controllers.recipients, ["ops@example.com"]);
         assert_eq!(s.controllers.message_id_domain, "mg.example.com");
         assert_eq!(s.controllers.concurrency, 10);
-        assert_eq!(s.metrics_address, Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(
+            s.diagnostics,
+            Some(Diagnostics {
+                bind: "0.0.0.0:8443".parse().unwrap(),
+                security: DiagnosticsSecurity::Secure { cert_dir: None },
+            })
+        );
+        assert!(s.deprecations.is_empty());
         assert_eq!(s.probe_address, Some("127.0.0.1:8081".parse().unwrap()));
         let le = s.leader_election.as_ref().unwrap();
         assert_eq!(le.name, "cluster-api-provider-mailgun-leader");
@@ -895,7 +1176,15 @@ mod tests {
             m.api_key,
             SecretSource::File("/etc/capm/mailgun/api-key".into())
         );
-        assert_eq!(s.metrics_address, Some("0.0.0.0:8080".parse().unwrap()));
+        assert_eq!(
+            s.diagnostics,
+            Some(Diagnostics {
+                bind: "0.0.0.0:8443".parse().unwrap(),
+                security: DiagnosticsSecurity::Secure {
+                    cert_dir: Some("/etc/capm/diagnostics".into())
+                },
+            })
+        );
         let s = load("smtp.yaml");
         let MailerConfig::Smtp(c) = &s.mailer else {
             panic!("{:?}", s.mailer)
@@ -913,7 +1202,7 @@ mailer:
   mailgun: {domain: file.example.com, region: eu, apiKey: {file: /run/key}, testMode: true}
 mailRecipients: [file@example.com]
 concurrency: 3
-metricsBindAddress: "0"
+diagnosticsAddress: "0"
 leaderElect: false
 webhookPort: 0
 logFormat: json
@@ -932,7 +1221,7 @@ shutdownTimeout: 5s
         assert_eq!(m.api_key, SecretSource::File("/run/key".into()));
         assert_eq!(s.controllers.recipients, ["file@example.com"]);
         assert_eq!(s.controllers.concurrency, 3);
-        assert_eq!(s.metrics_address, None);
+        assert_eq!(s.diagnostics, None);
         assert!(s.leader_election.is_none());
         assert!(s.webhook.is_none());
         assert_eq!(s.log_format, LogFormat::Json);
@@ -950,8 +1239,9 @@ shutdownTimeout: 5s
                 "--concurrency",
                 "7",
                 "--leader-elect",
-                "--metrics-bind-address",
+                "--diagnostics-address",
                 ":9090",
+                "--insecure-diagnostics",
                 "--mailgun-region",
                 "us",
             ],
@@ -968,7 +1258,13 @@ shutdownTimeout: 5s
         assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
         assert_eq!(s.controllers.recipients, ["a@example.com", "b@example.com"]);
         assert_eq!(s.controllers.concurrency, 7);
-        assert_eq!(s.metrics_address, Some("0.0.0.0:9090".parse().unwrap()));
+        assert_eq!(
+            s.diagnostics,
+            Some(Diagnostics {
+                bind: "0.0.0.0:9090".parse().unwrap(),
+                security: DiagnosticsSecurity::Insecure,
+            })
+        );
         assert!(s.leader_election.is_some());
         let s = resolve(
             &["--config", path, "--mailgun-api-key-file", "/k"],
@@ -1139,6 +1435,31 @@ shutdownTimeout: 5s
                 "--metrics-bind-address (METRICS_BIND_ADDRESS): \"localhost\" is not host:port",
             ),
             (
+                &["--diagnostics-address", "localhost"],
+                "--diagnostics-address (DIAGNOSTICS_ADDRESS): \"localhost\" is not host:port",
+            ),
+            (
+                &[
+                    "--diagnostics-address",
+                    ":1",
+                    "--metrics-bind-address",
+                    ":2",
+                ],
+                "--metrics-bind-address (METRICS_BIND_ADDRESS): deprecated and replaced by --diagnostics-address",
+            ),
+            (
+                &[
+                    "--metrics-bind-address",
+                    ":2",
+                    "--insecure-diagnostics=false",
+                ],
+                "--metrics-bind-address (METRICS_BIND_ADDRESS): serves plain HTTP",
+            ),
+            (
+                &["--insecure-diagnostics", "--diagnostics-cert-dir", "/d"],
+                "--diagnostics-cert-dir (DIAGNOSTICS_CERT_DIR): /d is only used over HTTPS",
+            ),
+            (
                 &["--health-probe-bind-address", ":x"],
                 "--health-probe-bind-address (HEALTH_PROBE_BIND_ADDRESS): \":x\" is not host:port",
             ),
@@ -1206,6 +1527,97 @@ shutdownTimeout: 5s
     }
 
     #[test]
+    fn timings_come_from_flags_the_file_or_the_defaults() {
+        let s = resolve(MAILGUN, &with_key).unwrap();
+        let c = &s.controllers;
+        assert_eq!(
+            (c.backoff_base, c.backoff_max, c.lookup_grace),
+            (
+                Duration::from_millis(500),
+                Duration::from_secs(300),
+                Duration::from_secs(10)
+            )
+        );
+        let f =
+            file("backoffBase: 1s\nbackoffMax: 1m\nlookupGrace: 30s\nleaderElectRetryPeriod: 3s\n");
+        let mut flags = MAILGUN.to_vec();
+        flags.extend(["--config", f.path().to_str().unwrap(), "--backoff-max=2m"]);
+        flags.extend([
+            "--leader-elect-lease-duration=1m",
+            "--leader-elect-renew-deadline=40s",
+        ]);
+        let s = resolve(&flags, &with_key).unwrap();
+        let c = &s.controllers;
+        assert_eq!(
+            (c.backoff_base, c.backoff_max, c.lookup_grace),
+            (
+                Duration::from_secs(1),
+                Duration::from_secs(120),
+                Duration::from_secs(30)
+            )
+        );
+        let le = s.leader_election.unwrap();
+        assert_eq!(
+            (le.lease_duration, le.renew_deadline, le.retry_period),
+            (
+                Duration::from_secs(60),
+                Duration::from_secs(40),
+                Duration::from_secs(3)
+            )
+        );
+
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["--backoff-base=0s"],
+                "--backoff-base (BACKOFF_BASE): must be positive",
+            ),
+            (
+                &["--backoff-base=10m"],
+                "--backoff-base (BACKOFF_BASE): must not be longer than --backoff-max (BACKOFF_MAX)",
+            ),
+            (
+                &["--backoff-max=soon"],
+                "--backoff-max (BACKOFF_MAX): \"soon\" is not a duration",
+            ),
+            (
+                &["--lookup-grace=0"],
+                "--lookup-grace (LOOKUP_GRACE): must be positive",
+            ),
+            (
+                &["--leader-elect-renew-deadline=15s"],
+                "--leader-elect-renew-deadline (LEADER_ELECT_RENEW_DEADLINE): must be shorter than \
+                 --leader-elect-lease-duration (LEADER_ELECT_LEASE_DURATION)",
+            ),
+            (
+                &["--leader-elect-retry-period=10s"],
+                "--leader-elect-retry-period (LEADER_ELECT_RETRY_PERIOD): must be positive and \
+                 shorter than --leader-elect-renew-deadline (LEADER_ELECT_RENEW_DEADLINE)",
+            ),
+            (
+                &["--leader-elect-lease-duration=-5s"],
+                "--leader-elect-lease-duration (LEADER_ELECT_LEASE_DURATION): \"-5s\" is not",
+            ),
+        ];
+        for (extra, expected) in cases {
+            let mut flags = MAILGUN.to_vec();
+            flags.extend(extra.iter());
+            let err = error(&flags, &with_key);
+            assert!(
+                err.starts_with(expected),
+                "{flags:?}:\n  got      {err}\n  expected {expected}"
+            );
+        }
+        let f = file("lookupGrace: soon\n");
+        let mut flags = MAILGUN.to_vec();
+        flags.extend(["--config", f.path().to_str().unwrap()]);
+        let err = error(&flags, &with_key);
+        assert!(
+            err.starts_with("--config (CAPM_CONFIG): ") && err.contains("--lookup-grace"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(parse_duration("30s"), Some(Duration::from_secs(30)));
         assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
@@ -1214,5 +1626,7 @@ shutdownTimeout: 5s
         assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
         assert_eq!(parse_duration("x"), None);
         assert_eq!(parse_duration("5d"), None);
+        assert_eq!(parse_duration("1m30s"), Some(Duration::from_secs(90)));
+        assert_eq!(parse_duration("-1s"), None);
     }
 }

@@ -1,4 +1,6 @@
-//! The webhook's serving certificate, re-read from disk when the files change.
+//! Serving certificates: the webhook's and the diagnostics endpoint's, re-read from disk when
+//! the files change; or, for diagnostics without a certificate directory, a self-signed one
+//! made at start (as controller-runtime does).
 //!
 //! Each TLS handshake checks the files' metadata (modification time, size, inode: a Kubernetes
 //! Secret volume swaps a symlink, cert-manager rewrites files) and reloads on any change, so a
@@ -124,13 +126,13 @@ impl ReloadingCert {
         match stamp([&self.cert, &self.key]) {
             Ok(now) if now != guard.0 => match load(&self.cert, &self.key, &self.provider) {
                 Ok(pair) => {
-                    info!(cert = %self.cert.display(), "reloaded the webhook certificate");
+                    info!(cert = %self.cert.display(), "reloaded a serving certificate");
                     *guard = (now, Arc::new(pair));
                 }
-                Err(e) => warn!(error = %e, "keeping the previous webhook certificate"),
+                Err(e) => warn!(error = %e, "keeping the previous serving certificate"),
             },
             Ok(_) => {}
-            Err(e) => warn!(error = %e, "keeping the previous webhook certificate"),
+            Err(e) => warn!(error = %e, "keeping the previous serving certificate"),
         }
         Some(guard.1.clone())
     }
@@ -139,5 +141,38 @@ impl ReloadingCert {
 impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         self.current()
+    }
+}
+
+/// A rustls server configuration (HTTP/1.1) with a new self-signed certificate for `names`
+/// (DNS names or IP addresses), valid from now for about a year. Clients must skip
+/// verification or pin it: nothing signs it.
+///
+/// # Errors
+/// When a name is unusable or key generation fails.
+pub fn self_signed_server_config(names: Vec<String>) -> Result<ServerConfig, TlsError> {
+    let pair = |e: &dyn std::fmt::Display| TlsError::Pair(format!("self-signed: {e}"));
+    let rcgen::CertifiedKey { cert, signing_key } =
+        rcgen::generate_simple_self_signed(names).map_err(|e| pair(&e))?;
+    let key = PrivateKeyDer::try_from(signing_key.serialize_der()).map_err(|e| pair(&e))?;
+    let mut config = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| pair(&e))?
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.der().clone()], key)
+        .map_err(|e| pair(&e))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_self_signed_config_serves_one_certificate() {
+        let config = self_signed_server_config(vec!["localhost".into(), "127.0.0.1".into()])
+            .expect("config");
+        assert_eq!(config.alpn_protocols, vec![b"http/1.1".to_vec()]);
     }
 }

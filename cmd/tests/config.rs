@@ -112,7 +112,7 @@ fn secret_stays_out_of_logs_and_errors_past_validation() {
             "--kubeconfig",
             dir.path().join("missing").to_str().expect("utf-8"),
             "--webhook-port=0",
-            "--metrics-bind-address=0",
+            "--diagnostics-address=0",
             "--health-probe-bind-address=0",
         ],
     );
@@ -141,6 +141,29 @@ fn webhook_without_certificates_fails_naming_the_directory() {
 }
 
 #[test]
+fn diagnostics_without_certificates_fail_naming_the_directory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = run(
+        &[
+            ("MAILGUN_DOMAIN", "mg.example.com"),
+            ("MAILGUN_API_KEY", SECRET),
+            ("MAIL_RECIPIENT", "ops@example.com"),
+        ],
+        &[
+            "--webhook-port=0",
+            "--diagnostics-cert-dir",
+            dir.path().to_str().expect("utf-8"),
+        ],
+    );
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("--diagnostics-cert-dir (DIAGNOSTICS_CERT_DIR)") && text.contains("tls.crt"),
+        "{text}"
+    );
+}
+
+#[test]
 fn help_documents_every_variable() {
     let out = run(&[], &["--help"]);
     assert!(out.status.success());
@@ -152,7 +175,9 @@ fn help_documents_every_variable() {
         "SMTP_URL",
         "LEADER_ELECT",
         "WEBHOOK_CERT_DIR",
-        "default: 127.0.0.1:8080",
+        "DIAGNOSTICS_ADDRESS",
+        "INSECURE_DIAGNOSTICS",
+        "default: :8443",
     ] {
         assert!(help.contains(var), "{var} missing from --help:\n{help}");
     }

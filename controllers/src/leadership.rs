@@ -14,7 +14,8 @@
 //! one network write) still delivers on resume. The standby's side of the protocol (see
 //! [`Leadership::handover`]) waits for intents written by another holder to age past the lease
 //! duration plus the renew deadline before looking them up or resending, which covers a freeze
-//! before the check; the window after it cannot be closed from the client.
+//! before the check (by the writer's recorded time and the standby's own first sight of the
+//! intent, whichever is safer); the window after it cannot be closed from the client.
 
 use std::{
     fmt,

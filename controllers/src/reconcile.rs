@@ -26,7 +26,7 @@ use crate::{
     sendonce::{
         Which,
         decide::{Release, Withheld, release_needed},
-        execute::{OwnerCheck, Tracked, adopt, ensure_sent, publish, read_records},
+        execute::{OwnerCheck, Tracked, ensure_sent, patch_metadata, publish, read_records},
         records::IntentState,
     },
     status::Status,
@@ -315,21 +315,18 @@ async fn strip_foreign_release_records<K: InfraKind>(
     for k in &present {
         annotations.insert((*k).to_owned(), serde_json::Value::Null);
     }
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let written = api
-        .patch(
-            &obj.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "metadata": {
-                "resourceVersion": tracked.resource_version,
-                "annotations": annotations,
-            }})),
-        )
-        .await
-        .map_err(ReconcileError::from_write(
-            "removing release records of an object not being deleted",
-        ))?;
-    adopt(ctx, tracked, &written);
+    let metadata = json!({
+        "resourceVersion": tracked.resource_version,
+        "annotations": annotations,
+    });
+    patch_metadata(
+        obj,
+        ctx,
+        tracked,
+        metadata,
+        "removing release records of an object not being deleted",
+    )
+    .await?;
     publish(
         ctx,
         obj,

@@ -61,16 +61,7 @@ async fn machine_waits_for_infrastructure_and_bootstrap_then_mails_once() {
             == Some(names::reasons::WAITING_FOR_CLUSTER_INFRASTRUCTURE)
     })
     .await;
-    env.capi("Cluster")
-        .patch_status(
-            "c1",
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({ "status": { "initialization": { "infrastructureProvisioned": true } } }),
-            ),
-        )
-        .await
-        .unwrap();
+    env.mark_infrastructure_provisioned("c1").await;
     eventually("WaitingForBootstrapData", || async {
         ready_reason(&env, "c1-m1").await.as_deref()
             == Some(names::reasons::WAITING_FOR_BOOTSTRAP_DATA)

@@ -36,16 +36,7 @@ fn machine_ar() -> ApiResource {
 /// that deleting it leaves it in place with a deletionTimestamp), and its MailgunMachine `mm`.
 async fn machine_setup(env: &Env) -> (MailgunMachine, DynamicObject) {
     env.create_cluster("c", false).await;
-    env.capi("Cluster")
-        .patch_status(
-            "c",
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({ "status": { "initialization": { "infrastructureProvisioned": true } } }),
-            ),
-        )
-        .await
-        .unwrap();
+    env.mark_infrastructure_provisioned("c").await;
     let mm: MailgunMachine = serde_json::from_value(json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
         "kind": "MailgunMachine",

@@ -121,16 +121,7 @@ async fn a_machine_claiming_another_teams_machine_gets_no_mail() {
     let mut env = Env::new("trust-machine").await;
     env.start().await;
     env.create_cluster("c", false).await;
-    env.capi("Cluster")
-        .patch_status(
-            "c",
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({ "status": { "initialization": { "infrastructureProvisioned": true } } }),
-            ),
-        )
-        .await
-        .unwrap();
+    env.mark_infrastructure_provisioned("c").await;
     let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
         "cluster.x-k8s.io",
         "v1beta2",

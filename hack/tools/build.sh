@@ -58,6 +58,31 @@ ldflags() {
   esac
 }
 
+elapsed() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
+
+# build_one <tool> <name> <package> <dir>: go build, with a line every 30 s (CAPM_BUILD_TICK) so a cold build
+# (modules downloaded, then compiled; up to several minutes per binary on 2 cores) shows progress.
+build_one() {
+  local tool=$1 name=$2 pkg=$3 dir=$4 t0 ticker status=0
+  t0=$(date +%s)
+  echo "    $name: go build $pkg"
+  (
+    trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+    while :; do
+      sleep "${CAPM_BUILD_TICK:-30}" >/dev/null & nap=$!
+      wait "$nap"
+      echo "    $name: still building, $(elapsed "$t0") elapsed (total $(elapsed "$run_start"))"
+    done
+  ) &
+  ticker=$!
+  (cd "$here/$tool" && go build -trimpath -tags selinux,notest -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp" "$pkg") || status=$?
+  kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
+  [ "$status" -eq 0 ] || { echo "    $name: go build failed after $(elapsed "$t0")" >&2; return "$status"; }
+  mv "$dir/$name.tmp" "$dir/$name"
+  echo "    $name: built in $(elapsed "$t0")"
+}
+
+run_start=$(date +%s)
 mkdir -p "$root/bin"
 for tool in "${tools[@]}"; do
   binaries "$tool" >/dev/null
@@ -69,15 +94,14 @@ for tool in "${tools[@]}"; do
   if [ ${#missing[@]} -eq 0 ]; then
     echo "==> $tool: cached in $dir, nothing to build"
   else
-    echo "==> $tool: building ${#missing[@]} binar$([ ${#missing[@]} -eq 1 ] && echo y || echo ies) into $dir"
+    echo "==> $tool: building ${#missing[@]} binar$([ ${#missing[@]} -eq 1 ] && echo y || echo ies) into $dir (cold: minutes; later runs reuse them)"
     mkdir -p "$dir"
     start=$(date +%s)
     for entry in "${missing[@]}"; do
       read -r name pkg <<<"$entry"
-      (cd "$here/$tool" && go build -trimpath -tags selinux,notest -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp" "$pkg")
-      mv "$dir/$name.tmp" "$dir/$name"
+      build_one "$tool" "$name" "$pkg" "$dir"
     done
-    echo "==> $tool: built in $(( $(date +%s) - start )) s"
+    echo "==> $tool: built in $(elapsed "$start")"
   fi
   while read -r name _; do ln -sfn "$dir/$name" "$root/bin/$name"; done < <(binaries "$tool")
   if [ "$tool" = cluster-api ]; then

@@ -332,7 +332,9 @@ pub struct SmtpConfig {
     /// are trusted; otherwise the system's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
-    /// `timeoutSeconds` (optional, 30): connect timeout and timeout of each SMTP command.
+    /// `timeoutSeconds` (optional, 30): bounds getting a ready connection (TCP, TLS, EHLO,
+    /// STARTTLS, AUTH; retryable when exceeded) and, separately, each message's transaction
+    /// (an unknown outcome when exceeded).
     #[serde(default = "default_smtp_timeout")]
     pub timeout_seconds: f64,
     /// `pool` (optional): connection pooling.

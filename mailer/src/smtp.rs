@@ -1,18 +1,20 @@
-//! The SMTP backend (lettre's async transport on Tokio, rustls with the ring provider).
+//! The SMTP backend (lettre's SMTP client on Tokio over our own pooled sockets, rustls with the
+//! ring provider).
 
-use std::{fmt, time::Duration};
+mod pool;
+
+use std::{fmt, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use lettre::{
-    AsyncSmtpTransport, AsyncTransport, Tokio1Executor,
     message::header::{ContentType, HeaderName, HeaderValue},
     transport::smtp::{
-        PoolConfig,
         authentication::{Credentials, Mechanism},
-        client::{Certificate, CertificateStore, Tls, TlsParameters},
+        client::{Certificate, CertificateStore, TlsParameters},
         extension::ClientId,
     },
 };
+use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
 
 use crate::{
     Lookup, MailError, Mailer, Message, MessageId, SendReceipt,
@@ -32,18 +34,16 @@ const BACKEND: &str = "smtp";
 /// |---|---|
 /// | 4xx reply | `Retryable` |
 /// | 5xx reply (including 535 authentication failed) | `Permanent` |
-/// | connect, TLS or STARTTLS negotiation failed (nothing sent yet) | `Retryable` |
-/// | connection lost or timed out later, unreadable reply | `UnknownOutcome` |
+/// | connect, TLS, STARTTLS or AUTH failed without a 5xx reply (nothing sent yet) | `Retryable` |
+/// | connection lost, unreadable reply or no reply within `timeoutSeconds` after `MAIL FROM` | `UnknownOutcome` |
 ///
 /// [`Mailer::lookup`] always answers [`Lookup::Unsupported`]: SMTP has no way to ask.
 ///
-/// # Caveats
-/// lettre 0.11 neither sets `TCP_NODELAY` nor coalesces the message with its final `.` line,
-/// so against a peer with delayed ACKs (Linux, also on loopback) each message waits ~40 ms:
-/// about 23 messages per second per connection. Plenty for request mails; a bulk sender would
-/// need its own connector.
+/// Sockets are opened here with `TCP_NODELAY` (lettre's own transport leaves Nagle on, which
+/// costs ~40 ms a message against a peer with delayed ACKs); lettre speaks the protocol over
+/// them. See `smtp/pool.rs`.
 pub struct SmtpMailer {
-    transport: AsyncSmtpTransport<Tokio1Executor>,
+    pool: Arc<pool::Pool>,
     endpoint: SmtpEndpoint,
 }
 
@@ -55,23 +55,47 @@ impl fmt::Debug for SmtpMailer {
     }
 }
 
-fn tls_parameters(config: &SmtpConfig, host: &str) -> Result<TlsParameters, ConfigError> {
+fn ca_error(reason: String) -> ConfigError {
+    ConfigError::CaFile {
+        field: "smtp.caFile".into(),
+        reason,
+    }
+}
+
+fn ca_path(config: &SmtpConfig) -> String {
+    config
+        .ca_file
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// The PEM of `smtp.caFile`, checked to hold a certificate.
+fn read_ca_file(config: &SmtpConfig) -> Result<Option<Vec<u8>>, ConfigError> {
+    let Some(path) = &config.ca_file else {
+        return Ok(None);
+    };
+    let pem =
+        std::fs::read(path).map_err(|e| ca_error(format!("reading {}: {e}", path.display())))?;
+    if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
+        return Err(ca_error(format!(
+            "{}: no PEM certificate found",
+            path.display()
+        )));
+    }
+    Ok(Some(pem))
+}
+
+/// lettre's TLS parameters, for STARTTLS.
+fn tls_parameters(
+    config: &SmtpConfig,
+    ca: Option<&[u8]>,
+    host: &str,
+) -> Result<TlsParameters, ConfigError> {
     let mut builder = TlsParameters::builder(host.to_owned());
-    if let Some(path) = &config.ca_file {
-        let ca_error = |reason: String| ConfigError::CaFile {
-            field: "smtp.caFile".into(),
-            reason,
-        };
-        let pem = std::fs::read(path)
-            .map_err(|e| ca_error(format!("reading {}: {e}", path.display())))?;
-        if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
-            return Err(ca_error(format!(
-                "{}: no PEM certificate found",
-                path.display()
-            )));
-        }
-        let cert = Certificate::from_pem(&pem)
-            .map_err(|e| ca_error(format!("{}: {e}", path.display())))?;
+    if let Some(pem) = ca {
+        let cert = Certificate::from_pem(pem)
+            .map_err(|e| ca_error(format!("{}: {e}", ca_path(config))))?;
         builder = builder
             .certificate_store(CertificateStore::None)
             .add_root_certificate(cert);
@@ -80,6 +104,35 @@ fn tls_parameters(config: &SmtpConfig, host: &str) -> Result<TlsParameters, Conf
         backend: BACKEND,
         source: Box::new(e),
     })
+}
+
+/// The same trust as [`tls_parameters`] as a rustls config, for implicit TLS (which lettre's
+/// connection cannot set up over a socket it did not open).
+fn implicit_tls_config(
+    config: &SmtpConfig,
+    ca: Option<&[u8]>,
+) -> Result<rustls::ClientConfig, ConfigError> {
+    let client_error = |e: rustls::Error| ConfigError::Client {
+        backend: BACKEND,
+        source: Box::new(e),
+    };
+    let Some(pem) = ca else {
+        return crate::tls::platform_client_config().map_err(client_error);
+    };
+    let path = ca_path(config);
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem) {
+        let cert = cert.map_err(|e| ca_error(format!("{path}: {e}")))?;
+        roots
+            .add(cert)
+            .map_err(|e| ca_error(format!("{path}: {e}")))?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(client_error)?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 impl SmtpMailer {
@@ -94,47 +147,65 @@ impl SmtpMailer {
     /// The pool starts a background task: call this inside a Tokio runtime.
     pub fn new(config: &SmtpConfig) -> Result<Self, ConfigError> {
         let endpoint = config.endpoint()?;
-        let tls = if endpoint.implicit_tls {
-            Tls::Wrapper(tls_parameters(config, &endpoint.host)?)
+        let ca = read_ca_file(config)?;
+        let security = if endpoint.implicit_tls {
+            let name =
+                ServerName::try_from(endpoint.host.clone()).map_err(|e| ConfigError::Client {
+                    backend: BACKEND,
+                    source: Box::new(e),
+                })?;
+            pool::Security::Implicit {
+                connector: tokio_rustls::TlsConnector::from(Arc::new(implicit_tls_config(
+                    config,
+                    ca.as_deref(),
+                )?)),
+                name,
+            }
         } else {
             match config.starttls.unwrap_or_default() {
-                Starttls::Required => Tls::Required(tls_parameters(config, &endpoint.host)?),
-                Starttls::Opportunistic => {
-                    Tls::Opportunistic(tls_parameters(config, &endpoint.host)?)
-                }
-                Starttls::Never => Tls::None,
+                Starttls::Never => pool::Security::None,
+                starttls => pool::Security::Starttls {
+                    params: tls_parameters(config, ca.as_deref(), &endpoint.host)?,
+                    required: starttls == Starttls::Required,
+                },
             }
         };
-        let timeout = Duration::from_secs_f64(config.timeout_seconds);
-        let pool = PoolConfig::new()
-            // `max_size(0)` parks no connection: each message gets its own, closed after use.
-            .max_size(if config.pool.enabled {
-                config.pool.max_size
-            } else {
-                0
-            })
-            .idle_timeout(Duration::from_secs_f64(config.pool.idle_timeout_seconds));
-        let mut builder = AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous(&endpoint.host)
-            .port(endpoint.port)
-            .tls(tls)
-            .timeout(Some(timeout))
-            .pool_config(pool);
-        if let (Some(user), Some(password)) = (&config.username, &config.password) {
-            let password = password.read().map_err(|source| ConfigError::Secret {
-                field: "smtp.password".into(),
-                source,
-            })?;
-            builder = builder
-                .credentials(Credentials::new(user.clone(), password.expose().to_owned()))
-                .authentication(vec![Mechanism::Plain, Mechanism::Login]);
-        }
-        if let Some(name) = &config.hello_name {
-            builder = builder.hello_name(ClientId::Domain(name.clone()));
-        }
-        Ok(Self {
-            transport: builder.build(),
-            endpoint,
-        })
+        let auth = match (&config.username, &config.password) {
+            (Some(user), Some(password)) => {
+                let password = password.read().map_err(|source| ConfigError::Secret {
+                    field: "smtp.password".into(),
+                    source,
+                })?;
+                Some((
+                    Credentials::new(user.clone(), password.expose().to_owned()),
+                    vec![Mechanism::Plain, Mechanism::Login],
+                ))
+            }
+            _ => None,
+        };
+        let connector = pool::Connector {
+            host: endpoint.host.clone(),
+            port: endpoint.port,
+            security,
+            timeout: Duration::from_secs_f64(config.timeout_seconds),
+            hello: config
+                .hello_name
+                .clone()
+                .map_or_else(ClientId::default, ClientId::Domain),
+            auth,
+        };
+        // No idle connection kept: each message gets its own, closed after use.
+        let max_idle = if config.pool.enabled {
+            usize::try_from(config.pool.max_size).unwrap_or(usize::MAX)
+        } else {
+            0
+        };
+        let pool = pool::Pool::new(
+            connector,
+            max_idle,
+            Duration::from_secs_f64(config.pool.idle_timeout_seconds),
+        );
+        Ok(Self { pool, endpoint })
     }
 
     /// The message as sent on the wire, and its envelope.
@@ -215,11 +286,7 @@ impl Mailer for SmtpMailer {
 
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
         let (envelope, raw) = Self::render(message)?;
-        let response = self
-            .transport
-            .send_raw(&envelope, &raw)
-            .await
-            .map_err(classify)?;
+        let response = self.pool.send(&envelope, &raw).await?;
         Ok(SendReceipt {
             message_id: message.message_id().to_string(),
             response: format!(

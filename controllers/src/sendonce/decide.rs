@@ -146,8 +146,10 @@ pub fn decide(f: &Facts) -> Step {
 
 /// How long another holder may still act on an intent it wrote: the hand-over window
 /// (`handover`: lease duration + renew deadline) minus the intent's age. Zero when `writer` is
-/// this process. The age comes from the intent's own time when it has one (a writer's clock
-/// ahead of ours only makes us wait longer), else from when this process first saw the intent.
+/// this process. The age is the smaller of the one the intent's own time gives (by the
+/// writer's clock) and the time since this process first saw the intent (which is never more
+/// than the true age): a writer whose clock runs behind cannot shorten the wait, one whose
+/// clock runs ahead only lengthens it.
 pub fn foreign_wait(
     writer: Option<&str>,
     me: &str,
@@ -158,7 +160,8 @@ pub fn foreign_wait(
     if writer == Some(me) {
         return Duration::ZERO;
     }
-    handover.saturating_sub(age_by_record.unwrap_or(first_seen_ago))
+    let age = age_by_record.map_or(first_seen_ago, |a| a.min(first_seen_ago));
+    handover.saturating_sub(age)
 }
 
 /// Whether deleting an object must send the release ("no longer needed") mail, from what is
@@ -362,18 +365,25 @@ mod tests {
     }
 
     #[test]
-    fn foreign_wait_uses_the_record_else_first_sight() {
+    fn foreign_wait_takes_the_safer_of_the_record_and_first_sight() {
         let h = Duration::from_secs(25);
         let s = Duration::from_secs;
         assert_eq!(
             foreign_wait(Some("me"), "me", Some(s(1)), s(0), h),
             Duration::ZERO
         );
-        assert_eq!(foreign_wait(Some("old"), "me", Some(s(5)), s(0), h), s(20));
+        // Written 5 s ago by its clock, seen for 30 s: 20 s left.
+        assert_eq!(foreign_wait(Some("old"), "me", Some(s(5)), s(30), h), s(20));
+        // Written 40 s ago by its clock (a clock behind ours?), seen for 10 s: 15 s left.
         assert_eq!(
-            foreign_wait(Some("old"), "me", Some(s(40)), s(0), h),
+            foreign_wait(Some("old"), "me", Some(s(40)), s(10), h),
+            s(15)
+        );
+        assert_eq!(
+            foreign_wait(Some("old"), "me", Some(s(40)), s(30), h),
             Duration::ZERO
         );
+        // No time recorded (an earlier version's intent): first sight only.
         assert_eq!(foreign_wait(None, "me", None, s(10), h), s(15));
         assert_eq!(
             foreign_wait(Some("old"), "me", Some(s(5)), s(0), Duration::ZERO),

@@ -314,7 +314,9 @@ async fn write_intent<K: InfraKind>(
     patch_metadata(obj, ctx, tracked, metadata, "recording the mail intent").await
 }
 
-async fn patch_metadata<K: InfraKind>(
+/// Merge-patches our object's metadata (guarded by `resourceVersion` when `metadata` carries
+/// one) and adopts what the API server wrote.
+pub(crate) async fn patch_metadata<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
@@ -485,19 +487,8 @@ async fn record_sent<K: InfraKind>(
 ) -> Result<(), ReconcileError> {
     // Adding one annotation clobbers nothing, so no resourceVersion precondition: a concurrent
     // change (Cluster API adding a label, a human fulfilling) must not make us lose the record.
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let written = api
-        .patch(
-            &obj.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({
-                "metadata": { "annotations": { which.sent_key(): records::to_value(sent) } }
-            })),
-        )
-        .await
-        .map_err(ReconcileError::kube("recording the mail as sent"))?;
-    adopt(ctx, tracked, &written);
-    Ok(())
+    let metadata = json!({ "annotations": { which.sent_key(): records::to_value(sent) } });
+    patch_metadata(obj, ctx, tracked, metadata, "recording the mail as sent").await
 }
 
 pub(crate) fn adopt<K: InfraKind>(ctx: &Ctx, tracked: &mut Tracked, written: &K) {

@@ -197,6 +197,21 @@ impl Env {
         }
     }
 
+    /// Sets `status.initialization.infrastructureProvisioned` on Cluster `name`, as the Cluster
+    /// API core manager does once the infrastructure is provisioned.
+    pub async fn mark_infrastructure_provisioned(&self, name: &str) {
+        self.capi("Cluster")
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({ "status": { "initialization": { "infrastructureProvisioned": true } } }),
+                ),
+            )
+            .await
+            .unwrap();
+    }
+
     pub async fn patch_cluster_spec(&self, name: &str, spec: Value) {
         self.capi("Cluster")
             .patch(

@@ -264,7 +264,7 @@ async fn main() -> anyhow::Result<()> {
             "--leader-elect=false",
             "--webhook-port",
             "0",
-            "--metrics-bind-address",
+            "--diagnostics-address",
             "0",
         ])
         .args(["--health-probe-bind-address", "127.0.0.1:0"])

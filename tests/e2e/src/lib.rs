@@ -8,6 +8,7 @@ use std::{
     net::{IpAddr, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -333,6 +334,76 @@ pub fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
     Ok((status, body.to_owned()))
 }
 
+/// How to reach a secured diagnostics endpoint: its CA, the name its certificate carries, and
+/// a bearer token (in a file, as Prometheus reads it).
+#[derive(Debug, Clone)]
+pub struct HttpsScrape {
+    /// PEM file of the CA that signed the serving certificate.
+    pub ca_file: PathBuf,
+    /// The name to verify the certificate against.
+    pub server_name: String,
+    /// File holding the bearer token.
+    pub token_file: PathBuf,
+}
+
+/// `GET path` over TLS (verified against `scrape.ca_file` and `scrape.server_name`), with the
+/// bearer token when `with_token`: (status, body).
+///
+/// # Errors
+/// When the connection, the handshake or the response fails.
+pub fn https_get(
+    addr: &str,
+    path: &str,
+    scrape: &HttpsScrape,
+    with_token: bool,
+) -> Result<(u16, String)> {
+    use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(&scrape.ca_file)? {
+        roots.add(cert?)?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let name = ServerName::try_from(scrape.server_name.clone())?;
+    let conn = rustls::ClientConnection::new(Arc::new(config), name)?;
+    let tcp = TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
+    tcp.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    let auth = if with_token {
+        format!(
+            "Authorization: Bearer {}\r\n",
+            fs::read_to_string(&scrape.token_file)?.trim()
+        )
+    } else {
+        String::new()
+    };
+    write!(
+        tls,
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nAccept: */*\r\n{auth}\r\n"
+    )?;
+    let mut response = Vec::new();
+    match tls.read_to_end(&mut response) {
+        Ok(_) => {}
+        // A server that closes without close_notify after a complete HTTP/1.0 response.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !response.is_empty() => {}
+        Err(e) => return Err(e.into()),
+    }
+    let response = String::from_utf8_lossy(&response);
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("an HTTP response without a header end")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("an HTTP response without a status")?;
+    Ok((status, body.to_owned()))
+}
+
 /// Polls `check` every 250 ms until it returns `Some`, or fails after `timeout` with `what`.
 /// An error from `check` (a process died, the API refused) ends the wait at once.
 ///
@@ -367,11 +438,16 @@ pub struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts it with a fresh TSDB in `dir`.
+    /// Starts it with a fresh TSDB in `dir`, scraping `targets` over plain HTTP or, with
+    /// `https`, over verified TLS with a bearer token.
     ///
     /// # Errors
     /// When it is not installed or does not become ready.
-    pub async fn start(dir: &Path, targets: &[String]) -> Result<Self> {
+    pub async fn start(
+        dir: &Path,
+        targets: &[String],
+        https: Option<&HttpsScrape>,
+    ) -> Result<Self> {
         let bin = which("prometheus").context(
             "prometheus not found: install Debian's package (`make deps` does: apt-get install prometheus)",
         )?;
@@ -382,11 +458,21 @@ impl Prometheus {
             .map(|t| format!("\"{t}\""))
             .collect::<Vec<_>>()
             .join(", ");
+        let security = match https {
+            None => String::new(),
+            Some(s) => format!(
+                "    scheme: https\n    authorization:\n      credentials_file: {}\n    \
+                 tls_config:\n      ca_file: {}\n      server_name: {}\n",
+                s.token_file.display(),
+                s.ca_file.display(),
+                s.server_name
+            ),
+        };
         fs::write(
             &config,
             format!(
                 "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
-                 scrape_configs:\n  - job_name: cluster-api-provider-mailgun\n    \
+                 scrape_configs:\n  - job_name: cluster-api-provider-mailgun\n{security}    \
                  static_configs:\n      - targets: [{targets}]\n"
             ),
         )?;

@@ -17,17 +17,17 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    AUDIT_POLICY, Proc, Prometheus, audited_requests, chart_dir, eventually, free_port, helm,
-    host_ip, http_get, promtool_check_metrics, provider_binary, service_account_kubeconfig,
-    start_capi_manager,
+    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, chart_dir, eventually,
+    free_port, helm, host_ip, https_get, promtool_check_metrics, provider_binary,
+    service_account_kubeconfig, start_capi_manager,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
-use capm_test_support::{ControlPlane, Options};
+use capm_test_support::{ControlPlane, Options, pki::CertificateAuthority};
 use k8s_openapi::{
     ByteString,
     api::{
         apps::v1::Deployment,
-        core::v1::{Namespace, Secret},
+        core::v1::{Namespace, Secret, ServiceAccount},
         rbac::v1::{ClusterRole, PolicyRule, Role},
     },
 };
@@ -193,7 +193,7 @@ async fn start_provider(
     for arg in &chart_args {
         let (flag, value) = arg.split_once('=').unwrap_or((arg, ""));
         let value = match flag {
-            "--metrics-bind-address" => metrics.clone(),
+            "--diagnostics-address" => metrics.clone(),
             "--health-probe-bind-address" => format!("127.0.0.1:{}", free_port()?),
             "--webhook-port" => webhook_port.to_string(),
             _ => mounts
@@ -288,6 +288,11 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         auth: Some(("capm".into(), smtp_password.into())),
     })?;
     let smtp_ca = fs::read_to_string(smtp.ca_cert().context("SMTP CA")?)?;
+    // The diagnostics endpoint's certificate, from a CA Prometheus is given.
+    let diagnostics_ca = CertificateAuthority::new("capm e2e diagnostics CA")?;
+    let diagnostics_cert = diagnostics_ca.serving_cert("diagnostics", &[], &[])?;
+    let diagnostics_ca_file = dir.join("diagnostics-ca.crt");
+    fs::write(&diagnostics_ca_file, diagnostics_ca.cert_pem())?;
 
     // The chart, as a user installs it: namespace enforcing "restricted", Secrets first.
     let namespaces: Api<Namespace> = Api::all(admin.clone());
@@ -310,16 +315,26 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         namespaces.create(&PostParams::default(), &ns).await?;
     }
     let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
-    for (name, key, value) in [
-        ("smtp-credentials", "password", smtp_password.to_owned()),
-        ("smtp-ca", "ca.crt", smtp_ca),
+    for (name, data) in [
+        (
+            "smtp-credentials",
+            vec![("password", smtp_password.to_owned())],
+        ),
+        ("smtp-ca", vec![("ca.crt", smtp_ca)]),
+        (
+            "diagnostics-cert",
+            vec![
+                ("tls.crt", diagnostics_cert.cert_pem.clone()),
+                ("tls.key", diagnostics_cert.key_pem.clone()),
+            ],
+        ),
     ] {
         let secret = Secret {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 ..ObjectMeta::default()
             },
-            string_data: Some(BTreeMap::from([(key.to_owned(), value)])),
+            string_data: Some(data.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()),
             ..Secret::default()
         };
         secrets.create(&PostParams::default(), &secret).await?;
@@ -330,7 +345,9 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         format!(
             "mail:\n  recipient: {RECIPIENT}\n  backend: smtp\n  messageIdDomain: capm.e2e.example.com\n  \
              smtp:\n    url: {}\n    username: capm\n    passwordSecret: {{name: smtp-credentials}}\n    \
-             caSecret: {{name: smtp-ca}}\n",
+             caSecret: {{name: smtp-ca}}\n\
+             metrics:\n  certSecret: diagnostics-cert\n  \
+             reader:\n    serviceAccounts: [{{name: prometheus, namespace: {USER_NS}}}]\n",
             smtp.url()
         ),
     )?;
@@ -526,10 +543,33 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         old.data["status"]
     );
 
-    // Prometheus scrapes the provider; promtool accepts the exposition.
+    // Prometheus scrapes the provider over TLS with its ServiceAccount's token, which the
+    // chart's metrics-reader ClusterRole lets through; promtool accepts the exposition.
+    let prometheus_token = dir.join("prometheus.token");
+    let accounts: Api<ServiceAccount> = Api::namespaced(admin.clone(), USER_NS);
+    accounts
+        .create(
+            &PostParams::default(),
+            &ServiceAccount {
+                metadata: ObjectMeta {
+                    name: Some("prometheus".into()),
+                    ..ObjectMeta::default()
+                },
+                ..ServiceAccount::default()
+            },
+        )
+        .await?;
+    let token = cp.kubectl_output(&["-n", USER_NS, "create", "token", "prometheus"])?;
+    fs::write(&prometheus_token, token.trim())?;
+    let scrape = HttpsScrape {
+        ca_file: diagnostics_ca_file.clone(),
+        server_name: "localhost".into(),
+        token_file: prometheus_token,
+    };
     let mut prometheus = Prometheus::start(
         &dir.join("prometheus"),
         std::slice::from_ref(&provider.metrics),
+        Some(&scrape),
     )
     .await?;
     let reconciles = eventually(
@@ -547,8 +587,10 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     println!(
         "Prometheus: sum(controller_runtime_reconcile_total) = {reconciles}, sum(mailer_messages_total) = {sent:?}"
     );
-    let (status, exposition) = http_get(&provider.metrics, "/metrics")?;
+    let (status, exposition) = https_get(&provider.metrics, "/metrics", &scrape, true)?;
     ensure!(status == 200, "metrics HTTP {status}");
+    let (status, _) = https_get(&provider.metrics, "/metrics", &scrape, false)?;
+    ensure!(status == 401, "metrics without a token: HTTP {status}");
     let complaints = promtool_check_metrics(&exposition)?;
     ensure!(
         complaints.is_empty(),
@@ -621,8 +663,14 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     let role = Api::<Role>::namespaced(admin.clone(), NS)
         .get(&format!("{FULLNAME}-leader-election"))
         .await?;
+    let diagnostics_role = Api::<ClusterRole>::all(admin.clone())
+        .get(&format!("{FULLNAME}-diagnostics-auth"))
+        .await?;
     let mut grants = granted(cluster_role.rules.as_deref().unwrap_or_default());
     grants.extend(granted(role.rules.as_deref().unwrap_or_default()));
+    grants.extend(granted(
+        diagnostics_role.rules.as_deref().unwrap_or_default(),
+    ));
     let not_exercised: BTreeMap<(&str, &str, &str), &str> = BTreeMap::from([
         (
             (
