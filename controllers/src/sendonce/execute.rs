@@ -129,15 +129,24 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
     for _ in 0..6 {
         let found = read_records(&tracked.annotations, K::KIND, which);
         let now = Timestamp::now();
+        // Only an unsent intent in state `sending` of another writer can make us wait; only
+        // then is its first sight remembered (not for every object ever mailed).
         let intent_facts = found.intent.as_ref().map(|i| IntentFacts {
             state: i.state,
-            foreign_wait: foreign_wait(
-                i.writer.as_deref(),
-                leadership.identity(),
-                i.at.map(|at| age(now, at)),
-                ctx.first_seen_ago(&mail_key),
-                leadership.handover(),
-            ),
+            foreign_wait: if found.sent.is_some()
+                || i.state != IntentState::Sending
+                || i.writer.as_deref() == Some(leadership.identity())
+            {
+                Duration::ZERO
+            } else {
+                foreign_wait(
+                    i.writer.as_deref(),
+                    leadership.identity(),
+                    i.at.map(|at| age(now, at)),
+                    ctx.first_seen_ago(&mail_key),
+                    leadership.handover(),
+                )
+            },
         });
         let facts = Facts {
             sent: found.sent.is_some(),
