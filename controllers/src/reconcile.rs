@@ -32,6 +32,9 @@ use crate::{
     status::Status,
 };
 
+/// How soon an object whose owner is not in the cache yet is looked at again.
+const OWNER_RECHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The result of one pass, before the status write.
 struct Pass {
     action: Action,
@@ -180,8 +183,11 @@ async fn write_status<K: InfraKind>(
 /// The owner as Cluster API guarantees it: the ownerReference's UID is the live owner's, and
 /// the owner's `spec.infrastructureRef` names this object.
 enum Owner<O> {
-    /// No ownerReference of the owner kind, or the owner is not (yet) in the cache.
+    /// No ownerReference of the owner kind: Cluster API sets it, and that event comes to us.
     Missing(String),
+    /// The ownerReference names an owner not (yet) in the cache. Its arrival would trigger only
+    /// the object its `infrastructureRef` names, so look again shortly.
+    NotSeen(String),
     /// The ownerReference does not match what the owner says.
     Mismatch(String),
     /// The confirmed owner and its UID.
@@ -197,7 +203,7 @@ fn owner_of<K: InfraKind>(obj: &K, ctx: &Ctx) -> Owner<K::Owner> {
         ));
     };
     let Some(owner) = K::owner_in_cache(ctx, &namespace, &reference.name) else {
-        return Owner::Missing(format!(
+        return Owner::NotSeen(format!(
             "waiting for the owner {} {} to be seen",
             K::OWNER_KIND,
             reference.name
@@ -235,7 +241,7 @@ async fn steps<K: InfraKind>(
     let (owner, owner_uid) = match owner_of(obj, ctx) {
         Owner::Confirmed(owner, uid) => (owner, uid),
         // Nothing that is not our confirmed owner can pause a deletion: clean up.
-        Owner::Missing(_) | Owner::Mismatch(_) if deleting => {
+        Owner::Missing(_) | Owner::NotSeen(_) | Owner::Mismatch(_) if deleting => {
             return reconcile_delete(obj, ctx, status).await;
         }
         Owner::Missing(message) => {
@@ -247,6 +253,19 @@ async fn steps<K: InfraKind>(
                 generation,
             );
             return Ok(Pass::wait());
+        }
+        Owner::NotSeen(message) => {
+            status.set_condition(
+                conditions::READY,
+                false,
+                reasons::WAITING_FOR_OWNER,
+                &message,
+                generation,
+            );
+            return Ok(Pass {
+                action: Action::requeue(OWNER_RECHECK),
+                gone: false,
+            });
         }
         Owner::Mismatch(message) => {
             status.set_condition(

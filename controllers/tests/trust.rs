@@ -62,23 +62,27 @@ fn ids(env: &Env) -> Vec<String> {
 async fn owners_are_confirmed_by_uid_and_back_reference() {
     let mut env = Env::new("trust-owner").await;
     env.start().await;
-    // A Cluster that references "real"; "squatter" claims it as its owner.
+    // Two Clusters: "spoofed" (created first) and "real". Once "real" is mailed, the controller's
+    // Cluster cache holds both (one watch delivers them in order), so what follows is judged
+    // against cached owners. (An ownerReference seen before its Cluster reaches the cache reads
+    // WaitingForOwner until the object's next event; no mail either way.)
+    let other = env.create_cluster("spoofed", false).await;
     let real = env.create_cluster("real", false).await;
     env.create_mailgun_cluster("real").await;
     env.set_owner("MailgunCluster", "real", &real).await;
+    eventually("the real one mailed", || async {
+        mail_state(&env, "real").await == Some(MailState::Sent)
+    })
+    .await;
+    // "squatter" claims "real" (right UID) as its owner; "real" does not name it back.
     env.create_mailgun_cluster("squatter").await;
     env.set_owner("MailgunCluster", "squatter", &real).await;
-    // A Cluster that references "spoofed", named by a reference with a forged UID.
-    let other = env.create_cluster("spoofed", false).await;
+    // "spoofed" names its Cluster with a forged UID.
     env.create_mailgun_cluster("spoofed").await;
     let mut forged = other.clone();
     forged.metadata.uid = Some("00000000-0000-4000-8000-000000000000".into());
     env.set_owner("MailgunCluster", "spoofed", &forged).await;
 
-    eventually("the real one mailed", || async {
-        mail_state(&env, "real").await == Some(MailState::Sent)
-    })
-    .await;
     eventually("OwnerMismatch", || async {
         ready_reason(&env, "squatter").await.as_deref() == Some(names::reasons::OWNER_MISMATCH)
     })
