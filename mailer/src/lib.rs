@@ -46,6 +46,8 @@ mod secret;
 mod smtp;
 mod tls;
 
+use std::time::SystemTime;
+
 use async_trait::async_trait;
 
 pub use config::{
@@ -88,6 +90,29 @@ pub enum Lookup {
     Unsupported,
 }
 
+/// What a backend knows about the delivery of a message it accepted.
+///
+/// Sending is not delivery: a backend that accepted a message may still fail to hand it to the
+/// recipients' servers. Only backends with an event log (Mailgun) can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delivery {
+    /// The backend cannot tell: its acceptance is all it reports (SMTP relays).
+    NotTrackable,
+    /// No final outcome yet. `temporary_failure` holds the reason of the latest temporary
+    /// failure, if any: the backend retries those by itself.
+    Pending {
+        /// The latest temporary failure's reason (no secrets: the receiving server's reply).
+        temporary_failure: Option<String>,
+    },
+    /// The recipients' servers accepted the message.
+    Delivered,
+    /// The backend gave up for good (bounce, suppressed address, too many retries).
+    Failed {
+        /// Why, as the backend reports it (reason and the receiving server's reply).
+        reason: String,
+    },
+}
+
 /// Sends mail. Object-safe: use it as `Arc<dyn Mailer>`.
 ///
 /// Implementations are cheap to share: they hold one connection pool each.
@@ -114,4 +139,24 @@ pub trait Mailer: Send + Sync {
     /// limited number of days: [`Lookup::NotFound`] right after a send that timed out is weak
     /// evidence. Callers should wait a little before trusting it.
     async fn lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError>;
+
+    /// Asks the backend what became of a message it accepted at about `sent_at`.
+    ///
+    /// The default is [`Delivery::NotTrackable`], for backends that cannot tell.
+    ///
+    /// # Errors
+    /// A [`MailError`]; a query changes nothing, so every non-permanent error can be retried.
+    ///
+    /// # Caveats
+    /// Event logs are kept for a limited time (Mailgun: days, by plan): past it, a
+    /// [`Delivery::Pending`] answer means "no longer known", not "still on its way". Deciding
+    /// when to stop asking is the caller's job.
+    async fn delivery_status(
+        &self,
+        message_id: &MessageId,
+        sent_at: SystemTime,
+    ) -> Result<Delivery, MailError> {
+        let _ = (message_id, sent_at);
+        Ok(Delivery::NotTrackable)
+    }
 }

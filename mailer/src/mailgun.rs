@@ -58,15 +58,139 @@ struct SendResponse {
     message: Option<String>,
 }
 
+/// At most this many pages are read per delivery query (300 events each): a message has a
+/// handful of events per recipient, so more means a server that pages forever.
+const MAX_EVENT_PAGES: usize = 20;
+/// Events are asked for from this long before the recorded send time (clocks differ).
+const EVENTS_CLOCK_SLACK: Duration = Duration::from_secs(600);
+/// The largest page Mailgun serves.
+const EVENTS_PAGE_LIMIT: u32 = 300;
+
 #[derive(Deserialize)]
 struct EventsResponse {
     #[serde(default)]
     items: Vec<EventItem>,
+    #[serde(default)]
+    paging: Paging,
+}
+
+#[derive(Deserialize, Default)]
+struct Paging {
+    next: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct EventItem {
     event: String,
+    #[serde(default)]
+    recipient: Option<String>,
+    #[serde(default)]
+    severity: Option<String>,
+    #[serde(default)]
+    reason: Option<String>,
+    #[serde(default, rename = "delivery-status")]
+    delivery_status: Option<DeliveryStatusField>,
+}
+
+#[derive(Deserialize)]
+struct DeliveryStatusField {
+    #[serde(default)]
+    code: Option<serde_json::Value>,
+    #[serde(default)]
+    message: Option<String>,
+    #[serde(default)]
+    description: Option<String>,
+}
+
+impl EventItem {
+    /// `reason (code message)`, single line and bounded: what the receiving side said.
+    fn failure_text(&self) -> String {
+        let mut text = self.reason.clone().unwrap_or_else(|| "failed".into());
+        if let Some(status) = &self.delivery_status {
+            let code = status.code.as_ref().map(|c| match c {
+                serde_json::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            });
+            let detail = status
+                .message
+                .as_deref()
+                .filter(|m| !m.trim().is_empty())
+                .or(status.description.as_deref())
+                .unwrap_or_default()
+                .trim();
+            let detail = [code.unwrap_or_default(), detail.to_owned()]
+                .into_iter()
+                .filter(|s| !s.is_empty())
+                .collect::<Vec<_>>()
+                .join(" ");
+            if !detail.is_empty() {
+                text = format!("{text}: {detail}");
+            }
+        }
+        if let Some(recipient) = &self.recipient {
+            text = format!("{recipient}: {text}");
+        }
+        error_text(text.as_bytes())
+    }
+}
+
+/// Where one recipient's copy stands, from its events in time order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum RecipientState {
+    Pending(Option<String>),
+    Delivered,
+    Failed(String),
+}
+
+/// Folds events (oldest first) into one answer: delivered as soon as one recipient has the
+/// message (a human can act on it); failed when every recipient seen failed for good; pending
+/// otherwise, with the latest temporary failure.
+fn fold_events(items: &[EventItem]) -> crate::Delivery {
+    let mut recipients: Vec<(String, RecipientState)> = Vec::new();
+    let mut latest_temporary = None;
+    for item in items {
+        let who = item.recipient.clone().unwrap_or_default();
+        let next = match (item.event.as_str(), item.severity.as_deref()) {
+            ("delivered", _) => RecipientState::Delivered,
+            ("failed", Some("temporary")) => {
+                let text = item.failure_text();
+                latest_temporary = Some(text.clone());
+                RecipientState::Pending(Some(text))
+            }
+            ("failed" | "rejected", _) => RecipientState::Failed(item.failure_text()),
+            _ => RecipientState::Pending(None),
+        };
+        match recipients.iter_mut().find(|(r, _)| *r == who) {
+            // A final state stays: later `accepted`/`opened`... events change nothing.
+            Some((_, state)) => {
+                if matches!(state, RecipientState::Pending(_)) {
+                    *state = next;
+                }
+            }
+            None => recipients.push((who, next)),
+        }
+    }
+    if recipients
+        .iter()
+        .any(|(_, s)| *s == RecipientState::Delivered)
+    {
+        return crate::Delivery::Delivered;
+    }
+    let failures: Vec<&str> = recipients
+        .iter()
+        .filter_map(|(_, s)| match s {
+            RecipientState::Failed(reason) => Some(reason.as_str()),
+            _ => None,
+        })
+        .collect();
+    if !failures.is_empty() && failures.len() == recipients.len() {
+        return crate::Delivery::Failed {
+            reason: error_text(failures.join("; ").as_bytes()),
+        };
+    }
+    crate::Delivery::Pending {
+        temporary_failure: latest_temporary,
+    }
 }
 
 fn client_error(source: impl Into<crate::BoxError>) -> ConfigError {
@@ -289,6 +413,75 @@ impl Mailer for MailgunMailer {
             self.events_url,
             encode_query_value(message_id.without_brackets())
         );
+        let events = self.events_page(&url).await?;
+        // Any event but `rejected` means Mailgun accepted the message at some point.
+        Ok(events
+            .items
+            .into_iter()
+            .find(|item| item.event != "rejected")
+            .map_or(Lookup::NotFound, |item| Lookup::Accepted {
+                event: item.event,
+            }))
+    }
+
+    async fn delivery_status(
+        &self,
+        message_id: &MessageId,
+        sent_at: SystemTime,
+    ) -> Result<crate::Delivery, MailError> {
+        let begin = sent_at
+            .checked_sub(EVENTS_CLOCK_SLACK)
+            .unwrap_or(sent_at)
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let mut url = format!(
+            "{}?message-id={}&begin={begin}&ascending=yes&limit={EVENTS_PAGE_LIMIT}",
+            self.events_url,
+            encode_query_value(message_id.without_brackets())
+        );
+        let mut items = Vec::new();
+        for _ in 0..MAX_EVENT_PAGES {
+            let page = self.events_page(&url).await?;
+            // The last page is the first empty one.
+            if page.items.is_empty() {
+                return Ok(fold_events(&items));
+            }
+            items.extend(page.items);
+            match page.paging.next {
+                Some(next) if self.is_events_url(&next) => url = next,
+                Some(_) => {
+                    // The API key goes with every request: never to another address.
+                    return Err(MailError::Retryable {
+                        backend: BACKEND,
+                        code: None,
+                        retry_after: None,
+                        message: "the events reply pages to another address; not followed".into(),
+                        source: None,
+                    });
+                }
+                None => return Ok(fold_events(&items)),
+            }
+        }
+        Err(MailError::Retryable {
+            backend: BACKEND,
+            code: None,
+            retry_after: None,
+            message: format!("more than {MAX_EVENT_PAGES} pages of events for one message"),
+            source: None,
+        })
+    }
+}
+
+impl MailgunMailer {
+    /// True for the events URL itself and its paging URLs (`<events>/<token>`, `<events>?...`).
+    fn is_events_url(&self, url: &str) -> bool {
+        url.strip_prefix(&self.events_url)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['/', '?']))
+    }
+
+    /// One page of `GET /v3/{domain}/events`.
+    async fn events_page(&self, url: &str) -> Result<EventsResponse, MailError> {
         let response = self
             .client
             .get(url)
@@ -305,22 +498,13 @@ impl Mailer for MailgunMailer {
         if !status.is_success() {
             return Err(status_error(status, &headers, &body, true));
         }
-        let events: EventsResponse =
-            serde_json::from_slice(&body).map_err(|e| MailError::Retryable {
-                backend: BACKEND,
-                code: Some(status.as_u16()),
-                retry_after: None,
-                message: "unreadable events reply".into(),
-                source: Some(Box::new(e)),
-            })?;
-        // Any event but `rejected` means Mailgun accepted the message at some point.
-        Ok(events
-            .items
-            .into_iter()
-            .find(|item| item.event != "rejected")
-            .map_or(Lookup::NotFound, |item| Lookup::Accepted {
-                event: item.event,
-            }))
+        serde_json::from_slice(&body).map_err(|e| MailError::Retryable {
+            backend: BACKEND,
+            code: Some(status.as_u16()),
+            retry_after: None,
+            message: "unreadable events reply".into(),
+            source: Some(Box::new(e)),
+        })
     }
 }
 

@@ -126,6 +126,14 @@ impl Mailer for InstrumentedMailer {
             .inc();
         result
     }
+
+    async fn delivery_status(
+        &self,
+        message_id: &MessageId,
+        sent_at: std::time::SystemTime,
+    ) -> Result<crate::Delivery, MailError> {
+        self.inner.delivery_status(message_id, sent_at).await
+    }
 }
 
 #[cfg(test)]

@@ -7,13 +7,15 @@
 use std::{
     net::TcpListener,
     sync::Arc,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
-use capm_mail_servers::{FailureMode, FailureRule, FailureTarget, MailgunServer};
+use capm_mail_servers::{
+    DeliveryEvent, EventRule, FailureMode, FailureRule, FailureTarget, MailgunServer,
+};
 use capm_mailer::{
-    ErrorKind, InstrumentedMailer, Lookup, Mailer, MailerConfig, MailerMetrics, MailgunConfig,
-    MailgunMailer, Message, MessageId, SecretSource, build,
+    Delivery, ErrorKind, InstrumentedMailer, Lookup, Mailer, MailerConfig, MailerMetrics,
+    MailgunConfig, MailgunMailer, Message, MessageId, SecretSource, build,
 };
 
 const KEY: &str = "key-contract-test-0123";
@@ -291,5 +293,195 @@ async fn factory_and_metrics_with_concurrent_senders() {
     assert!(
         text.contains(r#"mailer_send_duration_seconds_count{backend="mailgun"} 32"#),
         "{text}"
+    );
+}
+
+fn event(id: &str, event: DeliveryEvent) -> EventRule {
+    EventRule {
+        message_id: id.to_owned(),
+        event,
+        recipient: None,
+        reason: None,
+        code: None,
+        message: None,
+    }
+}
+
+/// Sends `id` through the contract server; returns the mailer and the send time.
+async fn sent(f: &Fixture, id: &str) -> (MailgunMailer, MessageId, SystemTime) {
+    let mailer = f.mailer();
+    let m = message(id);
+    let at = SystemTime::now();
+    mailer.send(&m).await.unwrap();
+    (mailer, m.message_id().clone(), at)
+}
+
+#[tokio::test]
+async fn accepted_only_is_pending_then_delivered() {
+    let f = fixture();
+    let (mailer, id, at) = sent(&f, "<dl-1@capm.test>").await;
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::Pending {
+            temporary_failure: None
+        }
+    );
+    f.server
+        .add_event(&event("<dl-1@capm.test>", DeliveryEvent::Delivered))
+        .unwrap();
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::Delivered
+    );
+    // Another message's outcome is not this one's.
+    let (_, other, _) = sent(&f, "<dl-1-other@capm.test>").await;
+    assert_eq!(
+        mailer.delivery_status(&other, at).await.unwrap(),
+        Delivery::Pending {
+            temporary_failure: None
+        }
+    );
+}
+
+#[tokio::test]
+async fn a_permanent_failure_reports_reason_and_reply_without_the_key() {
+    let f = fixture();
+    let (mailer, id, at) = sent(&f, "<dl-2@capm.test>").await;
+    f.server
+        .add_event(&EventRule {
+            reason: Some("bounce".into()),
+            code: Some(550),
+            message: Some("5.1.1 mailbox does not exist".into()),
+            ..event("dl-2@capm.test", DeliveryEvent::PermanentFailure)
+        })
+        .unwrap();
+    let Delivery::Failed { reason } = mailer.delivery_status(&id, at).await.unwrap() else {
+        panic!("not failed");
+    };
+    assert!(
+        reason.contains("ops@example.com: bounce: 550 5.1.1 mailbox does not exist"),
+        "{reason}"
+    );
+    assert!(reason.contains("audit@example.com"), "{reason}");
+    assert!(!reason.contains(KEY), "{reason}");
+}
+
+#[tokio::test]
+async fn temporary_failures_stay_pending_until_delivered() {
+    let f = fixture();
+    let (mailer, id, at) = sent(&f, "<dl-3@capm.test>").await;
+    f.server
+        .add_event(&EventRule {
+            reason: Some("generic".into()),
+            code: Some(421),
+            message: Some("try again later".into()),
+            ..event("<dl-3@capm.test>", DeliveryEvent::TemporaryFailure)
+        })
+        .unwrap();
+    let Delivery::Pending {
+        temporary_failure: Some(why),
+    } = mailer.delivery_status(&id, at).await.unwrap()
+    else {
+        panic!("not pending with a temporary failure");
+    };
+    assert!(why.contains("421 try again later"), "{why}");
+    f.server
+        .add_event(&event("<dl-3@capm.test>", DeliveryEvent::Delivered))
+        .unwrap();
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::Delivered
+    );
+}
+
+#[tokio::test]
+async fn one_recipient_delivered_is_delivered_all_failed_is_failed() {
+    let f = fixture();
+    let (mailer, id, at) = sent(&f, "<dl-4@capm.test>").await;
+    f.server
+        .add_event(&EventRule {
+            recipient: Some("audit@example.com".into()),
+            ..event("<dl-4@capm.test>", DeliveryEvent::PermanentFailure)
+        })
+        .unwrap();
+    // One recipient failed, the other is still on its way.
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::Pending {
+            temporary_failure: None
+        }
+    );
+    f.server
+        .add_event(&EventRule {
+            recipient: Some("ops@example.com".into()),
+            ..event("<dl-4@capm.test>", DeliveryEvent::Delivered)
+        })
+        .unwrap();
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::Delivered
+    );
+}
+
+#[tokio::test]
+async fn the_outcome_on_a_later_page_is_found() {
+    let f = fixture();
+    // Page size 1: two accepted, four temporary failures (two per recipient), then the
+    // delivery on page 7.
+    f.server.set_page_size(1).unwrap();
+    let (mailer, id, at) = sent(&f, "<dl-5@capm.test>").await;
+    for _ in 0..2 {
+        f.server
+            .add_event(&event("<dl-5@capm.test>", DeliveryEvent::TemporaryFailure))
+            .unwrap();
+    }
+    // Unrelated traffic in between.
+    sent(&f, "<dl-5-noise@capm.test>").await;
+    f.server
+        .add_event(&EventRule {
+            recipient: Some("ops@example.com".into()),
+            ..event("<dl-5@capm.test>", DeliveryEvent::Delivered)
+        })
+        .unwrap();
+    let before = f.server.stats().unwrap().events_requests;
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::Delivered
+    );
+    // 7 items, one per page, and the empty page that ends it.
+    assert_eq!(f.server.stats().unwrap().events_requests - before, 8);
+}
+
+#[tokio::test]
+async fn events_failures_are_retryable() {
+    let f = fixture();
+    let (mailer, id, at) = sent(&f, "<dl-6@capm.test>").await;
+    f.server
+        .set_failure(FailureRule {
+            mode: FailureMode::ServerError,
+            count: Some(1),
+            retry_after: None,
+            target: FailureTarget::Events,
+        })
+        .unwrap();
+    let err = mailer.delivery_status(&id, at).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
+    assert!(!format!("{err} {err:?}").contains(KEY));
+}
+
+#[tokio::test]
+async fn events_before_the_send_time_are_not_asked_for() {
+    let f = fixture();
+    let (mailer, id, _) = sent(&f, "<dl-7@capm.test>").await;
+    f.server
+        .add_event(&event("<dl-7@capm.test>", DeliveryEvent::Delivered))
+        .unwrap();
+    // A send time far in the future (beyond the clock slack): nothing is in range.
+    let later = SystemTime::now() + Duration::from_secs(3600);
+    assert_eq!(
+        mailer.delivery_status(&id, later).await.unwrap(),
+        Delivery::Pending {
+            temporary_failure: None
+        }
     );
 }

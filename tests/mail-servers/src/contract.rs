@@ -10,6 +10,21 @@
 //! - `PUT /_control/delay` with a JSON [`DelayRule`]: answer the next `count` message posts (or
 //!   every one when `count` is absent) `delayMs` late, then normally (slow, not failing).
 //! - `DELETE /_control/delay`: answer at once again.
+//! - `PUT /_control/events` with a JSON [`EventRule`]: record what became of an accepted message
+//!   (`delivered`, or `failed` with severity `temporary`/`permanent`, reason and the receiving
+//!   server's reply), for each recipient or the one named.
+//! - `PUT /_control/paging` with a JSON [`PagingRule`]: serve the events API in pages of at most
+//!   `pageSize` items (the default is Mailgun's 300), so clients must follow `paging.next`.
+//! - `GET /_control/stats`: request counts, JSON [`Stats`].
+//!
+//! # Events API
+//! `GET /v3/{domain}/events` answers, oldest first with `ascending=yes` (newest first
+//! otherwise), one `accepted` event per recipient of every accepted message plus the events set
+//! with `/_control/events`, filtered by `message-id` (with or without brackets), `event`,
+//! `recipient` and `begin` (seconds since the epoch), `limit` items per page (default 100, at
+//! most 300). `paging.next` is an absolute URL `/v3/{domain}/events/{token}` that continues after
+//! the page; the page after the last item is empty, and its `next` stays where it is (poll it
+//! again later for newer events), as Mailgun documents.
 
 use std::{
     collections::BTreeMap,
@@ -129,11 +144,74 @@ pub struct DelayRule {
     pub count: Option<u32>,
 }
 
+/// What became of a message, set with `PUT /_control/events`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum DeliveryEvent {
+    /// `delivered`: the receiving server accepted it.
+    Delivered,
+    /// `failed`, severity `temporary`: Mailgun will retry.
+    TemporaryFailure,
+    /// `failed`, severity `permanent`: Mailgun gave up.
+    PermanentFailure,
+}
+
+/// An event to record for an accepted message, set with `PUT /_control/events`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EventRule {
+    /// The message's id, with or without brackets.
+    pub message_id: String,
+    /// What happened.
+    pub event: DeliveryEvent,
+    /// Only this recipient; absent: every recipient of the message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipient: Option<String>,
+    /// `reason` of a failure (Mailgun: `bounce`, `suppress-bounce`, `generic`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// `delivery-status.code` (the receiving server's SMTP code).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<u16>,
+    /// `delivery-status.message` (the receiving server's reply).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// How the events API pages, set with `PUT /_control/paging`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PagingRule {
+    /// At most this many items per page, whatever `limit` asks (at least 1).
+    pub page_size: usize,
+}
+
+/// Request counts, from `GET /_control/stats`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Stats {
+    /// Answered events requests (first pages and `paging.next` pages).
+    pub events_requests: u64,
+}
+
+/// An event recorded with `PUT /_control/events`, for one recipient.
+#[derive(Debug, Clone)]
+struct RecordedEvent {
+    id: String,
+    recipient: String,
+    rule: EventRule,
+    timestamp: f64,
+    seq: u64,
+}
+
 #[derive(Default)]
 struct Store {
     messages: Vec<StoredMessage>,
     failure: Option<FailureRule>,
     delay: Option<DelayRule>,
+    events: Vec<RecordedEvent>,
+    page_size: Option<usize>,
+    stats: Stats,
 }
 
 struct AppState {
@@ -361,10 +439,109 @@ async fn send_message(
     Json(json!({ "id": id, "message": "Queued. Thank you." })).into_response()
 }
 
-#[derive(Deserialize)]
+/// The filters and position of an events query; a `paging.next` token is this, as JSON in
+/// base64url.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct EventsQuery {
-    #[serde(rename = "message-id")]
+    #[serde(
+        rename = "message-id",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     message_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    event: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    recipient: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    begin: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ascending: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    limit: Option<String>,
+    /// Items already served (tokens only).
+    #[serde(default)]
+    offset: usize,
+}
+
+fn bare(id: &str) -> &str {
+    id.trim().trim_start_matches('<').trim_end_matches('>')
+}
+
+/// Every event of the domain as (timestamp, sequence, JSON), oldest first.
+fn all_events(store: &Store) -> Vec<(f64, u64, serde_json::Value)> {
+    let mut out = Vec::new();
+    for (n, m) in store.messages.iter().enumerate() {
+        let headers = json!({
+            "message-id": bare(&m.id),
+            "from": m.from,
+            "to": m.to.join(", "),
+            "subject": m.subject,
+        });
+        for (r, to) in m.to.iter().enumerate() {
+            out.push((
+                m.timestamp,
+                (n * 1000 + r) as u64,
+                json!({
+                    "id": format!("acc-{n}-{r}"),
+                    "event": "accepted",
+                    "timestamp": m.timestamp,
+                    "recipient": to,
+                    "tags": m.tags,
+                    "user-variables": m.variables,
+                    "message": {"headers": headers},
+                }),
+            ));
+        }
+    }
+    for e in &store.events {
+        let mut item = json!({
+            "id": format!("ev-{}", e.seq),
+            "timestamp": e.timestamp,
+            "recipient": e.recipient,
+            "message": {"headers": {"message-id": e.id}},
+        });
+        match e.rule.event {
+            DeliveryEvent::Delivered => {
+                item["event"] = json!("delivered");
+                item["delivery-status"] = json!({
+                    "code": e.rule.code.unwrap_or(250),
+                    "message": e.rule.message.clone().unwrap_or_else(|| "OK".into()),
+                });
+            }
+            DeliveryEvent::TemporaryFailure | DeliveryEvent::PermanentFailure => {
+                let permanent = e.rule.event == DeliveryEvent::PermanentFailure;
+                item["event"] = json!("failed");
+                item["severity"] = json!(if permanent { "permanent" } else { "temporary" });
+                item["reason"] = json!(e.rule.reason.clone().unwrap_or_else(|| "generic".into()));
+                item["delivery-status"] = json!({
+                    "code": e.rule.code.unwrap_or(if permanent { 550 } else { 421 }),
+                    "message": e.rule.message.clone().unwrap_or_default(),
+                    "description": "",
+                });
+            }
+        }
+        out.push((e.timestamp, 1_000_000_000 + e.seq, item));
+    }
+    out.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    out
+}
+
+fn matches(query: &EventsQuery, begin: Option<f64>, item: &serde_json::Value) -> bool {
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+    query
+        .message_id
+        .as_deref()
+        .is_none_or(|w| text(&item["message"]["headers"]["message-id"]) == bare(w))
+        && query
+            .event
+            .as_deref()
+            .is_none_or(|w| text(&item["event"]) == w)
+        && query
+            .recipient
+            .as_deref()
+            .is_none_or(|w| text(&item["recipient"]) == w)
+        && begin.is_none_or(|b| item["timestamp"].as_f64().unwrap_or_default() >= b)
 }
 
 async fn events(
@@ -373,41 +550,135 @@ async fn events(
     headers: HeaderMap,
     Query(query): Query<EventsQuery>,
 ) -> Response {
-    if let Some(r) = state.rejection(&headers, &domain) {
+    events_page(&state, &domain, &headers, query).await
+}
+
+async fn events_next(
+    State(state): State<Shared>,
+    Path((domain, token)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let query = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(token.as_bytes())
+        .ok()
+        .and_then(|raw| serde_json::from_slice::<EventsQuery>(&raw).ok());
+    match query {
+        Some(query) => events_page(&state, &domain, &headers, query).await,
+        None => {
+            if let Some(r) = state.rejection(&headers, &domain) {
+                return r;
+            }
+            error(StatusCode::BAD_REQUEST, "invalid page token")
+        }
+    }
+}
+
+async fn events_page(
+    state: &AppState,
+    domain: &str,
+    headers: &HeaderMap,
+    query: EventsQuery,
+) -> Response {
+    if let Some(r) = state.rejection(headers, domain) {
         return r;
     }
     if let Some(rule) = state.take_failure(FailureTarget::Events) {
-        return fail(rule, &state, None).await;
+        return fail(rule, state, None).await;
     }
-    let wanted = query
-        .message_id
-        .map(|id| id.trim_start_matches('<').trim_end_matches('>').to_owned());
-    let items: Vec<_> = state
-        .store()
-        .messages
+    let begin = match query.begin.as_deref().map(str::parse::<f64>) {
+        None => None,
+        Some(Ok(b)) => Some(b),
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "invalid begin"),
+    };
+    let ascending = match query.ascending.as_deref() {
+        None | Some("no") => false,
+        Some("yes") => true,
+        Some(_) => return error(StatusCode::BAD_REQUEST, "ascending: yes or no"),
+    };
+    let limit = match query.limit.as_deref().map(str::parse::<usize>) {
+        None => 100,
+        Some(Ok(n @ 1..=300)) => n,
+        Some(_) => return error(StatusCode::BAD_REQUEST, "limit: 1 to 300"),
+    };
+    let (items, size) = {
+        let mut store = state.store();
+        store.stats.events_requests += 1;
+        let mut all: Vec<_> = all_events(&store)
+            .into_iter()
+            .map(|(_, _, item)| item)
+            .filter(|item| matches(&query, begin, item))
+            .collect();
+        if !ascending {
+            all.reverse();
+        }
+        let size = limit.min(store.page_size.unwrap_or(300)).max(1);
+        let items: Vec<_> = all.into_iter().skip(query.offset).take(size).collect();
+        (items, size)
+    };
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("localhost");
+    let url = |offset: usize| {
+        let token = EventsQuery {
+            offset,
+            ..query.clone()
+        };
+        let raw = serde_json::to_vec(&token).unwrap_or_default();
+        format!(
+            "http://{host}/v3/{domain}/events/{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw)
+        )
+    };
+    let next = url(query.offset + items.len());
+    let paging = json!({
+        "next": next,
+        "previous": url(query.offset.saturating_sub(size)),
+        "first": url(0),
+        "last": next,
+    });
+    Json(json!({ "items": items, "paging": paging })).into_response()
+}
+
+async fn add_event(State(state): State<Shared>, Json(rule): Json<EventRule>) -> Response {
+    let mut store = state.store();
+    let id = bare(&rule.message_id).to_owned();
+    let Some(message) = store.messages.iter().find(|m| bare(&m.id) == id) else {
+        return error(StatusCode::NOT_FOUND, "no accepted message with this id");
+    };
+    let recipients: Vec<String> = match &rule.recipient {
+        Some(r) if message.to.contains(r) => vec![r.clone()],
+        Some(_) => return error(StatusCode::BAD_REQUEST, "not a recipient of this message"),
+        None => message.to.clone(),
+    };
+    // Strictly after every event so far, so the order of control calls is the events' order.
+    let latest = store
+        .events
         .iter()
-        .filter(|m| {
-            wanted
-                .as_deref()
-                .is_none_or(|w| m.id.trim_start_matches('<').trim_end_matches('>') == w)
-        })
-        .map(|m| {
-            json!({
-                "event": "accepted",
-                "timestamp": m.timestamp,
-                "recipient": m.to.first(),
-                "tags": m.tags,
-                "user-variables": m.variables,
-                "message": {"headers": {
-                    "message-id": m.id.trim_start_matches('<').trim_end_matches('>'),
-                    "from": m.from,
-                    "to": m.to.join(", "),
-                    "subject": m.subject,
-                }},
-            })
-        })
-        .collect();
-    Json(json!({ "items": items, "paging": {} })).into_response()
+        .map(|e| e.timestamp)
+        .chain(store.messages.iter().map(|m| m.timestamp))
+        .fold(0.0_f64, f64::max);
+    let timestamp = now().max(latest + 0.001);
+    for recipient in recipients {
+        let seq = store.events.len() as u64;
+        store.events.push(RecordedEvent {
+            id: id.clone(),
+            recipient,
+            rule: rule.clone(),
+            timestamp,
+            seq,
+        });
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn set_paging(State(state): State<Shared>, Json(rule): Json<PagingRule>) -> StatusCode {
+    state.store().page_size = Some(rule.page_size.max(1));
+    StatusCode::NO_CONTENT
+}
+
+async fn stats(State(state): State<Shared>) -> Json<Stats> {
+    Json(state.store().stats)
 }
 
 async fn list_messages(State(state): State<Shared>) -> Json<Vec<StoredMessage>> {
@@ -415,7 +686,9 @@ async fn list_messages(State(state): State<Shared>) -> Json<Vec<StoredMessage>> 
 }
 
 async fn clear_messages(State(state): State<Shared>) -> StatusCode {
-    state.store().messages.clear();
+    let mut store = state.store();
+    store.messages.clear();
+    store.events.clear();
     StatusCode::NO_CONTENT
 }
 
@@ -452,12 +725,16 @@ pub fn router(config: &ContractConfig) -> Router {
     Router::new()
         .route("/v3/{domain}/messages", post(send_message))
         .route("/v3/{domain}/events", get(events))
+        .route("/v3/{domain}/events/{token}", get(events_next))
         .route(
             "/_control/messages",
             get(list_messages).delete(clear_messages),
         )
         .route("/_control/failure", put(set_failure).delete(clear_failure))
         .route("/_control/delay", put(set_delay).delete(clear_delay))
+        .route("/_control/events", put(add_event))
+        .route("/_control/paging", put(set_paging))
+        .route("/_control/stats", get(stats))
         .with_state(state)
 }
 

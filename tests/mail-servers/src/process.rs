@@ -360,6 +360,46 @@ impl MailgunServer {
         self.control("DELETE", "/_control/failure", None).map(drop)
     }
 
+    /// Records what became of an accepted message (delivered, failed temporarily or for good).
+    ///
+    /// # Errors
+    /// [`Error`] when the control request fails (for example: no such message).
+    pub fn add_event(&self, rule: &crate::EventRule) -> Result<(), Error> {
+        let body = serde_json::to_string(rule).map_err(|e| Error::Control {
+            what: "encoding the event rule".into(),
+            answer: e.to_string(),
+        })?;
+        self.control("PUT", "/_control/events", Some(&body))
+            .map(drop)
+    }
+
+    /// Serves the events API in pages of at most `page_size` items.
+    ///
+    /// # Errors
+    /// [`Error`] when the control request fails.
+    pub fn set_page_size(&self, page_size: usize) -> Result<(), Error> {
+        let body = serde_json::to_string(&crate::PagingRule { page_size }).map_err(|e| {
+            Error::Control {
+                what: "encoding the paging rule".into(),
+                answer: e.to_string(),
+            }
+        })?;
+        self.control("PUT", "/_control/paging", Some(&body))
+            .map(drop)
+    }
+
+    /// The server's request counts.
+    ///
+    /// # Errors
+    /// [`Error`] when the control request fails.
+    pub fn stats(&self) -> Result<crate::Stats, Error> {
+        let body = self.control("GET", "/_control/stats", None)?;
+        serde_json::from_str(&body).map_err(|e| Error::Control {
+            what: "GET /_control/stats".into(),
+            answer: format!("{e}: {body}"),
+        })
+    }
+
     /// Answers the next `count` message posts (every one when `None`) `delay` late, then
     /// normally: a slow server, not a failing one.
     ///
