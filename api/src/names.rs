@@ -81,6 +81,11 @@ pub mod conditions {
     pub const PAUSED: &str = "Paused";
     /// `MailSent`: True once the backend accepted the request mail.
     pub const MAIL_SENT: &str = "MailSent";
+    /// `MailDelivered`: what the backend reported about the request mail after accepting it.
+    /// True once delivered; False when it failed for good (never resent: a human must act);
+    /// Unknown while no outcome is known, when the backend cannot tell (SMTP), or when the
+    /// backend's events expired before an outcome. Informational: it does not feed `Ready`.
+    pub const MAIL_DELIVERED: &str = "MailDelivered";
     /// `Provisioned`: True once a human fulfilled the request (`spec.controlPlaneEndpoint` on a
     /// cluster, `spec.providerID` on a machine).
     pub const PROVISIONED: &str = "Provisioned";
@@ -109,6 +114,22 @@ pub mod reasons {
     /// deletion, a release mail refused permanently keeps the finalizer until then (remove it by
     /// hand to give up).
     pub const MAIL_FAILED: &str = "MailFailed";
+    /// The backend accepted the mail and reported nothing final yet (`MailDelivered` Unknown).
+    pub const DELIVERY_PENDING: &str = "DeliveryPending";
+    /// The backend failed to deliver the mail temporarily and retries by itself
+    /// (`MailDelivered` Unknown).
+    pub const DELIVERY_DELAYED: &str = "DeliveryDelayed";
+    /// The backend delivered the mail to the recipients' mail server (`MailDelivered` True).
+    pub const DELIVERED: &str = "Delivered";
+    /// The backend gave up delivering the mail (`MailDelivered` False; also a Warning event).
+    /// The provider never resends because of it: a human must act.
+    pub const DELIVERY_FAILED: &str = "DeliveryFailed";
+    /// The backend's events expired before they showed an outcome; the provider stopped
+    /// asking (`MailDelivered` Unknown).
+    pub const DELIVERY_UNKNOWN: &str = "DeliveryUnknown";
+    /// The backend reports acceptance only (SMTP): delivery cannot be followed
+    /// (`MailDelivered` Unknown).
+    pub const NOT_TRACKABLE: &str = "NotTrackable";
     /// The "no longer needed" mail was accepted by the backend (an event reason).
     pub const DELETION_MAIL_SENT: &str = "DeletionMailSent";
     /// The ownerReference does not match the owner: its UID differs from the live owner's, or

@@ -126,17 +126,22 @@ pub struct Initialization {
 }
 
 /// state of the request mail: `Pending` (intent recorded, outcome not known yet), `Sent`
-/// (accepted by the backend) or `Failed` (rejected permanently; retried only when the provider
-/// restarts).
+/// (accepted by the backend), `Delivered` (the backend reported it delivered) or `Failed`
+/// (rejected permanently when sent, or reported undeliverable by the backend).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum MailState {
     /// The intent to send was recorded; whether the backend accepted the mail is not known yet.
     Pending,
     /// The backend accepted the mail.
     Sent,
-    /// The backend rejected the mail permanently; see the `MailSent` condition's message. Not
-    /// retried automatically: restarting the provider (for example after fixing its
-    /// credentials) retries it once.
+    /// The backend reported the mail delivered to the recipients' mail server (Mailgun only;
+    /// see the `MailDelivered` condition).
+    Delivered,
+    /// The mail failed for good. Either the backend rejected it when sent (the `MailSent`
+    /// condition says why; not retried automatically: restarting the provider, for example
+    /// after fixing its credentials, retries it once), or the backend accepted it and later
+    /// reported it undeliverable (the `MailDelivered` condition says why; never resent: a human
+    /// must act).
     Failed,
 }
 
@@ -150,7 +155,7 @@ pub struct MailStatus {
     #[serde(rename = "messageID", default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = MAX_MESSAGE_ID_LENGTH))]
     pub message_id: Option<String>,
-    /// state (optional): `Pending`, `Sent` or `Failed`.
+    /// state (optional): `Pending`, `Sent`, `Delivered` or `Failed`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<MailState>,
     /// sentAt (optional): when the backend accepted the mail; set once, never updated.
@@ -257,7 +262,8 @@ pub struct MailgunClusterStatus {
     /// initialization (optional): provisioning flags read by Cluster API (contract `v1beta2`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initialization: Option<Initialization>,
-    /// conditions (optional): `Ready`, `Paused`, `MailSent`, `Provisioned`; one per type.
+    /// conditions (optional): `Ready`, `Paused`, `MailSent`, `MailDelivered`, `Provisioned`;
+    /// one per type.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(
         length(max = MAX_CONDITIONS),
@@ -399,7 +405,8 @@ pub struct MailgunMachineStatus {
     /// initialization (optional): provisioning flags read by Cluster API (contract `v1beta2`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initialization: Option<Initialization>,
-    /// conditions (optional): `Ready`, `Paused`, `MailSent`, `Provisioned`; one per type.
+    /// conditions (optional): `Ready`, `Paused`, `MailSent`, `MailDelivered`, `Provisioned`;
+    /// one per type.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(
         length(max = MAX_CONDITIONS),

@@ -113,6 +113,7 @@ fn mail() -> impl Strategy<Value = Option<b::MailStatus>> {
     let state = prop_oneof![
         Just(b::MailState::Pending),
         Just(b::MailState::Sent),
+        Just(b::MailState::Delivered),
         Just(b::MailState::Failed)
     ];
     option::of(

@@ -132,6 +132,21 @@ pub struct Args {
     #[arg(long, env = "LOOKUP_GRACE", value_name = "DURATION", default_value = "10s", value_parser = duration)]
     pub lookup_grace: Duration,
 
+    /// First wait before asking the mail backend again whether a request mail was delivered;
+    /// doubles with each answer that leaves it open (Mailgun only; SMTP cannot tell).
+    #[arg(long, env = "DELIVERY_POLL_BASE", value_name = "DURATION", default_value = "30s", value_parser = duration)]
+    pub delivery_poll_base: Duration,
+
+    /// Longest wait between two delivery questions about one mail.
+    #[arg(long, env = "DELIVERY_POLL_MAX", value_name = "DURATION", default_value = "30m", value_parser = duration)]
+    pub delivery_poll_max: Duration,
+
+    /// How long Mailgun keeps the account's events (by plan; Mailgun documents at least 3
+    /// days). Delivery is asked about at most this long after the send; then it is reported
+    /// unknown.
+    #[arg(long, env = "MAILGUN_EVENTS_RETENTION", value_name = "DURATION", default_value = "72h", value_parser = duration)]
+    pub mailgun_events_retention: Duration,
+
     /// Address of the diagnostics endpoint (/metrics): HTTPS, each request authenticated
     /// (TokenReview) and authorized (SubjectAccessReview: `get` on the non-resource URL
     /// `/metrics`) by the API server; `0` disables it [default: :8443].
@@ -333,6 +348,8 @@ pub mod field {
         BACKOFF_BASE = "backoff-base", "BACKOFF_BASE";
         BACKOFF_MAX = "backoff-max", "BACKOFF_MAX";
         LOOKUP_GRACE = "lookup-grace", "LOOKUP_GRACE";
+        DELIVERY_POLL_BASE = "delivery-poll-base", "DELIVERY_POLL_BASE";
+        MAILGUN_EVENTS_RETENTION = "mailgun-events-retention", "MAILGUN_EVENTS_RETENTION";
         LEADER_ELECT_LEASE_DURATION = "leader-elect-lease-duration", "LEADER_ELECT_LEASE_DURATION";
         LEADER_ELECT_RENEW_DEADLINE = "leader-elect-renew-deadline", "LEADER_ELECT_RENEW_DEADLINE";
         LEADER_ELECT_RETRY_PERIOD = "leader-elect-retry-period", "LEADER_ELECT_RETRY_PERIOD";
@@ -567,6 +584,15 @@ impl Settings {
         if args.lookup_grace.is_zero() {
             return Err(invalid(field::LOOKUP_GRACE, "must be positive"));
         }
+        if args.delivery_poll_base.is_zero() || args.delivery_poll_base > args.delivery_poll_max {
+            return Err(invalid(
+                field::DELIVERY_POLL_BASE,
+                "must be positive and not longer than --delivery-poll-max (DELIVERY_POLL_MAX)",
+            ));
+        }
+        if args.mailgun_events_retention.is_zero() {
+            return Err(invalid(field::MAILGUN_EVENTS_RETENTION, "must be positive"));
+        }
 
         let mut deprecations = Vec::new();
         let diagnostics = resolve_diagnostics(
@@ -640,6 +666,9 @@ impl Settings {
                 backoff_base: args.backoff_base,
                 backoff_max: args.backoff_max,
                 lookup_grace: args.lookup_grace,
+                delivery_poll_base: args.delivery_poll_base,
+                delivery_poll_max: args.delivery_poll_max,
+                delivery_retention: args.mailgun_events_retention,
                 ..capm_controllers::Config::default()
             },
             diagnostics,
@@ -1536,6 +1565,35 @@ shutdownTimeout: 5s
                 Duration::from_millis(500),
                 Duration::from_secs(300),
                 Duration::from_secs(10)
+            )
+        );
+        assert_eq!(
+            (
+                c.delivery_poll_base,
+                c.delivery_poll_max,
+                c.delivery_retention
+            ),
+            (
+                Duration::from_secs(30),
+                Duration::from_secs(1800),
+                Duration::from_secs(72 * 3600)
+            )
+        );
+        let f = file("mailgunEventsRetention: 24h\ndeliveryPollMax: 10m\n");
+        let mut flags = MAILGUN.to_vec();
+        flags.extend(["--config", f.path().to_str().unwrap()]);
+        flags.push("--delivery-poll-base=1m");
+        let c = resolve(&flags, &with_key).unwrap().controllers;
+        assert_eq!(
+            (
+                c.delivery_poll_base,
+                c.delivery_poll_max,
+                c.delivery_retention
+            ),
+            (
+                Duration::from_secs(60),
+                Duration::from_secs(600),
+                Duration::from_secs(24 * 3600)
             )
         );
         let f =

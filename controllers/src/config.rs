@@ -28,6 +28,14 @@ pub struct Config {
     /// How long a backend lookup must keep answering "not found" for a mail whose outcome was
     /// unknown before it is sent again (event stores lag behind sends).
     pub lookup_grace: Duration,
+    /// First wait between two questions to the backend about a request mail's delivery; doubles
+    /// per question while the outcome is unknown.
+    pub delivery_poll_base: Duration,
+    /// Longest wait between two delivery questions.
+    pub delivery_poll_max: Duration,
+    /// How long the backend keeps its delivery events (Mailgun: by plan); after that the
+    /// provider stops asking and reports the outcome as unknown.
+    pub delivery_retention: Duration,
     /// This process's standing as leader, consulted right before every send; its identity is
     /// recorded with every mail intent.
     pub leadership: Leadership,
@@ -45,6 +53,9 @@ impl Default for Config {
             backoff_max: Duration::from_secs(300),
             instance: "cluster-api-provider-mailgun".into(),
             lookup_grace: Duration::from_secs(10),
+            delivery_poll_base: Duration::from_secs(30),
+            delivery_poll_max: Duration::from_secs(30 * 60),
+            delivery_retention: Duration::from_secs(3 * 24 * 3600),
             leadership: Leadership::default(),
         }
     }
@@ -75,6 +86,11 @@ impl Config {
         if self.backoff_base.is_zero() || self.backoff_base > self.backoff_max {
             return Err(Error::Config(
                 "backoff_base: must be positive and at most backoff_max".into(),
+            ));
+        }
+        if self.delivery_poll_base.is_zero() || self.delivery_poll_base > self.delivery_poll_max {
+            return Err(Error::Config(
+                "delivery_poll_base: must be positive and at most delivery_poll_max".into(),
             ));
         }
         Ok(())

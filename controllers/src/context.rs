@@ -119,6 +119,10 @@ struct MailMemory {
     not_found_since: Option<Instant>,
     /// The generation at which the backend refused this mail permanently.
     refused_at_generation: Option<i64>,
+    /// Delivery questions asked since the mail was sent (or this process started).
+    delivery_polls: u32,
+    /// When the next delivery question is due.
+    next_delivery_poll: Option<Instant>,
 }
 
 /// How long a deleted object's UID is remembered, so stale cached copies of it are ignored.
@@ -283,6 +287,35 @@ impl Ctx {
             .is_some_and(|m| m.refused_at_generation == Some(generation))
     }
 
+    /// How long until the next delivery question about `mail_key` is due (zero: now).
+    pub fn delivery_wait(&self, mail_key: &str) -> Duration {
+        lock(&self.mails)
+            .get(mail_key)
+            .and_then(|m| m.next_delivery_poll)
+            .map_or(Duration::ZERO, |at| {
+                at.saturating_duration_since(Instant::now())
+            })
+    }
+
+    /// A delivery question about `mail_key` was just asked and left the outcome open: the next
+    /// one waits `delivery_poll_base`, doubling per question up to `delivery_poll_max`, never
+    /// less than the backend's `Retry-After`. Returns the wait.
+    pub fn delivery_polled(&self, mail_key: &str, retry_after: Option<Duration>) -> Duration {
+        let (base, max) = (
+            self.config.delivery_poll_base,
+            self.config.delivery_poll_max,
+        );
+        self.with_mail(mail_key, |m| {
+            m.delivery_polls = m.delivery_polls.saturating_add(1);
+            let wait = base
+                .saturating_mul(1u32 << (m.delivery_polls - 1).min(20))
+                .min(max)
+                .max(retry_after.unwrap_or_default());
+            m.next_delivery_poll = Some(Instant::now() + wait);
+            wait
+        })
+    }
+
     /// The mail went out or was found: forget the attempts.
     pub fn clear_mail(&self, mail_key: &str) {
         lock(&self.mails).remove(mail_key);
@@ -418,6 +451,29 @@ mod tests {
         assert!(!ctx.permanently_refused("u/deletion", 3));
         ctx.gone("u");
         assert!(!ctx.permanently_refused("u/request", 3));
+    }
+
+    #[tokio::test]
+    async fn delivery_questions_back_off_and_are_forgotten() {
+        let ctx = ctx();
+        let (base, max) = (ctx.config.delivery_poll_base, ctx.config.delivery_poll_max);
+        assert_eq!(ctx.delivery_wait("u/request"), Duration::ZERO);
+        let waits: Vec<_> = (0..20)
+            .map(|_| ctx.delivery_polled("u/request", None))
+            .collect();
+        assert_eq!(waits[0], base);
+        assert_eq!(waits[1], base * 2);
+        assert_eq!(waits[19], max);
+        let left = ctx.delivery_wait("u/request");
+        assert!(
+            left > max - Duration::from_secs(1) && left <= max,
+            "{left:?}"
+        );
+        let asked = Duration::from_secs(7 * 3600);
+        assert_eq!(ctx.delivery_polled("u/request", Some(asked)), asked);
+        ctx.clear_mail("u/request");
+        assert_eq!(ctx.delivery_wait("u/request"), Duration::ZERO);
+        assert_eq!(ctx.delivery_polled("u/request", None), base);
     }
 
     #[tokio::test]

@@ -12,6 +12,7 @@ mod cache;
 mod capi;
 mod config;
 mod context;
+mod delivery;
 mod events;
 pub mod failpoint;
 mod kinds;

@@ -25,6 +25,10 @@ const RECONCILE_BUCKETS: &[f64] = &[
 ///   an earlier attempt's outcome could not be established.
 /// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
 ///   `owner_deleting`, `permanently_refused`, `backoff`, `handover`).
+/// - `capm_mail_delivery_total{backend, outcome}`: what became of request mails after the
+///   backend accepted them, counted when the object's status first shows it: `delivered`,
+///   `failed` (for good), `delayed` (a temporary failure; the backend retries), `unknown` (the
+///   backend's events expired first), `not_trackable` (the backend cannot tell: SMTP).
 /// - `capm_mail_orphan_releases_total{controller}`: release mails sent at once for an object that
 ///   vanished right after its request went out.
 #[derive(Debug, Clone)]
@@ -39,6 +43,7 @@ pub struct Metrics {
     pub(crate) resends: IntCounterVec,
     pub(crate) withheld: IntCounterVec,
     pub(crate) orphan_releases: IntCounterVec,
+    pub(crate) delivery: IntCounterVec,
 }
 
 impl Metrics {
@@ -111,6 +116,11 @@ impl Metrics {
                 "capm_mail_orphan_releases_total",
                 "Release mails sent at once because the object vanished right after its request went out",
                 &["controller"],
+            )?,
+            delivery: counter(
+                "capm_mail_delivery_total",
+                "What became of request mails after the backend accepted them (delivered, failed, delayed, unknown, not_trackable)",
+                &["backend", "outcome"],
             )?,
         })
     }

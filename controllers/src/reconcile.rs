@@ -21,6 +21,7 @@ use tracing::{debug, info};
 use crate::{
     capi,
     context::{Ctx, ReconcileError},
+    delivery,
     events::EventType,
     kinds::InfraKind,
     sendonce::{
@@ -404,13 +405,18 @@ async fn reconcile_normal<K: InfraKind>(
     for (key, why) in &found.ignored {
         debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
     }
+    let delivery_recheck;
     match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text, Some(check)).await {
         Ok(outcome) => {
             let previous = status.mail.take().unwrap_or_default();
             let same = previous.message_id.as_deref() == Some(outcome.message_id.as_str());
+            // A delivery outcome already shown stays (it moves the state past `Sent`).
+            let state = delivery::final_state(status)
+                .filter(|_| same)
+                .unwrap_or(MailState::Sent);
             status.mail = Some(MailStatus {
                 message_id: Some(outcome.message_id.clone()),
-                state: Some(MailState::Sent),
+                state: Some(state),
                 sent_at: outcome
                     .at
                     .map(Time)
@@ -423,6 +429,18 @@ async fn reconcile_normal<K: InfraKind>(
                 format!("request mailed as {}", outcome.message_id),
                 generation,
             );
+            let sent_at = status
+                .mail
+                .as_ref()
+                .and_then(|m| m.sent_at.as_ref())
+                .map(|t| t.0)
+                .or_else(|| {
+                    read_records(&tracked.annotations, K::KIND, Which::Request)
+                        .intent
+                        .and_then(|i| i.at)
+                });
+            delivery_recheck =
+                delivery::track(obj, ctx, status, &outcome.message_id, sent_at).await;
         }
         Err(ReconcileError::Withheld(Withheld::OwnerDeleting)) => {
             let message = format!(
@@ -514,7 +532,14 @@ async fn reconcile_normal<K: InfraKind>(
             );
         }
     }
-    Ok(Pass::wait())
+    Ok(match delivery_recheck {
+        // Ask the backend again about the delivery then (the outcome is still open).
+        Some(wait) => Pass {
+            action: Action::requeue(wait),
+            gone: false,
+        },
+        None => Pass::wait(),
+    })
 }
 
 async fn reconcile_delete<K: InfraKind>(

@@ -54,6 +54,18 @@ impl Status {
         generation: Option<i64>,
     ) {
         let status = if status { "True" } else { "False" };
+        self.set_condition_status(type_, status, reason, message, generation);
+    }
+
+    /// Sets a condition to `status` (`True`, `False` or `Unknown`), as [`Self::set_condition`].
+    pub fn set_condition_status(
+        &mut self,
+        type_: &str,
+        status: &str,
+        reason: &str,
+        message: impl Into<String>,
+        generation: Option<i64>,
+    ) {
         let message = message.into();
         let conditions = self.conditions.get_or_insert_with(Vec::new);
         match conditions.iter_mut().find(|c| c.type_ == type_) {

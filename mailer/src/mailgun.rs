@@ -575,6 +575,81 @@ mod tests {
     }
 
     #[test]
+    fn paging_is_followed_only_within_the_events_url() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, "key-x").unwrap();
+        let mut config = MailgunConfig::new("mg.example.com", crate::SecretSource::File(key));
+        config.base_url = Some("https://api.mailgun.net".into());
+        let mailer = MailgunMailer::new(&config).unwrap();
+        let events = "https://api.mailgun.net/v3/mg.example.com/events";
+        assert!(mailer.is_events_url(&format!("{events}/W3siYSI6ZmFsc2V9XQ")));
+        assert!(mailer.is_events_url(&format!("{events}?page=next")));
+        for other in [
+            "https://api.mailgun.net.evil.example/v3/mg.example.com/events/x",
+            "https://api.mailgun.net/v3/mg.example.com/eventsX",
+            "https://evil.example/v3/mg.example.com/events/x",
+            "http://api.mailgun.net/v3/mg.example.com/events/x",
+        ] {
+            assert!(!mailer.is_events_url(other), "{other}");
+        }
+    }
+
+    fn item(event: &str, recipient: &str, severity: Option<&str>) -> EventItem {
+        EventItem {
+            event: event.into(),
+            recipient: Some(recipient.into()),
+            severity: severity.map(Into::into),
+            reason: Some("bounce".into()),
+            delivery_status: None,
+        }
+    }
+
+    #[test]
+    fn events_fold_per_recipient() {
+        use crate::Delivery;
+        let accepted = |r| item("accepted", r, None);
+        assert_eq!(
+            fold_events(&[]),
+            Delivery::Pending {
+                temporary_failure: None
+            }
+        );
+        // A final state is not undone by later events of the same recipient.
+        assert_eq!(
+            fold_events(&[
+                accepted("a@x"),
+                item("delivered", "a@x", None),
+                item("opened", "a@x", None)
+            ]),
+            Delivery::Delivered
+        );
+        let failed = fold_events(&[
+            accepted("a@x"),
+            accepted("b@x"),
+            item("failed", "a@x", Some("permanent")),
+            item("failed", "b@x", Some("permanent")),
+        ]);
+        assert_eq!(
+            failed,
+            Delivery::Failed {
+                reason: "a@x: bounce; b@x: bounce".into()
+            }
+        );
+        assert!(matches!(
+            fold_events(&[
+                accepted("a@x"),
+                accepted("b@x"),
+                item("failed", "a@x", Some("permanent")),
+                item("failed", "b@x", Some("temporary")),
+            ]),
+            Delivery::Pending {
+                temporary_failure: Some(_)
+            }
+        ));
+    }
+
+    #[test]
     fn query_values_are_encoded() {
         assert_eq!(encode_query_value("a+b=c&d@x.y"), "a%2Bb%3Dc%26d@x.y");
     }

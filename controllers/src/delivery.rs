@@ -1,0 +1,235 @@
+//! Was the request mail delivered? Sending is not delivery: after the backend accepted the
+//! request mail, ask it (Mailgun's events) what became of it and show the answer in the
+//! `MailDelivered` condition and `status.mail.state`.
+//!
+//! - Asked with backoff (`delivery_poll_base` doubling to `delivery_poll_max`) only while the
+//!   outcome is unknown; never after it is final (delivered, failed for good, not trackable) or
+//!   once the backend's events have expired (`delivery_retention` after the send).
+//! - A permanent failure is reported (condition False, a Warning event) and never leads to a
+//!   resend: the send-once records are not touched, a human must act.
+//! - `MailDelivered` is informational: it does not feed `Ready`.
+//! - Only the request mail is followed; the release mail sent during deletion is not (the object
+//!   is gone right after it).
+//!
+//! What it remembers between passes (the schedule of questions) lives in memory only; the
+//! answers live in status. A new process (or a wiped status) asks again, at most until the
+//! retention has passed.
+
+use std::time::{Duration, SystemTime};
+
+use capm_api::{
+    names::{conditions, reasons},
+    v1beta1::MailState,
+};
+use capm_mailer::{Delivery, MessageId};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use tracing::{debug, warn};
+
+use crate::{
+    context::Ctx, events::EventType, kinds::InfraKind, sendonce::execute::publish, status::Status,
+};
+
+/// The final `MailDelivered` reasons: no more questions once one of them is shown.
+const FINAL: &[&str] = &[
+    reasons::DELIVERED,
+    reasons::DELIVERY_FAILED,
+    reasons::DELIVERY_UNKNOWN,
+    reasons::NOT_TRACKABLE,
+];
+
+/// The `status.mail.state` a final `MailDelivered` condition implies, if any.
+pub(crate) fn final_state(status: &Status) -> Option<MailState> {
+    let c = status.condition(conditions::MAIL_DELIVERED)?;
+    match c.reason.as_str() {
+        reasons::DELIVERED => Some(MailState::Delivered),
+        reasons::DELIVERY_FAILED => Some(MailState::Failed),
+        _ => None,
+    }
+}
+
+fn is_final(status: &Status) -> bool {
+    status
+        .condition(conditions::MAIL_DELIVERED)
+        .is_some_and(|c| FINAL.contains(&c.reason.as_str()))
+}
+
+/// What one pass decided to show.
+struct Shown {
+    status: &'static str,
+    reason: &'static str,
+    message: String,
+    /// `capm_mail_delivery_total`'s outcome label.
+    outcome: &'static str,
+}
+
+/// Follows the delivery of the request mail `message_id`, accepted at `sent_at`, and updates
+/// `status` (only what changed). Returns when to look again, `None` when the outcome is final.
+pub(crate) async fn track<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    status: &mut Status,
+    message_id: &str,
+    sent_at: Option<Timestamp>,
+) -> Option<Duration> {
+    let mail_key = format!("{}/delivery", obj.uid().unwrap_or_default());
+    if is_final(status) {
+        return None;
+    }
+    let generation = obj.meta().generation;
+    let backend = ctx.mailer.backend();
+    let now = Timestamp::now();
+    // The send time is in the durable record; without it (found by lookup after a crash), the
+    // intent's time is the best bound, and without that, now.
+    let sent_at = sent_at.unwrap_or(now);
+    let elapsed = Duration::from_millis(
+        u64::try_from(
+            now.as_millisecond()
+                .saturating_sub(sent_at.as_millisecond()),
+        )
+        .unwrap_or(0),
+    );
+    let retention = ctx.config.delivery_retention;
+    let shown = if elapsed >= retention {
+        Some(Shown {
+            status: "Unknown",
+            reason: reasons::DELIVERY_UNKNOWN,
+            message: format!(
+                "{backend} accepted the mail but reported no delivery outcome within the \
+                 {}s its events are kept; no longer asking",
+                retention.as_secs()
+            ),
+            outcome: "unknown",
+        })
+    } else {
+        let wait = ctx.delivery_wait(&mail_key);
+        if !wait.is_zero() {
+            return Some(wait.min(retention - elapsed));
+        }
+        let id = match MessageId::parse(message_id) {
+            Ok(id) => id,
+            Err(error) => {
+                warn!(kind = K::KIND, name = %obj.name_any(), %error, "the recorded Message-Id cannot be asked about");
+                return None;
+            }
+        };
+        match ctx
+            .mailer
+            .delivery_status(&id, SystemTime::from(sent_at))
+            .await
+        {
+            Ok(Delivery::NotTrackable) => Some(Shown {
+                status: "Unknown",
+                reason: reasons::NOT_TRACKABLE,
+                message: format!(
+                    "the {backend} backend reports only that it accepted the mail; whether it \
+                     reached the recipients cannot be known"
+                ),
+                outcome: "not_trackable",
+            }),
+            Ok(Delivery::Delivered) => Some(Shown {
+                status: "True",
+                reason: reasons::DELIVERED,
+                message: format!("{backend} delivered the mail to the recipients' mail server"),
+                outcome: "delivered",
+            }),
+            Ok(Delivery::Failed { reason }) => Some(Shown {
+                status: "False",
+                reason: reasons::DELIVERY_FAILED,
+                message: format!(
+                    "{backend} could not deliver the mail: {reason}. The provider never \
+                     resends because of a delivery failure: a human must act (fix the \
+                     recipient or relay, then mail the request by hand or re-create the object)"
+                ),
+                outcome: "failed",
+            }),
+            Ok(Delivery::Pending { temporary_failure }) => {
+                let wait = ctx.delivery_polled(&mail_key, None);
+                let pending = match temporary_failure {
+                    Some(why) => Shown {
+                        status: "Unknown",
+                        reason: reasons::DELIVERY_DELAYED,
+                        message: format!(
+                            "{backend} failed to deliver the mail for now and retries: {why}"
+                        ),
+                        outcome: "delayed",
+                    },
+                    None => Shown {
+                        status: "Unknown",
+                        reason: reasons::DELIVERY_PENDING,
+                        message: format!("{backend} accepted the mail; no delivery report yet"),
+                        outcome: "",
+                    },
+                };
+                show(obj, ctx, status, &pending, generation).await;
+                return Some(wait.min(retention - elapsed));
+            }
+            Err(error) => {
+                // Asking changes nothing: keep what status shows and ask again later.
+                let wait = ctx.delivery_polled(&mail_key, error.retry_after());
+                debug!(kind = K::KIND, name = %obj.name_any(), %error, ?wait, "could not ask about the delivery");
+                if status.condition(conditions::MAIL_DELIVERED).is_none() {
+                    let pending = Shown {
+                        status: "Unknown",
+                        reason: reasons::DELIVERY_PENDING,
+                        message: format!("{backend} accepted the mail; no delivery report yet"),
+                        outcome: "",
+                    };
+                    show(obj, ctx, status, &pending, generation).await;
+                }
+                return Some(wait.min(retention - elapsed));
+            }
+        }
+    };
+    if let Some(shown) = shown {
+        show(obj, ctx, status, &shown, generation).await;
+    }
+    ctx.clear_mail(&mail_key);
+    None
+}
+
+/// Shows `shown` in the condition and the mail state; counts and announces it only when it is
+/// news (a different reason than status showed).
+async fn show<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    status: &mut Status,
+    shown: &Shown,
+    generation: Option<i64>,
+) {
+    let news = status
+        .condition(conditions::MAIL_DELIVERED)
+        .is_none_or(|c| c.reason != shown.reason);
+    status.set_condition_status(
+        conditions::MAIL_DELIVERED,
+        shown.status,
+        shown.reason,
+        shown.message.clone(),
+        generation,
+    );
+    if let Some(state) = final_state(status)
+        && let Some(mail) = status.mail.as_mut()
+    {
+        mail.state = Some(state);
+    }
+    if !news {
+        return;
+    }
+    if !shown.outcome.is_empty() {
+        ctx.metrics
+            .delivery
+            .with_label_values(&[ctx.mailer.backend(), shown.outcome])
+            .inc();
+    }
+    if shown.reason == reasons::DELIVERY_FAILED {
+        warn!(kind = K::KIND, name = %obj.name_any(), "the request mail could not be delivered; not resent");
+        publish(
+            ctx,
+            obj,
+            EventType::Warning,
+            reasons::DELIVERY_FAILED,
+            shown.message.clone(),
+        )
+        .await;
+    }
+}

@@ -1,0 +1,294 @@
+//! Delivery tracking of the request mail against the real API server, the Mailgun contract
+//! server (delivered / failed events, paging) and a real SMTP server.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use capm_api::{names::reasons, v1beta1::MailState};
+use capm_mail_servers::{DeliveryEvent, EventRule, SmtpOptions, SmtpServer, SmtpTls};
+use capm_mailer::{MailerConfig, SmtpConfig, Starttls};
+use k8s_openapi::api::events::v1::Event;
+use kube::{
+    Api, ResourceExt,
+    api::{ListParams, Patch, PatchParams},
+};
+use serde_json::json;
+use support::{Env, condition, eventually};
+
+fn config(env: &Env) -> capm_controllers::Config {
+    capm_controllers::Config {
+        delivery_poll_base: Duration::from_millis(200),
+        delivery_poll_max: Duration::from_secs(1),
+        ..env.config()
+    }
+}
+
+/// The `MailDelivered` condition's (status, reason, message) and the mail state of `name`.
+async fn delivery(env: &Env, name: &str) -> (Option<(String, String, String)>, Option<MailState>) {
+    let status = env
+        .clusters()
+        .get(name)
+        .await
+        .unwrap()
+        .status
+        .unwrap_or_default();
+    let c = condition(&status.conditions, "MailDelivered")
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()));
+    (c, status.mail.and_then(|m| m.state))
+}
+
+async fn wait_for_reason(env: &Env, name: &str, reason: &str) {
+    eventually(&format!("MailDelivered reason {reason}"), || async {
+        delivery(env, name)
+            .await
+            .0
+            .is_some_and(|(_, r, _)| r == reason)
+    })
+    .await;
+}
+
+fn event(id: &str, event: DeliveryEvent) -> EventRule {
+    EventRule {
+        message_id: id.to_owned(),
+        event,
+        recipient: None,
+        reason: None,
+        code: None,
+        message: None,
+    }
+}
+
+/// Waits until `name` shows `reason`, then checks that over a few poll periods neither the
+/// object is written nor the backend asked again.
+async fn assert_settled(env: &Env, name: &str) {
+    let rv = env.clusters().get(name).await.unwrap().resource_version();
+    let asked = env.mailgun.stats().unwrap().events_requests;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        env.clusters().get(name).await.unwrap().resource_version(),
+        rv,
+        "status rewritten although nothing changed"
+    );
+    assert_eq!(
+        env.mailgun.stats().unwrap().events_requests,
+        asked,
+        "asked again after a final outcome"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_then_delivered_is_shown_and_then_left_alone() {
+    let mut env = Env::new("mgc-delivered").await;
+    // Small pages: the controller must page through the events.
+    env.mailgun.set_page_size(1).unwrap();
+    env.start_with(config(&env)).await;
+    env.create_mailgun_cluster("d1").await;
+    env.create_owner_cluster("d1", false).await;
+    wait_for_reason(&env, "d1", reasons::DELIVERY_PENDING).await;
+    let (c, state) = delivery(&env, "d1").await;
+    assert_eq!(c.unwrap().0, "Unknown");
+    assert_eq!(state, Some(MailState::Sent));
+    let id = env.mails()[0].id.clone();
+
+    env.mailgun
+        .add_event(&EventRule {
+            code: Some(421),
+            message: Some("4.7.0 greylisted, try later".into()),
+            ..event(&id, DeliveryEvent::TemporaryFailure)
+        })
+        .unwrap();
+    wait_for_reason(&env, "d1", reasons::DELIVERY_DELAYED).await;
+    let (c, _) = delivery(&env, "d1").await;
+    let (status, _, message) = c.unwrap();
+    assert_eq!(status, "Unknown");
+    assert!(message.contains("421 4.7.0 greylisted"), "{message}");
+
+    env.mailgun
+        .add_event(&event(&id, DeliveryEvent::Delivered))
+        .unwrap();
+    wait_for_reason(&env, "d1", reasons::DELIVERED).await;
+    let (c, state) = delivery(&env, "d1").await;
+    assert_eq!(c.unwrap().0, "True");
+    assert_eq!(state, Some(MailState::Delivered));
+    // Informational: Ready keeps its meaning (waiting for a human).
+    let status = env.clusters().get("d1").await.unwrap().status.unwrap();
+    let ready = condition(&status.conditions, "Ready").unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", reasons::WAITING_FOR_FULFILLMENT)
+    );
+    assert_eq!(
+        env.metric("capm_mail_delivery_total", Some(("outcome", "delivered"))),
+        1.0
+    );
+    assert_eq!(
+        env.metric("capm_mail_delivery_total", Some(("outcome", "delayed"))),
+        1.0
+    );
+    assert_settled(&env, "d1").await;
+
+    // Fulfilment still works, and keeps the delivered state.
+    env.clusters()
+        .patch(
+            "d1",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "spec": { "controlPlaneEndpoint": { "host": "10.1.2.3", "port": 6443 } } }),
+            ),
+        )
+        .await
+        .unwrap();
+    eventually("Ready", || async {
+        let status = env.clusters().get("d1").await.unwrap().status.unwrap();
+        condition(&status.conditions, "Ready").is_some_and(|c| c.status == "True")
+    })
+    .await;
+    assert_eq!(delivery(&env, "d1").await.1, Some(MailState::Delivered));
+    assert_eq!(env.mails().len(), 1);
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_failure_is_reported_once_and_never_resent() {
+    let mut env = Env::new("mgc-undeliverable").await;
+    env.start_with(config(&env)).await;
+    env.create_mailgun_cluster("f1").await;
+    env.create_owner_cluster("f1", false).await;
+    wait_for_reason(&env, "f1", reasons::DELIVERY_PENDING).await;
+    let id = env.mails()[0].id.clone();
+    env.mailgun
+        .add_event(&EventRule {
+            reason: Some("bounce".into()),
+            code: Some(550),
+            message: Some("5.1.1 no such mailbox".into()),
+            ..event(&id, DeliveryEvent::PermanentFailure)
+        })
+        .unwrap();
+    wait_for_reason(&env, "f1", reasons::DELIVERY_FAILED).await;
+    let (c, state) = delivery(&env, "f1").await;
+    let (status, _, message) = c.unwrap();
+    assert_eq!(status, "False");
+    assert_eq!(state, Some(MailState::Failed));
+    assert!(
+        message.contains("bounce: 550 5.1.1 no such mailbox"),
+        "{message}"
+    );
+    assert!(message.contains("a human must act"), "{message}");
+    assert!(message.contains("never resends"), "{message}");
+    let obj = env.clusters().get("f1").await.unwrap();
+    let text = serde_json::to_string(&obj.status).unwrap();
+    assert!(!text.contains(support::API_KEY), "{text}");
+    // MailSent stays True: it was sent.
+    let sent = condition(&obj.status.as_ref().unwrap().conditions, "MailSent").unwrap();
+    assert_eq!(sent.status, "True");
+
+    // One Warning event saying so.
+    let events: Api<Event> = Api::namespaced(env.ns.client.clone(), &env.ns.name);
+    eventually("the DeliveryFailed event", || async {
+        events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some(reasons::DELIVERY_FAILED)
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("f1")
+                    && e.note
+                        .as_deref()
+                        .is_some_and(|n| n.contains("human must act"))
+            })
+    })
+    .await;
+    assert_eq!(
+        env.metric("capm_mail_delivery_total", Some(("outcome", "failed"))),
+        1.0
+    );
+    assert_settled(&env, "f1").await;
+
+    // Unrelated changes and a restart: no second mail, the outcome stays.
+    for i in 0..3 {
+        env.clusters()
+            .patch(
+                "f1",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": { "labels": { "poke": i.to_string() } } })),
+            )
+            .await
+            .unwrap();
+    }
+    env.stop().await;
+    env.start_with(config(&env)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(env.mails().len(), 1, "a delivery failure led to a resend");
+    assert_eq!(env.metric("capm_mail_resends_total", None), 0.0);
+    assert_eq!(delivery(&env, "f1").await.1, Some(MailState::Failed));
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asking_stops_when_the_events_retention_has_passed() {
+    let mut env = Env::new("mgc-retention").await;
+    let cfg = capm_controllers::Config {
+        delivery_retention: Duration::from_secs(3),
+        ..config(&env)
+    };
+    env.start_with(cfg).await;
+    env.create_mailgun_cluster("r1").await;
+    env.create_owner_cluster("r1", false).await;
+    wait_for_reason(&env, "r1", reasons::DELIVERY_PENDING).await;
+    wait_for_reason(&env, "r1", reasons::DELIVERY_UNKNOWN).await;
+    let (c, state) = delivery(&env, "r1").await;
+    let (status, _, message) = c.unwrap();
+    assert_eq!(status, "Unknown");
+    assert!(message.contains("no longer asking"), "{message}");
+    assert_eq!(state, Some(MailState::Sent));
+    assert_eq!(
+        env.metric("capm_mail_delivery_total", Some(("outcome", "unknown"))),
+        1.0
+    );
+    assert_settled(&env, "r1").await;
+    env.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smtp_says_delivery_is_not_trackable() {
+    let mut env = Env::new("mgc-smtp-delivery").await;
+    let smtp = SmtpServer::start(SmtpOptions {
+        tls: SmtpTls::None,
+        auth: None,
+    })
+    .unwrap();
+    let mut smtp_config = SmtpConfig::new(smtp.url());
+    smtp_config.starttls = Some(Starttls::Never);
+    smtp_config.timeout_seconds = 10.0;
+    let mailer = capm_mailer::build(&MailerConfig::Smtp(smtp_config)).unwrap();
+    env.start_with_mailer(config(&env), mailer).await;
+    env.create_mailgun_cluster("s1").await;
+    env.create_owner_cluster("s1", false).await;
+    wait_for_reason(&env, "s1", reasons::NOT_TRACKABLE).await;
+    let (c, state) = delivery(&env, "s1").await;
+    let (status, _, message) = c.unwrap();
+    assert_eq!(status, "Unknown");
+    assert!(message.contains("smtp backend reports only"), "{message}");
+    assert_eq!(state, Some(MailState::Sent));
+    assert_eq!(smtp.messages().unwrap().len(), 1);
+    assert_eq!(
+        env.metric(
+            "capm_mail_delivery_total",
+            Some(("outcome", "not_trackable"))
+        ),
+        1.0
+    );
+    // Set once: no further writes.
+    let rv = env.clusters().get("s1").await.unwrap().resource_version();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        env.clusters().get("s1").await.unwrap().resource_version(),
+        rv
+    );
+    env.stop().await;
+}
