@@ -1642,6 +1642,18 @@ shutdownTimeout: 5s
                 "--lookup-grace (LOOKUP_GRACE): must be positive",
             ),
             (
+                &["--delivery-poll-base=0"],
+                "--delivery-poll-base (DELIVERY_POLL_BASE): must be positive",
+            ),
+            (
+                &["--delivery-poll-base=1h", "--delivery-poll-max=10m"],
+                "--delivery-poll-base (DELIVERY_POLL_BASE): must be positive and not longer",
+            ),
+            (
+                &["--mailgun-events-retention=0"],
+                "--mailgun-events-retention (MAILGUN_EVENTS_RETENTION): must be positive",
+            ),
+            (
                 &["--leader-elect-renew-deadline=15s"],
                 "--leader-elect-renew-deadline (LEADER_ELECT_RENEW_DEADLINE): must be shorter than \
                  --leader-elect-lease-duration (LEADER_ELECT_LEASE_DURATION)",
