@@ -80,8 +80,19 @@ pub(crate) async fn track<K: InfraKind>(
     let backend = ctx.mailer.backend();
     let now = Timestamp::now();
     // The send time is in the durable record; without it (found by lookup after a crash), the
-    // intent's time is the best bound, and without that, now.
-    let sent_at = sent_at.unwrap_or(now);
+    // intent's time is the best bound. Without either (records of an older or foreign writer)
+    // the retention cannot be bounded: do not ask at all.
+    let Some(sent_at) = sent_at else {
+        let unknown = Shown {
+            status: "Unknown",
+            reason: reasons::DELIVERY_UNKNOWN,
+            message: "no send time is recorded for the mail; its delivery is not asked about"
+                .to_owned(),
+            outcome: "unknown",
+        };
+        show(obj, ctx, status, &unknown, generation).await;
+        return None;
+    };
     let elapsed = Duration::from_millis(
         u64::try_from(
             now.as_millisecond()

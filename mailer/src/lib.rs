@@ -9,7 +9,9 @@
 //! state about what was sent. Deciding whether to resend (the "send exactly one mail" recipe) is
 //! the caller's job; this crate gives it the pieces: a caller-chosen Message-Id, an
 //! [`ErrorKind::UnknownOutcome`] for "may have been accepted", and [`Mailer::lookup`] for the
-//! backends that can answer that question.
+//! backends that can answer that question. [`Mailer::delivery_status`] tells what became of an
+//! accepted message ([`Delivery`]) where the backend keeps events (Mailgun); when to stop asking
+//! is the caller's choice too.
 //!
 //! # Example
 //! ```no_run
