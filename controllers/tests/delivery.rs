@@ -292,3 +292,48 @@ async fn smtp_says_delivery_is_not_trackable() {
     );
     env.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_leading_process_asks() {
+    let mut env = Env::new("mgc-delivery-leader").await;
+    let leadership = capm_controllers::Leadership::elected(
+        "test",
+        Duration::from_secs(15),
+        Duration::from_secs(10),
+    );
+    leadership.renewed(std::time::Instant::now());
+    let cfg = capm_controllers::Config {
+        leadership: leadership.clone(),
+        ..config(&env)
+    };
+    env.start_with(cfg).await;
+    env.create_mailgun_cluster("l1").await;
+    env.create_owner_cluster("l1", false).await;
+    wait_for_reason(&env, "l1", reasons::DELIVERY_PENDING).await;
+    // Still open: a leader keeps asking (every second at most here).
+    let asked = env.mailgun.stats().unwrap().events_requests;
+    eventually("another question", || async {
+        env.mailgun.stats().unwrap().events_requests > asked
+    })
+    .await;
+
+    leadership.lost();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = env.mailgun.stats().unwrap().events_requests;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        env.mailgun.stats().unwrap().events_requests,
+        asked,
+        "a process that does not lead asked about the delivery"
+    );
+
+    // Leading again, it picks up where it was.
+    leadership.renewed(std::time::Instant::now());
+    let id = env.mails()[0].id.clone();
+    env.mailgun
+        .add_event(&event(&id, DeliveryEvent::Delivered))
+        .unwrap();
+    wait_for_reason(&env, "l1", reasons::DELIVERED).await;
+    assert_eq!(env.mails().len(), 1);
+    env.stop().await;
+}
