@@ -640,7 +640,9 @@ impl Settings {
                 backoff_base: args.backoff_base,
                 backoff_max: args.backoff_max,
                 lookup_grace: args.lookup_grace,
-                ..capm_controllers::Config::default()
+                // Both are known only once the process runs (see `app::run`).
+                instance: String::new(),
+                leadership: capm_controllers::Leadership::default(),
             },
             diagnostics,
             deprecations,

@@ -310,9 +310,16 @@ mod tests {
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
         let config = Config {
+            recipients: vec!["ops@example.com".into()],
+            message_id_domain: "example.com".into(),
+            namespace: None,
+            watch_filter: None,
+            concurrency: 10,
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
-            ..Config::default()
+            instance: "t".into(),
+            lookup_grace: Duration::from_secs(10),
+            leadership: crate::Leadership::default(),
         };
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         let (clusters, _) = kube::runtime::reflector::store();

@@ -29,11 +29,27 @@ use crate::{
         execute::{OwnerCheck, Tracked, ensure_sent, patch_metadata, publish, read_records},
         records::IntentState,
     },
-    status::Status,
+    status::{Readiness, Status},
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
 const OWNER_RECHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The status one pass computes, and what decides its `Ready` (set once, at the end).
+struct Report {
+    status: Status,
+    ready: Readiness,
+}
+
+impl Report {
+    /// The pass stopped for a reason no other condition records.
+    fn block(&mut self, reason: &'static str, message: impl Into<String>) {
+        self.ready = Readiness::Blocked {
+            reason,
+            message: message.into(),
+        };
+    }
+}
 
 /// The result of one pass, before the status write.
 struct Pass {
@@ -134,12 +150,15 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         return Ok(Action::await_change());
     }
     let original = obj.current_status();
-    let mut status = original.clone();
-    status.observed_generation = obj.meta().generation;
+    let mut report = Report {
+        status: original.clone(),
+        ready: Readiness::Unchanged,
+    };
+    report.status.observed_generation = obj.meta().generation;
     let outcome = if managed_elsewhere {
-        reconcile_delete(obj, ctx, &mut status).await
+        reconcile_delete(obj, ctx, &mut report).await
     } else {
-        steps(obj, ctx, &mut status).await
+        steps(obj, ctx, &mut report).await
     };
     let gone = match &outcome {
         Ok(Pass { gone, .. }) => *gone,
@@ -150,6 +169,8 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         ctx.gone(&uid);
         return Ok(Action::await_change());
     }
+    let Report { mut status, ready } = report;
+    status.set_ready(ready, obj.meta().generation);
     if status != original {
         write_status(obj, ctx, &status).await?;
     }
@@ -230,7 +251,7 @@ fn owner_of<K: InfraKind>(obj: &K, ctx: &Ctx) -> Owner<K::Owner> {
 async fn steps<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
-    status: &mut Status,
+    report: &mut Report,
 ) -> Result<Pass, ReconcileError> {
     let generation = obj.meta().generation;
     let deleting = obj.meta().deletion_timestamp.is_some();
@@ -242,39 +263,21 @@ async fn steps<K: InfraKind>(
         Owner::Confirmed(owner, uid) => (owner, uid),
         // Nothing that is not our confirmed owner can pause a deletion: clean up.
         Owner::Missing(_) | Owner::NotSeen(_) | Owner::Mismatch(_) if deleting => {
-            return reconcile_delete(obj, ctx, status).await;
+            return reconcile_delete(obj, ctx, report).await;
         }
         Owner::Missing(message) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::WAITING_FOR_OWNER,
-                &message,
-                generation,
-            );
+            report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass::wait());
         }
         Owner::NotSeen(message) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::WAITING_FOR_OWNER,
-                &message,
-                generation,
-            );
+            report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass {
                 action: Action::requeue(OWNER_RECHECK),
                 gone: false,
             });
         }
         Owner::Mismatch(message) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::OWNER_MISMATCH,
-                &message,
-                generation,
-            );
+            report.block(reasons::OWNER_MISMATCH, message);
             return Ok(Pass::wait());
         }
     };
@@ -283,7 +286,7 @@ async fn steps<K: InfraKind>(
     let paused = obj.annotations().contains_key(names::PAUSED_ANNOTATION)
         || cluster.as_deref().is_some_and(capi::Cluster::paused);
     if paused {
-        status.set_condition(
+        report.status.set_condition(
             conditions::PAUSED,
             true,
             reasons::PAUSED,
@@ -292,7 +295,7 @@ async fn steps<K: InfraKind>(
         );
         return Ok(Pass::wait());
     }
-    status.set_condition(
+    report.status.set_condition(
         conditions::PAUSED,
         false,
         reasons::NOT_PAUSED,
@@ -301,14 +304,14 @@ async fn steps<K: InfraKind>(
     );
 
     if deleting {
-        reconcile_delete(obj, ctx, status).await
+        reconcile_delete(obj, ctx, report).await
     } else {
         let check = OwnerCheck {
             deleting_in_cache: owner.meta().deletion_timestamp.is_some(),
             name: owner.meta().name.clone().unwrap_or_default(),
             uid: owner_uid,
         };
-        reconcile_normal(obj, ctx, status, &owner, &check).await
+        reconcile_normal(obj, ctx, report, &owner, &check).await
     }
 }
 
@@ -363,7 +366,7 @@ async fn strip_foreign_release_records<K: InfraKind>(
 async fn reconcile_normal<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
-    status: &mut Status,
+    report: &mut Report,
     owner: &K::Owner,
     check: &OwnerCheck,
 ) -> Result<Pass, ReconcileError> {
@@ -375,25 +378,13 @@ async fn reconcile_normal<K: InfraKind>(
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join("; ");
-        status.set_condition(
-            conditions::READY,
-            false,
-            reasons::INVALID_SPEC,
-            &message,
-            generation,
-        );
+        report.block(reasons::INVALID_SPEC, message.clone());
         return Err(ReconcileError::InvalidSpec(message));
     }
     let text = match obj.request_mail(ctx, owner) {
         Ok(text) => text,
         Err(wait) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                wait.reason,
-                &wait.message,
-                generation,
-            );
+            report.block(wait.reason, wait.message);
             return Ok(Pass::wait());
         }
     };
@@ -404,6 +395,7 @@ async fn reconcile_normal<K: InfraKind>(
     for (key, why) in &found.ignored {
         debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
     }
+    let status = &mut report.status;
     match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text, Some(check)).await {
         Ok(outcome) => {
             let previous = status.mail.take().unwrap_or_default();
@@ -429,17 +421,12 @@ async fn reconcile_normal<K: InfraKind>(
                 "the owner {} is being deleted: no request is mailed",
                 K::OWNER_KIND
             );
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::OWNER_DELETING,
-                &message,
-                generation,
-            );
+            report.block(reasons::OWNER_DELETING, message);
             return Ok(Pass::wait());
         }
         Err(ReconcileError::Withheld(Withheld::PermanentlyRefused)) => {
             // Status already says MailFailed; nothing new until the object changes.
+            report.ready = Readiness::Summary;
             return Ok(Pass::wait());
         }
         Err(error @ (ReconcileError::Withheld(_) | ReconcileError::Gone)) => return Err(error),
@@ -461,7 +448,7 @@ async fn reconcile_normal<K: InfraKind>(
                 error.to_string()
             };
             status.set_condition(conditions::MAIL_SENT, false, reason, &message, generation);
-            status.set_condition(conditions::READY, false, reason, &message, generation);
+            report.ready = Readiness::Summary;
             return Err(error);
         }
     }
@@ -485,13 +472,6 @@ async fn reconcile_normal<K: InfraKind>(
                 &message,
                 generation,
             );
-            status.set_condition(
-                conditions::READY,
-                true,
-                reasons::PROVISIONED,
-                &message,
-                generation,
-            );
             if newly {
                 publish(ctx, obj, EventType::Normal, reasons::PROVISIONED, message).await;
             }
@@ -505,24 +485,17 @@ async fn reconcile_normal<K: InfraKind>(
                 message,
                 generation,
             );
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::WAITING_FOR_FULFILLMENT,
-                message,
-                generation,
-            );
         }
     }
+    report.ready = Readiness::Summary;
     Ok(Pass::wait())
 }
 
 async fn reconcile_delete<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
-    status: &mut Status,
+    report: &mut Report,
 ) -> Result<Pass, ReconcileError> {
-    let generation = obj.meta().generation;
     let mut tracked = Tracked::of(obj);
     // A request that went out, or may have (outcome unknown), is released. One that was never
     // attempted, or whose every attempt was refused (recorded durably in the intent), is not:
@@ -544,13 +517,7 @@ async fn reconcile_delete<K: InfraKind>(
                 }
                 other => other.to_string(),
             };
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::DELETING,
-                message,
-                generation,
-            );
+            report.block(reasons::DELETING, message);
             return match error {
                 ReconcileError::Withheld(Withheld::PermanentlyRefused) => Ok(Pass::wait()),
                 other => Err(other),
