@@ -2,6 +2,9 @@
 //! owner (matched by UID, and naming this object back) -> paused -> `reconcile_normal` /
 //! `reconcile_delete`, then one status write at the end when something changed. The mails
 //! themselves go through [`crate::sendonce`].
+//!
+//! Long because it holds the step order of both kinds and the owner checks; what to mail is decided
+//! in `sendonce`.
 
 use std::{sync::Arc, time::Instant};
 
