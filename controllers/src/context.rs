@@ -17,6 +17,19 @@ use crate::{
     sendonce::decide::Withheld,
 };
 
+/// The field manager of every write to our objects, so `managedFields` (and whoever audits
+/// them) can tell the provider's writes from others' (without it the API server records them
+/// as "unknown").
+pub const FIELD_MANAGER: &str = "cluster-api-provider-mailgun";
+
+/// Patch parameters naming [`FIELD_MANAGER`].
+pub fn patch_params() -> kube::api::PatchParams {
+    kube::api::PatchParams {
+        field_manager: Some(FIELD_MANAGER.to_owned()),
+        ..kube::api::PatchParams::default()
+    }
+}
+
 /// Why one reconcile failed (or waits); decides how soon it is retried.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -151,6 +164,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Ctx {
+    /// Checked right before every write and every send: a replica that cannot prove it still
+    /// leads (monotonic clock, see [`crate::Leadership::may_act`]) writes nothing at all. A
+    /// reconcile frozen half-way (SIGSTOP, a long GC pause) checks again when it resumes.
+    ///
+    /// # Errors
+    /// [`Withheld::NotLeading`].
+    pub fn ensure_leading(&self) -> Result<(), ReconcileError> {
+        if self.config.leadership.may_act() {
+            Ok(())
+        } else {
+            Err(ReconcileError::Withheld(Withheld::NotLeading))
+        }
+    }
+
     /// A context over the given parts.
     pub fn new(
         client: Client,

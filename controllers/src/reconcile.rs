@@ -13,11 +13,7 @@ use capm_api::{
     v1beta1::{Initialization, MailState, MailStatus},
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::{
-    Api, Resource, ResourceExt,
-    api::{Patch, PatchParams},
-    runtime::controller::Action,
-};
+use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
 use tracing::{debug, info};
 
@@ -141,10 +137,8 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         // triggers the next pass.
         return Ok(Action::await_change());
     }
-    if !ctx.config.leadership.may_act() {
-        // A replica that cannot prove it leads writes nothing at all.
-        return Err(ReconcileError::Withheld(Withheld::NotLeading));
-    }
+    // A replica that cannot prove it leads writes nothing at all.
+    ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();
     let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
     let managed_elsewhere = obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION);
@@ -185,14 +179,12 @@ async fn write_status<K: InfraKind>(
     ctx: &Ctx,
     status: &Status,
 ) -> Result<(), ReconcileError> {
-    if !ctx.config.leadership.may_act() {
-        return Err(ReconcileError::Withheld(Withheld::NotLeading));
-    }
+    ctx.ensure_leading()?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let written = api
         .patch_status(
             &obj.name_any(),
-            &PatchParams::default(),
+            &crate::context::patch_params(),
             &Patch::Merge(json!({ "status": status })),
         )
         .await
@@ -538,11 +530,12 @@ async fn reconcile_delete<K: InfraKind>(
         .filter(|f| *f != K::FINALIZER)
         .cloned()
         .collect();
+    ctx.ensure_leading()?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     match api
         .patch(
             &obj.name_any(),
-            &PatchParams::default(),
+            &crate::context::patch_params(),
             &Patch::Merge(json!({
                 "metadata": { "resourceVersion": tracked.resource_version, "finalizers": remaining }
             })),

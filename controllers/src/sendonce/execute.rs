@@ -8,10 +8,7 @@ use std::time::Duration;
 use capm_api::names::reasons;
 use capm_mailer::{ErrorKind, Message, MessageId};
 use k8s_openapi::jiff::Timestamp;
-use kube::{
-    Api, ResourceExt,
-    api::{Patch, PatchParams},
-};
+use kube::{Api, ResourceExt, api::Patch};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
@@ -335,11 +332,12 @@ pub(crate) async fn patch_metadata<K: InfraKind>(
     metadata: serde_json::Value,
     what: &'static str,
 ) -> Result<(), ReconcileError> {
+    ctx.ensure_leading()?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let written = api
         .patch(
             &obj.name_any(),
-            &PatchParams::default(),
+            &crate::context::patch_params(),
             &Patch::Merge(json!({ "metadata": metadata })),
         )
         .await
