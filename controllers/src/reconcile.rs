@@ -137,6 +137,7 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         // triggers the next pass.
         return Ok(Action::await_change());
     }
+    ctx.owner_caches_ready().await;
     // A replica that cannot prove it leads writes nothing at all.
     ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();
@@ -168,7 +169,7 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     }
     let Report { mut status, ready } = report;
     status.set_ready(ready, obj.meta().generation);
-    if status != original {
+    if status.differs_on_the_wire(&original) {
         write_status(obj, ctx, &status).await?;
     }
     outcome.map(|p| p.action)

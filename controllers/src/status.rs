@@ -41,6 +41,14 @@ impl Status {
             .unwrap_or_default()
     }
 
+    /// Whether writing `self` would change what the API server holds as `other`. Compared as
+    /// JSON, not as values: a time kept to the nanosecond here is written to the second (as
+    /// every `metav1.Time`), so a fresh `sentAt` equal to the stored one to the second is no
+    /// change, and no status patch goes out for it.
+    pub fn differs_on_the_wire(&self, other: &Self) -> bool {
+        self != other && serde_json::to_value(self).ok() != serde_json::to_value(other).ok()
+    }
+
     /// The condition of this type, if set.
     pub fn condition(&self, type_: &str) -> Option<&Condition> {
         self.conditions.as_ref()?.iter().find(|c| c.type_ == type_)
@@ -207,6 +215,21 @@ mod tests {
             ready(&s),
             ("False".into(), "OwnerMismatch".into(), "uid".into())
         );
+    }
+
+    #[test]
+    fn times_are_compared_as_written() {
+        let stored: Status = serde_json::from_value(serde_json::json!({
+            "mail": {"messageId": "<a@b>", "state": "Sent", "sentAt": "2026-11-23T14:00:01Z"}
+        }))
+        .unwrap();
+        let mut fresh = stored.clone();
+        let at: Timestamp = "2026-11-23T14:00:01.987654321Z".parse().unwrap();
+        fresh.mail.as_mut().unwrap().sent_at = Some(Time(at));
+        assert_ne!(fresh, stored, "the values differ in memory");
+        assert!(!fresh.differs_on_the_wire(&stored), "but not as written");
+        fresh.mail.as_mut().unwrap().sent_at = Some(Time("2026-11-23T14:00:02Z".parse().unwrap()));
+        assert!(fresh.differs_on_the_wire(&stored));
     }
 
     #[test]

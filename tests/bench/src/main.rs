@@ -128,22 +128,38 @@ impl Subject {
 /// Sums of `apiserver_request_total` for write verbs: on our API group (the subject writes
 /// nothing else with leader election off), on Events, and on everything but Events (the rest
 /// is the control plane's own background, such as kube-apiserver renewing its leases).
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct Writes {
     all: f64,
     ours: f64,
     events: f64,
+    /// Writes to our API group by `VERB resource[/subresource]`.
+    by_kind: BTreeMap<String, f64>,
 }
 
 impl std::ops::Sub for Writes {
     type Output = Writes;
     fn sub(self, rhs: Writes) -> Writes {
+        let mut by_kind = self.by_kind;
+        for (k, v) in rhs.by_kind {
+            *by_kind.entry(k).or_default() -= v;
+        }
+        by_kind.retain(|_, v| *v != 0.0);
         Writes {
             all: self.all - rhs.all,
             ours: self.ours - rhs.ours,
             events: self.events - rhs.events,
+            by_kind,
         }
     }
+}
+
+/// The value of `label="..."` in a metric's label set.
+fn label<'a>(labels: &'a str, name: &str) -> &'a str {
+    labels
+        .split_once(&format!("{name}=\""))
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map_or("", |(value, _)| value)
 }
 
 async fn api_writes(client: &Client) -> anyhow::Result<Writes> {
@@ -170,6 +186,14 @@ async fn api_writes(client: &Client) -> anyhow::Result<Writes> {
             total.all += value;
             if labels.contains(&format!("group=\"{}\"", capm_api::GROUP)) {
                 total.ours += value;
+                let sub = label(labels, "subresource");
+                let kind = format!(
+                    "{} {}{}{sub}",
+                    label(labels, "verb"),
+                    label(labels, "resource"),
+                    if sub.is_empty() { "" } else { "/" }
+                );
+                *total.by_kind.entry(kind).or_default() += value;
             }
         }
     }
@@ -303,6 +327,15 @@ impl Figures {
             self.writes.ours / n,
             self.writes.events / n,
             self.writes.all
+        );
+        println!(
+            "    by kind per object       {}",
+            self.writes
+                .by_kind
+                .iter()
+                .map(|(k, v)| format!("{k}: {:.2}", v / n))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         println!(
             "  mails accepted             {} (expected {}, objects mailed more than once: {})",
