@@ -76,6 +76,8 @@ test: deps tools lint deny verify-generated ## Everything CI runs: checks, unit 
 	  SOAK_SEED=$${SOAK_SEED:-$(TEST_SOAK_SEED)} $(CARGO) test --workspace --no-fail-fast
 
 ROUNDS ?= 20
+# The Go peer `make bench` compares the provider with (the Cluster API book's controller).
+PEER_DIR ?= $(abspath ../shared/peer/goref)
 SEED ?=
 
 .PHONY: soak
@@ -85,11 +87,13 @@ soak: tools ## The adversarial soak test alone (issue 13): ROUNDS=200 for a long
 	  SOAK_ROUNDS=$(ROUNDS) SOAK_SEED=$(SEED) $(CARGO) test -p capm-e2e --test soak -- --nocapture
 
 .PHONY: bench
-bench: tools ## Backlog benchmark (not a test): N=1000 Cluster + MailgunCluster pairs through the release binary
+bench: tools ## Backlog benchmark (not a test): the Go peer (1 and 10 workers) and the provider on N=1000 pairs each, one control plane, with ratios
 	$(CARGO) build --release -p cluster-api-provider-mailgun -p capm-bench -p capm-mail-servers
 	T=$${CARGO_TARGET_DIR:-$(CURDIR)/target}; \
+	  PEER=$$(hack/build-peer.sh $(PEER_DIR)); \
 	  CAPM_MAILGUN_SERVER_BIN=$$T/release/mailgun-contract-server $$T/release/capm-bench \
-	  --provider $$T/release/cluster-api-provider-mailgun --objects $${N:-1000}
+	  --provider $$T/release/cluster-api-provider-mailgun --peer $$PEER \
+	  --peer-crd $(PEER_DIR)/config/crd.yaml --objects $${N:-1000} $(BENCH_ARGS)
 
 .PHONY: bench-mailer
 bench-mailer: ## Mail backend throughput (not a test): Mailgun with 16 senders, SMTP pooled vs per message

@@ -74,7 +74,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let webhook_tls = match &settings.webhook {
         Some(hook) => {
             let cert = ReloadingCert::new(&hook.cert_dir)
-                .map_err(|e| anyhow!("{}: {e}", field::WEBHOOK_CERT_DIR))?;
+                .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir)))?;
             Some(TlsAcceptor::from(Arc::new(Arc::new(cert).server_config()?)))
         }
         None => None,
@@ -165,7 +165,7 @@ fn diagnostics_tls(settings: &Settings) -> anyhow::Result<Option<TlsAcceptor>> {
             cert_dir: Some(dir),
         }) => {
             let cert = ReloadingCert::new(dir)
-                .map_err(|e| anyhow!("{}: {e}", field::DIAGNOSTICS_CERT_DIR))?;
+                .map_err(|e| anyhow!("{}: {e}", field!(diagnostics_cert_dir)))?;
             Arc::new(cert).server_config()?
         }
         Some(DiagnosticsSecurity::Secure { cert_dir: None }) => {

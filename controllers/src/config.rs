@@ -5,6 +5,8 @@ use std::time::Duration;
 use crate::Leadership;
 
 /// What the controllers need to know besides the cluster and the mailer.
+///
+/// There is no `Default`: the defaults are the binary's (its flags), declared once there.
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Who receives the request mails (`MAIL_RECIPIENT`); at least one address.
@@ -39,26 +41,6 @@ pub struct Config {
     /// This process's standing as leader, consulted right before every send; its identity is
     /// recorded with every mail intent.
     pub leadership: Leadership,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            recipients: Vec::new(),
-            message_id_domain: String::new(),
-            namespace: None,
-            watch_filter: None,
-            concurrency: 10,
-            backoff_base: Duration::from_millis(500),
-            backoff_max: Duration::from_secs(300),
-            instance: "cluster-api-provider-mailgun".into(),
-            lookup_grace: Duration::from_secs(10),
-            delivery_poll_base: Duration::from_secs(30),
-            delivery_poll_max: Duration::from_secs(30 * 60),
-            delivery_retention: Duration::from_secs(3 * 24 * 3600),
-            leadership: Leadership::default(),
-        }
-    }
 }
 
 impl Config {

@@ -17,6 +17,19 @@ use crate::{
     sendonce::decide::Withheld,
 };
 
+/// The field manager of every write to our objects, so `managedFields` (and whoever audits
+/// them) can tell the provider's writes from others' (without it the API server records them
+/// as "unknown").
+pub const FIELD_MANAGER: &str = "cluster-api-provider-mailgun";
+
+/// Patch parameters naming [`FIELD_MANAGER`].
+pub fn patch_params() -> kube::api::PatchParams {
+    kube::api::PatchParams {
+        field_manager: Some(FIELD_MANAGER.to_owned()),
+        ..kube::api::PatchParams::default()
+    }
+}
+
 /// Why one reconcile failed (or waits); decides how soon it is retried.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -155,6 +168,29 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Ctx {
+    /// Checked right before every write and every send: a replica that cannot prove it still
+    /// leads (monotonic clock, see [`crate::Leadership::may_act`]) writes nothing at all. A
+    /// reconcile frozen half-way (SIGSTOP, a long GC pause) checks again when it resumes.
+    ///
+    /// # Errors
+    /// [`Withheld::NotLeading`].
+    pub fn ensure_leading(&self) -> Result<(), ReconcileError> {
+        if self.config.leadership.may_act() {
+            Ok(())
+        } else {
+            Err(ReconcileError::Withheld(Withheld::NotLeading))
+        }
+    }
+
+    /// Waits until the Cluster API caches hold their first full list. Until then an owner
+    /// missing from the cache proves nothing, and a reconcile would report `WaitingForOwner`
+    /// only to learn better a moment later: one more status write per object, on every start.
+    /// Immediate once they are ready; a cache whose writer is gone (shutdown) does not wait.
+    pub async fn owner_caches_ready(&self) {
+        let _ = self.clusters.wait_until_ready().await;
+        let _ = self.machines.wait_until_ready().await;
+    }
+
     /// A context over the given parts.
     pub fn new(
         client: Client,
@@ -343,9 +379,19 @@ mod tests {
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
         let config = Config {
+            recipients: vec!["ops@example.com".into()],
+            message_id_domain: "example.com".into(),
+            namespace: None,
+            watch_filter: None,
+            concurrency: 10,
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
-            ..Config::default()
+            instance: "t".into(),
+            lookup_grace: Duration::from_secs(10),
+            delivery_poll_base: Duration::from_secs(30),
+            delivery_poll_max: Duration::from_secs(30 * 60),
+            delivery_retention: Duration::from_secs(72 * 3600),
+            leadership: crate::Leadership::default(),
         };
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         let (clusters, _) = kube::runtime::reflector::store();

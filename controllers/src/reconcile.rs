@@ -2,6 +2,9 @@
 //! owner (matched by UID, and naming this object back) -> paused -> `reconcile_normal` /
 //! `reconcile_delete`, then one status write at the end when something changed. The mails
 //! themselves go through [`crate::sendonce`].
+//!
+//! Long because it holds the step order of both kinds and the owner checks; what to mail is decided
+//! in `sendonce`.
 
 use std::{sync::Arc, time::Instant};
 
@@ -10,11 +13,7 @@ use capm_api::{
     v1beta1::{Initialization, MailState, MailStatus},
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::{
-    Api, Resource, ResourceExt,
-    api::{Patch, PatchParams},
-    runtime::controller::Action,
-};
+use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
 use tracing::{debug, info};
 
@@ -30,11 +29,27 @@ use crate::{
         execute::{OwnerCheck, Tracked, ensure_sent, patch_metadata, publish, read_records},
         records::IntentState,
     },
-    status::Status,
+    status::{Readiness, Status},
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
 const OWNER_RECHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The status one pass computes, and what decides its `Ready` (set once, at the end).
+struct Report {
+    status: Status,
+    ready: Readiness,
+}
+
+impl Report {
+    /// The pass stopped for a reason no other condition records.
+    fn block(&mut self, reason: &'static str, message: impl Into<String>) {
+        self.ready = Readiness::Blocked {
+            reason,
+            message: message.into(),
+        };
+    }
+}
 
 /// The result of one pass, before the status write.
 struct Pass {
@@ -123,10 +138,9 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         // triggers the next pass.
         return Ok(Action::await_change());
     }
-    if !ctx.config.leadership.may_act() {
-        // A replica that cannot prove it leads writes nothing at all.
-        return Err(ReconcileError::Withheld(Withheld::NotLeading));
-    }
+    ctx.owner_caches_ready().await;
+    // A replica that cannot prove it leads writes nothing at all.
+    ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();
     let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
     let managed_elsewhere = obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION);
@@ -135,12 +149,15 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         return Ok(Action::await_change());
     }
     let original = obj.current_status();
-    let mut status = original.clone();
-    status.observed_generation = obj.meta().generation;
+    let mut report = Report {
+        status: original.clone(),
+        ready: Readiness::Unchanged,
+    };
+    report.status.observed_generation = obj.meta().generation;
     let outcome = if managed_elsewhere {
-        reconcile_delete(obj, ctx, &mut status).await
+        reconcile_delete(obj, ctx, &mut report).await
     } else {
-        steps(obj, ctx, &mut status).await
+        steps(obj, ctx, &mut report).await
     };
     let gone = match &outcome {
         Ok(Pass { gone, .. }) => *gone,
@@ -151,7 +168,9 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         ctx.gone(&uid);
         return Ok(Action::await_change());
     }
-    if status != original {
+    let Report { mut status, ready } = report;
+    status.set_ready(ready, obj.meta().generation);
+    if status.differs_on_the_wire(&original) {
         write_status(obj, ctx, &status).await?;
     }
     outcome.map(|p| p.action)
@@ -162,14 +181,12 @@ async fn write_status<K: InfraKind>(
     ctx: &Ctx,
     status: &Status,
 ) -> Result<(), ReconcileError> {
-    if !ctx.config.leadership.may_act() {
-        return Err(ReconcileError::Withheld(Withheld::NotLeading));
-    }
+    ctx.ensure_leading()?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let written = api
         .patch_status(
             &obj.name_any(),
-            &PatchParams::default(),
+            &crate::context::patch_params(),
             &Patch::Merge(json!({ "status": status })),
         )
         .await
@@ -231,7 +248,7 @@ fn owner_of<K: InfraKind>(obj: &K, ctx: &Ctx) -> Owner<K::Owner> {
 async fn steps<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
-    status: &mut Status,
+    report: &mut Report,
 ) -> Result<Pass, ReconcileError> {
     let generation = obj.meta().generation;
     let deleting = obj.meta().deletion_timestamp.is_some();
@@ -243,39 +260,21 @@ async fn steps<K: InfraKind>(
         Owner::Confirmed(owner, uid) => (owner, uid),
         // Nothing that is not our confirmed owner can pause a deletion: clean up.
         Owner::Missing(_) | Owner::NotSeen(_) | Owner::Mismatch(_) if deleting => {
-            return reconcile_delete(obj, ctx, status).await;
+            return reconcile_delete(obj, ctx, report).await;
         }
         Owner::Missing(message) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::WAITING_FOR_OWNER,
-                &message,
-                generation,
-            );
+            report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass::wait());
         }
         Owner::NotSeen(message) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::WAITING_FOR_OWNER,
-                &message,
-                generation,
-            );
+            report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass {
                 action: Action::requeue(OWNER_RECHECK),
                 gone: false,
             });
         }
         Owner::Mismatch(message) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::OWNER_MISMATCH,
-                &message,
-                generation,
-            );
+            report.block(reasons::OWNER_MISMATCH, message);
             return Ok(Pass::wait());
         }
     };
@@ -284,7 +283,7 @@ async fn steps<K: InfraKind>(
     let paused = obj.annotations().contains_key(names::PAUSED_ANNOTATION)
         || cluster.as_deref().is_some_and(capi::Cluster::paused);
     if paused {
-        status.set_condition(
+        report.status.set_condition(
             conditions::PAUSED,
             true,
             reasons::PAUSED,
@@ -293,7 +292,7 @@ async fn steps<K: InfraKind>(
         );
         return Ok(Pass::wait());
     }
-    status.set_condition(
+    report.status.set_condition(
         conditions::PAUSED,
         false,
         reasons::NOT_PAUSED,
@@ -302,14 +301,14 @@ async fn steps<K: InfraKind>(
     );
 
     if deleting {
-        reconcile_delete(obj, ctx, status).await
+        reconcile_delete(obj, ctx, report).await
     } else {
         let check = OwnerCheck {
             deleting_in_cache: owner.meta().deletion_timestamp.is_some(),
             name: owner.meta().name.clone().unwrap_or_default(),
             uid: owner_uid,
         };
-        reconcile_normal(obj, ctx, status, &owner, &check).await
+        reconcile_normal(obj, ctx, report, &owner, &check).await
     }
 }
 
@@ -364,7 +363,7 @@ async fn strip_foreign_release_records<K: InfraKind>(
 async fn reconcile_normal<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
-    status: &mut Status,
+    report: &mut Report,
     owner: &K::Owner,
     check: &OwnerCheck,
 ) -> Result<Pass, ReconcileError> {
@@ -376,25 +375,13 @@ async fn reconcile_normal<K: InfraKind>(
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join("; ");
-        status.set_condition(
-            conditions::READY,
-            false,
-            reasons::INVALID_SPEC,
-            &message,
-            generation,
-        );
+        report.block(reasons::INVALID_SPEC, message.clone());
         return Err(ReconcileError::InvalidSpec(message));
     }
     let text = match obj.request_mail(ctx, owner) {
         Ok(text) => text,
         Err(wait) => {
-            status.set_condition(
-                conditions::READY,
-                false,
-                wait.reason,
-                &wait.message,
-                generation,
-            );
+            report.block(wait.reason, wait.message);
             return Ok(Pass::wait());
         }
     };
@@ -406,6 +393,7 @@ async fn reconcile_normal<K: InfraKind>(
         debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
     }
     let delivery_recheck;
+    let status = &mut report.status;
     match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text, Some(check)).await {
         Ok(outcome) => {
             let previous = status.mail.take().unwrap_or_default();
@@ -447,17 +435,12 @@ async fn reconcile_normal<K: InfraKind>(
                 "the owner {} is being deleted: no request is mailed",
                 K::OWNER_KIND
             );
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::OWNER_DELETING,
-                &message,
-                generation,
-            );
+            report.block(reasons::OWNER_DELETING, message);
             return Ok(Pass::wait());
         }
         Err(ReconcileError::Withheld(Withheld::PermanentlyRefused)) => {
             // Status already says MailFailed; nothing new until the object changes.
+            report.ready = Readiness::Summary;
             return Ok(Pass::wait());
         }
         Err(error @ (ReconcileError::Withheld(_) | ReconcileError::Gone)) => return Err(error),
@@ -479,7 +462,7 @@ async fn reconcile_normal<K: InfraKind>(
                 error.to_string()
             };
             status.set_condition(conditions::MAIL_SENT, false, reason, &message, generation);
-            status.set_condition(conditions::READY, false, reason, &message, generation);
+            report.ready = Readiness::Summary;
             return Err(error);
         }
     }
@@ -503,13 +486,6 @@ async fn reconcile_normal<K: InfraKind>(
                 &message,
                 generation,
             );
-            status.set_condition(
-                conditions::READY,
-                true,
-                reasons::PROVISIONED,
-                &message,
-                generation,
-            );
             if newly {
                 publish(ctx, obj, EventType::Normal, reasons::PROVISIONED, message).await;
             }
@@ -523,15 +499,9 @@ async fn reconcile_normal<K: InfraKind>(
                 message,
                 generation,
             );
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::WAITING_FOR_FULFILLMENT,
-                message,
-                generation,
-            );
         }
     }
+    report.ready = Readiness::Summary;
     Ok(match delivery_recheck {
         // Ask the backend again about the delivery then (the outcome is still open).
         Some(wait) => Pass {
@@ -545,9 +515,8 @@ async fn reconcile_normal<K: InfraKind>(
 async fn reconcile_delete<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
-    status: &mut Status,
+    report: &mut Report,
 ) -> Result<Pass, ReconcileError> {
-    let generation = obj.meta().generation;
     let mut tracked = Tracked::of(obj);
     // A request that went out, or may have (outcome unknown), is released. One that was never
     // attempted, or whose every attempt was refused (recorded durably in the intent), is not:
@@ -569,13 +538,7 @@ async fn reconcile_delete<K: InfraKind>(
                 }
                 other => other.to_string(),
             };
-            status.set_condition(
-                conditions::READY,
-                false,
-                reasons::DELETING,
-                message,
-                generation,
-            );
+            report.block(reasons::DELETING, message);
             return match error {
                 ReconcileError::Withheld(Withheld::PermanentlyRefused) => Ok(Pass::wait()),
                 other => Err(other),
@@ -593,11 +556,12 @@ async fn reconcile_delete<K: InfraKind>(
         .filter(|f| *f != K::FINALIZER)
         .cloned()
         .collect();
+    ctx.ensure_leading()?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     match api
         .patch(
             &obj.name_any(),
-            &PatchParams::default(),
+            &crate::context::patch_params(),
             &Patch::Merge(json!({
                 "metadata": { "resourceVersion": tracked.resource_version, "finalizers": remaining }
             })),

@@ -1,6 +1,9 @@
 //! The status both kinds share, and conditions that change only when they mean something new.
 
-use capm_api::v1beta1::{Initialization, MachineAddress, MailStatus};
+use capm_api::{
+    names::conditions,
+    v1beta1::{Initialization, MachineAddress, MailStatus},
+};
 use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
     jiff::Timestamp,
@@ -36,6 +39,14 @@ impl Status {
             .and_then(|s| serde_json::to_value(s).ok())
             .and_then(|v| serde_json::from_value(v).ok())
             .unwrap_or_default()
+    }
+
+    /// Whether writing `self` would change what the API server holds as `other`. Compared as
+    /// JSON, not as values: a time kept to the nanosecond here is written to the second (as
+    /// every `metav1.Time`), so a fresh `sentAt` equal to the stored one to the second is no
+    /// change, and no status patch goes out for it.
+    pub fn differs_on_the_wire(&self, other: &Self) -> bool {
+        self != other && serde_json::to_value(self).ok() != serde_json::to_value(other).ok()
     }
 
     /// The condition of this type, if set.
@@ -90,6 +101,51 @@ impl Status {
     }
 }
 
+/// What decides `Ready` at the end of a pass: it is set in one place, from what the pass
+/// found, never step by step.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// The pass learnt nothing that bears on it (paused, or a send withheld): `Ready` stays.
+    #[default]
+    Unchanged,
+    /// The pass stopped for a reason no other condition records: the owner, the spec, a
+    /// deletion in progress.
+    Blocked {
+        /// The condition reason.
+        reason: &'static str,
+        /// The condition message.
+        message: String,
+    },
+    /// The mail step ran: `Ready` summarizes `MailSent` and `Provisioned`.
+    Summary,
+}
+
+impl Status {
+    /// Sets `Ready` from `readiness`: false with the blocker; or false with the first of
+    /// `MailSent`, `Provisioned` that is not true; or true with `Provisioned`'s reason.
+    pub fn set_ready(&mut self, readiness: Readiness, generation: Option<i64>) {
+        let (ready, reason, message) = match readiness {
+            Readiness::Unchanged => return,
+            Readiness::Blocked { reason, message } => (false, reason.to_owned(), message),
+            Readiness::Summary => {
+                let parts = [conditions::MAIL_SENT, conditions::PROVISIONED]
+                    .map(|type_| self.condition(type_).cloned());
+                let [_, provisioned] = &parts;
+                match (
+                    parts.iter().flatten().find(|c| c.status != "True"),
+                    provisioned,
+                ) {
+                    (Some(c), _) | (None, Some(c)) => {
+                        (c.status == "True", c.reason.clone(), c.message.clone())
+                    }
+                    (None, None) => return,
+                }
+            }
+        };
+        self.set_condition(conditions::READY, ready, &reason, message, generation);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,6 +165,83 @@ mod tests {
         );
         s.set_condition("Ready", true, "Done", "done", Some(2));
         assert_ne!(s.condition("Ready").unwrap().last_transition_time, first);
+    }
+
+    #[test]
+    fn ready_is_the_blocker_or_the_first_condition_that_is_not_true() {
+        let ready = |s: &Status| {
+            let c = s.condition(conditions::READY).unwrap();
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+        let mut s = Status::default();
+        s.set_ready(Readiness::Summary, Some(1));
+        assert!(
+            s.condition(conditions::READY).is_none(),
+            "nothing to summarize"
+        );
+        s.set_condition(
+            conditions::MAIL_SENT,
+            false,
+            "MailPending",
+            "timeout",
+            Some(1),
+        );
+        s.set_ready(Readiness::Summary, Some(1));
+        assert_eq!(
+            ready(&s),
+            ("False".into(), "MailPending".into(), "timeout".into())
+        );
+        s.set_condition(conditions::MAIL_SENT, true, "MailSent", "mailed", Some(1));
+        s.set_condition(
+            conditions::PROVISIONED,
+            false,
+            "WaitingForFulfillment",
+            "w",
+            Some(1),
+        );
+        s.set_ready(Readiness::Summary, Some(1));
+        assert_eq!(
+            ready(&s),
+            ("False".into(), "WaitingForFulfillment".into(), "w".into())
+        );
+        s.set_condition(
+            conditions::PROVISIONED,
+            true,
+            "Provisioned",
+            "done",
+            Some(1),
+        );
+        s.set_ready(Readiness::Summary, Some(1));
+        assert_eq!(
+            ready(&s),
+            ("True".into(), "Provisioned".into(), "done".into())
+        );
+        s.set_ready(Readiness::Unchanged, Some(2));
+        assert_eq!(ready(&s).0, "True");
+        let blocked = Readiness::Blocked {
+            reason: "OwnerMismatch",
+            message: "uid".into(),
+        };
+        s.set_ready(blocked, Some(2));
+        assert_eq!(
+            ready(&s),
+            ("False".into(), "OwnerMismatch".into(), "uid".into())
+        );
+    }
+
+    #[test]
+    fn times_are_compared_as_written() {
+        let stored: Status = serde_json::from_value(serde_json::json!({
+            "mail": {"messageId": "<a@b>", "state": "Sent", "sentAt": "2026-11-23T14:00:01Z"}
+        }))
+        .unwrap();
+        let mut fresh = stored.clone();
+        let at: Timestamp = "2026-11-23T14:00:01.987654321Z".parse().unwrap();
+        fresh.mail.as_mut().unwrap().sent_at = Some(Time(at));
+        assert_ne!(fresh, stored, "the values differ in memory");
+        assert!(!fresh.differs_on_the_wire(&stored), "but not as written");
+        fresh.mail.as_mut().unwrap().sent_at = Some(Time("2026-11-23T14:00:02Z".parse().unwrap()));
+        assert!(fresh.differs_on_the_wire(&stored));
     }
 
     #[test]

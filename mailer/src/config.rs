@@ -1,6 +1,9 @@
 //! Backend configuration (serde, camelCase field names like Kubernetes objects) and the factory
 //! that turns it into an `Arc<dyn Mailer>`.
 //!
+//! Long because each backend field is validated with an error naming it, and a quarter of the file
+//! is tests.
+//!
 //! The file format is externally tagged by backend name, e.g. in YAML:
 //! ```yaml
 //! mailgun:

@@ -63,7 +63,7 @@ pub use message::{
     MessageBuilder, MessageError, MessageId, is_plain_address,
 };
 pub use metrics::{InstrumentedMailer, MailerMetrics};
-pub use secret::{Secret, SecretError, SecretSource};
+pub use secret::{ExposeSecret, Secret, SecretError, SecretSource};
 pub use smtp::SmtpMailer;
 
 /// What a backend said when it accepted a message.

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use crate::{
     Lookup, MailError, Mailer, Message, MessageId, SendReceipt,
     config::{ConfigError, MailgunConfig},
-    secret::Secret,
+    secret::{ExposeSecret, Secret},
 };
 
 const BACKEND: &str = "mailgun";
@@ -361,17 +361,9 @@ fn transport_error(err: reqwest::Error, lookup: bool) -> MailError {
     }
 }
 
-/// Percent-encodes a query value (everything but unreserved characters and `@`).
+/// Encodes a query value (`application/x-www-form-urlencoded`, as servers decode query strings).
 fn encode_query_value(value: &str) -> String {
-    let mut out = String::with_capacity(value.len());
-    for b in value.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~@".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    form_urlencoded::byte_serialize(value.as_bytes()).collect()
 }
 
 #[async_trait]
@@ -384,7 +376,7 @@ impl Mailer for MailgunMailer {
         let response = self
             .client
             .post(&self.messages_url)
-            .basic_auth("api", Some(self.api_key.expose()))
+            .basic_auth("api", Some(self.api_key.expose_secret()))
             .multipart(self.form(message))
             .send()
             .await
@@ -485,7 +477,7 @@ impl MailgunMailer {
         let response = self
             .client
             .get(url)
-            .basic_auth("api", Some(self.api_key.expose()))
+            .basic_auth("api", Some(self.api_key.expose_secret()))
             .send()
             .await
             .map_err(|e| transport_error(e, true))?;
@@ -651,6 +643,6 @@ mod tests {
 
     #[test]
     fn query_values_are_encoded() {
-        assert_eq!(encode_query_value("a+b=c&d@x.y"), "a%2Bb%3Dc%26d@x.y");
+        assert_eq!(encode_query_value("a+b=c&d@x.y z"), "a%2Bb%3Dc%26d%40x.y+z");
     }
 }

@@ -1,37 +1,11 @@
-//! Secrets (API keys, passwords): where configuration says to read them from, and a wrapper that
-//! never prints them.
+//! Secrets (API keys, passwords): where configuration says to read them from. The values
+//! themselves are [`secrecy::SecretString`]s: `Debug` prints `[REDACTED]`, there is no
+//! `Display`, the memory is zeroed on drop, and only `expose_secret()` reveals them.
 
-use std::{fmt, path::PathBuf};
+use std::path::PathBuf;
 
+pub use secrecy::{ExposeSecret, SecretString as Secret};
 use serde::{Deserialize, Serialize};
-
-/// A secret value. `Debug` and `Display` print `[redacted]`; only [`Secret::expose`] reveals it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    /// Wraps a value.
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-
-    /// The secret itself, for the one place that must send it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret([redacted])")
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
 
 /// Where a secret comes from. Configuration never holds the value itself, so a config file or
 /// its `Debug` output can be shown without leaking anything.
@@ -97,7 +71,7 @@ impl SecretSource {
         if value.is_empty() {
             return Err(SecretError::Empty(origin));
         }
-        Ok(Secret(value))
+        Ok(Secret::from(value))
     }
 }
 
@@ -107,10 +81,10 @@ mod tests {
 
     #[test]
     fn secrets_are_redacted() {
-        let s = Secret::new("key-supersecret");
-        assert_eq!(format!("{s}"), "[redacted]");
+        let s = Secret::from("key-supersecret");
+        assert!(format!("{s:?}").contains("REDACTED"));
         assert!(!format!("{s:?}").contains("supersecret"));
-        assert_eq!(s.expose(), "key-supersecret");
+        assert_eq!(s.expose_secret(), "key-supersecret");
     }
 
     #[test]
@@ -119,7 +93,10 @@ mod tests {
         let path = dir.path().join("key");
         std::fs::write(&path, "key-abc\n").unwrap();
         assert_eq!(
-            SecretSource::File(path.clone()).read().unwrap().expose(),
+            SecretSource::File(path.clone())
+                .read()
+                .unwrap()
+                .expose_secret(),
             "key-abc"
         );
         std::fs::write(&path, "").unwrap();

@@ -17,7 +17,7 @@ use lettre::{
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
 
 use crate::{
-    Lookup, MailError, Mailer, Message, MessageId, SendReceipt,
+    ExposeSecret, Lookup, MailError, Mailer, Message, MessageId, SendReceipt,
     config::{ConfigError, SmtpConfig, SmtpEndpoint, Starttls},
 };
 
@@ -177,7 +177,7 @@ impl SmtpMailer {
                     source,
                 })?;
                 Some((
-                    Credentials::new(user.clone(), password.expose().to_owned()),
+                    Credentials::new(user.clone(), password.expose_secret().to_owned()),
                     vec![Mechanism::Plain, Mechanism::Login],
                 ))
             }

@@ -1,14 +1,14 @@
 //! Performs the steps [`super::decide`] chooses: the writes, the lookup and the send.
+//!
+//! Long because each write and send keeps its guards (leadership, fence, stale cache) beside it;
+//! the decision is in `decide.rs`.
 
 use std::time::Duration;
 
 use capm_api::names::reasons;
 use capm_mailer::{ErrorKind, Message, MessageId};
 use k8s_openapi::jiff::Timestamp;
-use kube::{
-    Api, ResourceExt,
-    api::{Patch, PatchParams},
-};
+use kube::{Api, ResourceExt, api::Patch};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
@@ -332,11 +332,12 @@ pub(crate) async fn patch_metadata<K: InfraKind>(
     metadata: serde_json::Value,
     what: &'static str,
 ) -> Result<(), ReconcileError> {
+    ctx.ensure_leading()?;
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
     let written = api
         .patch(
             &obj.name_any(),
-            &PatchParams::default(),
+            &crate::context::patch_params(),
             &Patch::Merge(json!({ "metadata": metadata })),
         )
         .await

@@ -56,12 +56,16 @@ impl Env {
             recipients: vec![RECIPIENT.into()],
             message_id_domain: DOMAIN.into(),
             namespace: Some(self.ns.name.clone()),
+            watch_filter: None,
+            concurrency: 10,
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(2),
             lookup_grace: Duration::from_secs(1),
+            delivery_poll_base: Duration::from_secs(30),
+            delivery_poll_max: Duration::from_secs(30 * 60),
+            delivery_retention: Duration::from_secs(72 * 3600),
             instance: "test".into(),
             leadership: capm_controllers::Leadership::unelected("test"),
-            ..Config::default()
         }
     }
 

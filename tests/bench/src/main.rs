@@ -1,32 +1,35 @@
-//! `capm-bench`: how fast the provider drains a backlog, and what it costs.
+//! `capm-bench`: how fast the provider drains a backlog, and what it costs, beside the Go peer.
 //!
-//! Starts a local control plane and the Mailgun contract server, creates N `Cluster` +
-//! `MailgunCluster` pairs (owner references set, as the Cluster API core controller does), then
-//! starts the provider binary and reports: seconds until every object has its mail sent and
-//! recorded, objects/second, API writes per object (from the API server's
-//! `apiserver_request_total`, every write verb except on Events), mails the server accepted,
-//! the provider's peak RSS, API writes during an idle period afterwards, and the API server's raw
-//! ceiling for status merge-patches on the same objects (no client-side rate limit), with the
-//! provider's write rate as a share of it.
+//! One local control plane and one invocation. Each subject in turn (the Go peer from
+//! `../shared/peer` with 1 and with 10 workers, then the provider) gets its own CRD, its own
+//! namespace with N `Cluster` + `MailgunCluster` pairs (owner references set, as the Cluster API
+//! core controller does) and its own Mailgun contract server, and is started as a process on
+//! that backlog. For each the bench reports: seconds until every object is done (the peer:
+//! `status.messageID` set; the provider: its "sent" record), objects/second, API writes per
+//! object to our API group (from the API server's `apiserver_request_total`; Events counted
+//! apart), mails accepted and duplicated, the process's peak RSS, writes while idle afterwards,
+//! and the API server's raw write ceiling for that subject's own write mix (the peer: status
+//! patches; the provider: two metadata patches and one status patch per object), with the
+//! subject's write rate as a share of it. Then the ratios of the provider to each peer run.
 //!
-//! Not a test: it prints figures and fails only when the run itself goes wrong (a mail missing,
-//! a mail duplicated, the provider dying).
+//! Not a test: it prints figures and fails only when a run itself goes wrong (a mail missing, a
+//! mail duplicated, a process dying).
 //!
 //! ```text
-//! cargo build --release -p cluster-api-provider-mailgun -p capm-bench
-//! target/release/capm-bench --objects 1000
+//! make bench                       # N=1000, builds everything
+//! target/release/capm-bench --objects 1000 --peer <goref binary>
 //! ```
 
 use std::{
     collections::{BTreeMap, HashSet},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Stdio,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, bail};
-use capm_api::{names, v1beta1::MailgunCluster};
+use capm_api::names;
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options};
 use clap::Parser;
@@ -34,15 +37,14 @@ use futures::{StreamExt, TryStreamExt, stream};
 use kube::{
     Api, Client, ResourceExt,
     api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams},
-    core::PartialObjectMeta,
     runtime::watcher,
 };
 use serde_json::json;
 
 #[derive(Parser)]
-#[command(about = "Backlog benchmark for cluster-api-provider-mailgun")]
+#[command(about = "Backlog benchmark: cluster-api-provider-mailgun beside the Go peer")]
 struct Args {
-    /// Cluster + MailgunCluster pairs in the backlog.
+    /// Cluster + MailgunCluster pairs in each backlog.
     #[arg(long, default_value_t = 1000)]
     objects: usize,
     /// The provider binary (build it with --release).
@@ -51,7 +53,16 @@ struct Args {
     /// The provider's --concurrency.
     #[arg(long, default_value_t = 10)]
     concurrency: u16,
-    /// Seconds to watch for API writes after the backlog is drained.
+    /// The Go peer's binary (`hack/build-peer.sh` builds it); without it only the provider runs.
+    #[arg(long, env = "CAPM_PEER_BIN")]
+    peer: Option<PathBuf>,
+    /// The Go peer's CRD.
+    #[arg(long, default_value_os_t = default_peer_crd())]
+    peer_crd: PathBuf,
+    /// The peer's worker counts, one run each.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 10])]
+    peer_workers: Vec<u16>,
+    /// Seconds to watch for API writes after each backlog is drained.
     #[arg(long, default_value_t = 120)]
     idle_seconds: u64,
     /// Concurrent writer counts tried when measuring the API server's raw ceiling (the best one
@@ -65,27 +76,90 @@ fn default_provider() -> PathBuf {
         .join("../../target/release/cluster-api-provider-mailgun")
 }
 
-const NAMESPACE: &str = "bench";
+fn default_peer_crd() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/peer/goref/config/crd.yaml")
+}
+
 const DOMAIN: &str = "mg.bench.example.com";
 const API_KEY: &str = "key-bench";
+const MGC_CRD: &str = "mailgunclusters.infrastructure.cluster.x-k8s.io";
 
-/// Sums of `apiserver_request_total` for write verbs: every resource except Events, and our API
-/// group alone (the provider writes nothing else with leader election off; the rest is the
-/// control plane's own background, such as kube-apiserver renewing its leases).
-#[derive(Clone, Copy, Default)]
+/// What runs on a backlog.
+#[derive(Clone, Copy)]
+enum Subject {
+    /// The Go peer with this many workers.
+    Peer(u16),
+    /// This project's provider.
+    Provider,
+}
+
+impl Subject {
+    fn label(self) -> String {
+        match self {
+            Self::Peer(w) => format!("Go peer, {w} worker{}", if w == 1 { "" } else { "s" }),
+            Self::Provider => "provider".into(),
+        }
+    }
+
+    fn namespace(self) -> String {
+        match self {
+            Self::Peer(w) => format!("bench-peer-{w}"),
+            Self::Provider => "bench-provider".into(),
+        }
+    }
+
+    /// The MailgunCluster version the subject's CRD serves.
+    fn version(self) -> &'static str {
+        match self {
+            Self::Peer(_) => "v1alpha1",
+            Self::Provider => "v1beta1",
+        }
+    }
+
+    /// Whether the subject is done with this object.
+    fn done(self, o: &DynamicObject) -> bool {
+        match self {
+            Self::Peer(_) => o.data["status"]["messageID"].is_string(),
+            Self::Provider => o.annotations().contains_key(names::MAIL_SENT_ANNOTATION),
+        }
+    }
+}
+
+/// Sums of `apiserver_request_total` for write verbs: on our API group (the subject writes
+/// nothing else with leader election off), on Events, and on everything but Events (the rest
+/// is the control plane's own background, such as kube-apiserver renewing its leases).
+#[derive(Clone, Default)]
 struct Writes {
     all: f64,
     ours: f64,
+    events: f64,
+    /// Writes to our API group by `VERB resource[/subresource]`.
+    by_kind: BTreeMap<String, f64>,
 }
 
 impl std::ops::Sub for Writes {
     type Output = Writes;
     fn sub(self, rhs: Writes) -> Writes {
+        let mut by_kind = self.by_kind;
+        for (k, v) in rhs.by_kind {
+            *by_kind.entry(k).or_default() -= v;
+        }
+        by_kind.retain(|_, v| *v != 0.0);
         Writes {
             all: self.all - rhs.all,
             ours: self.ours - rhs.ours,
+            events: self.events - rhs.events,
+            by_kind,
         }
     }
+}
+
+/// The value of `label="..."` in a metric's label set.
+fn label<'a>(labels: &'a str, name: &str) -> &'a str {
+    labels
+        .split_once(&format!("{name}=\""))
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map_or("", |(value, _)| value)
 }
 
 async fn api_writes(client: &Client) -> anyhow::Result<Writes> {
@@ -99,28 +173,34 @@ async fn api_writes(client: &Client) -> anyhow::Result<Writes> {
         let Some((labels, value)) = line.rsplit_once(' ') else {
             continue;
         };
-        let write = [
-            "\"POST\"",
-            "\"PUT\"",
-            "\"PATCH\"",
-            "\"DELETE\"",
-            "\"APPLY\"",
-        ]
-        .iter()
-        .any(|v| labels.contains(&format!("verb={v}")));
-        if write && !labels.contains("resource=\"events\"") {
-            let value = value.parse::<f64>().unwrap_or(0.0);
+        let write = ["POST", "PUT", "PATCH", "DELETE", "APPLY"]
+            .iter()
+            .any(|v| labels.contains(&format!("verb=\"{v}\"")));
+        if !write {
+            continue;
+        }
+        let value = value.parse::<f64>().unwrap_or(0.0);
+        if labels.contains("resource=\"events\"") {
+            total.events += value;
+        } else {
             total.all += value;
             if labels.contains(&format!("group=\"{}\"", capm_api::GROUP)) {
                 total.ours += value;
+                let sub = label(labels, "subresource");
+                let kind = format!(
+                    "{} {}{}{sub}",
+                    label(labels, "verb"),
+                    label(labels, "resource"),
+                    if sub.is_empty() { "" } else { "/" }
+                );
+                *total.by_kind.entry(kind).or_default() += value;
             }
         }
     }
     Ok(total)
 }
 
-/// A `/proc/<pid>/status` field in MiB (`VmHWM` is the peak resident set; `RssAnon` and
-/// `RssFile` split the current one into heap/stacks and mapped files such as the binary).
+/// A `/proc/<pid>/status` field in MiB (`VmHWM` is the peak resident set).
 fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kib: f64 = status
@@ -133,35 +213,52 @@ fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
     Some(kib / 1024.0)
 }
 
-/// Watches our objects' metadata and returns, once every one of the `n` carries the "sent"
-/// record, the instant the last one got it. A watch, not polling: listing N objects every few
-/// milliseconds would load the API server whose throughput is being measured.
-fn watch_sent(
-    api: Api<PartialObjectMeta<MailgunCluster>>,
+fn mgc_resource(version: &str) -> ApiResource {
+    ApiResource::from_gvk(&GroupVersionKind::gvk(
+        capm_api::GROUP,
+        version,
+        "MailgunCluster",
+    ))
+}
+
+/// Watches the subject's objects and returns, once every one of the `n` is done, the instant
+/// the last one was. A watch, not polling: listing N objects every few milliseconds would load
+/// the API server whose throughput is being measured.
+fn watch_done(
+    client: Client,
+    subject: Subject,
     n: usize,
 ) -> tokio::task::JoinHandle<anyhow::Result<Instant>> {
     tokio::spawn(async move {
-        let mut sent: HashSet<String> = HashSet::with_capacity(n);
+        let api: Api<DynamicObject> = Api::namespaced_with(
+            client,
+            &subject.namespace(),
+            &mgc_resource(subject.version()),
+        );
+        let mut done: HashSet<String> = HashSet::with_capacity(n);
         let mut events = watcher(api, watcher::Config::default().page_size(500)).boxed();
         while let Some(event) = events.try_next().await? {
             let (watcher::Event::Apply(o) | watcher::Event::InitApply(o)) = event else {
                 continue;
             };
-            if o.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
-                sent.insert(o.name_any());
+            if subject.done(&o) {
+                done.insert(o.name_any());
             }
-            if sent.len() == n {
+            if done.len() == n {
                 return Ok(Instant::now());
             }
         }
-        bail!("the watch on MailgunClusters ended before every object was recorded as sent")
+        bail!("the watch on MailgunClusters ended before every object was done")
     })
 }
 
-/// `count` status merge-patches over the objects in `names`, `writers` at a time. Each round
-/// writes values of its own: a patch that changes nothing is not written to etcd at all.
-async fn status_patches(
-    api: &Api<MailgunCluster>,
+/// `count` writes over the objects in `names`, `writers` at a time, in the subject's own mix:
+/// the peer writes one status patch per object; the provider two metadata patches (its intent
+/// and its record) and one status patch. Each round writes values of its own: a patch that
+/// changes nothing is not written to etcd at all.
+async fn write_mix(
+    api: &Api<DynamicObject>,
+    subject: Subject,
     names: &Arc<Vec<String>>,
     writers: usize,
     count: usize,
@@ -171,14 +268,23 @@ async fn status_patches(
         .map(|i| {
             let (api, names) = (api.clone(), names.clone());
             async move {
-                api.patch_status(
-                    &names[i % names.len()],
-                    &PatchParams::default(),
-                    &Patch::Merge(
-                        json!({ "status": { "observedGeneration": round * 1_000_000 + i } }),
-                    ),
-                )
-                .await?;
+                let name = &names[i % names.len()];
+                let value = format!("{round}-{i}");
+                let params = PatchParams::default();
+                match (subject, i % 3) {
+                    (Subject::Provider, 0 | 1) => {
+                        let patch = json!({ "metadata": { "annotations": { "bench.example.com/mark": value } } });
+                        api.patch(name, &params, &Patch::Merge(patch)).await?
+                    }
+                    (Subject::Provider, _) => {
+                        let patch = json!({ "status": { "observedGeneration": round * 1_000_000 + i } });
+                        api.patch_status(name, &params, &Patch::Merge(patch)).await?
+                    }
+                    (Subject::Peer(_), _) => {
+                        let patch = json!({ "status": { "messageID": value } });
+                        api.patch_status(name, &params, &Patch::Merge(patch)).await?
+                    }
+                };
                 anyhow::Ok(())
             }
         })
@@ -186,6 +292,291 @@ async fn status_patches(
         .try_collect::<Vec<_>>()
         .await?;
     Ok(())
+}
+
+/// One subject's figures.
+struct Figures {
+    label: String,
+    n: usize,
+    secs: f64,
+    writes: Writes,
+    mails: usize,
+    duplicates: usize,
+    peak_rss: f64,
+    idle: Writes,
+    idle_seconds: u64,
+    ceiling: f64,
+    ceilings: Vec<(usize, f64)>,
+}
+
+impl Figures {
+    fn objects_per_second(&self) -> f64 {
+        self.n as f64 / self.secs
+    }
+
+    fn print(&self) {
+        let n = self.n as f64;
+        println!("== {}", self.label);
+        println!(
+            "  drain                      {:.2} s, {:.1} objects/s",
+            self.secs,
+            self.objects_per_second()
+        );
+        println!(
+            "  API writes per object      {:.2} to our objects (+ {:.2} Events; {} writes in all, Events excluded)",
+            self.writes.ours / n,
+            self.writes.events / n,
+            self.writes.all
+        );
+        println!(
+            "    by kind per object       {}",
+            self.writes
+                .by_kind
+                .iter()
+                .map(|(k, v)| format!("{k}: {:.2}", v / n))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        println!(
+            "  mails accepted             {} (expected {}, objects mailed more than once: {})",
+            self.mails, self.n, self.duplicates
+        );
+        println!("  peak RSS                   {:.1} MiB", self.peak_rss);
+        println!(
+            "  API writes while idle      {} to our objects, {} Events in {} s ({} in all: the control plane's own)",
+            self.idle.ours, self.idle.events, self.idle_seconds, self.idle.all
+        );
+        let rate = self.writes.ours / self.secs;
+        println!(
+            "  write ceiling, its own mix {:.0} writes/s (best at {}); its write rate {rate:.0}/s = {:.0}% of it",
+            self.ceiling,
+            self.ceilings
+                .iter()
+                .map(|(w, r)| format!("{w}: {r:.0}/s"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            100.0 * rate / self.ceiling
+        );
+    }
+}
+
+/// The object a mail is about: the first `bench-NNNNN` in its subject or text.
+fn object_of(subject: &str, text: Option<&str>) -> Option<String> {
+    [Some(subject), text].into_iter().flatten().find_map(|s| {
+        let at = s.find("bench-")?;
+        let digits = s.get(at + 6..at + 11)?;
+        digits
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| format!("bench-{digits}"))
+    })
+}
+
+async fn create_backlog(
+    client: &Client,
+    subject: Subject,
+    n: usize,
+    cp: &ControlPlane,
+) -> anyhow::Result<()> {
+    let ns = subject.namespace();
+    cp.kubectl_output(&["create", "namespace", &ns])?;
+    let cluster_ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+    ));
+    let mgc_ar = mgc_resource(subject.version());
+    let clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &cluster_ar);
+    let mgcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &mgc_ar);
+    let created = Instant::now();
+    stream::iter(0..n)
+        .map(|i| {
+            let (clusters, mgcs) = (clusters.clone(), mgcs.clone());
+            let (cluster_ar, mgc_ar) = (cluster_ar.clone(), mgc_ar.clone());
+            async move {
+                let name = format!("bench-{i:05}");
+                let cluster = DynamicObject::new(&name, &cluster_ar).data(json!({ "spec": {
+                    "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
+                }}));
+                let cluster = clusters.create(&PostParams::default(), &cluster).await?;
+                let mut mgc = DynamicObject::new(&name, &mgc_ar).data(json!({
+                    "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "bench@example.com" }
+                }));
+                mgc.metadata.labels = Some([(names::CLUSTER_NAME_LABEL.to_owned(), name.clone())].into());
+                mgc.metadata.owner_references = Some(vec![serde_json::from_value(json!({
+                    "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
+                    "uid": cluster.metadata.uid, "controller": true, "blockOwnerDeletion": true
+                }))?]);
+                mgcs.create(&PostParams::default(), &mgc).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<_>>()
+        .await?;
+    eprintln!(
+        "{}: backlog of {n} pairs created in {:.1} s",
+        subject.label(),
+        created.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn spawn(
+    subject: Subject,
+    args: &Args,
+    mailgun: &MailgunServer,
+    kubeconfig: &Path,
+) -> anyhow::Result<tokio::process::Child> {
+    let mut command = match subject {
+        Subject::Peer(workers) => {
+            let peer = args.peer.as_ref().context("no peer binary")?;
+            let mut c = tokio::process::Command::new(peer);
+            c.env("MAILGUN_API_BASE", format!("{}/v3", mailgun.base_url()))
+                .env("KUBECONFIG", kubeconfig)
+                .args(["-concurrency", &workers.to_string()])
+                .args(["-metrics-bind-address", "0"]);
+            c
+        }
+        Subject::Provider => {
+            let mut c = tokio::process::Command::new(&args.provider);
+            c.args(["--mailgun-base-url", &mailgun.base_url()])
+                .arg("--kubeconfig")
+                .arg(kubeconfig)
+                .args(["--leader-elect=false", "--webhook-port", "0"])
+                .args(["--diagnostics-address", "0"])
+                .args(["--health-probe-bind-address", "127.0.0.1:0"])
+                .args(["--concurrency", &args.concurrency.to_string()])
+                .args(["--log-format", "json"])
+                .env("RUST_LOG", "warn");
+            c
+        }
+    };
+    command
+        .env("MAILGUN_DOMAIN", DOMAIN)
+        .env("MAILGUN_API_KEY", API_KEY)
+        .env("MAIL_RECIPIENT", "ops@example.com")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting the {}", subject.label()))
+}
+
+async fn run(
+    cp: &ControlPlane,
+    client: &Client,
+    subject: Subject,
+    args: &Args,
+) -> anyhow::Result<Figures> {
+    let n = args.objects;
+    // The subject's CRD (the previous subject's was removed with its objects).
+    match subject {
+        Subject::Peer(_) => {
+            let path = args.peer_crd.to_str().context("peer CRD path")?;
+            cp.kubectl_output(&["apply", "-f", path])?;
+        }
+        Subject::Provider => {
+            capm_test_support::install_crds(client, &capm_api::crd::crds()?).await?;
+        }
+    }
+    cp.kubectl_output(&[
+        "wait",
+        "--for=condition=Established",
+        &format!("crd/{MGC_CRD}"),
+    ])?;
+    create_backlog(client, subject, n, cp).await?;
+    let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
+
+    let writes_before = api_writes(client).await?;
+    let started = Instant::now();
+    let mut child = spawn(subject, args, &mailgun, cp.kubeconfig())?;
+    let pid = child.id().context("pid")?;
+    let all_done = watch_done(client.clone(), subject, n);
+    let drained = tokio::select! {
+        done = all_done => done.context("the watcher panicked")??.duration_since(started),
+        status = child.wait() => bail!("the {} exited early: {}", subject.label(), status?),
+        () = tokio::time::sleep(Duration::from_secs(900)) => bail!("not drained after 900 s"),
+    };
+    // Let the last status writes land before counting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let writes = api_writes(client).await? - writes_before;
+    let mails = mailgun.messages()?;
+    let mut per_object: BTreeMap<String, usize> = BTreeMap::new();
+    for m in &mails {
+        let object = object_of(&m.subject, m.text.as_deref()).unwrap_or_else(|| m.id.clone());
+        *per_object.entry(object).or_default() += 1;
+    }
+    let duplicates = per_object.values().filter(|&&c| c > 1).count();
+
+    eprintln!(
+        "{}: drained; watching {} s of idle",
+        subject.label(),
+        args.idle_seconds
+    );
+    let idle_start = api_writes(client).await?;
+    tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
+    let idle = api_writes(client).await? - idle_start;
+    if let Some(status) = child.try_wait()? {
+        bail!("the {} exited while idle: {status}", subject.label());
+    }
+    let peak_rss = proc_status_mib(pid, "VmHWM").unwrap_or(f64::NAN);
+    child.kill().await.ok();
+
+    // The API server's raw ceiling for this subject's write mix on its own objects, at several
+    // concurrencies, each on connections already warmed by a first round.
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &subject.namespace(),
+        &mgc_resource(subject.version()),
+    );
+    let names_list: Arc<Vec<String>> = Arc::new((0..n).map(|i| format!("bench-{i:05}")).collect());
+    let mut ceilings = Vec::new();
+    for (round, &writers) in args.ceiling_writers.iter().enumerate() {
+        write_mix(
+            &api,
+            subject,
+            &names_list,
+            writers,
+            writers * 4,
+            2 * round + 1,
+        )
+        .await?;
+        let count = n.max(1000);
+        let start = Instant::now();
+        write_mix(&api, subject, &names_list, writers, count, 2 * round + 2).await?;
+        ceilings.push((writers, count as f64 / start.elapsed().as_secs_f64()));
+    }
+    let ceiling = ceilings.iter().map(|c| c.1).fold(f64::NAN, f64::max);
+
+    // Clear the stage for the next subject (the provider runs last; its objects keep their
+    // finalizers once it is stopped): the peer's CRD (and with it every MailgunCluster), and the
+    // Clusters, which the provider would otherwise cache.
+    if let Subject::Peer(_) = subject {
+        cp.kubectl_output(&["delete", "crd", MGC_CRD, "--wait=true"])?;
+        cp.kubectl_output(&[
+            "delete",
+            "clusters.cluster.x-k8s.io",
+            "--all",
+            "-n",
+            &subject.namespace(),
+            "--wait=true",
+        ])?;
+    }
+
+    Ok(Figures {
+        label: subject.label(),
+        n,
+        secs: drained.as_secs_f64(),
+        writes,
+        mails: mails.len(),
+        duplicates,
+        peak_rss,
+        idle,
+        idle_seconds: args.idle_seconds,
+        ceiling,
+        ceilings,
+    })
 }
 
 #[tokio::main]
@@ -197,176 +588,58 @@ async fn main() -> anyhow::Result<()> {
             args.provider.display()
         );
     }
-    let n = args.objects;
+    let mut subjects: Vec<Subject> = Vec::new();
+    match &args.peer {
+        Some(peer) if peer.is_file() => {
+            subjects.extend(args.peer_workers.iter().map(|&w| Subject::Peer(w)));
+        }
+        Some(peer) => bail!(
+            "peer binary {} not found: hack/build-peer.sh builds it",
+            peer.display()
+        ),
+        None => eprintln!("no --peer (CAPM_PEER_BIN): the provider runs alone, without ratios"),
+    }
+    subjects.push(Subject::Provider);
+
     eprintln!("starting the local control plane");
     let cp = ControlPlane::start(Options::default()).await?;
     let client = cp.client().await?;
-    capm_test_support::install_crds(&client, &capm_api::crd::crds()?).await?;
     cp.install_capi_crds().await?;
-    cp.kubectl_output(&["create", "namespace", NAMESPACE])?;
-    let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
 
-    // The backlog.
-    eprintln!("creating {n} Cluster + MailgunCluster pairs");
-    let cluster_ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-        "cluster.x-k8s.io",
-        "v1beta2",
-        "Cluster",
-    ));
-    let clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), NAMESPACE, &cluster_ar);
-    let mgcs: Api<MailgunCluster> = Api::namespaced(client.clone(), NAMESPACE);
-    let created = Instant::now();
-    stream::iter(0..n)
-        .map(|i| {
-            let (clusters, mgcs, cluster_ar) = (clusters.clone(), mgcs.clone(), cluster_ar.clone());
-            async move {
-                let name = format!("bench-{i:05}");
-                let cluster = DynamicObject::new(&name, &cluster_ar).data(json!({ "spec": {
-                    "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
-                }}));
-                let cluster = clusters.create(&PostParams::default(), &cluster).await?;
-                let mgc: MailgunCluster = serde_json::from_value(json!({
-                    "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-                    "kind": "MailgunCluster",
-                    "metadata": {
-                        "name": name,
-                        "labels": { names::CLUSTER_NAME_LABEL: name },
-                        "ownerReferences": [{
-                            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
-                            "uid": cluster.metadata.uid, "controller": true, "blockOwnerDeletion": true
-                        }]
-                    },
-                    "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "bench@example.com" }
-                }))?;
-                mgcs.create(&PostParams::default(), &mgc).await?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(32)
-        .try_collect::<Vec<_>>()
-        .await?;
-    eprintln!(
-        "backlog created in {:.1} s",
-        created.elapsed().as_secs_f64()
-    );
-
-    // The provider, as its own process.
-    let writes_before = api_writes(&client).await?;
-    let started = Instant::now();
-    let mut provider = tokio::process::Command::new(&args.provider)
-        .env("MAILGUN_DOMAIN", DOMAIN)
-        .env("MAILGUN_API_KEY", API_KEY)
-        .env("MAIL_RECIPIENT", "ops@example.com")
-        .args(["--mailgun-base-url", &mailgun.base_url()])
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig())
-        .args([
-            "--leader-elect=false",
-            "--webhook-port",
-            "0",
-            "--diagnostics-address",
-            "0",
-        ])
-        .args(["--health-probe-bind-address", "127.0.0.1:0"])
-        .args([
-            "--concurrency",
-            &args.concurrency.to_string(),
-            "--log-format",
-            "json",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting the provider")?;
-    let pid = provider.id().context("provider pid")?;
-    let all_sent = watch_sent(Api::namespaced(client.clone(), NAMESPACE), n);
-    let drained = tokio::select! {
-        done = all_sent => done.context("the sent watcher panicked")??.duration_since(started),
-        status = provider.wait() => bail!("the provider exited early: {}", status?),
-        () = tokio::time::sleep(Duration::from_secs(600)) => bail!("not drained after 600 s"),
-    };
-    // Let the last status writes land before counting.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let writes_after = api_writes(&client).await?;
-    let mails = mailgun.messages()?;
-    let mut per_id: BTreeMap<&str, usize> = BTreeMap::new();
-    for m in &mails {
-        *per_id.entry(m.id.as_str()).or_default() += 1;
+    let mut figures = Vec::new();
+    for subject in subjects {
+        let f = run(&cp, &client, subject, &args).await?;
+        f.print();
+        figures.push(f);
     }
-    let duplicates = per_id.values().filter(|&&c| c > 1).count();
-
-    eprintln!("watching {} s of idle", args.idle_seconds);
-    let idle_start = api_writes(&client).await?;
-    tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
-    let idle_writes = api_writes(&client).await? - idle_start;
-    if let Some(status) = provider.try_wait()? {
-        bail!("the provider exited while idle: {status}");
-    }
-    // VmHWM is the kernel's own high-water mark: one read covers the whole run.
-    let [peak_rss, anon, file] =
-        ["VmHWM", "RssAnon", "RssFile"].map(|f| proc_status_mib(pid, f).unwrap_or(f64::NAN));
-    provider.kill().await.ok();
-
-    // The API server's raw ceiling: concurrent status merge-patches on the same objects, at
-    // several concurrencies, each on connections already warmed by a first round.
-    let names_list: Arc<Vec<String>> = Arc::new((0..n).map(|i| format!("bench-{i:05}")).collect());
-    let mut ceilings = Vec::new();
-    for (round, &writers) in args.ceiling_writers.iter().enumerate() {
-        status_patches(&mgcs, &names_list, writers, writers * 4, 2 * round + 1).await?;
-        let patches = n.max(1000);
-        let start = Instant::now();
-        status_patches(&mgcs, &names_list, writers, patches, 2 * round + 2).await?;
-        ceilings.push((writers, patches as f64 / start.elapsed().as_secs_f64()));
-    }
-    let (best_writers, ceiling) = ceilings
-        .iter()
-        .copied()
-        .max_by(|a, b| a.1.total_cmp(&b.1))
-        .context("no ceiling measured: --ceiling-writers is empty")?;
-
-    let writes = writes_after - writes_before;
-    let secs = drained.as_secs_f64();
-    let provider_write_rate = writes.ours / secs;
-    println!("objects                      {n}");
-    println!("drain time                   {secs:.2} s");
-    println!("objects/second               {:.1}", n as f64 / secs);
-    println!(
-        "API writes per object        {:.2} to our objects ({} writes; {} API writes in all, Events excluded)",
-        writes.ours / n as f64,
-        writes.ours,
-        writes.all
-    );
-    println!(
-        "mails accepted               {} (expected {n}, duplicated ids {duplicates})",
-        mails.len()
-    );
-    println!(
-        "provider peak RSS            {peak_rss:.1} MiB (at the end: {anon:.1} MiB heap and stacks, {file:.1} MiB mapped files)"
-    );
-    println!(
-        "API writes while idle        {} to our objects in {} s ({} in all: the control plane's own)",
-        idle_writes.ours, args.idle_seconds, idle_writes.all
-    );
-    println!(
-        "API server raw ceiling       {ceiling:.0} status writes/s (best at {best_writers} writers; {})",
-        ceilings
-            .iter()
-            .map(|(w, r)| format!("{w}: {r:.0}/s"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    println!(
-        "provider write rate          {provider_write_rate:.0} writes/s = {:.0}% of the ceiling",
-        100.0 * provider_write_rate / ceiling
-    );
     cp.stop();
-    if mails.len() != n || duplicates > 0 {
-        bail!(
-            "expected exactly {n} mails, one per object; got {} with {duplicates} duplicated ids",
-            mails.len()
-        );
+
+    let provider = figures.last().context("no provider run")?;
+    if figures.len() > 1 {
+        println!("== ratios (provider / peer run, same control plane, same N)");
+        for peer in &figures[..figures.len() - 1] {
+            println!(
+                "  vs {:<18} objects/s {:.2}x   peak RSS {:.2}x   writes/object {:.2} vs {:.2}   share of own ceiling {:.0}% vs {:.0}%",
+                peer.label,
+                provider.objects_per_second() / peer.objects_per_second(),
+                provider.peak_rss / peer.peak_rss,
+                provider.writes.ours / provider.n as f64,
+                peer.writes.ours / peer.n as f64,
+                100.0 * provider.writes.ours / provider.secs / provider.ceiling,
+                100.0 * peer.writes.ours / peer.secs / peer.ceiling,
+            );
+        }
+    }
+    for f in &figures {
+        if f.mails != f.n || f.duplicates > 0 {
+            bail!(
+                "{}: expected exactly {} mails, one per object; got {} with {} objects mailed more than once",
+                f.label,
+                f.n,
+                f.mails,
+                f.duplicates
+            );
+        }
     }
     Ok(())
 }

@@ -1,5 +1,8 @@
 //! The hostile suite (issue 14): objects and requests a hostile user could send, in one table.
 //!
+//! It is one table on purpose (every hostile row with the refusal it must get), so the whole attack
+//! surface reads in one place; that makes it long.
+//!
 //! Real parts only: a control plane of its own; the chart installed by Helm (CRDs with the
 //! conversion webhook, the admission webhook for writes through v1alpha1, the annotation policy,
 //! RBAC), the provider from this build run as the chart's ServiceAccount (a TokenRequest token,

@@ -1,4 +1,7 @@
 //! Starting, reusing and stopping the local control plane.
+//!
+//! Long because starting, sharing between test processes and always cleaning up etcd, the API
+//! server and the controller-manager takes this much.
 
 use std::{
     net::{IpAddr, Ipv4Addr},

@@ -1,5 +1,8 @@
 //! The soak test's world: the control plane and Cluster API, the lanes (a backend, its mail
 //! server, two provider replicas, a namespace), the plans and how a round runs and is judged.
+//!
+//! Long because it is the whole simulated world (lanes, faults, plans, judging); `main.rs` drives
+//! it and `ledger.rs` holds the rules.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -1023,8 +1026,25 @@ impl Lane {
                 ));
             }
         }
+        let paused_condition = |o: &DynamicObject| {
+            o.data["status"]["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == "Paused"))
+                .map(|c| c["status"] == "True")
+        };
         for (name, intent) in &self.intent {
             if intent.paused {
+                // Nothing moves while paused, but the provider still reports the pause: a
+                // lane whose leader changed hands is not settled until the new one has
+                // caught up (else its late `Paused` write lands in the quiet window).
+                // (Only once Cluster API has set the owner reference: a Cluster paused before
+                // that never adopts it, and the provider waits for its owner instead.)
+                if let Some(o) = mgcs.iter().find(|o| o.name_any() == *name)
+                    && o.owner_references().iter().any(|r| r.kind == "Cluster")
+                    && paused_condition(o) != Some(true)
+                {
+                    missing.push(format!("MailgunCluster {name} not reported Paused yet"));
+                }
                 continue;
             }
             let provisioned = clusters.iter().any(|c| {

@@ -1,0 +1,613 @@
+//! Each setting's precedence and every error message, pinned.
+//!
+//! Long because every error message is pinned, one row each.
+#![allow(clippy::unwrap_used)]
+
+use std::{ffi::OsString, path::Path, time::Duration};
+
+use capm_mailer::{MailerConfig, MailgunRegion, SecretSource};
+use clap::Command;
+
+use super::{values::parse_duration, *};
+
+/// Flags only: clap's environment fallbacks are turned off, so the tests do not depend on
+/// the variables of whoever runs them.
+fn flags_only() -> Command {
+    use clap::CommandFactory;
+    let mut command = Args::command();
+    let ids: Vec<_> = command
+        .get_arguments()
+        .map(|a| a.get_id().clone())
+        .collect();
+    for id in ids {
+        command = command.mut_arg(id, |a| a.env(None::<&str>));
+    }
+    command
+}
+
+fn no_env(_: &str) -> Option<String> {
+    None
+}
+
+fn with_key(name: &str) -> Option<String> {
+    (name == MAILGUN_API_KEY_ENV).then(|| "key-topsecret".to_owned())
+}
+
+const MAILGUN: &[&str] = &[
+    "--mailgun-domain",
+    "mg.example.com",
+    "--mail-recipient",
+    "ops@example.com",
+];
+
+fn resolve(
+    flags: &[&str],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Settings, SettingsError> {
+    let argv: Vec<OsString> = std::iter::once("capm")
+        .chain(flags.iter().copied())
+        .map(Into::into)
+        .collect();
+    Settings::resolve(flags_only(), &argv, env)
+}
+
+fn error(flags: &[&str], env: &dyn Fn(&str) -> Option<String>) -> String {
+    resolve(flags, env).unwrap_err().to_string()
+}
+
+fn file(content: &str) -> tempfile::NamedTempFile {
+    let f = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(f.path(), content).unwrap();
+    f
+}
+
+#[test]
+fn walkthrough_variables_alone_give_the_mailgun_defaults() {
+    let s = resolve(MAILGUN, &with_key).unwrap();
+    let MailerConfig::Mailgun(m) = &s.mailer else {
+        panic!("{:?}", s.mailer)
+    };
+    assert_eq!(m.domain, "mg.example.com");
+    assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
+    assert_eq!(m.region, MailgunRegion::Us);
+    assert_eq!(s.controllers.recipients, ["ops@example.com"]);
+    assert_eq!(s.controllers.message_id_domain, "mg.example.com");
+    assert_eq!(s.controllers.concurrency, 10);
+    assert_eq!(
+        s.diagnostics,
+        Some(Diagnostics {
+            bind: "0.0.0.0:8443".parse().unwrap(),
+            security: DiagnosticsSecurity::Secure { cert_dir: None },
+        })
+    );
+    assert!(s.deprecations.is_empty());
+    assert_eq!(s.probe_address, Some("127.0.0.1:8081".parse().unwrap()));
+    let le = s.leader_election.as_ref().unwrap();
+    assert_eq!(le.name, "cluster-api-provider-mailgun-leader");
+    assert_eq!(
+        (le.lease_duration, le.renew_deadline, le.retry_period),
+        (
+            Duration::from_secs(15),
+            Duration::from_secs(10),
+            Duration::from_secs(2)
+        )
+    );
+    let hook = s.webhook.as_ref().unwrap();
+    assert_eq!(hook.bind.port(), 9443);
+    assert_eq!(hook.cert_dir, Path::new(DEFAULT_WEBHOOK_CERT_DIR));
+    assert_eq!(s.shutdown_timeout, Duration::from_secs(30));
+    assert_eq!(s.log_format, LogFormat::Text);
+    assert!(!format!("{s:?}").contains("topsecret"));
+}
+
+#[test]
+fn the_example_config_files_in_config_manager_are_valid() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/manager");
+    let load = |name: &str| {
+        let path = dir.join(name);
+        resolve(&["--config", path.to_str().unwrap()], &no_env)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let s = load("mailgun.yaml");
+    let MailerConfig::Mailgun(m) = &s.mailer else {
+        panic!("{:?}", s.mailer)
+    };
+    assert_eq!(m.domain, "mg.example.com");
+    assert_eq!(
+        m.api_key,
+        SecretSource::File("/etc/capm/mailgun/api-key".into())
+    );
+    assert_eq!(
+        s.diagnostics,
+        Some(Diagnostics {
+            bind: "0.0.0.0:8443".parse().unwrap(),
+            security: DiagnosticsSecurity::Secure {
+                cert_dir: Some("/etc/capm/diagnostics".into())
+            },
+        })
+    );
+    let s = load("smtp.yaml");
+    let MailerConfig::Smtp(c) = &s.mailer else {
+        panic!("{:?}", s.mailer)
+    };
+    assert_eq!(c.url, "smtp://smtp.example.com:587");
+    assert_eq!(c.username.as_deref(), Some("capm"));
+    assert_eq!(s.controllers.recipients.len(), 2);
+}
+
+#[test]
+fn flags_override_the_file_which_overrides_defaults() {
+    let f = file(
+        r#"
+mailer:
+  mailgun: {domain: file.example.com, region: eu, apiKey: {file: /run/key}, testMode: true}
+mailRecipients: [file@example.com]
+concurrency: 3
+diagnosticsAddress: "0"
+leaderElect: false
+webhookPort: 0
+logFormat: json
+shutdownTimeout: 5s
+"#,
+    );
+    let path = f.path().to_str().unwrap();
+    let s = resolve(&["--config", path], &no_env).unwrap();
+    let MailerConfig::Mailgun(m) = &s.mailer else {
+        panic!()
+    };
+    assert_eq!(
+        (m.domain.as_str(), m.region, m.test_mode),
+        ("file.example.com", MailgunRegion::Eu, true)
+    );
+    assert_eq!(m.api_key, SecretSource::File("/run/key".into()));
+    assert_eq!(s.controllers.recipients, ["file@example.com"]);
+    assert_eq!(s.controllers.concurrency, 3);
+    assert_eq!(s.diagnostics, None);
+    assert!(s.leader_election.is_none());
+    assert!(s.webhook.is_none());
+    assert_eq!(s.log_format, LogFormat::Json);
+    assert_eq!(s.shutdown_timeout, Duration::from_secs(5));
+
+    // Flags win; the environment's API key beats the file's key source; file-only keys stay.
+    let s = resolve(
+        &[
+            "--config",
+            path,
+            "--mailgun-domain",
+            "flag.example.com",
+            "--mail-recipient",
+            "a@example.com,b@example.com",
+            "--concurrency",
+            "7",
+            "--leader-elect",
+            "--diagnostics-address",
+            ":9090",
+            "--insecure-diagnostics",
+            "--mailgun-region",
+            "us",
+        ],
+        &with_key,
+    )
+    .unwrap();
+    let MailerConfig::Mailgun(m) = &s.mailer else {
+        panic!()
+    };
+    assert_eq!(
+        (m.domain.as_str(), m.region, m.test_mode),
+        ("flag.example.com", MailgunRegion::Us, true)
+    );
+    assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
+    assert_eq!(s.controllers.recipients, ["a@example.com", "b@example.com"]);
+    assert_eq!(s.controllers.concurrency, 7);
+    assert_eq!(
+        s.diagnostics,
+        Some(Diagnostics {
+            bind: "0.0.0.0:9090".parse().unwrap(),
+            security: DiagnosticsSecurity::Insecure,
+        })
+    );
+    assert!(s.leader_election.is_some());
+    let s = resolve(
+        &["--config", path, "--mailgun-api-key-file", "/k"],
+        &with_key,
+    )
+    .unwrap();
+    let MailerConfig::Mailgun(m) = &s.mailer else {
+        panic!()
+    };
+    assert_eq!(
+        m.api_key,
+        SecretSource::File("/k".into()),
+        "the file flag beats the variable"
+    );
+}
+
+#[test]
+fn smtp_from_flags_and_json_file() {
+    let s = resolve(
+        &[
+            "--smtp-url",
+            "smtps://relay.example.com",
+            "--smtp-username",
+            "capm",
+            "--smtp-password-file",
+            "/run/pw",
+            "--mail-recipient",
+            "ops@example.com",
+        ],
+        &no_env,
+    )
+    .unwrap();
+    let MailerConfig::Smtp(c) = &s.mailer else {
+        panic!()
+    };
+    assert_eq!(c.password, Some(SecretSource::File("/run/pw".into())));
+    assert_eq!(s.controllers.message_id_domain, "relay.example.com");
+    let f = file(
+        r#"{"mailer": {"smtp": {"url": "smtp://relay.example.com:2525", "pool": {"enabled": false}}}, "mailRecipients": ["x@example.com"], "messageIdDomain": "capm.example.com"}"#,
+    );
+    let s = resolve(&["--config", f.path().to_str().unwrap()], &|n| {
+        (n == SMTP_PASSWORD_ENV).then(|| "pw".to_owned())
+    });
+    // A password without a user name is refused, naming the user-name flag.
+    assert_eq!(
+        s.unwrap_err().to_string(),
+        "--smtp-username (SMTP_USERNAME): required with password"
+    );
+    let s = resolve(&["--config", f.path().to_str().unwrap()], &no_env).unwrap();
+    let MailerConfig::Smtp(c) = &s.mailer else {
+        panic!()
+    };
+    assert!(!c.pool.enabled);
+    assert_eq!(s.controllers.message_id_domain, "capm.example.com");
+}
+
+#[test]
+fn leader_election_namespace_precedence() {
+    let pod = |n: &str| match n {
+        "POD_NAMESPACE" => Some("capm-system".to_owned()),
+        _ => with_key(n),
+    };
+    let s = resolve(MAILGUN, &pod).unwrap();
+    assert_eq!(s.leader_election.unwrap().namespace, "capm-system");
+    let mut flags = MAILGUN.to_vec();
+    flags.extend([
+        "--leader-election-namespace",
+        "other",
+        "--leader-election-id",
+        "my.lease",
+    ]);
+    let le = resolve(&flags, &pod).unwrap().leader_election.unwrap();
+    assert_eq!(
+        (le.namespace.as_str(), le.name.as_str()),
+        ("other", "my.lease")
+    );
+    let mut flags = MAILGUN.to_vec();
+    flags.push("--leader-elect=false");
+    assert!(resolve(&flags, &pod).unwrap().leader_election.is_none());
+}
+
+#[test]
+fn every_invalid_field_is_named() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--mail-recipient", "ops@example.com"],
+            "--mail-backend (MAIL_BACKEND): no mail backend configured",
+        ),
+        (
+            &[
+                "--mail-backend",
+                "mailgun",
+                "--mail-recipient",
+                "ops@example.com",
+            ],
+            "--mailgun-domain (MAILGUN_DOMAIN): required",
+        ),
+        (
+            &[
+                "--mail-backend",
+                "smtp",
+                "--mail-recipient",
+                "ops@example.com",
+            ],
+            "--smtp-url (SMTP_URL): required",
+        ),
+        (
+            &["--mailgun-domain", "mg.example.com"],
+            "--mail-recipient (MAIL_RECIPIENT): at least one recipient",
+        ),
+        (
+            &[
+                "--mailgun-domain",
+                "mg.example.com",
+                "--mail-recipient",
+                "x",
+            ],
+            "--mail-recipient (MAIL_RECIPIENT): \"x\" is not an e-mail address",
+        ),
+        (
+            &[
+                "--mailgun-domain",
+                "mg.example.com",
+                "--mail-recipient",
+                "a@example.com,",
+            ],
+            "--mail-recipient (MAIL_RECIPIENT): \"\" is not an e-mail address",
+        ),
+        (
+            &[
+                "--mailgun-domain",
+                "bad domain",
+                "--mail-recipient",
+                "a@example.com",
+            ],
+            "--mailgun-domain (MAILGUN_DOMAIN): must be a DNS name",
+        ),
+        (
+            &["--mailgun-base-url", "ftp://x"],
+            "--mailgun-base-url (MAILGUN_BASE_URL): scheme",
+        ),
+        (
+            &["--smtp-url", "http://x", "--mail-backend", "smtp"],
+            "--smtp-url (SMTP_URL): scheme must be smtp or smtps",
+        ),
+        (
+            &["--smtp-url", "smtp://[::1]:25", "--mail-backend", "smtp"],
+            "--message-id-domain (MESSAGE_ID_DOMAIN): required",
+        ),
+        (
+            &["--message-id-domain", "a b"],
+            "--message-id-domain (MESSAGE_ID_DOMAIN): \"a b\" is not a domain",
+        ),
+        (
+            &["--namespace", "Capi"],
+            "--namespace (WATCH_NAMESPACE): \"Capi\" is not a namespace name",
+        ),
+        (
+            &["--watch-filter=-x"],
+            "--watch-filter (WATCH_FILTER): \"-x\" is not a label value",
+        ),
+        (
+            &["--concurrency", "0"],
+            "--concurrency (CONCURRENCY): must be at least 1",
+        ),
+        (
+            &["--metrics-bind-address", "localhost"],
+            "--metrics-bind-address (METRICS_BIND_ADDRESS): \"localhost\" is not host:port",
+        ),
+        (
+            &["--diagnostics-address", "localhost"],
+            "--diagnostics-address (DIAGNOSTICS_ADDRESS): \"localhost\" is not host:port",
+        ),
+        (
+            &[
+                "--diagnostics-address",
+                ":1",
+                "--metrics-bind-address",
+                ":2",
+            ],
+            "--metrics-bind-address (METRICS_BIND_ADDRESS): deprecated and replaced by --diagnostics-address",
+        ),
+        (
+            &[
+                "--metrics-bind-address",
+                ":2",
+                "--insecure-diagnostics=false",
+            ],
+            "--metrics-bind-address (METRICS_BIND_ADDRESS): serves plain HTTP",
+        ),
+        (
+            &["--insecure-diagnostics", "--diagnostics-cert-dir", "/d"],
+            "--diagnostics-cert-dir (DIAGNOSTICS_CERT_DIR): /d is only used over HTTPS",
+        ),
+        (
+            &["--health-probe-bind-address", ":x"],
+            "--health-probe-bind-address (HEALTH_PROBE_BIND_ADDRESS): \":x\" is not host:port",
+        ),
+        (
+            &["--leader-election-namespace", "a_b"],
+            "--leader-election-namespace (LEADER_ELECTION_NAMESPACE): \"a_b\" is not a namespace name",
+        ),
+        (
+            &["--leader-election-id", "A"],
+            "--leader-election-id (LEADER_ELECTION_ID): \"A\" is not an object name",
+        ),
+        (
+            &["--log-level", "info,[="],
+            "--log-level (RUST_LOG): \"info,[=\"",
+        ),
+        (
+            &["--shutdown-timeout", "soon"],
+            "--shutdown-timeout (SHUTDOWN_TIMEOUT): \"soon\" is not a duration",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let mut flags: Vec<&str> = Vec::new();
+        if !extra.iter().any(|f| f.starts_with("--mail")) && !extra.contains(&"--smtp-url") {
+            flags.extend(MAILGUN);
+        } else if !extra.contains(&"--mail-recipient") && !extra.contains(&"--mailgun-domain") {
+            flags.extend(["--mail-recipient", "ops@example.com"]);
+        }
+        if extra.contains(&"--mailgun-base-url") {
+            flags.extend(["--mailgun-domain", "mg.example.com"]);
+        }
+        flags.extend(extra.iter());
+        let err = error(&flags, &with_key);
+        assert!(
+            err.starts_with(expected),
+            "{flags:?}:\n  got      {err}\n  expected {expected}"
+        );
+    }
+    assert_eq!(
+        error(MAILGUN, &no_env),
+        "--mailgun-api-key-file (MAILGUN_API_KEY_FILE, or MAILGUN_API_KEY): the Mailgun API key is required"
+    );
+}
+
+#[test]
+fn config_file_errors_name_the_file_and_key() {
+    let err = error(&["--config", "/nonexistent/capm.yaml"], &no_env);
+    assert!(
+        err.starts_with("--config (CAPM_CONFIG): /nonexistent/capm.yaml: "),
+        "{err}"
+    );
+    let f = file("mailer: {sendgrid: {}}\n");
+    let err = error(&["--config", f.path().to_str().unwrap()], &no_env);
+    assert!(err.contains("unknown variant `sendgrid`"), "{err}");
+    let f = file("concurency: 3\n");
+    let err = error(&["--config", f.path().to_str().unwrap()], &no_env);
+    assert!(err.contains("unknown field `concurency`"), "{err}");
+    let f = file(
+        "mailer: {smtp: {url: 'smtp://h', timeoutSeconds: 0}}\nmailRecipients: [a@example.com]\n",
+    );
+    let err = error(&["--config", f.path().to_str().unwrap()], &no_env);
+    assert!(
+        err.starts_with("--config (CAPM_CONFIG): mailer.smtp.timeoutSeconds"),
+        "{err}"
+    );
+}
+
+#[test]
+fn timings_come_from_flags_the_file_or_the_defaults() {
+    let s = resolve(MAILGUN, &with_key).unwrap();
+    let c = &s.controllers;
+    assert_eq!(
+        (c.backoff_base, c.backoff_max, c.lookup_grace),
+        (
+            Duration::from_millis(500),
+            Duration::from_secs(300),
+            Duration::from_secs(10)
+        )
+    );
+    assert_eq!(
+        (
+            c.delivery_poll_base,
+            c.delivery_poll_max,
+            c.delivery_retention
+        ),
+        (
+            Duration::from_secs(30),
+            Duration::from_secs(1800),
+            Duration::from_secs(72 * 3600)
+        )
+    );
+    let f = file("mailgunEventsRetention: 24h\ndeliveryPollMax: 10m\n");
+    let mut flags = MAILGUN.to_vec();
+    flags.extend(["--config", f.path().to_str().unwrap()]);
+    flags.push("--delivery-poll-base=1m");
+    let c = resolve(&flags, &with_key).unwrap().controllers;
+    assert_eq!(
+        (
+            c.delivery_poll_base,
+            c.delivery_poll_max,
+            c.delivery_retention
+        ),
+        (
+            Duration::from_secs(60),
+            Duration::from_secs(600),
+            Duration::from_secs(24 * 3600)
+        )
+    );
+    let f = file("backoffBase: 1s\nbackoffMax: 1m\nlookupGrace: 30s\nleaderElectRetryPeriod: 3s\n");
+    let mut flags = MAILGUN.to_vec();
+    flags.extend(["--config", f.path().to_str().unwrap(), "--backoff-max=2m"]);
+    flags.extend([
+        "--leader-elect-lease-duration=1m",
+        "--leader-elect-renew-deadline=40s",
+    ]);
+    let s = resolve(&flags, &with_key).unwrap();
+    let c = &s.controllers;
+    assert_eq!(
+        (c.backoff_base, c.backoff_max, c.lookup_grace),
+        (
+            Duration::from_secs(1),
+            Duration::from_secs(120),
+            Duration::from_secs(30)
+        )
+    );
+    let le = s.leader_election.unwrap();
+    assert_eq!(
+        (le.lease_duration, le.renew_deadline, le.retry_period),
+        (
+            Duration::from_secs(60),
+            Duration::from_secs(40),
+            Duration::from_secs(3)
+        )
+    );
+
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--backoff-base=0s"],
+            "--backoff-base (BACKOFF_BASE): must be positive",
+        ),
+        (
+            &["--backoff-base=10m"],
+            "--backoff-base (BACKOFF_BASE): must not be longer than --backoff-max (BACKOFF_MAX)",
+        ),
+        (
+            &["--backoff-max=soon"],
+            "--backoff-max (BACKOFF_MAX): \"soon\" is not a duration",
+        ),
+        (
+            &["--lookup-grace=0"],
+            "--lookup-grace (LOOKUP_GRACE): must be positive",
+        ),
+        (
+            &["--delivery-poll-base=0"],
+            "--delivery-poll-base (DELIVERY_POLL_BASE): must be positive",
+        ),
+        (
+            &["--delivery-poll-base=1h", "--delivery-poll-max=10m"],
+            "--delivery-poll-base (DELIVERY_POLL_BASE): must be positive and not longer than \
+             --delivery-poll-max (DELIVERY_POLL_MAX)",
+        ),
+        (
+            &["--mailgun-events-retention=0"],
+            "--mailgun-events-retention (MAILGUN_EVENTS_RETENTION): must be positive",
+        ),
+        (
+            &["--leader-elect-renew-deadline=15s"],
+            "--leader-elect-renew-deadline (LEADER_ELECT_RENEW_DEADLINE): must be shorter than \
+             --leader-elect-lease-duration (LEADER_ELECT_LEASE_DURATION)",
+        ),
+        (
+            &["--leader-elect-retry-period=10s"],
+            "--leader-elect-retry-period (LEADER_ELECT_RETRY_PERIOD): must be positive and \
+             shorter than --leader-elect-renew-deadline (LEADER_ELECT_RENEW_DEADLINE)",
+        ),
+        (
+            &["--leader-elect-lease-duration=-5s"],
+            "--leader-elect-lease-duration (LEADER_ELECT_LEASE_DURATION): \"-5s\" is not",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let mut flags = MAILGUN.to_vec();
+        flags.extend(extra.iter());
+        let err = error(&flags, &with_key);
+        assert!(
+            err.starts_with(expected),
+            "{flags:?}:\n  got      {err}\n  expected {expected}"
+        );
+    }
+    let f = file("lookupGrace: soon\n");
+    let mut flags = MAILGUN.to_vec();
+    flags.extend(["--config", f.path().to_str().unwrap()]);
+    let err = error(&flags, &with_key);
+    assert!(
+        err.starts_with("--config (CAPM_CONFIG): ") && err.contains("--lookup-grace"),
+        "{err}"
+    );
+}
+
+#[test]
+fn durations() {
+    assert_eq!(parse_duration("30s"), Some(Duration::from_secs(30)));
+    assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+    assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+    assert_eq!(parse_duration("7"), Some(Duration::from_secs(7)));
+    assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
+    assert_eq!(parse_duration("x"), None);
+    assert_eq!(parse_duration("5d"), None);
+    assert_eq!(parse_duration("1m30s"), Some(Duration::from_secs(90)));
+    assert_eq!(parse_duration("-1s"), None);
+}

@@ -1,0 +1,133 @@
+//! The flags' value parsers: each refuses a value with a reason, and the caller names the flag.
+
+use std::{
+    fmt,
+    net::{Ipv4Addr, SocketAddr},
+    sync::LazyLock,
+    time::Duration,
+};
+
+use super::{Field, SettingsError, invalid};
+
+/// A plain address, the same rule as `MailgunCluster.spec.requester`.
+static ADDRESS: LazyLock<Option<regex::Regex>> =
+    LazyLock::new(|| regex::Regex::new(capm_api::validation::REQUESTER_PATTERN).ok());
+
+/// Why one of this module's value parsers refused a value; the caller names the flag.
+#[derive(Debug)]
+pub(super) struct Refused(pub(super) String);
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+pub(super) fn recipient(value: &str) -> Result<String, Refused> {
+    let address = value.trim();
+    if ADDRESS.as_ref().is_some_and(|re| re.is_match(address)) {
+        Ok(address.to_owned())
+    } else {
+        Err(Refused(format!("{address:?} is not an e-mail address")))
+    }
+}
+
+pub(super) fn namespace(value: &str) -> Result<String, Refused> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !value.starts_with('-')
+        && !value.ends_with('-');
+    if ok {
+        Ok(value.to_owned())
+    } else {
+        Err(Refused(format!(
+            "{value:?} is not a namespace name (lower-case letters, digits, '-')"
+        )))
+    }
+}
+
+pub(super) fn check_dns_subdomain(field: Field, value: &str) -> Result<(), SettingsError> {
+    let ok = !value.is_empty()
+        && value.len() <= 253
+        && value.split('.').all(|part| {
+            !part.is_empty()
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && !part.starts_with('-')
+                && !part.ends_with('-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!("{value:?} is not an object name (lower-case letters, digits, '-', '.')"),
+        ))
+    }
+}
+
+pub(super) fn label_value(value: &str) -> Result<String, Refused> {
+    let ok = value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && value.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && value.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(value.to_owned())
+    } else {
+        Err(Refused(format!(
+            "{value:?} is not a label value (at most 63 letters, digits, '-', '_', '.')"
+        )))
+    }
+}
+
+pub(super) fn log_filter(value: &str) -> Result<String, Refused> {
+    match tracing_subscriber::EnvFilter::try_new(value) {
+        Ok(_) => Ok(value.to_owned()),
+        Err(e) => Err(Refused(format!("{value:?}: {e}"))),
+    }
+}
+
+/// `0` disables; `:8080` means every interface, as in controller-runtime.
+pub(super) fn bind_address(field: Field, value: &str) -> Result<Option<SocketAddr>, SettingsError> {
+    if value == "0" {
+        return Ok(None);
+    }
+    let parsed = match value.strip_prefix(':') {
+        Some(port) => port
+            .parse::<u16>()
+            .ok()
+            .map(|port| SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))),
+        None => value.parse::<SocketAddr>().ok(),
+    };
+    parsed.map(Some).ok_or_else(|| {
+        invalid(
+            field,
+            format!("{value:?} is not host:port (e.g. 127.0.0.1:8080 or :8080), or 0 to disable"),
+        )
+    })
+}
+
+/// `30s`, `2m`, `1h`, `500ms`, `1m30s` (jiff's friendly format, without calendar units: a day
+/// is not always 24 hours) or plain seconds.
+pub(super) fn parse_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    if let Ok(seconds) = text.parse::<f64>() {
+        return Duration::try_from_secs_f64(seconds).ok();
+    }
+    let signed: jiff::SignedDuration = text.parse().ok()?;
+    Duration::try_from(signed).ok()
+}
+
+/// [`parse_duration`] as a flag's value parser.
+pub(super) fn duration(text: &str) -> Result<Duration, Refused> {
+    parse_duration(text)
+        .ok_or_else(|| Refused(format!("{text:?} is not a duration like 30s, 2m or 500ms")))
+}
