@@ -182,15 +182,6 @@ impl Ctx {
         }
     }
 
-    /// Waits until the Cluster API caches hold their first full list. Until then an owner
-    /// missing from the cache proves nothing, and a reconcile would report `WaitingForOwner`
-    /// only to learn better a moment later: one more status write per object, on every start.
-    /// Immediate once they are ready; a cache whose writer is gone (shutdown) does not wait.
-    pub async fn owner_caches_ready(&self) {
-        let _ = self.clusters.wait_until_ready().await;
-        let _ = self.machines.wait_until_ready().await;
-    }
-
     /// A context over the given parts.
     pub fn new(
         client: Client,

@@ -138,7 +138,6 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         // triggers the next pass.
         return Ok(Action::await_change());
     }
-    ctx.owner_caches_ready().await;
     // A replica that cannot prove it leads writes nothing at all.
     ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();

@@ -205,7 +205,7 @@ async fn forged_records_are_not_believed() {
         ("huge", &huge),
         ("no-release", &no_release),
     ] {
-        eventually("mailed for real", || async {
+        eventually(&format!("mailed for real: {name}"), || async {
             mail_state(&env, name).await == Some(MailState::Sent)
         })
         .await;
