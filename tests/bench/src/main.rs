@@ -12,6 +12,9 @@
 //! patches; the provider: two metadata patches and one status patch per object), with the
 //! subject's write rate as a share of it. Then the ratios of the provider to each peer run.
 //!
+//! Long because it sets up, runs, measures and clears the stage for three subjects in one
+//! process; the figures are only comparable when they come from one run.
+//!
 //! Not a test: it prints figures and fails only when a run itself goes wrong (a mail missing, a
 //! mail duplicated, a process dying).
 //!
@@ -36,7 +39,10 @@ use clap::Parser;
 use futures::{StreamExt, TryStreamExt, stream};
 use kube::{
     Api, Client, ResourceExt,
-    api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams},
+    api::{
+        ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
+        PostParams,
+    },
     runtime::watcher,
 };
 use serde_json::json;
@@ -213,6 +219,14 @@ fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
     Some(kib / 1024.0)
 }
 
+fn cluster_resource() -> ApiResource {
+    ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+    ))
+}
+
 fn mgc_resource(version: &str) -> ApiResource {
     ApiResource::from_gvk(&GroupVersionKind::gvk(
         capm_api::GROUP,
@@ -380,11 +394,7 @@ async fn create_backlog(
 ) -> anyhow::Result<()> {
     let ns = subject.namespace();
     cp.kubectl_output(&["create", "namespace", &ns])?;
-    let cluster_ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-        "cluster.x-k8s.io",
-        "v1beta2",
-        "Cluster",
-    ));
+    let cluster_ar = cluster_resource();
     let mgc_ar = mgc_resource(subject.version());
     let clusters: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &cluster_ar);
     let mgcs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &mgc_ar);
@@ -554,14 +564,20 @@ async fn run(
     // Clusters, which the provider would otherwise cache.
     if let Subject::Peer(_) = subject {
         cp.kubectl_output(&["delete", "crd", MGC_CRD, "--wait=true"])?;
-        cp.kubectl_output(&[
-            "delete",
-            "clusters.cluster.x-k8s.io",
-            "--all",
-            "-n",
-            &subject.namespace(),
-            "--wait=true",
-        ])?;
+        // One delete-collection request (kubectl deletes one object per request).
+        let clusters: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), &subject.namespace(), &cluster_resource());
+        clusters
+            .delete_collection(&DeleteParams::default(), &ListParams::default())
+            .await?;
+        while !clusters
+            .list_metadata(&ListParams::default().limit(1))
+            .await?
+            .items
+            .is_empty()
+        {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     Ok(Figures {
