@@ -35,7 +35,8 @@ const RELEASE: &str = "capm";
 const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const IMAGE_REPOSITORY: &str = "capm.local/cluster-api-provider-mailgun";
 const IMAGE_TAG: &str = "e2e";
-const LEASE: &str = "cluster-api-provider-mailgun-leader";
+/// The chart names the Lease after the release.
+const LEASE: &str = "capm-cluster-api-provider-mailgun-leader";
 const DOMAIN: &str = "mg.e2e.example.com";
 const RECIPIENT: &str = "infrastructure-team@example.com";
 /// Objects of the memory check (`CAPM_PODS_OBJECTS` overrides): the Cluster + MailgunCluster

@@ -35,9 +35,11 @@ serviceaccount-controller,serviceaccount-token-controller,deployment-controller,
 replicaset-controller";
 
 /// More controllers when Pods run: Services get endpoints (webhooks, scrapes), PDBs a status,
-/// and every namespace the `kube-root-ca.crt` ConfigMap that ServiceAccount token volumes mount.
+/// every namespace the `kube-root-ca.crt` ConfigMap that ServiceAccount token volumes mount, and
+/// the node loses its `not-ready` taint once Ready (node lifecycle).
 const NODE_CONTROLLERS: &str = "endpoints-controller,endpointslice-controller,\
-disruption-controller,root-ca-certificate-publisher-controller,pod-garbage-collector-controller";
+disruption-controller,root-ca-certificate-publisher-controller,pod-garbage-collector-controller,\
+node-lifecycle-controller";
 
 /// How to start a control plane.
 #[derive(Debug, Clone)]
@@ -352,6 +354,12 @@ impl ControlPlane {
             // EndpointSlice at a process on this host.
             .arg("--enable-aggregator-routing=true")
             .args(["--profiling=false", "--v=1"])
+            // The node's name does not resolve: logs and exec go to its InternalIP.
+            .args(if network.is_some() {
+                &["--kubelet-preferred-address-types=InternalIP"][..]
+            } else {
+                &[]
+            })
             .args(&opts.apiserver_args);
         let apiserver_recipe = (
             apiserver.get_program().to_owned(),

@@ -162,6 +162,14 @@ impl Network {
              \x20 done\nfi\n\
              for f in \"$dir\"/containerd/state/io.containerd.runtime.v2.task/*/*/shim.pid; do\n\
              \x20 [ -f \"$f\" ] && kill -KILL \"$(cat \"$f\")\" 2>/dev/null\ndone\n\
+             # Shim sockets live in /run/containerd/s whatever the state directory; a killed shim leaves its own.\n\
+             for f in \"$dir\"/containerd/state/io.containerd.runtime.v2.task/*/*/bootstrap.json; do\n\
+             \x20 [ -f \"$f\" ] || continue\n\
+             \x20 a=$(sed -n 's|.*\"address\":\"unix://\\(/run/containerd/s/[0-9a-f]*\\)\".*|\\1|p' \"$f\")\n\
+             \x20 [ -n \"$a\" ] && rm -f \"$a\"\ndone\n\
+             rmdir /run/containerd/s /run/containerd 2>/dev/null\n\
+             # The parent cgroup containerd puts Pods under (runc removed the Pods' own).\n\
+             rmdir /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/k8s.io 2>/dev/null\n\
              sleep 0.2\n\
              # Mounts under the state directory (Pod network namespaces, volumes, shm), deepest first.\n\
              awk -v d=\"$dir/\" 'index($5, d) == 1 {{print $5}}' /proc/self/mountinfo | sort -r | while read -r m; do umount -l \"$m\" 2>/dev/null; done"
@@ -176,7 +184,8 @@ impl Network {
         );
         let _ = writeln!(
             s,
-            "rm -rf /var/lib/cni/results/{n}-* /var/lib/cni/networks/{n}",
+            "rm -rf /var/lib/cni/results/{n}-* /var/lib/cni/networks/{n}\n\
+             rmdir /var/lib/cni/results /var/lib/cni/networks /var/lib/cni 2>/dev/null",
             n = self.cni_name
         );
         let _ = writeln!(s, "echo {ip_forward} > /proc/sys/net/ipv4/ip_forward");
@@ -214,6 +223,12 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
 
 [ttrpc]
   address = "{d}/containerd.sock.ttrpc"
+
+# `ctr images import` unpacks through the transfer service, for the platforms listed here only.
+[plugins."io.containerd.transfer.v1.local"]
+  [[plugins."io.containerd.transfer.v1.local".unpack_config]]
+    platform = "linux/amd64"
+    snapshotter = "native"
 
 [plugins."io.containerd.cri.v1.images"]
   snapshotter = "native"
@@ -293,6 +308,8 @@ containerRuntimeEndpoint: unix://{d}/containerd.sock
 address: {addr}
 port: {port}
 readOnlyPort: 0
+# No KUBE-FIREWALL / canary chains in the host's iptables.
+makeIPTablesUtilChains: false
 healthzPort: 0
 podLogsDir: {d}/pod-logs
 serializeImagePulls: false
