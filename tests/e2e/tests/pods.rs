@@ -451,17 +451,22 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         create_pair(&admin, &name).await?;
         during.push(name);
     }
-    let survivor = names
-        .iter()
-        .find(|n| **n != first_leader)
-        .context("the other Pod")?
-        .clone();
+    // The deleted leader releases the Lease as it stops; whichever live Pod asks first takes
+    // it (the standby, or the Deployment's replacement Pod when it starts within the
+    // standby's retry period).
     let new_leader = eventually(
         Duration::from_secs(90),
-        "the other Pod to take the Lease",
-        || async { Ok(leader(&leases).await?.filter(|l| *l == survivor)) },
+        "another Pod to take the Lease",
+        || async { Ok(leader(&leases).await?.filter(|l| *l != first_leader)) },
     )
     .await?;
+    let live = provider_pods(&pods).await?;
+    ensure!(
+        live.iter()
+            .any(|p| p.metadata.name.as_deref() == Some(new_leader.as_str())
+                && p.metadata.deletion_timestamp.is_none()),
+        "the new leader {new_leader} is not a live provider Pod"
+    );
     println!(
         "failover: {first_leader} deleted -> {new_leader} leads after {:.1?}",
         t.elapsed()

@@ -185,6 +185,9 @@ impl Network {
         let _ = writeln!(
             s,
             "rm -rf /var/lib/cni/results/{n}-* /var/lib/cni/networks/{n}\n\
+             # containerd also runs its own loopback network (`cni-loopback`) per sandbox.\n\
+             for t in \"$dir\"/containerd/state/io.containerd.runtime.v2.task/*/*/; do\n\
+             \x20 rm -f \"/var/lib/cni/results/cni-loopback-$(basename \"$t\")-lo\"\ndone\n\
              rmdir /var/lib/cni/results /var/lib/cni/networks /var/lib/cni 2>/dev/null",
             n = self.cni_name
         );
