@@ -166,6 +166,18 @@ async fn leader(leases: &Api<Lease>) -> Result<Option<String>> {
         .and_then(|h| h.rsplit_once('_').map(|(pod, _)| pod.to_owned())))
 }
 
+/// The container's peak memory use from its cgroup (v1 `memory.max_usage_in_bytes` under
+/// containerd's `k8s.io` parent, or v2 `memory.peak`), in bytes.
+fn peak_memory(container_id: &str) -> Option<u64> {
+    [
+        format!("/sys/fs/cgroup/memory/k8s.io/{container_id}/memory.max_usage_in_bytes"),
+        format!("/sys/fs/cgroup/k8s.io/{container_id}/memory.peak"),
+    ]
+    .iter()
+    .find_map(|p| fs::read_to_string(p).ok())
+    .and_then(|s| s.trim().parse().ok())
+}
+
 /// Fails when a provider container was OOM-killed or restarted.
 fn check_no_restarts(pods: &[Pod]) -> Result<()> {
     for pod in pods {
@@ -566,6 +578,35 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         list.iter().filter(|p| ready(p)).count() == 2,
         "a Pod is not Ready after {many} objects"
     );
+    for pod in &list {
+        for c in pod
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .into_iter()
+            .flatten()
+        {
+            let id = c
+                .container_id
+                .as_deref()
+                .unwrap_or("")
+                .trim_start_matches("containerd://");
+            println!(
+                "{}: peak memory {} (limit in values.yaml: {})",
+                pod.metadata.name.as_deref().unwrap_or("?"),
+                peak_memory(id).map_or_else(
+                    || "unknown".to_owned(),
+                    |b| format!("{:.1} MiB", b as f64 / 1048576.0)
+                ),
+                pod.spec
+                    .as_ref()
+                    .and_then(|s| s.containers[0].resources.as_ref())
+                    .and_then(|r| r.limits.as_ref())
+                    .and_then(|l| l.get("memory"))
+                    .map_or("none", |q| q.0.as_str()),
+            );
+        }
+    }
     all.extend(batch);
     let counts = mails_per_cluster(&mailgun)?;
     ensure!(

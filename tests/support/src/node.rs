@@ -185,9 +185,9 @@ impl Network {
         let _ = writeln!(
             s,
             "rm -rf /var/lib/cni/results/{n}-* /var/lib/cni/networks/{n}\n\
-             # containerd also runs its own loopback network (`cni-loopback`) per sandbox.\n\
-             for t in \"$dir\"/containerd/state/io.containerd.runtime.v2.task/*/*/; do\n\
-             \x20 rm -f \"/var/lib/cni/results/cni-loopback-$(basename \"$t\")-lo\"\ndone\n\
+             # containerd also runs its own loopback network (`cni-loopback`) per sandbox; ours\n\
+             # name a network namespace under the state directory.\n\
+             grep -l -F \"\\\"netns\\\":\\\"$dir/\" /var/lib/cni/results/cni-loopback-* 2>/dev/null | while read -r f; do rm -f \"$f\"; done\n\
              rmdir /var/lib/cni/results /var/lib/cni/networks /var/lib/cni 2>/dev/null",
             n = self.cni_name
         );
