@@ -9,7 +9,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 started=$SECONDS
 say() { printf '\n\033[1m==> [%dm%02ds] %s\033[0m\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
-die() { echo "demo-pods: $*" >&2; exit 1; }
+die() {
+  echo "demo-pods: $*" >&2
+  if [ -n "${KUBECONFIG:-}" ]; then
+    bin/kubectl -n capm-system get pods -o wide >&2
+    bin/kubectl -n capm-system logs -l app.kubernetes.io/name=cluster-api-provider-mailgun --prefix --tail=15 >&2
+  fi
+  exit 1
+}
 [ "$(id -u)" = 0 ] || die "the node (kubelet, containerd, a bridge) needs root"
 
 say "building the provider, the local environment CLI and the Mailgun contract server"
@@ -27,6 +34,7 @@ cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
   "$capm_env" down --dir "$state" >/dev/null 2>&1
+  exec 4>&- 2>/dev/null
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -57,9 +65,13 @@ pids+=($!)
 
 say "starting the Mailgun contract server on the node's bridge ($gateway), where Pods reach it"
 api_key="key-demo-$RANDOM$RANDOM"
+# It exits when its stdin closes: a FIFO this script holds open, so it also goes away if the
+# script is killed.
+mkfifo "$work/mailgun.in"
 MAILGUN_CONTRACT_API_KEY=$api_key target/debug/mailgun-contract-server --listen "$gateway:0" \
-  --domain mg.example.com > "$work/mailgun.addr" 2> "$work/mailgun.log" &
+  --domain mg.example.com < "$work/mailgun.in" > "$work/mailgun.addr" 2> "$work/mailgun.log" &
 pids+=($!)
+exec 4> "$work/mailgun.in"
 wait_for 20 "the Mailgun contract server" test -s "$work/mailgun.addr"
 mailgun=$(head -1 "$work/mailgun.addr")
 
@@ -74,7 +86,7 @@ bin/helm install capm charts/cluster-api-provider-mailgun -n capm-system \
   --set mail.mailgun.baseURL="http://$mailgun" --set mail.mailgun.apiKeySecret.name=mailgun-api-key \
   --wait --timeout 3m
 "$kubectl" -n capm-system get pods -o wide
-echo "leader: $("$kubectl" -n capm-system get lease cluster-api-provider-mailgun-leader -o jsonpath='{.spec.holderIdentity}')"
+echo "leader: $("$kubectl" -n capm-system get lease capm-cluster-api-provider-mailgun-leader -o jsonpath='{.spec.holderIdentity}')"
 
 say "applying the sample Cluster and MailgunCluster"
 "$kubectl" apply -f config/samples/infrastructure_v1beta1_mailguncluster.yaml -f config/samples/cluster_v1beta2_cluster.yaml
