@@ -249,7 +249,20 @@ async fn the_chart_runs_as_pods_from_the_projects_image() -> Result<()> {
         .network()
         .map(|n| n.bridge.clone())
         .context("the node's network")?;
+    let state = cp
+        .dir()
+        .map(|d| d.display().to_string())
+        .context("the state directory")?;
     cp.stop();
+    // No process (containerd's shims above all: they outlive containerd) names the state dir.
+    let mut left = Vec::new();
+    for entry in fs::read_dir("/proc")?.flatten() {
+        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&state) {
+            left.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+        }
+    }
+    ensure!(left.is_empty(), "processes left behind: {left:?}");
     let links = std::process::Command::new("ip")
         .args(["-o", "link"])
         .output()?;

@@ -160,8 +160,11 @@ impl Network {
              \x20 for ns in \"$dir\"/runc/*/; do\n\
              \x20   for id in $(\"$runc\" --root \"$ns\" list -q 2>/dev/null); do \"$runc\" --root \"$ns\" delete --force \"$id\" >/dev/null 2>&1; done\n\
              \x20 done\nfi\n\
-             for f in \"$dir\"/containerd/state/io.containerd.runtime.v2.task/*/*/shim.pid; do\n\
-             \x20 [ -f \"$f\" ] && kill -KILL \"$(cat \"$f\")\" 2>/dev/null\ndone\n\
+             # The shims (parented to init once containerd stopped) name this state directory's socket.\n\
+             for p in /proc/[0-9]*; do\n\
+             \x20 c=$(tr '\\0' ' ' < \"$p/cmdline\" 2>/dev/null) || continue\n\
+             \x20 case \"$c\" in *containerd-shim*\" -address $dir/containerd.sock\"*) kill -KILL \"${{p#/proc/}}\" 2>/dev/null;; esac\n\
+             done\n\
              # Shim sockets live in /run/containerd/s whatever the state directory; a killed shim leaves its own.\n\
              for f in \"$dir\"/containerd/state/io.containerd.runtime.v2.task/*/*/bootstrap.json; do\n\
              \x20 [ -f \"$f\" ] || continue\n\
