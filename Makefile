@@ -19,17 +19,21 @@ deps-demo: ## Install only what the demo needs (the SMTP server's Python package
 	$(PIP_INSTALL) -r tests/mail-servers/requirements.txt
 
 .PHONY: deps
-deps: deps-demo ## Install what the tests need too (the release script's Python packages, Debian's Prometheus, cargo-deny)
+deps: deps-demo ## Install what the tests need too (the release script's Python packages, Debian's Prometheus, libseccomp-dev/pkg-config/iptables for the node, cargo-deny)
 	$(PIP_INSTALL) -r hack/requirements.txt
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing Debian's prometheus (prometheus + promtool for the end-to-end tests)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; fi
+	@missing=$$(for p in libseccomp-dev pkg-config iproute2 iptables; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	  echo "installing Debian's $$missing (runc with seccomp; the local node's bridge and Service route)"; \
+	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; fi
 	@if ! $(CARGO) deny --version >/dev/null 2>&1; then \
 	  echo "installing cargo-deny $(CARGO_DENY_VERSION) from crates.io (make deny)"; \
 	  $(CARGO) install --locked cargo-deny --version $(CARGO_DENY_VERSION); fi
 
 .PHONY: tools
-tools: ## Build the Go tools (kube-apiserver, etcd, kubectl, kube-controller-manager, helm, Cluster API manager and clusterctl), cached by go.sum hash
+tools: ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause), cached by go.sum hash
 	hack/tools/build.sh
 
 .PHONY: build
@@ -121,6 +125,19 @@ env: ## Print the exports for the detached control plane
 down: ## Stop the detached control plane and remove its state
 	$(CAPM_ENV) down
 
+IMAGE ?= capm.local/cluster-api-provider-mailgun:dev
+
+.PHONY: image
+image: ## Build the provider's image (release binary, glibc, CA certificates, user 65532) as an OCI archive: out/provider.oci.tar
+	$(CARGO) build --release -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
+	mkdir -p out
+	$(CARGO) run -q -p capm-test-support --bin capm-image -- provider \
+	  --binary $${CARGO_TARGET_DIR:-$(CURDIR)/target}/release/cluster-api-provider-mailgun --name $(IMAGE) -o out/provider.oci.tar
+
 .PHONY: demo
 demo: deps-demo tools ## The demo: local control plane, provider, a sample Cluster, a mail received
 	hack/demo.sh
+
+.PHONY: demo-pods
+demo-pods: tools ## The demo with real Pods (root): a node, the project's image, helm install (2 replicas), a mail received
+	hack/demo-pods.sh

@@ -2,7 +2,8 @@
 # Builds the Go tools the local control plane, the tests and the demo use, from the Go module proxy,
 # and caches them.
 #
-#   hack/tools/build.sh [kubernetes|etcd|helm|cluster-api ...]   (default: all)
+#   hack/tools/build.sh [kubernetes|kubernetes-node|etcd|helm|cluster-api|runc|containerd|cni ...]
+#   (default: all)
 #
 # Each tool module under hack/tools/<name>/ is built into
 #   $CAPM_TOOLS_CACHE/<name>-<sha256 of go.mod+go.sum, 16 hex>/bin
@@ -16,7 +17,7 @@ cache=${CAPM_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cluster-api-provider-m
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
 tools=("$@")
-[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api)
+[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni)
 
 key() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
 
@@ -27,12 +28,25 @@ binaries() {
       "kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver" \
       "kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager" \
       "kubectl k8s.io/kubernetes/cmd/kubectl" ;;
+    kubernetes-node) printf '%s\n' \
+      "kubelet k8s.io/kubernetes/cmd/kubelet" \
+      "kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler" \
+      "pause c:build/pause/linux/pause.c" ;;
     etcd) echo "etcd go.etcd.io/etcd/server/v3" ;;
     helm) echo "helm helm.sh/helm/v4/cmd/helm" ;;
     cluster-api) printf '%s\n' \
       "capi-manager sigs.k8s.io/cluster-api/core" \
       "clusterctl sigs.k8s.io/cluster-api/cmd/clusterctl" ;;
-    *) echo "unknown tool '$1' (known: kubernetes etcd helm cluster-api)" >&2; return 1 ;;
+    runc) echo "runc github.com/opencontainers/runc" ;;
+    containerd) printf '%s\n' \
+      "containerd github.com/containerd/containerd/v2/cmd/containerd" \
+      "containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2" \
+      "ctr github.com/containerd/containerd/v2/cmd/ctr" ;;
+    cni) printf '%s\n' \
+      "bridge github.com/containernetworking/plugins/plugins/main/bridge" \
+      "loopback github.com/containernetworking/plugins/plugins/main/loopback" \
+      "host-local github.com/containernetworking/plugins/plugins/ipam/host-local" ;;
+    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni)" >&2; return 1 ;;
   esac
 }
 
@@ -40,8 +54,8 @@ module_version() { (cd "$here/$1" && go list -m -f '{{.Version}}' "$2"); }
 
 ldflags() {
   case "$1" in
-    kubernetes)
-      local v; v=$(module_version kubernetes k8s.io/kubernetes)
+    kubernetes|kubernetes-node)
+      local v; v=$(module_version "$1" k8s.io/kubernetes)
       local minor; minor=$(echo "$v" | cut -d. -f2)
       local f="-s -w"
       for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
@@ -54,8 +68,25 @@ ldflags() {
     cluster-api)
       local v; v=$(module_version cluster-api sigs.k8s.io/cluster-api)
       echo "-s -w -X sigs.k8s.io/cluster-api/version.gitVersion=$v -X sigs.k8s.io/cluster-api/version.gitTreeState=clean" ;;
+    runc)
+      local v; v=$(module_version runc github.com/opencontainers/runc)
+      echo "-s -w -X main.version=${v#v}" ;;
+    containerd)
+      local v; v=$(module_version containerd github.com/containerd/containerd/v2)
+      echo "-s -w -X github.com/containerd/containerd/v2/version.Version=$v" ;;
     *) echo "-s -w" ;;
   esac
+}
+
+# Build tags and cgo per tool: runc needs cgo and libseccomp (`make deps`) to apply the
+# RuntimeDefault seccomp profile the chart asks for; everything else is pure Go.
+tags() { case "$1" in runc) echo seccomp ;; *) echo selinux,notest ;; esac; }
+cgo() { case "$1" in runc) echo 1 ;; *) echo 0 ;; esac; }
+
+# pause_version <pause.c>: v<TAG> from the pause Makefile next to the source (upstream appends a
+# git describe, which a module download does not have).
+pause_version() {
+  echo "v$(sed -n 's/^TAG ?= //p' "$(dirname "$(dirname "$1")")/Makefile")"
 }
 
 elapsed() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
@@ -75,7 +106,17 @@ build_one() {
     done
   ) &
   ticker=$!
-  (cd "$here/$tool" && go build -trimpath -tags selinux,notest -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp" "$pkg") || status=$?
+  if [ "${pkg#c:}" != "$pkg" ]; then
+    # The Pod sandbox's pause process, from the kubernetes module's C source, the way upstream
+    # builds the pause image (static, so the image holds this one file).
+    local src; src="$(cd "$here/$tool" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/${pkg#c:}"
+    kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
+    gcc -Os -Wall -Werror -static -DVERSION="$(pause_version "$src")" -o "$dir/$name.tmp" "$src"
+    mv "$dir/$name.tmp" "$dir/$name"
+    echo "    $name: built in $(elapsed "$t0")"
+    return
+  fi
+  (cd "$here/$tool" && CGO_ENABLED=$(cgo "$tool") go build -trimpath -tags "$(tags "$tool")" -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp" "$pkg") || status=$?
   kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
   [ "$status" -eq 0 ] || { echo "    $name: go build failed after $(elapsed "$t0")" >&2; return "$status"; }
   mv "$dir/$name.tmp" "$dir/$name"

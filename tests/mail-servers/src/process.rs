@@ -294,9 +294,18 @@ impl MailgunServer {
     /// # Errors
     /// [`Error`] when the binary cannot be built or started.
     pub fn start(api_key: &str, domain: &str) -> Result<Self, Error> {
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST.into(), api_key, domain)
+    }
+
+    /// Starts the server on a free port of `ip` (an address of this host: e.g. the bridge of
+    /// a local node, so Pods reach it).
+    ///
+    /// # Errors
+    /// [`Error`] when the binary cannot be built or started.
+    pub fn start_on(ip: std::net::IpAddr, api_key: &str, domain: &str) -> Result<Self, Error> {
         let dir = tempfile::tempdir().map_err(io("creating a temporary directory"))?;
         let mut cmd = Command::new(contract_server_binary()?);
-        cmd.args(["--listen", "127.0.0.1:0", "--domain", domain])
+        cmd.args(["--listen", &format!("{ip}:0"), "--domain", domain])
             .env("MAILGUN_CONTRACT_API_KEY", api_key);
         let server = ChildServer::spawn(
             "mailgun-contract-server",

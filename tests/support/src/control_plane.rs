@@ -24,6 +24,7 @@ use kube::{
 
 use crate::{
     Error,
+    node::{self, Network},
     pki::{self, CertificateAuthority},
     process::{self, Component, Reaper},
 };
@@ -35,6 +36,13 @@ pub const KUBERNETES_VERSION: &str = "v1.36.4";
 const CONTROLLERS: &str = "namespace-controller,garbage-collector-controller,\
 serviceaccount-controller,serviceaccount-token-controller,deployment-controller,\
 replicaset-controller";
+
+/// More controllers when Pods run: Services get endpoints (webhooks, scrapes), PDBs a status,
+/// every namespace the `kube-root-ca.crt` ConfigMap that ServiceAccount token volumes mount, and
+/// the node loses its `not-ready` taint once Ready (node lifecycle).
+const NODE_CONTROLLERS: &str = "endpoints-controller,endpointslice-controller,\
+disruption-controller,root-ca-certificate-publisher-controller,pod-garbage-collector-controller,\
+node-lifecycle-controller";
 
 /// How to start a control plane.
 #[derive(Debug, Clone)]
@@ -53,6 +61,10 @@ pub struct Options {
     pub bin_dir: Option<PathBuf>,
     /// More kube-apiserver flags (e.g. an audit policy), after the defaults.
     pub apiserver_args: Vec<std::ffi::OsString>,
+    /// Start a node too (a bridge network, containerd, kube-scheduler, a kubelet; see
+    /// [`crate::node`]): Deployments then run as real Pods. Needs root. The API server then
+    /// listens on the bridge's address instead of 127.0.0.1.
+    pub node: bool,
 }
 
 impl Default for Options {
@@ -65,6 +77,7 @@ impl Default for Options {
             timeout: Duration::from_secs(90),
             bin_dir: None,
             apiserver_args: Vec::new(),
+            node: false,
         }
     }
 }
@@ -80,6 +93,8 @@ pub struct ControlPlane {
     started_in: Duration,
     /// How kube-apiserver was started (program, arguments), to start it again the same way.
     apiserver_recipe: Option<(std::ffi::OsString, Vec<std::ffi::OsString>)>,
+    /// The node's network, when a node was started.
+    network: Option<Network>,
 }
 
 /// Cleans up a half-started control plane when start-up fails.
@@ -244,6 +259,16 @@ impl ControlPlane {
             armed: true,
         };
 
+        let network = if opts.node {
+            Some(Network::create(&dir)?)
+        } else {
+            None
+        };
+        let address = network
+            .as_ref()
+            .map_or(Ipv4Addr::LOCALHOST, |n| n.gateway)
+            .to_string();
+
         // PKI
         let pki_dir = dir.join("pki");
         std::fs::create_dir_all(&pki_dir).map_err(Error::io("creating the PKI directory"))?;
@@ -251,7 +276,12 @@ impl ControlPlane {
         let serving = ca.serving_cert(
             "kube-apiserver",
             &["kubernetes", "kubernetes.default", "kubernetes.default.svc"],
-            &[IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1))],
+            &[
+                IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)),
+                network
+                    .as_ref()
+                    .map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| IpAddr::V4(n.gateway)),
+            ],
         )?;
         let admin = ca.client_cert("capm-admin", &["system:masters"])?;
         let kcm = ca.client_cert("system:kube-controller-manager", &["system:masters"])?;
@@ -263,6 +293,14 @@ impl ControlPlane {
         write(&pki_dir.join("admin.key"), &admin.key_pem)?;
         write(&pki_dir.join("controller-manager.crt"), &kcm.cert_pem)?;
         write(&pki_dir.join("controller-manager.key"), &kcm.key_pem)?;
+        if network.is_some() {
+            let kubelet = ca.client_cert(
+                &format!("system:node:{}", node::NODE_NAME),
+                &["system:nodes", "system:masters"],
+            )?;
+            write(&pki_dir.join("kubelet.crt"), &kubelet.cert_pem)?;
+            write(&pki_dir.join("kubelet.key"), &kubelet.key_pem)?;
+        }
         write(&pki_dir.join("sa.key"), &sa_key)?;
         write(&pki_dir.join("sa.pub"), &sa_pub)?;
 
@@ -294,17 +332,12 @@ impl ControlPlane {
         guard.components.push(Component::spawn(&dir, "etcd", etcd)?);
 
         // kube-apiserver
-        let server = format!("https://127.0.0.1:{api_port}");
+        let server = format!("https://{address}:{api_port}");
         let p = |name: &str| pki_dir.join(name);
         let mut apiserver = Command::new(apiserver_bin);
         apiserver
             .args(["--etcd-servers", &etcd_url])
-            .args([
-                "--bind-address",
-                "127.0.0.1",
-                "--advertise-address",
-                "127.0.0.1",
-            ])
+            .args(["--bind-address", &address, "--advertise-address", &address])
             .args(["--secure-port", &api_port.to_string()])
             .arg("--tls-cert-file")
             .arg(p("apiserver.crt"))
@@ -324,6 +357,12 @@ impl ControlPlane {
             // EndpointSlice at a process on this host.
             .arg("--enable-aggregator-routing=true")
             .args(["--profiling=false", "--v=1"])
+            // The node's name does not resolve: logs and exec go to its InternalIP.
+            .args(if network.is_some() {
+                &["--kubelet-preferred-address-types=InternalIP"][..]
+            } else {
+                &[]
+            })
             .args(&opts.apiserver_args);
         let apiserver_recipe = (
             apiserver.get_program().to_owned(),
@@ -368,7 +407,12 @@ impl ControlPlane {
             kcm.arg("--kubeconfig")
                 .arg(&kcm_kubeconfig)
                 .args(["--leader-elect=false", "--secure-port=0"])
-                .args(["--controllers", CONTROLLERS])
+                .arg("--controllers")
+                .arg(if network.is_some() {
+                    format!("{CONTROLLERS},{NODE_CONTROLLERS}")
+                } else {
+                    CONTROLLERS.to_owned()
+                })
                 .arg("--root-ca-file")
                 .arg(p("ca.crt"))
                 .arg("--service-account-private-key-file")
@@ -399,6 +443,28 @@ impl ControlPlane {
             }
         }
 
+        if let Some(net) = &network {
+            net.route_kubernetes_service(api_port)?;
+            let kubelet_kubeconfig = dir.join("kubelet.kubeconfig");
+            write(
+                &kubelet_kubeconfig,
+                &kubeconfig_yaml(&server, &dir, "kubelet"),
+            )?;
+            node::start(
+                &node::NodeStart {
+                    dir: &dir,
+                    bin_dir: &bin_dir,
+                    net,
+                    kubelet_kubeconfig: &kubelet_kubeconfig,
+                    scheduler_kubeconfig: &kubeconfig,
+                    deadline,
+                },
+                &client,
+                &mut guard.components,
+            )
+            .await?;
+        }
+
         guard.armed = false;
         Ok(Self {
             dir: Some(dir),
@@ -408,6 +474,7 @@ impl ControlPlane {
             reaper: Mutex::new(guard.reaper.take()),
             started_in: begun.elapsed(),
             apiserver_recipe: Some(apiserver_recipe),
+            network,
         })
     }
 
@@ -437,6 +504,7 @@ impl ControlPlane {
             reaper: Mutex::new(None),
             started_in: Duration::ZERO,
             apiserver_recipe: None,
+            network: None,
         })
     }
 
@@ -451,6 +519,24 @@ impl ControlPlane {
             });
         }
         process::cleanup_now(dir)
+    }
+
+    /// The node's network, when this control plane was started with a node.
+    pub fn network(&self) -> Option<&Network> {
+        self.network.as_ref()
+    }
+
+    /// Builds the provider's container image from `binary` and loads it into the node's
+    /// containerd as `name` (a `repository:tag` the chart can then use with any pull policy but
+    /// `Always`). Returns the image's manifest digest.
+    ///
+    /// # Errors
+    /// [`Error::Node`] when no node runs here; image or `ctr` failures.
+    pub fn load_provider_image(&self, binary: &Path, name: &str) -> Result<String, Error> {
+        let (Some(dir), Some(_)) = (&self.dir, &self.network) else {
+            return Err(Error::Node("this control plane has no node".into()));
+        };
+        node::load_provider_image(dir, &dir.join("bin"), binary, name)
     }
 
     /// The admin kubeconfig file.

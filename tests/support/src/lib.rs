@@ -26,7 +26,9 @@
 //! returned, panicked or was killed. A detached one (`capm-env up`) lives until `capm-env down`.
 
 mod control_plane;
+pub mod image;
 mod namespace;
+pub mod node;
 pub mod pki;
 pub mod process;
 
@@ -157,6 +159,12 @@ pub enum Error {
         /// Its standard error.
         stderr: String,
     },
+    /// Building or importing a container image failed.
+    #[error("image: {0}")]
+    Image(String),
+    /// Setting up or running the local node (network, containerd, kubelet) failed.
+    #[error("node: {0}")]
+    Node(String),
     /// The shared control plane failed to start earlier in this process.
     #[error("the shared control plane failed to start: {0}")]
     Shared(String),

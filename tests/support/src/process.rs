@@ -36,7 +36,10 @@ alive() {
 for p in $pids; do kill -TERM "$p" 2>/dev/null; done
 i=0; while alive && [ $i -lt 50 ]; do sleep 0.1; i=$((i+1)); done
 for p in $pids; do kill -KILL "$p" 2>/dev/null; done
-rm -rf "$dir"
+# A node's containers, mounts, bridge and iptables rule (see node.rs).
+[ -f "$dir/teardown.sh" ] && bash "$dir/teardown.sh"
+# Never into a mount that teardown could not remove.
+rm -rf --one-file-system "$dir"
 "#;
 
 /// Where the Go tools live: `$CAPM_BIN_DIR`, or `bin/` at the repository root.

@@ -48,6 +48,17 @@ struct StartArgs {
     /// Start-up timeout in seconds.
     #[arg(long, default_value_t = 90)]
     timeout: u64,
+    /// Also start a node (bridge network, containerd, kube-scheduler, kubelet) so Pods run;
+    /// needs root. The API server then listens on the bridge's address.
+    #[arg(long)]
+    node: bool,
+    /// With --node: build the provider's image from this binary and load it into the node's
+    /// containerd as --image.
+    #[arg(long, requires = "node")]
+    load_image: Option<PathBuf>,
+    /// The reference the loaded image gets.
+    #[arg(long, default_value = "capm.local/cluster-api-provider-mailgun:dev")]
+    image: String,
 }
 
 fn default_dir() -> PathBuf {
@@ -71,12 +82,19 @@ async fn start(
         detached,
         api_port: args.api_port,
         timeout: Duration::from_secs(args.timeout),
+        node: args.node,
         ..Options::default()
     })
     .await
     .map_err(|e| e.to_string())?;
     if args.capi_crds {
         cp.install_capi_crds().await.map_err(|e| e.to_string())?;
+    }
+    if let Some(binary) = &args.load_image {
+        let digest = cp
+            .load_provider_image(binary, &args.image)
+            .map_err(|e| e.to_string())?;
+        eprintln!("image {}@{digest} loaded into the node", args.image);
     }
     eprintln!(
         "control plane ready at {} in {:.1} s",

@@ -1,0 +1,637 @@
+//! The chart's Deployment as real Pods (issue 15): a local node (containerd, runc, CNI bridge,
+//! kubelet, kube-scheduler), the provider's image built by this project and imported without a
+//! registry, `helm install` with 2 replicas into a namespace enforcing Pod Security "restricted".
+//! Then: both Pods become Ready through the chart's probes; exactly one holds the Lease; the API
+//! server converts through the chart's webhook Service; Prometheus scrapes the Pods found through
+//! the metrics Service; Clusters get exactly one mail each from the Mailgun contract server on
+//! the host; deleting the leader hands over (the time is printed); a rolling upgrade keeps the
+//! PDB's minimum; the memory limit holds with many objects. Needs root (`make test` runs as
+//! root in CI); everything it creates is removed at the end, also on failure.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use capm_e2e::{Prometheus, chart_dir, eventually, helm, provider_binary, start_capi_manager};
+use capm_mail_servers::MailgunServer;
+use capm_test_support::{ControlPlane, Options};
+use k8s_openapi::api::{
+    apps::v1::Deployment,
+    coordination::v1::Lease,
+    core::v1::{Namespace, Pod, Secret},
+};
+use kube::{
+    Api, Client,
+    api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams},
+    core::ObjectMeta,
+};
+
+const NS: &str = "capm-system";
+const USER_NS: &str = "team-a";
+const RELEASE: &str = "capm";
+const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
+const IMAGE_REPOSITORY: &str = "capm.local/cluster-api-provider-mailgun";
+const IMAGE_TAG: &str = "e2e";
+/// The chart names the Lease after the release.
+const LEASE: &str = "capm-cluster-api-provider-mailgun-leader";
+const DOMAIN: &str = "mg.e2e.example.com";
+const RECIPIENT: &str = "infrastructure-team@example.com";
+/// Objects of the memory check (`CAPM_PODS_OBJECTS` overrides): the Cluster + MailgunCluster
+/// pairs alive at once while the chart's memory limit applies.
+const MANY: usize = 1000;
+
+fn is_root() -> bool {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+fn dynamic(client: &Client, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    Api::namespaced_with(client.clone(), USER_NS, &ApiResource::from_gvk(&gvk))
+}
+
+fn object(
+    api_version: &str,
+    kind: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<DynamicObject> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": USER_NS},
+        "spec": spec,
+    }))?)
+}
+
+/// A MailgunCluster and the Cluster that points at it, as a user writes them (Cluster API's
+/// core manager adds the owner reference).
+async fn create_pair(client: &Client, name: &str) -> Result<()> {
+    let mailgun_clusters = dynamic(
+        client,
+        "infrastructure.cluster.x-k8s.io",
+        "v1beta1",
+        "MailgunCluster",
+    );
+    let clusters = dynamic(client, "cluster.x-k8s.io", "v1beta2", "Cluster");
+    mailgun_clusters
+        .create(
+            &PostParams::default(),
+            &object(
+                "infrastructure.cluster.x-k8s.io/v1beta1",
+                "MailgunCluster",
+                name,
+                serde_json::json!({"priority": "Urgent", "request": "One cluster please", "requester": "pods@example.com"}),
+            )?,
+        )
+        .await?;
+    clusters
+        .create(
+            &PostParams::default(),
+            &object(
+                "cluster.x-k8s.io/v1beta2",
+                "Cluster",
+                name,
+                serde_json::json!({"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MailgunCluster", "name": name}}),
+            )?,
+        )
+        .await?;
+    Ok(())
+}
+
+/// Mails per Cluster name (from the subject "New Cluster <name> requested").
+fn mails_per_cluster(server: &MailgunServer) -> Result<BTreeMap<String, usize>> {
+    let mut counts = BTreeMap::new();
+    for m in server.messages()? {
+        if let Some(name) = m
+            .subject
+            .split_once("New Cluster ")
+            .and_then(|(_, rest)| rest.split_once(" requested"))
+            .map(|(name, _)| name.to_owned())
+        {
+            *counts.entry(name).or_insert(0) += 1;
+        }
+    }
+    Ok(counts)
+}
+
+/// Waits until every name in `names` has exactly one mail and none has two.
+async fn every_mail_once(server: &MailgunServer, names: &[String], wait: Duration) -> Result<()> {
+    eventually(
+        wait,
+        &format!("one mail for each of {} Clusters", names.len()),
+        || async {
+            let counts = mails_per_cluster(server)?;
+            if let Some((name, n)) = counts.iter().find(|(_, n)| **n > 1) {
+                bail!("Cluster {name} got {n} mails");
+            }
+            Ok(names.iter().all(|n| counts.contains_key(n)).then_some(()))
+        },
+    )
+    .await
+}
+
+fn ready(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+async fn provider_pods(pods: &Api<Pod>) -> Result<Vec<Pod>> {
+    Ok(pods
+        .list(&ListParams::default().labels("app.kubernetes.io/name=cluster-api-provider-mailgun"))
+        .await?
+        .items)
+}
+
+/// The Pod name in the Lease's holder identity (`<pod>_<suffix>`).
+async fn leader(leases: &Api<Lease>) -> Result<Option<String>> {
+    Ok(leases
+        .get_opt(LEASE)
+        .await?
+        .and_then(|l| l.spec)
+        .and_then(|s| s.holder_identity)
+        .and_then(|h| h.rsplit_once('_').map(|(pod, _)| pod.to_owned())))
+}
+
+/// The container's peak memory use from its cgroup (v1 `memory.max_usage_in_bytes` under
+/// containerd's `k8s.io` parent, or v2 `memory.peak`), in bytes.
+fn peak_memory(container_id: &str) -> Option<u64> {
+    [
+        format!("/sys/fs/cgroup/memory/k8s.io/{container_id}/memory.max_usage_in_bytes"),
+        format!("/sys/fs/cgroup/k8s.io/{container_id}/memory.peak"),
+    ]
+    .iter()
+    .find_map(|p| fs::read_to_string(p).ok())
+    .and_then(|s| s.trim().parse().ok())
+}
+
+/// Fails when a provider container was OOM-killed or restarted.
+fn check_no_restarts(pods: &[Pod]) -> Result<()> {
+    for pod in pods {
+        for c in pod
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .into_iter()
+            .flatten()
+        {
+            let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+            ensure!(
+                c.restart_count == 0,
+                "{} restarted {} times (last: {:?})",
+                pod.metadata.name.as_deref().unwrap_or("?"),
+                c.restart_count,
+                last.map(|t| (t.reason.clone(), t.exit_code))
+            );
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_chart_runs_as_pods_from_the_projects_image() -> Result<()> {
+    ensure!(
+        is_root(),
+        "this test starts a kubelet, containerd and a bridge network and needs root \
+         (run `make test` as root, as CI does)"
+    );
+    let work = tempfile::tempdir()?;
+    let dir = work.path();
+    let started = Instant::now();
+    let cp = ControlPlane::start(Options {
+        node: true,
+        timeout: Duration::from_secs(180),
+        ..Options::default()
+    })
+    .await?;
+    println!("control plane + node Ready in {:.1?}", started.elapsed());
+    let result = run(&cp, dir).await;
+    if result.is_err() {
+        if let Some(state) = cp.dir() {
+            for name in ["kubelet", "containerd"] {
+                let log = state.join("logs").join(format!("{name}.log"));
+                eprintln!(
+                    "--- last lines of {name}:\n{}",
+                    capm_test_support::process::tail(&log, 30)
+                );
+            }
+        }
+        if let Ok(out) = cp.kubectl_output(&["get", "pods", "-A", "-o", "wide"]) {
+            eprintln!("--- pods:\n{out}");
+        }
+        if let Ok(out) = cp.kubectl_output(&[
+            "-n",
+            NS,
+            "logs",
+            "-l",
+            "app.kubernetes.io/name=cluster-api-provider-mailgun",
+            "--tail=30",
+            "--prefix",
+        ]) {
+            eprintln!("--- provider logs:\n{out}");
+        }
+    }
+    // Nothing left behind: the node's bridge goes with the control plane.
+    let bridge = cp
+        .network()
+        .map(|n| n.bridge.clone())
+        .context("the node's network")?;
+    let state = cp
+        .dir()
+        .map(|d| d.display().to_string())
+        .context("the state directory")?;
+    cp.stop();
+    // No process (containerd's shims above all: they outlive containerd) names the state dir.
+    let mut left = Vec::new();
+    for entry in fs::read_dir("/proc")?.flatten() {
+        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&state) {
+            left.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+        }
+    }
+    ensure!(left.is_empty(), "processes left behind: {left:?}");
+    let links = std::process::Command::new("ip")
+        .args(["-o", "link"])
+        .output()?;
+    ensure!(
+        !String::from_utf8_lossy(&links.stdout).contains(&format!(" {bridge}:")),
+        "bridge {bridge} is still there after the control plane stopped"
+    );
+    result
+}
+
+async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
+    cp.install_capi_crds().await?;
+    let admin = cp.client().await?;
+    let net = cp.network().context("the node's network")?.clone();
+
+    // The image: this build's provider binary, built into an OCI archive and imported.
+    let binary =
+        std::env::var_os("CAPM_IMAGE_BINARY").map_or_else(provider_binary, |p| Ok(p.into()))?;
+    let t = Instant::now();
+    let image = format!("{IMAGE_REPOSITORY}:{IMAGE_TAG}");
+    let digest = cp.load_provider_image(&binary, &image)?;
+    println!(
+        "image {image}@{digest} built and imported in {:.1?}",
+        t.elapsed()
+    );
+
+    // The Mailgun contract server on the bridge's address, reachable from Pods.
+    let api_key = "key-pods-e2e-not-logged";
+    let mailgun = MailgunServer::start_on(net.gateway.into(), api_key, DOMAIN)?;
+
+    let namespaces: Api<Namespace> = Api::all(admin.clone());
+    for (name, restricted) in [(NS, true), (USER_NS, false)] {
+        let mut labels = BTreeMap::new();
+        if restricted {
+            labels.insert(
+                "pod-security.kubernetes.io/enforce".to_owned(),
+                "restricted".to_owned(),
+            );
+        }
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(labels),
+                ..ObjectMeta::default()
+            },
+            ..Namespace::default()
+        };
+        namespaces.create(&PostParams::default(), &ns).await?;
+    }
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some("mailgun-credentials".into()),
+            ..ObjectMeta::default()
+        },
+        string_data: Some(BTreeMap::from([("api-key".to_owned(), api_key.to_owned())])),
+        ..Secret::default()
+    };
+    secrets.create(&PostParams::default(), &secret).await?;
+    let values = dir.join("values.yaml");
+    fs::write(
+        &values,
+        format!(
+            "replicaCount: 2\n\
+             image:\n  repository: {IMAGE_REPOSITORY}\n  tag: {IMAGE_TAG}\n  pullPolicy: Never\n\
+             mail:\n  recipient: {RECIPIENT}\n  backend: mailgun\n  mailgun:\n    domain: {DOMAIN}\n    \
+             baseURL: {}\n    apiKeySecret: {{name: mailgun-credentials}}\n\
+             metrics:\n  insecure: true\n",
+            mailgun.base_url()
+        ),
+    )?;
+    // Cluster API's core manager, on the host (it is not what this test is about).
+    let _capi = start_capi_manager(cp.kubeconfig(), dir)?;
+    let chart = chart_dir();
+    let t = Instant::now();
+    helm(
+        Some(cp.kubeconfig()),
+        &[
+            "install",
+            RELEASE,
+            &chart.to_string_lossy(),
+            "-n",
+            NS,
+            "-f",
+            &values.to_string_lossy(),
+        ],
+    )?;
+
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let running = eventually(
+        Duration::from_secs(180),
+        "2 provider Pods Ready",
+        || async {
+            let list = provider_pods(&pods).await?;
+            check_no_restarts(&list)?;
+            Ok((list.iter().filter(|p| ready(p)).count() == 2).then_some(list))
+        },
+    )
+    .await?;
+    println!("helm install -> 2 Pods Ready in {:.1?}", t.elapsed());
+    for pod in &running {
+        let spec = pod.spec.as_ref().context("pod spec")?;
+        let c = &spec.containers[0];
+        ensure!(
+            c.image.as_deref() == Some(image.as_str()),
+            "image {:?}",
+            c.image
+        );
+        let ip = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.clone())
+            .context("pod IP")?;
+        println!("  {} on {ip}", pod.metadata.name.as_deref().unwrap_or("?"));
+    }
+
+    // Exactly one holds the Lease.
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
+    let names: Vec<String> = running
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let first_leader = eventually(
+        Duration::from_secs(60),
+        "a leader among the Pods",
+        || async { Ok(leader(&leases).await?.filter(|l| names.contains(l))) },
+    )
+    .await?;
+    println!("leader: {first_leader}");
+
+    // The API server converts through the chart's webhook Service (endpoints: the Pods).
+    create_pair(&admin, "first").await?;
+    let old = dynamic(
+        &admin,
+        "infrastructure.cluster.x-k8s.io",
+        "v1alpha1",
+        "MailgunCluster",
+    );
+    let converted = eventually(
+        Duration::from_secs(60),
+        "a v1alpha1 read through the webhook",
+        || async { Ok(old.get("first").await.ok()) },
+    )
+    .await?;
+    ensure!(
+        converted
+            .types
+            .as_ref()
+            .is_some_and(|t| t.api_version.ends_with("/v1alpha1")),
+        "conversion answered {:?}",
+        converted.types
+    );
+    every_mail_once(&mailgun, &["first".to_owned()], Duration::from_secs(120)).await?;
+
+    // Prometheus scrapes the Pods behind the metrics Service (its endpoints).
+    let targets = eventually(
+        Duration::from_secs(60),
+        "2 endpoints behind the metrics Service",
+        || async {
+            let gvk = GroupVersionKind::gvk("discovery.k8s.io", "v1", "EndpointSlice");
+            let slices: Api<DynamicObject> =
+                Api::namespaced_with(admin.clone(), NS, &ApiResource::from_gvk(&gvk));
+            let list = slices
+                .list(
+                    &ListParams::default()
+                        .labels(&format!("kubernetes.io/service-name={FULLNAME}-metrics")),
+                )
+                .await?;
+            let mut targets = Vec::new();
+            for s in &list.items {
+                let port = s.data["ports"][0]["port"].as_u64().unwrap_or(0);
+                for e in s.data["endpoints"].as_array().into_iter().flatten() {
+                    if e["conditions"]["ready"] == true {
+                        for a in e["addresses"].as_array().into_iter().flatten() {
+                            targets.push(format!("{}:{port}", a.as_str().unwrap_or("")));
+                        }
+                    }
+                }
+            }
+            Ok((targets.len() == 2).then_some(targets))
+        },
+    )
+    .await?;
+    let mut prometheus = Prometheus::start(&dir.join("prometheus"), &targets, None).await?;
+    let up = eventually(
+        Duration::from_secs(60),
+        "both Pods up in Prometheus",
+        || {
+            let v = prometheus.query("sum(up)");
+            async move { Ok(v?.first().copied().filter(|v| *v >= 2.0)) }
+        },
+    )
+    .await?;
+    let reconciles = prometheus.query("sum(controller_runtime_reconcile_total)")?;
+    println!(
+        "Prometheus: sum(up) = {up}, sum(controller_runtime_reconcile_total) = {reconciles:?}"
+    );
+    ensure!(
+        reconciles.first().is_some_and(|v| *v > 0.0),
+        "no reconciles scraped"
+    );
+    drop(prometheus);
+
+    // Failover: delete the leader Pod; the other takes the Lease. Clusters created meanwhile
+    // get their mail once.
+    let t = Instant::now();
+    pods.delete(&first_leader, &DeleteParams::default()).await?;
+    let mut during = Vec::new();
+    for i in 0..5 {
+        let name = format!("failover-{i}");
+        create_pair(&admin, &name).await?;
+        during.push(name);
+    }
+    // The deleted leader releases the Lease as it stops; whichever live Pod asks first takes
+    // it (the standby, or the Deployment's replacement Pod when it starts within the
+    // standby's retry period).
+    let new_leader = eventually(
+        Duration::from_secs(90),
+        "another Pod to take the Lease",
+        || async { Ok(leader(&leases).await?.filter(|l| *l != first_leader)) },
+    )
+    .await?;
+    let live = provider_pods(&pods).await?;
+    ensure!(
+        live.iter()
+            .any(|p| p.metadata.name.as_deref() == Some(new_leader.as_str())
+                && p.metadata.deletion_timestamp.is_none()),
+        "the new leader {new_leader} is not a live provider Pod"
+    );
+    println!(
+        "failover: {first_leader} deleted -> {new_leader} leads after {:.1?}",
+        t.elapsed()
+    );
+    let mut all = vec!["first".to_owned()];
+    all.extend(during);
+    every_mail_once(&mailgun, &all, Duration::from_secs(120)).await?;
+    println!(
+        "failover: every mail sent once, {:.1?} after the delete",
+        t.elapsed()
+    );
+    eventually(
+        Duration::from_secs(180),
+        "the replacement Pod Ready",
+        || async {
+            let list = provider_pods(&pods).await?;
+            Ok((list.iter().filter(|p| ready(p)).count() == 2).then_some(()))
+        },
+    )
+    .await?;
+
+    // A rolling upgrade changing a value: the Deployment never has fewer Ready Pods than the
+    // PDB's minAvailable (1), and no mail is lost or doubled.
+    let t = Instant::now();
+    helm(
+        Some(cp.kubeconfig()),
+        &[
+            "upgrade",
+            RELEASE,
+            &chart.to_string_lossy(),
+            "-n",
+            NS,
+            "-f",
+            &values.to_string_lossy(),
+            "--set",
+            "logging.level=debug",
+        ],
+    )?;
+    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NS);
+    let mut min_ready = usize::MAX;
+    let mut round = 0;
+    loop {
+        let list = provider_pods(&pods).await?;
+        min_ready = min_ready.min(list.iter().filter(|p| ready(p)).count());
+        if round < 5 {
+            let name = format!("upgrade-{round}");
+            create_pair(&admin, &name).await?;
+            all.push(name);
+        }
+        round += 1;
+        let d = deployments.get(FULLNAME).await?;
+        let (generation, status) = (d.metadata.generation, d.status.unwrap_or_default());
+        if status.observed_generation == generation
+            && status.updated_replicas == Some(2)
+            && status.ready_replicas == Some(2)
+            && status.replicas == Some(2)
+        {
+            break;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(240),
+            "rollout not done after 240 s: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "rolling upgrade done in {:.1?}; fewest Ready Pods seen: {min_ready}",
+        t.elapsed()
+    );
+    ensure!(
+        min_ready >= 1,
+        "the rollout went below the PDB's minAvailable: {min_ready} Ready"
+    );
+    every_mail_once(&mailgun, &all, Duration::from_secs(120)).await?;
+
+    // The memory limit of values.yaml holds with many objects: no OOM kill, no restart.
+    let many = std::env::var("CAPM_PODS_OBJECTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(MANY);
+    let t = Instant::now();
+    let mut batch = Vec::new();
+    for i in 0..many {
+        let name = format!("many-{i}");
+        create_pair(&admin, &name).await?;
+        batch.push(name);
+    }
+    println!(
+        "{many} Cluster + MailgunCluster pairs created in {:.1?}",
+        t.elapsed()
+    );
+    every_mail_once(&mailgun, &batch, Duration::from_secs(600)).await?;
+    println!("{many} mails sent once each in {:.1?}", t.elapsed());
+    let list = provider_pods(&pods).await?;
+    check_no_restarts(&list)?;
+    ensure!(
+        list.iter().filter(|p| ready(p)).count() == 2,
+        "a Pod is not Ready after {many} objects"
+    );
+    for pod in &list {
+        for c in pod
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .into_iter()
+            .flatten()
+        {
+            let id = c
+                .container_id
+                .as_deref()
+                .unwrap_or("")
+                .trim_start_matches("containerd://");
+            println!(
+                "{}: peak memory {} (limit in values.yaml: {})",
+                pod.metadata.name.as_deref().unwrap_or("?"),
+                peak_memory(id).map_or_else(
+                    || "unknown".to_owned(),
+                    |b| format!("{:.1} MiB", b as f64 / 1048576.0)
+                ),
+                pod.spec
+                    .as_ref()
+                    .and_then(|s| s.containers[0].resources.as_ref())
+                    .and_then(|r| r.limits.as_ref())
+                    .and_then(|l| l.get("memory"))
+                    .map_or("none", |q| q.0.as_str()),
+            );
+        }
+    }
+    all.extend(batch);
+    let counts = mails_per_cluster(&mailgun)?;
+    ensure!(
+        counts.len() == all.len(),
+        "{} Clusters mailed, {} created",
+        counts.len(),
+        all.len()
+    );
+
+    helm(
+        Some(cp.kubeconfig()),
+        &["uninstall", RELEASE, "-n", NS, "--wait"],
+    )?;
+    Ok(())
+}
