@@ -228,6 +228,59 @@ impl Drop for Proc {
     }
 }
 
+/// Creates the namespace `name`; `restricted`: labelled to enforce Pod Security "restricted", as
+/// a user installing the chart would.
+pub async fn create_namespace(client: &kube::Client, name: &str, restricted: bool) -> Result<()> {
+    use k8s_openapi::{api::core::v1::Namespace, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+    let labels = restricted.then(|| {
+        [(
+            "pod-security.kubernetes.io/enforce".to_owned(),
+            "restricted".to_owned(),
+        )]
+        .into()
+    });
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels,
+            ..ObjectMeta::default()
+        },
+        ..Namespace::default()
+    };
+    kube::Api::<Namespace>::all(client.clone())
+        .create(&kube::api::PostParams::default(), &ns)
+        .await
+        .with_context(|| format!("creating namespace {name}"))?;
+    Ok(())
+}
+
+/// Creates the Secret `name` in `namespace` from `(key, value)` pairs of text.
+pub async fn create_secret(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    data: &[(&str, &str)],
+) -> Result<()> {
+    use k8s_openapi::{api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..ObjectMeta::default()
+        },
+        string_data: Some(
+            data.iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        ),
+        ..Secret::default()
+    };
+    kube::Api::<Secret>::namespaced(client.clone(), namespace)
+        .create(&kube::api::PostParams::default(), &secret)
+        .await
+        .with_context(|| format!("creating Secret {namespace}/{name}"))?;
+    Ok(())
+}
+
 /// A free loopback port.
 ///
 /// # Errors

@@ -20,9 +20,9 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, chart_dir, eventually,
-    free_port, helm, host_ip, https_get, promtool_check_metrics, provider_binary,
-    service_account_kubeconfig, start_capi_manager,
+    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, chart_dir, create_namespace,
+    create_secret, eventually, free_port, helm, host_ip, https_get, promtool_check_metrics,
+    provider_binary, service_account_kubeconfig, start_capi_manager,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::{ControlPlane, Options, pki::CertificateAuthority};
@@ -30,7 +30,7 @@ use k8s_openapi::{
     ByteString,
     api::{
         apps::v1::Deployment,
-        core::v1::{Namespace, Secret, ServiceAccount},
+        core::v1::{Secret, ServiceAccount},
         rbac::v1::{ClusterRole, PolicyRule, Role},
     },
 };
@@ -298,50 +298,26 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     fs::write(&diagnostics_ca_file, diagnostics_ca.cert_pem())?;
 
     // The chart, as a user installs it: namespace enforcing "restricted", Secrets first.
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for (name, restricted) in [(NS, true), (USER_NS, false)] {
-        let mut labels = BTreeMap::new();
-        if restricted {
-            labels.insert(
-                "pod-security.kubernetes.io/enforce".to_owned(),
-                "restricted".to_owned(),
-            );
-        }
-        let ns = Namespace {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                labels: Some(labels),
-                ..ObjectMeta::default()
-            },
-            ..Namespace::default()
-        };
-        namespaces.create(&PostParams::default(), &ns).await?;
-    }
-    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
-    for (name, data) in [
-        (
-            "smtp-credentials",
-            vec![("password", smtp_password.to_owned())],
-        ),
-        ("smtp-ca", vec![("ca.crt", smtp_ca)]),
-        (
-            "diagnostics-cert",
-            vec![
-                ("tls.crt", diagnostics_cert.cert_pem.clone()),
-                ("tls.key", diagnostics_cert.key_pem.clone()),
-            ],
-        ),
-    ] {
-        let secret = Secret {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                ..ObjectMeta::default()
-            },
-            string_data: Some(data.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()),
-            ..Secret::default()
-        };
-        secrets.create(&PostParams::default(), &secret).await?;
-    }
+    create_namespace(&admin, NS, true).await?;
+    create_namespace(&admin, USER_NS, false).await?;
+    create_secret(
+        &admin,
+        NS,
+        "smtp-credentials",
+        &[("password", smtp_password)],
+    )
+    .await?;
+    create_secret(&admin, NS, "smtp-ca", &[("ca.crt", &smtp_ca)]).await?;
+    create_secret(
+        &admin,
+        NS,
+        "diagnostics-cert",
+        &[
+            ("tls.crt", &diagnostics_cert.cert_pem),
+            ("tls.key", &diagnostics_cert.key_pem),
+        ],
+    )
+    .await?;
     let values = dir.join("values.yaml");
     fs::write(
         &values,

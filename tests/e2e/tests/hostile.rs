@@ -34,20 +34,17 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_api::names;
 use capm_e2e::{
-    Proc, chart_dir, free_port, helm, host_ip, provider_binary, service_account_kubeconfig,
+    Proc, chart_dir, create_namespace, free_port, helm, host_ip, provider_binary,
+    service_account_kubeconfig,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer};
 use capm_test_support::{ControlPlane, Options};
-use k8s_openapi::{
-    ByteString,
-    api::core::v1::{Namespace, Secret},
-};
+use k8s_openapi::{ByteString, api::core::v1::Secret};
 use kube::{
     Api, Client,
     api::{
         ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
     },
-    core::ObjectMeta,
 };
 use serde_json::{Value, json};
 
@@ -127,16 +124,7 @@ async fn setup() -> Result<Env> {
     cp.install_capi_crds().await?;
     let admin = cp.client().await?;
     for name in [NS, TEAM] {
-        let ns = Namespace {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                ..ObjectMeta::default()
-            },
-            ..Namespace::default()
-        };
-        Api::<Namespace>::all(admin.clone())
-            .create(&PostParams::default(), &ns)
-            .await?;
+        create_namespace(&admin, name, false).await?;
     }
     // The chart as a user installs it (its Deployment never runs here: no kubelet; the provider
     // below runs exactly as it would).

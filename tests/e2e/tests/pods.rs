@@ -15,18 +15,16 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use capm_e2e::{Prometheus, chart_dir, eventually, helm, provider_binary, start_capi_manager};
+use capm_e2e::{
+    Prometheus, chart_dir, create_namespace, create_secret, eventually, helm, provider_binary,
+    start_capi_manager,
+};
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options};
-use k8s_openapi::api::{
-    apps::v1::Deployment,
-    coordination::v1::Lease,
-    core::v1::{Namespace, Pod, Secret},
-};
+use k8s_openapi::api::{apps::v1::Deployment, coordination::v1::Lease, core::v1::Pod};
 use kube::{
     Api, Client,
     api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams},
-    core::ObjectMeta,
 };
 
 const NS: &str = "capm-system";
@@ -293,35 +291,9 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     let api_key = "key-pods-e2e-not-logged";
     let mailgun = MailgunServer::start_on(net.gateway.into(), api_key, DOMAIN)?;
 
-    let namespaces: Api<Namespace> = Api::all(admin.clone());
-    for (name, restricted) in [(NS, true), (USER_NS, false)] {
-        let mut labels = BTreeMap::new();
-        if restricted {
-            labels.insert(
-                "pod-security.kubernetes.io/enforce".to_owned(),
-                "restricted".to_owned(),
-            );
-        }
-        let ns = Namespace {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                labels: Some(labels),
-                ..ObjectMeta::default()
-            },
-            ..Namespace::default()
-        };
-        namespaces.create(&PostParams::default(), &ns).await?;
-    }
-    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
-    let secret = Secret {
-        metadata: ObjectMeta {
-            name: Some("mailgun-credentials".into()),
-            ..ObjectMeta::default()
-        },
-        string_data: Some(BTreeMap::from([("api-key".to_owned(), api_key.to_owned())])),
-        ..Secret::default()
-    };
-    secrets.create(&PostParams::default(), &secret).await?;
+    create_namespace(&admin, NS, true).await?;
+    create_namespace(&admin, USER_NS, false).await?;
+    create_secret(&admin, NS, "mailgun-credentials", &[("api-key", api_key)]).await?;
     let values = dir.join("values.yaml");
     fs::write(
         &values,
