@@ -1,5 +1,8 @@
 //! Shared state of the controllers: clients, caches, and the per-object memory that keeps
 //! retries slow and writes few.
+//!
+//! Long because each piece of per-object memory (backoff, expected versions, mail state,
+//! tombstones) keeps its rules beside it; a third of the file is their tests.
 
 use std::{
     collections::HashMap,

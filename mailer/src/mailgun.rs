@@ -1,4 +1,7 @@
 //! The Mailgun HTTP API backend: `POST /v3/{domain}/messages` and `GET /v3/{domain}/events`.
+//!
+//! Long because it speaks three parts of the API (sending, the crash-recovery lookup, delivery
+//! events with paging) with one client and one error mapping; a fifth is tests.
 
 use std::{
     fmt,

@@ -1,6 +1,9 @@
 //! The Mailgun API contract server: the documented parts of `POST /v3/{domain}/messages` and
 //! `GET /v3/{domain}/events`, messages kept in memory, and control endpoints for tests.
 //!
+//! Long because it implements the documented contract the provider relies on (sending, events with
+//! filters and paging) plus the control endpoints tests use to script failures.
+//!
 //! # Control endpoints
 //! - `GET /_control/messages`: every accepted message, JSON array of [`StoredMessage`].
 //! - `DELETE /_control/messages`: forget them.
