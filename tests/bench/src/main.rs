@@ -266,13 +266,22 @@ fn watch_done(
     })
 }
 
-/// `count` writes over the objects in `names`, `writers` at a time, in the subject's own mix:
-/// the peer writes one status patch per object; the provider two metadata patches (its intent
-/// and its record) and one status patch. Each round writes values of its own: a patch that
-/// changes nothing is not written to etcd at all.
+/// What a ceiling round writes.
+#[derive(Clone, Copy)]
+enum Mix {
+    /// The subject's own mix: the peer writes one status patch per object; the provider two
+    /// metadata patches (its intent and its record) and one status patch.
+    Own,
+    /// Status patches only (the peer's mix), to compare the CRDs' cost per write.
+    StatusOnly,
+}
+
+/// `count` writes over the objects in `names`, `writers` at a time, in `mix`. Each round
+/// writes values of its own: a patch that changes nothing is not written to etcd at all.
 async fn write_mix(
     api: &Api<DynamicObject>,
     subject: Subject,
+    mix: Mix,
     names: &Arc<Vec<String>>,
     writers: usize,
     count: usize,
@@ -285,16 +294,16 @@ async fn write_mix(
                 let name = &names[i % names.len()];
                 let value = format!("{round}-{i}");
                 let params = PatchParams::default();
-                match (subject, i % 3) {
-                    (Subject::Provider, 0 | 1) => {
+                match (subject, mix, i % 3) {
+                    (Subject::Provider, Mix::Own, 0 | 1) => {
                         let patch = json!({ "metadata": { "annotations": { "bench.example.com/mark": value } } });
                         api.patch(name, &params, &Patch::Merge(patch)).await?
                     }
-                    (Subject::Provider, _) => {
+                    (Subject::Provider, _, _) => {
                         let patch = json!({ "status": { "observedGeneration": round * 1_000_000 + i } });
                         api.patch_status(name, &params, &Patch::Merge(patch)).await?
                     }
-                    (Subject::Peer(_), _) => {
+                    (Subject::Peer(_), _, _) => {
                         let patch = json!({ "status": { "messageID": value } });
                         api.patch_status(name, &params, &Patch::Merge(patch)).await?
                     }
@@ -321,6 +330,8 @@ struct Figures {
     idle_seconds: u64,
     ceiling: f64,
     ceilings: Vec<(usize, f64)>,
+    /// The ceiling for status patches alone on this subject's CRD.
+    status_ceiling: f64,
 }
 
 impl Figures {
@@ -370,6 +381,10 @@ impl Figures {
                 .collect::<Vec<_>>()
                 .join(", "),
             100.0 * rate / self.ceiling
+        );
+        println!(
+            "  status-patch ceiling       {:.0} writes/s on this CRD (the peer's mix, best concurrency)",
+            self.status_ceiling
         );
     }
 }
@@ -542,21 +557,21 @@ async fn run(
     );
     let names_list: Arc<Vec<String>> = Arc::new((0..n).map(|i| format!("bench-{i:05}")).collect());
     let mut ceilings = Vec::new();
+    let mut status_ceilings = Vec::new();
     for (round, &writers) in args.ceiling_writers.iter().enumerate() {
-        write_mix(
-            &api,
-            subject,
-            &names_list,
-            writers,
-            writers * 4,
-            2 * round + 1,
-        )
-        .await?;
-        let count = n.max(1000);
-        let start = Instant::now();
-        write_mix(&api, subject, &names_list, writers, count, 2 * round + 2).await?;
-        ceilings.push((writers, count as f64 / start.elapsed().as_secs_f64()));
+        for (mix, out, round) in [
+            (Mix::Own, &mut ceilings, 4 * round),
+            (Mix::StatusOnly, &mut status_ceilings, 4 * round + 2),
+        ] {
+            let warm = writers * 4;
+            write_mix(&api, subject, mix, &names_list, writers, warm, round + 1).await?;
+            let count = n.max(1000);
+            let start = Instant::now();
+            write_mix(&api, subject, mix, &names_list, writers, count, round + 2).await?;
+            out.push((writers, count as f64 / start.elapsed().as_secs_f64()));
+        }
     }
+    let status_ceiling = status_ceilings.iter().map(|c| c.1).fold(f64::NAN, f64::max);
     let ceiling = ceilings.iter().map(|c| c.1).fold(f64::NAN, f64::max);
 
     // Clear the stage for the next subject (the provider runs last; its objects keep their
@@ -592,6 +607,7 @@ async fn run(
         idle_seconds: args.idle_seconds,
         ceiling,
         ceilings,
+        status_ceiling,
     })
 }
 
@@ -635,7 +651,7 @@ async fn main() -> anyhow::Result<()> {
         println!("== ratios (provider / peer run, same control plane, same N)");
         for peer in &figures[..figures.len() - 1] {
             println!(
-                "  vs {:<18} objects/s {:.2}x   peak RSS {:.2}x   writes/object {:.2} vs {:.2}   share of own ceiling {:.0}% vs {:.0}%",
+                "  vs {:<18} objects/s {:.2}x   peak RSS {:.2}x   writes/object {:.2} vs {:.2}   share of own ceiling {:.0}% vs {:.0}%   status-patch ceiling of the CRDs {:.2}x",
                 peer.label,
                 provider.objects_per_second() / peer.objects_per_second(),
                 provider.peak_rss / peer.peak_rss,
@@ -643,6 +659,7 @@ async fn main() -> anyhow::Result<()> {
                 peer.writes.ours / peer.n as f64,
                 100.0 * provider.writes.ours / provider.secs / provider.ceiling,
                 100.0 * peer.writes.ours / peer.secs / peer.ceiling,
+                provider.status_ceiling / peer.status_ceiling,
             );
         }
     }
