@@ -1249,12 +1249,13 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
             }
             let writers = writers(old, new);
             violations.push(format!(
-                "WritesWhenQuiet: {} {} ({uid}) written in the {:.0} s after settling (resourceVersion {:?} -> {:?}) by {writers:?}",
+                "WritesWhenQuiet: {} {} ({uid}) written in the {:.0} s after settling (resourceVersion {:?} -> {:?}) by {writers:?}; changed: {}",
                 kind.name(),
                 new.name_any(),
                 QUIET_WINDOW.as_secs_f64(),
                 old.and_then(|o| o.resource_version()),
                 new.resource_version(),
+                changes(old, new).join("; "),
             ));
             needles.push(new.name_any());
         }
@@ -1327,6 +1328,65 @@ fn subject_name(subject: &str) -> Option<String> {
 }
 
 /// Field managers whose `managedFields` entries changed between two versions of an object.
+/// What a write changed, for the report: each status field, condition, annotation, label and
+/// finalizer list that differs, with its old and new value.
+fn changes(old: Option<&DynamicObject>, new: &DynamicObject) -> Vec<String> {
+    let Some(old) = old else {
+        return vec!["(the object is new)".into()];
+    };
+    let mut out = Vec::new();
+    let conditions = |o: &DynamicObject| -> BTreeMap<String, serde_json::Value> {
+        o.data["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| (c["type"].as_str().unwrap_or("?").to_owned(), c.clone()))
+            .collect()
+    };
+    let (a, b) = (conditions(old), conditions(new));
+    for key in a.keys().chain(b.keys()).collect::<BTreeSet<_>>() {
+        if a.get(key) != b.get(key) {
+            out.push(format!(
+                "condition {key}: {} -> {}",
+                a.get(key).map_or("none".into(), ToString::to_string),
+                b.get(key).map_or("none".into(), ToString::to_string)
+            ));
+        }
+    }
+    let fields = |o: &DynamicObject| o.data["status"].as_object().cloned().unwrap_or_default();
+    let (a, b) = (fields(old), fields(new));
+    for key in a.keys().chain(b.keys()).collect::<BTreeSet<_>>() {
+        if key != "conditions" && a.get(key) != b.get(key) {
+            out.push(format!(
+                "status.{key}: {:?} -> {:?}",
+                a.get(key),
+                b.get(key)
+            ));
+        }
+    }
+    if old.annotations() != new.annotations() {
+        out.push(format!(
+            "annotations: {:?} -> {:?}",
+            old.annotations(),
+            new.annotations()
+        ));
+    }
+    if old.labels() != new.labels() {
+        out.push(format!("labels: {:?} -> {:?}", old.labels(), new.labels()));
+    }
+    if old.finalizers() != new.finalizers() {
+        out.push(format!(
+            "finalizers: {:?} -> {:?}",
+            old.finalizers(),
+            new.finalizers()
+        ));
+    }
+    if out.is_empty() {
+        out.push("nothing a reconciler reads (spec, managedFields or another field)".into());
+    }
+    out
+}
+
 fn writers(old: Option<&DynamicObject>, new: &DynamicObject) -> Vec<String> {
     let entries = |o: &DynamicObject| {
         o.metadata
