@@ -73,10 +73,19 @@ pub(crate) async fn track<K: InfraKind>(
     sent_at: Option<Timestamp>,
 ) -> Option<Duration> {
     let mail_key = format!("{}/delivery", obj.uid().unwrap_or_default());
+    let generation = obj.meta().generation;
+    // Every condition of a pass speaks for the generation the pass saw, this one too: it moves
+    // with the others, in the same write, not alone at the next question (a status write that
+    // says nothing new; the soak found it).
+    if let Some(c) = status.conditions.as_mut().and_then(|cs| {
+        cs.iter_mut()
+            .find(|c| c.type_ == conditions::MAIL_DELIVERED)
+    }) {
+        c.observed_generation = generation;
+    }
     if is_final(status) {
         return None;
     }
-    let generation = obj.meta().generation;
     let backend = ctx.mailer.backend();
     let now = Timestamp::now();
     // The send time is in the durable record; without it (found by lookup after a crash), the

@@ -337,3 +337,36 @@ async fn only_a_leading_process_asks() {
     assert_eq!(env.mails().len(), 1);
     env.stop().await;
 }
+
+/// A new generation (here: the request fulfilled) moves `MailDelivered`'s observedGeneration
+/// in the same status write as the other conditions, not alone at the next delivery question
+/// (a write that says nothing new, which the soak caught in its quiet window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_generation_moves_every_condition_in_one_write() {
+    let mut env = Env::new("mgc-generation").await;
+    // The default poll (30 s): no delivery question comes between the two writes looked at.
+    env.start().await;
+    env.create_mailgun_cluster("g1").await;
+    env.create_owner_cluster("g1", false).await;
+    wait_for_reason(&env, "g1", reasons::DELIVERY_PENDING).await;
+    env.clusters()
+        .patch(
+            "g1",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({ "spec": { "controlPlaneEndpoint": { "host": "10.1.2.3", "port": 6443 } } }),
+            ),
+        )
+        .await
+        .unwrap();
+    eventually("provisioned", || async {
+        let status = env.clusters().get("g1").await.unwrap().status.unwrap();
+        condition(&status.conditions, "Provisioned").is_some_and(|c| c.status == "True")
+    })
+    .await;
+    let status = env.clusters().get("g1").await.unwrap().status.unwrap();
+    for c in status.conditions.as_deref().unwrap_or_default() {
+        assert_eq!(c.observed_generation, Some(2), "{} lags behind", c.type_);
+    }
+    env.stop().await;
+}
