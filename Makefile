@@ -36,6 +36,12 @@ deps: deps-demo ## Install what the tests need too (the release script's Python 
 tools: ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause), cached by go.sum hash
 	hack/tools/build.sh
 
+# The demo needs no node: without runc (cgo, libseccomp-dev from `make deps`) and containerd it
+# builds minutes sooner and needs no Debian package on a fresh machine.
+.PHONY: tools-demo
+tools-demo: ## Build only the Go tools the demo uses (control plane, kubectl, helm, Cluster API)
+	hack/tools/build.sh kubernetes etcd helm cluster-api
+
 .PHONY: build
 build: ## Build every crate and test
 	$(CARGO) build --workspace --all-targets
@@ -135,9 +141,9 @@ image: ## Build the provider's image (release binary, glibc, CA certificates, us
 	  --binary $${CARGO_TARGET_DIR:-$(CURDIR)/target}/release/cluster-api-provider-mailgun --name $(IMAGE) -o out/provider.oci.tar
 
 .PHONY: demo
-demo: deps-demo tools ## The demo: local control plane, provider, a sample Cluster, a mail received
+demo: deps-demo tools-demo ## The demo: local control plane, provider, a sample Cluster, a mail received
 	hack/demo.sh
 
 .PHONY: demo-pods
-demo-pods: tools ## The demo with real Pods (root): a node, the project's image, helm install (2 replicas), a mail received
+demo-pods: deps tools ## The demo with real Pods (root): a node, the project's image, helm install (2 replicas), a mail received
 	hack/demo-pods.sh
