@@ -113,16 +113,7 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
     assert_eq!(env.mails().len(), 1);
 
     // The human fulfils the request.
-    env.clusters()
-        .patch(
-            "alpha",
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({ "spec": { "controlPlaneEndpoint": { "host": "10.1.2.3", "port": 6443 } } }),
-            ),
-        )
-        .await
-        .unwrap();
+    env.fulfil_cluster("alpha").await;
     eventually("provisioned", || async {
         let obj = env.clusters().get("alpha").await.unwrap();
         let status = obj.status.unwrap_or_default();

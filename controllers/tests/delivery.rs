@@ -130,16 +130,7 @@ async fn delayed_then_delivered_is_shown_and_then_left_alone() {
     assert_settled(&env, "d1").await;
 
     // Fulfilment still works, and keeps the delivered state.
-    env.clusters()
-        .patch(
-            "d1",
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({ "spec": { "controlPlaneEndpoint": { "host": "10.1.2.3", "port": 6443 } } }),
-            ),
-        )
-        .await
-        .unwrap();
+    env.fulfil_cluster("d1").await;
     eventually("Ready", || async {
         let status = env.clusters().get("d1").await.unwrap().status.unwrap();
         condition(&status.conditions, "Ready").is_some_and(|c| c.status == "True")
@@ -349,16 +340,7 @@ async fn a_new_generation_moves_every_condition_in_one_write() {
     env.create_mailgun_cluster("g1").await;
     env.create_owner_cluster("g1", false).await;
     wait_for_reason(&env, "g1", reasons::DELIVERY_PENDING).await;
-    env.clusters()
-        .patch(
-            "g1",
-            &PatchParams::default(),
-            &Patch::Merge(
-                json!({ "spec": { "controlPlaneEndpoint": { "host": "10.1.2.3", "port": 6443 } } }),
-            ),
-        )
-        .await
-        .unwrap();
+    env.fulfil_cluster("g1").await;
     eventually("provisioned", || async {
         let status = env.clusters().get("g1").await.unwrap().status.unwrap();
         condition(&status.conditions, "Provisioned").is_some_and(|c| c.status == "True")

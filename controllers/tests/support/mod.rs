@@ -201,6 +201,21 @@ impl Env {
         }
     }
 
+    /// Fulfils MailgunCluster `name`'s request as the human does: sets its
+    /// `spec.controlPlaneEndpoint` (10.1.2.3:6443).
+    pub async fn fulfil_cluster(&self, name: &str) {
+        self.clusters()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({ "spec": { "controlPlaneEndpoint": { "host": "10.1.2.3", "port": 6443 } } }),
+                ),
+            )
+            .await
+            .unwrap();
+    }
+
     /// Sets `status.initialization.infrastructureProvisioned` on Cluster `name`, as the Cluster
     /// API core manager does once the infrastructure is provisioned.
     pub async fn mark_infrastructure_provisioned(&self, name: &str) {
