@@ -12,6 +12,7 @@ use std::{
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
 use kube::{Client, runtime::reflector::Store};
+use tokio::sync::watch;
 
 use crate::{
     Config, Metrics,
@@ -164,7 +165,15 @@ pub struct Ctx {
     expected_versions: Mutex<HashMap<String, u64>>,
     mails: Mutex<HashMap<String, MailMemory>>,
     tombstones: Mutex<HashMap<String, Instant>>,
+    /// True once the `Cluster` and `Machine` caches have finished their first list
+    /// ([`Self::watch_owner_caches`]). A `watch` channel and not `Store::wait_until_ready` in
+    /// each reconcile: kube-runtime's delayed init wakes only the last of several concurrent
+    /// waiters, which would strand the others.
+    owner_caches: watch::Sender<bool>,
 }
+
+/// The longest a reconcile waits for the owner caches' first list before judging owners anyway.
+const OWNER_CACHES_WAIT: Duration = Duration::from_secs(30);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -207,6 +216,45 @@ impl Ctx {
             expected_versions: Mutex::default(),
             mails: Mutex::default(),
             tombstones: Mutex::default(),
+            owner_caches: watch::Sender::new(false),
+        }
+    }
+
+    /// Marks the owner caches ready once both have finished their first list. Called once by
+    /// the runner; a newly elected leader starts its caches at election, and until the first
+    /// list completes a missing owner means "not listed yet", not "absent".
+    pub fn watch_owner_caches(self: &Arc<Self>) {
+        let ctx = Arc::clone(self);
+        tokio::spawn(async move {
+            let listed = async {
+                ctx.clusters.wait_until_ready().await.is_ok()
+                    && ctx.machines.wait_until_ready().await.is_ok()
+            };
+            // Past the bound, reconciles go on as before this wait existed (a missing owner is
+            // rechecked, never acted on destructively), rather than each waiting the bound.
+            if !matches!(
+                tokio::time::timeout(OWNER_CACHES_WAIT, listed).await,
+                Ok(true)
+            ) {
+                tracing::warn!(
+                    "the Cluster API caches have not finished their first list after \
+                     {OWNER_CACHES_WAIT:?}; owners are judged from what they hold so far"
+                );
+            }
+            ctx.owner_caches.send_replace(true);
+        });
+    }
+
+    /// Waits (at most [`OWNER_CACHES_WAIT`]) until the owner caches have been listed once, so
+    /// no reconcile judges an owner missing from a cache that has not been filled yet: that
+    /// judgement flapped `Ready` to `WaitingForOwner` and back on every leader change.
+    pub async fn owner_caches_ready(&self) {
+        let mut rx = self.owner_caches.subscribe();
+        if tokio::time::timeout(OWNER_CACHES_WAIT, rx.wait_for(|ready| *ready))
+            .await
+            .is_err()
+        {
+            tracing::debug!("owner caches not listed after {OWNER_CACHES_WAIT:?}; going on");
         }
     }
 
@@ -369,6 +417,13 @@ mod tests {
     use capm_mailer::MockMailer;
 
     fn ctx() -> Ctx {
+        ctx_over(
+            kube::runtime::reflector::store().0,
+            kube::runtime::reflector::store().0,
+        )
+    }
+
+    fn ctx_over(clusters: Store<Cluster>, machines: Store<Machine>) -> Ctx {
         let client =
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
@@ -388,8 +443,6 @@ mod tests {
             leadership: crate::Leadership::default(),
         };
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
-        let (clusters, _) = kube::runtime::reflector::store();
-        let (machines, _) = kube::runtime::reflector::store();
         Ctx::new(
             client,
             Arc::new(MockMailer::new()),
@@ -399,6 +452,47 @@ mod tests {
             clusters,
             machines,
         )
+    }
+
+    /// Many reconciles wait at once (the applier runs up to `concurrency` of them); every one of
+    /// them must be released when both caches finish their first list, and none before.
+    #[tokio::test]
+    async fn reconciles_wait_for_both_owner_caches_first_list_and_all_are_released() {
+        use kube::runtime::watcher::Event;
+        let (clusters, mut cluster_writer) = kube::runtime::reflector::store::<Cluster>();
+        let (machines, mut machine_writer) = kube::runtime::reflector::store::<Machine>();
+        let ctx = Arc::new(ctx_over(clusters, machines));
+        ctx.watch_owner_caches();
+        let waiters: Vec<_> = (0..16)
+            .map(|_| {
+                let ctx = Arc::clone(&ctx);
+                tokio::spawn(async move { ctx.owner_caches_ready().await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            waiters.iter().all(|w| !w.is_finished()),
+            "released before any list"
+        );
+        cluster_writer.apply_watcher_event(&Event::Init);
+        cluster_writer.apply_watcher_event(&Event::InitDone);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            waiters.iter().all(|w| !w.is_finished()),
+            "released before the Machine list"
+        );
+        machine_writer.apply_watcher_event(&Event::Init);
+        machine_writer.apply_watcher_event(&Event::InitDone);
+        for waiter in waiters {
+            tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .expect("a waiter was stranded")
+                .unwrap();
+        }
+        // Later reconciles do not wait at all.
+        tokio::time::timeout(Duration::from_millis(50), ctx.owner_caches_ready())
+            .await
+            .expect("waited after the caches were listed");
     }
 
     fn transient() -> ReconcileError {

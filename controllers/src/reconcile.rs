@@ -138,6 +138,8 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         // triggers the next pass.
         return Ok(Action::await_change());
     }
+    // An owner missing from a cache that has not finished its first list is not missing.
+    ctx.owner_caches_ready().await;
     // A replica that cannot prove it leads writes nothing at all.
     ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();

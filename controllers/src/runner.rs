@@ -99,6 +99,7 @@ pub async fn run(
         clusters.clone(),
         machines.clone(),
     ));
+    ctx.watch_owner_caches();
     for controller in [MailgunCluster::CONTROLLER, MailgunMachine::CONTROLLER] {
         metrics
             .max_concurrent
