@@ -365,14 +365,15 @@ impl Ctx {
             .is_some_and(|m| m.refused_at_generation == Some(generation))
     }
 
-    /// How long until the next delivery question about `mail_key` is due (zero: now).
-    pub fn delivery_wait(&self, mail_key: &str) -> Duration {
-        lock(&self.mails)
-            .get(mail_key)
-            .and_then(|m| m.next_delivery_poll)
-            .map_or(Duration::ZERO, |at| {
-                at.saturating_duration_since(Instant::now())
-            })
+    /// How long until the next delivery question about `mail_key` is due (zero: now). The
+    /// first time this process sees the mail, the first question is scheduled `first` from now.
+    pub fn delivery_wait(&self, mail_key: &str, first: Duration) -> Duration {
+        let now = Instant::now();
+        self.with_mail(mail_key, |m| {
+            m.next_delivery_poll
+                .get_or_insert(now + first)
+                .saturating_duration_since(now)
+        })
     }
 
     /// A delivery question about `mail_key` was just asked and left the outcome open: the next
@@ -591,14 +592,20 @@ mod tests {
     async fn delivery_questions_back_off_and_are_forgotten() {
         let ctx = ctx();
         let (base, max) = (ctx.config.delivery_poll_base, ctx.config.delivery_poll_max);
-        assert_eq!(ctx.delivery_wait("u/request"), Duration::ZERO);
+        // The first question is scheduled when the mail is first seen, not asked at once.
+        let first = Duration::from_secs(5);
+        let wait = ctx.delivery_wait("u/request", first);
+        assert!(
+            wait > first - Duration::from_secs(1) && wait <= first,
+            "{wait:?}"
+        );
         let waits: Vec<_> = (0..20)
             .map(|_| ctx.delivery_polled("u/request", None))
             .collect();
         assert_eq!(waits[0], base);
         assert_eq!(waits[1], base * 2);
         assert_eq!(waits[19], max);
-        let left = ctx.delivery_wait("u/request");
+        let left = ctx.delivery_wait("u/request", first);
         assert!(
             left > max - Duration::from_secs(1) && left <= max,
             "{left:?}"
@@ -606,7 +613,10 @@ mod tests {
         let asked = Duration::from_secs(7 * 3600);
         assert_eq!(ctx.delivery_polled("u/request", Some(asked)), asked);
         ctx.clear_mail("u/request");
-        assert_eq!(ctx.delivery_wait("u/request"), Duration::ZERO);
+        assert_eq!(
+            ctx.delivery_wait("u/request", Duration::ZERO),
+            Duration::ZERO
+        );
         assert_eq!(ctx.delivery_polled("u/request", None), base);
     }
 

@@ -2,9 +2,11 @@
 //! request mail, ask it (Mailgun's events) what became of it and show the answer in the
 //! `MailDelivered` condition and `status.mail.state`.
 //!
-//! - Asked with backoff (`delivery_poll_base` doubling to `delivery_poll_max`) only while the
-//!   outcome is unknown; never after it is final (delivered, failed for good, not trackable) or
-//!   once the backend's events have expired (`delivery_retention` after the send).
+//! - First asked `delivery_poll_base` after the send (after a restart: spread over one base by
+//!   UID), then with backoff (doubling to `delivery_poll_max`) only while the outcome is
+//!   unknown; never after it is final (delivered, failed for good, not trackable) or once the
+//!   backend's events have expired (`delivery_retention` after the send). Backends that cannot
+//!   tell (SMTP) are never asked.
 //! - A permanent failure is reported (condition False, a Warning event) and never leads to a
 //!   resend: the send-once records are not touched, a human must act.
 //! - `MailDelivered` is informational: it does not feed `Ready`.
@@ -87,6 +89,19 @@ pub(crate) async fn track<K: InfraKind>(
         return None;
     }
     let backend = ctx.mailer.backend();
+    if !ctx.mailer.tracks_delivery() {
+        let not_trackable = Shown {
+            status: "Unknown",
+            reason: reasons::NOT_TRACKABLE,
+            message: format!(
+                "the {backend} backend reports only that it accepted the mail; whether it \
+                 reached the recipients cannot be known"
+            ),
+            outcome: "not_trackable",
+        };
+        show(obj, ctx, status, &not_trackable, generation).await;
+        return None;
+    }
     let now = Timestamp::now();
     // The send time is in the durable record; without it (found by lookup after a crash), the
     // intent's time is the best bound. Without either (records of an older or foreign writer)
@@ -122,8 +137,16 @@ pub(crate) async fn track<K: InfraKind>(
             outcome: "unknown",
         })
     } else {
-        let wait = ctx.delivery_wait(&mail_key);
+        let first = first_question_in(
+            ctx.config.delivery_poll_base,
+            elapsed,
+            &obj.uid().unwrap_or_default(),
+        );
+        let wait = ctx.delivery_wait(&mail_key, first);
         if !wait.is_zero() {
+            if status.condition(conditions::MAIL_DELIVERED).is_none() {
+                show(obj, ctx, status, &pending(backend), generation).await;
+            }
             return Some(wait.min(retention - elapsed));
         }
         let id = match MessageId::parse(message_id) {
@@ -174,12 +197,7 @@ pub(crate) async fn track<K: InfraKind>(
                         ),
                         outcome: "delayed",
                     },
-                    None => Shown {
-                        status: "Unknown",
-                        reason: reasons::DELIVERY_PENDING,
-                        message: format!("{backend} accepted the mail; no delivery report yet"),
-                        outcome: "",
-                    },
+                    None => pending(backend),
                 };
                 show(obj, ctx, status, &pending, generation).await;
                 return Some(wait.min(retention - elapsed));
@@ -189,13 +207,7 @@ pub(crate) async fn track<K: InfraKind>(
                 let wait = ctx.delivery_polled(&mail_key, error.retry_after());
                 debug!(kind = K::KIND, name = %obj.name_any(), %error, ?wait, "could not ask about the delivery");
                 if status.condition(conditions::MAIL_DELIVERED).is_none() {
-                    let pending = Shown {
-                        status: "Unknown",
-                        reason: reasons::DELIVERY_PENDING,
-                        message: format!("{backend} accepted the mail; no delivery report yet"),
-                        outcome: "",
-                    };
-                    show(obj, ctx, status, &pending, generation).await;
+                    show(obj, ctx, status, &pending(backend), generation).await;
                 }
                 return Some(wait.min(retention - elapsed));
             }
@@ -206,6 +218,28 @@ pub(crate) async fn track<K: InfraKind>(
     }
     ctx.clear_mail(&mail_key);
     None
+}
+
+fn pending(backend: &str) -> Shown {
+    Shown {
+        status: "Unknown",
+        reason: reasons::DELIVERY_PENDING,
+        message: format!("{backend} accepted the mail; no delivery report yet"),
+        outcome: "",
+    }
+}
+
+/// When this process asks its first delivery question about a mail accepted `elapsed` ago:
+/// never before `base` after the send (an answer within the send's own pass is all but always
+/// "no report yet", and the question would sit on the reconcile's path), and, for mails found
+/// already older (this process just started or took over), spread over one `base` by the
+/// object's UID, so a restart does not ask about every open mail at once.
+pub(crate) fn first_question_in(base: Duration, elapsed: Duration, uid: &str) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    uid.hash(&mut hasher);
+    let spread = base.mul_f64((hasher.finish() % 1024) as f64 / 1024.0);
+    base.saturating_sub(elapsed).max(spread)
 }
 
 /// Shows `shown` in the condition and the mail state; counts and announces it only when it is
@@ -251,5 +285,33 @@ async fn show<K: InfraKind>(
             shown.message.clone(),
         )
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_question_waits_a_base_after_the_send_and_spreads_a_restart() {
+        let base = Duration::from_secs(30);
+        // Just sent: one base, whatever the UID.
+        for uid in ["a", "b", "c"] {
+            assert_eq!(first_question_in(base, Duration::ZERO, uid), base);
+        }
+        // Found older (a restart): within one base, different objects at different times.
+        let later: Vec<_> = (0..100)
+            .map(|i| first_question_in(base, Duration::from_secs(3600), &format!("uid-{i}")))
+            .collect();
+        assert!(later.iter().all(|w| *w < base));
+        let distinct: std::collections::HashSet<_> = later.iter().collect();
+        assert!(distinct.len() > 50, "not spread: {distinct:?}");
+        // Sent 20 s ago: at least the 10 s left of the base.
+        assert!(first_question_in(base, Duration::from_secs(20), "a") >= Duration::from_secs(10));
+        // The same object always gets the same slot (a replay behaves the same).
+        assert_eq!(
+            first_question_in(base, Duration::from_secs(3600), "x"),
+            first_question_in(base, Duration::from_secs(3600), "x")
+        );
     }
 }

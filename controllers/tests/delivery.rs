@@ -141,6 +141,38 @@ async fn delayed_then_delivered_is_shown_and_then_left_alone() {
     env.stop().await;
 }
 
+/// The pass that sends shows "pending" without asking (an answer within milliseconds of the send
+/// is all but always "no report yet", and the question would hold a reconcile slot); the first
+/// question comes one `delivery_poll_base` later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_question_waits_one_poll_period_after_the_send() {
+    let mut env = Env::new("mgc-first-question").await;
+    let cfg = capm_controllers::Config {
+        delivery_poll_base: Duration::from_secs(3),
+        delivery_poll_max: Duration::from_secs(3),
+        ..env.config()
+    };
+    env.start_with(cfg).await;
+    env.create_mailgun_cluster("f1").await;
+    env.create_owner_cluster("f1", false).await;
+    wait_for_reason(&env, "f1", reasons::DELIVERY_PENDING).await;
+    let (c, state) = delivery(&env, "f1").await;
+    assert_eq!(c.unwrap().0, "Unknown");
+    assert_eq!(state, Some(MailState::Sent));
+    assert_eq!(
+        env.mailgun.stats().unwrap().events_requests,
+        0,
+        "asked in the pass that sent"
+    );
+    let id = env.mails()[0].id.clone();
+    env.mailgun
+        .add_event(&event(&id, DeliveryEvent::Delivered))
+        .unwrap();
+    wait_for_reason(&env, "f1", reasons::DELIVERED).await;
+    assert!(env.mailgun.stats().unwrap().events_requests >= 1);
+    env.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permanent_failure_is_reported_once_and_never_resent() {
     let mut env = Env::new("mgc-undeliverable").await;

@@ -134,6 +134,9 @@ impl Mailer for DeletesDuringSend {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
+    fn tracks_delivery(&self) -> bool {
+        self.inner.tracks_delivery()
+    }
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
         if !message.message_id().as_str().contains("-deleted.") {
             self.objects

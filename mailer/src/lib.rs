@@ -142,6 +142,12 @@ pub trait Mailer: Send + Sync {
     /// evidence. Callers should wait a little before trusting it.
     async fn lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError>;
 
+    /// Whether [`Self::delivery_status`] can ever say more than [`Delivery::NotTrackable`].
+    /// Callers do not ask backends that cannot tell (and need not wait to learn that).
+    fn tracks_delivery(&self) -> bool {
+        false
+    }
+
     /// Asks the backend what became of a message it accepted at about `sent_at`.
     ///
     /// The default is [`Delivery::NotTrackable`], for backends that cannot tell.

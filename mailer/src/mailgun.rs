@@ -375,6 +375,10 @@ impl Mailer for MailgunMailer {
         BACKEND
     }
 
+    fn tracks_delivery(&self) -> bool {
+        true
+    }
+
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
         let response = self
             .client

@@ -93,6 +93,10 @@ impl Mailer for InstrumentedMailer {
         self.inner.backend()
     }
 
+    fn tracks_delivery(&self) -> bool {
+        self.inner.tracks_delivery()
+    }
+
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
         let backend = self.inner.backend();
         let start = Instant::now();

@@ -47,6 +47,8 @@ use kube::{
 };
 use serde_json::json;
 
+mod profile;
+
 #[derive(Parser)]
 #[command(about = "Backlog benchmark: cluster-api-provider-mailgun beside the Go peer")]
 struct Args {
@@ -75,6 +77,19 @@ struct Args {
     /// counts): too few leave the server idle, too many queue on two cores.
     #[arg(long, value_delimiter = ',', default_values_t = [4, 10, 16, 32, 64])]
     ceiling_writers: Vec<usize>,
+    /// Seconds of API server CPU profile taken from the start of each drain (0: none). The
+    /// profiles are kept in --profile-dir for `go tool pprof`.
+    #[arg(long, default_value_t = 8)]
+    profile_seconds: u64,
+    /// Also restart each subject over its finished backlog and time its first pass (the resync).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    resync: bool,
+    /// Writes per ceiling measurement (each concurrency and mix).
+    #[arg(long, default_value_t = 1000)]
+    ceiling_writes: usize,
+    /// Where the API server's CPU profiles are written.
+    #[arg(long, default_value = "target/bench")]
+    profile_dir: PathBuf,
 }
 
 fn default_provider() -> PathBuf {
@@ -206,6 +221,17 @@ async fn api_writes(client: &Client) -> anyhow::Result<Writes> {
     Ok(total)
 }
 
+/// A process's CPU seconds, user and system (`/proc/<pid>/stat` fields 14 and 15).
+fn proc_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // USER_HZ is 100 on Linux.
+    Some(ticks / 100.0)
+}
+
 /// A `/proc/<pid>/status` field in MiB (`VmHWM` is the peak resident set).
 fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -332,6 +358,22 @@ struct Figures {
     ceilings: Vec<(usize, f64)>,
     /// The ceiling for status patches alone on this subject's CRD.
     status_ceiling: f64,
+    /// What the drain moved on the API server's own counters.
+    server: profile::ServerCounters,
+    /// The subject's own CPU seconds (user + system) until it was stopped.
+    own_cpu: f64,
+    /// The API server's CPU profile over the start of the drain.
+    profiled: Option<profile::Summary>,
+    /// Resident set at the end of the idle watch.
+    idle_rss: f64,
+    /// Its anonymous part (heap and stacks; the rest is mapped files, mostly the binary's code).
+    idle_rss_anon: f64,
+    /// The restart over the finished backlog.
+    resync: Option<Resync>,
+    /// Mean size of a finished object as JSON, `managedFields` included.
+    object_bytes: f64,
+    /// Our CRD's status-patch ceiling on objects just created (the provider's run only).
+    fresh_status_ceiling: Option<f64>,
 }
 
 impl Figures {
@@ -366,7 +408,10 @@ impl Figures {
             "  mails accepted             {} (expected {}, objects mailed more than once: {})",
             self.mails, self.n, self.duplicates
         );
-        println!("  peak RSS                   {:.1} MiB", self.peak_rss);
+        println!(
+            "  peak RSS                   {:.1} MiB ({:.1} MiB resident after the idle watch, {:.1} MiB of it anonymous)",
+            self.peak_rss, self.idle_rss, self.idle_rss_anon
+        );
         println!(
             "  API writes while idle      {} to our objects, {} Events in {} s ({} in all: the control plane's own)",
             self.idle.ours, self.idle.events, self.idle_seconds, self.idle.all
@@ -386,6 +431,31 @@ impl Figures {
             "  status-patch ceiling       {:.0} writes/s on this CRD (the peer's mix, best concurrency)",
             self.status_ceiling
         );
+        if let Some(fresh) = self.fresh_status_ceiling {
+            println!(
+                "    on objects just created  {fresh:.0} writes/s (the same CRD; the finished objects reach {:.2}x of it)",
+                self.status_ceiling / fresh
+            );
+        }
+        println!(
+            "  finished object            {:.0} bytes as JSON, managedFields included (mean)",
+            self.object_bytes
+        );
+        println!(
+            "  own CPU                    {:.2} s ({:.2} ms per object over the drain)",
+            self.own_cpu,
+            1000.0 * self.own_cpu / n
+        );
+        if let Some(r) = &self.resync {
+            println!(
+                "  resync after a restart     {:.2} s until every object was reconciled once; {} writes to our objects ({} Events); peak RSS {:.1} MiB",
+                r.secs, r.writes.ours, r.writes.events, r.peak_rss
+            );
+        }
+        self.server.print(self.n, self.secs);
+        if let Some(p) = &self.profiled {
+            p.print(self.n);
+        }
     }
 }
 
@@ -447,12 +517,15 @@ async fn create_backlog(
     Ok(())
 }
 
+/// Starts the subject; with `metrics_port`, its metrics are served there over plain HTTP.
 fn spawn(
     subject: Subject,
     args: &Args,
     mailgun: &MailgunServer,
     kubeconfig: &Path,
+    metrics_port: Option<u16>,
 ) -> anyhow::Result<tokio::process::Child> {
+    let metrics = metrics_port.map_or_else(|| "0".to_owned(), |p| format!("127.0.0.1:{p}"));
     let mut command = match subject {
         Subject::Peer(workers) => {
             let peer = args.peer.as_ref().context("no peer binary")?;
@@ -460,7 +533,7 @@ fn spawn(
             c.env("MAILGUN_API_BASE", format!("{}/v3", mailgun.base_url()))
                 .env("KUBECONFIG", kubeconfig)
                 .args(["-concurrency", &workers.to_string()])
-                .args(["-metrics-bind-address", "0"]);
+                .args(["-metrics-bind-address", &metrics]);
             c
         }
         Subject::Provider => {
@@ -469,7 +542,12 @@ fn spawn(
                 .arg("--kubeconfig")
                 .arg(kubeconfig)
                 .args(["--leader-elect=false", "--webhook-port", "0"])
-                .args(["--diagnostics-address", "0"])
+                .args(["--diagnostics-address", &metrics])
+                .args(if metrics_port.is_some() {
+                    &["--insecure-diagnostics"][..]
+                } else {
+                    &[]
+                })
                 .args(["--health-probe-bind-address", "127.0.0.1:0"])
                 .args(["--concurrency", &args.concurrency.to_string()])
                 .args(["--log-format", "json"])
@@ -514,9 +592,12 @@ async fn run(
     let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
 
     let writes_before = api_writes(client).await?;
+    let server_before = profile::server_counters(client).await?;
     let started = Instant::now();
-    let mut child = spawn(subject, args, &mailgun, cp.kubeconfig())?;
+    let mut child = spawn(subject, args, &mailgun, cp.kubeconfig(), None)?;
     let pid = child.id().context("pid")?;
+    let cpu_profile =
+        (args.profile_seconds > 0).then(|| profile::start(client.clone(), args.profile_seconds));
     let all_done = watch_done(client.clone(), subject, n);
     let drained = tokio::select! {
         done = all_done => done.context("the watcher panicked")??.duration_since(started),
@@ -526,6 +607,23 @@ async fn run(
     // Let the last status writes land before counting.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let writes = api_writes(client).await? - writes_before;
+    let server = profile::server_counters(client).await? - server_before;
+    let object_bytes = mean_object_bytes(client, subject).await?;
+    let own_cpu = proc_cpu_seconds(pid).unwrap_or(f64::NAN);
+    let profiled = match cpu_profile {
+        Some(task) => {
+            let bytes = task.await.context("the profile task panicked")??;
+            let name = subject.label().replace([' ', ','], "-");
+            let (path, summary) = profile::save_and_summarize(&args.profile_dir, &name, &bytes)?;
+            eprintln!(
+                "{}: API server CPU profile in {}",
+                subject.label(),
+                path.display()
+            );
+            summary
+        }
+        None => None,
+    };
     let mails = mailgun.messages()?;
     let mut per_object: BTreeMap<String, usize> = BTreeMap::new();
     for m in &mails {
@@ -546,7 +644,16 @@ async fn run(
         bail!("the {} exited while idle: {status}", subject.label());
     }
     let peak_rss = proc_status_mib(pid, "VmHWM").unwrap_or(f64::NAN);
+    let idle_rss = proc_status_mib(pid, "VmRSS").unwrap_or(f64::NAN);
+    let idle_rss_anon = proc_status_mib(pid, "RssAnon").unwrap_or(f64::NAN);
     child.kill().await.ok();
+    child.wait().await.ok();
+
+    let resync = if args.resync {
+        Some(resync(cp, client, subject, args, &mailgun).await?)
+    } else {
+        None
+    };
 
     // The API server's raw ceiling for this subject's write mix on its own objects, at several
     // concurrencies, each on connections already warmed by a first round.
@@ -565,7 +672,7 @@ async fn run(
         ] {
             let warm = writers * 4;
             write_mix(&api, subject, mix, &names_list, writers, warm, round + 1).await?;
-            let count = n.max(1000);
+            let count = args.ceiling_writes;
             let start = Instant::now();
             write_mix(&api, subject, mix, &names_list, writers, count, round + 2).await?;
             out.push((writers, count as f64 / start.elapsed().as_secs_f64()));
@@ -573,6 +680,13 @@ async fn run(
     }
     let status_ceiling = status_ceilings.iter().map(|c| c.1).fold(f64::NAN, f64::max);
     let ceiling = ceilings.iter().map(|c| c.1).fold(f64::NAN, f64::max);
+    // Our CRD again, on objects just created (spec only, no conditions, records or our
+    // managedFields): set beside the finished objects' ceiling and the peer's, it separates what
+    // the CRD's schema costs from what the objects' size costs.
+    let fresh_status_ceiling = match subject {
+        Subject::Provider => Some(fresh_status_ceiling(cp, client, args).await?),
+        Subject::Peer(_) => None,
+    };
 
     // Clear the stage for the next subject (the provider runs last; its objects keep their
     // finalizers once it is stopped): the peer's CRD (and with it every MailgunCluster), and the
@@ -608,7 +722,162 @@ async fn run(
         ceiling,
         ceilings,
         status_ceiling,
+        server,
+        own_cpu,
+        profiled,
+        idle_rss,
+        idle_rss_anon,
+        resync,
+        object_bytes,
+        fresh_status_ceiling,
     })
+}
+
+/// The status-patch ceiling of our CRD on `--ceiling-writes` objects just created.
+async fn fresh_status_ceiling(
+    cp: &ControlPlane,
+    client: &Client,
+    args: &Args,
+) -> anyhow::Result<f64> {
+    let ns = "bench-fresh";
+    cp.kubectl_output(&["create", "namespace", ns])?;
+    let ar = mgc_resource(Subject::Provider.version());
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
+    let names: Arc<Vec<String>> = Arc::new(
+        (0..args.ceiling_writes)
+            .map(|i| format!("fresh-{i:05}"))
+            .collect(),
+    );
+    stream::iter(names.iter().cloned())
+        .map(|name| {
+            let (api, ar) = (api.clone(), ar.clone());
+            async move {
+                let mgc = DynamicObject::new(&name, &ar).data(json!({
+                    "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "bench@example.com" }
+                }));
+                api.create(&PostParams::default(), &mgc).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<_>>()
+        .await?;
+    let mut best = f64::NAN;
+    for (round, &writers) in args.ceiling_writers.iter().enumerate() {
+        let warm = writers * 4;
+        write_mix(
+            &api,
+            Subject::Provider,
+            Mix::StatusOnly,
+            &names,
+            writers,
+            warm,
+            100 + 2 * round,
+        )
+        .await?;
+        let start = Instant::now();
+        let count = args.ceiling_writes;
+        write_mix(
+            &api,
+            Subject::Provider,
+            Mix::StatusOnly,
+            &names,
+            writers,
+            count,
+            101 + 2 * round,
+        )
+        .await?;
+        best = best.max(count as f64 / start.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// The mean size of the subject's objects as JSON, `managedFields` included: what the API
+/// server decodes, patches, validates, encodes and stores on every write.
+async fn mean_object_bytes(client: &Client, subject: Subject) -> anyhow::Result<f64> {
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &subject.namespace(),
+        &mgc_resource(subject.version()),
+    );
+    let list = api.list(&ListParams::default()).await?;
+    let total: usize = list
+        .items
+        .iter()
+        .map(|o| serde_json::to_vec(o).map_or(0, |v| v.len()))
+        .sum();
+    Ok(total as f64 / list.items.len().max(1) as f64)
+}
+
+/// What a restart over the recorded backlog costs.
+struct Resync {
+    /// From the process's start until its `controller_runtime_reconcile_total` for the
+    /// MailgunCluster controller reached N (each object reconciled once).
+    secs: f64,
+    /// Writes to our objects from the restart until 5 s after that.
+    writes: Writes,
+    /// Peak RSS of the restarted process.
+    peak_rss: f64,
+}
+
+/// Restarts the subject over its backlog, all of it done, and times its first pass.
+async fn resync(
+    cp: &ControlPlane,
+    client: &Client,
+    subject: Subject,
+    args: &Args,
+    mailgun: &MailgunServer,
+) -> anyhow::Result<Resync> {
+    let port = capm_test_support::process::free_port()?;
+    let before = api_writes(client).await?;
+    let started = Instant::now();
+    let mut child = spawn(subject, args, mailgun, cp.kubeconfig(), Some(port))?;
+    let pid = child.id().context("pid")?;
+    let n = args.objects as f64;
+    let secs = loop {
+        if let Some(status) = child.try_wait()? {
+            bail!("the {} exited during the resync: {status}", subject.label());
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!("{}: no full pass 600 s after the restart", subject.label());
+        }
+        if reconciles(port).await.is_some_and(|r| r >= n) {
+            break started.elapsed().as_secs_f64();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let writes = api_writes(client).await? - before;
+    let peak_rss = proc_status_mib(pid, "VmHWM").unwrap_or(f64::NAN);
+    child.kill().await.ok();
+    child.wait().await.ok();
+    Ok(Resync {
+        secs,
+        writes,
+        peak_rss,
+    })
+}
+
+/// The sum of `controller_runtime_reconcile_total` for the MailgunCluster controller (both
+/// subjects name it `mailguncluster`), read from plain-HTTP metrics on `port`.
+async fn reconciles(port: u16) -> Option<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.ok()?;
+    let total = text
+        .lines()
+        .filter(|l| l.starts_with("controller_runtime_reconcile_total{"))
+        .filter(|l| label(l, "controller").eq_ignore_ascii_case("mailguncluster"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    Some(total)
 }
 
 #[tokio::main]
@@ -634,7 +903,12 @@ async fn main() -> anyhow::Result<()> {
     subjects.push(Subject::Provider);
 
     eprintln!("starting the local control plane");
-    let cp = ControlPlane::start(Options::default()).await?;
+    // Profiling on: the drain's API server CPU profile says where the time goes.
+    let cp = ControlPlane::start(Options {
+        apiserver_args: vec!["--profiling=true".into()],
+        ..Options::default()
+    })
+    .await?;
     let client = cp.client().await?;
     cp.install_capi_crds().await?;
 
@@ -661,6 +935,25 @@ async fn main() -> anyhow::Result<()> {
                 100.0 * peer.writes.ours / peer.secs / peer.ceiling,
                 provider.status_ceiling / peer.status_ceiling,
             );
+            println!(
+                "  {:<21} API server CPU per object {:.2}x   finished object size {:.2}x   status-patch ceiling, our CRD on new objects vs the peer's {:.2}x",
+                "",
+                (provider.server.cpu_seconds / provider.n as f64)
+                    / (peer.server.cpu_seconds / peer.n as f64),
+                provider.object_bytes / peer.object_bytes,
+                provider.fresh_status_ceiling.unwrap_or(f64::NAN) / peer.status_ceiling,
+            );
+            if let (Some(ours), Some(theirs)) = (&provider.resync, &peer.resync) {
+                println!(
+                    "  {:<21} resync {:.2}x faster ({:.2} s vs {:.2} s)   peak RSS after the restart {:.2}x   idle RSS {:.2}x",
+                    "",
+                    theirs.secs / ours.secs,
+                    ours.secs,
+                    theirs.secs,
+                    ours.peak_rss / theirs.peak_rss,
+                    provider.idle_rss / peer.idle_rss,
+                );
+            }
         }
     }
     for f in &figures {

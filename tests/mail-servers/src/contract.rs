@@ -471,10 +471,16 @@ fn bare(id: &str) -> &str {
     id.trim().trim_start_matches('<').trim_end_matches('>')
 }
 
-/// Every event of the domain as (timestamp, sequence, JSON), oldest first.
-fn all_events(store: &Store) -> Vec<(f64, u64, serde_json::Value)> {
+/// Every event of the domain as (timestamp, sequence, JSON), oldest first; only those of
+/// `message_id` when given (filtered before any JSON is built: a query about one message must
+/// not cost what the whole log costs, or a long benchmark measures this server).
+fn all_events(store: &Store, message_id: Option<&str>) -> Vec<(f64, u64, serde_json::Value)> {
+    let wanted = |id: &str| message_id.is_none_or(|w| bare(id) == bare(w));
     let mut out = Vec::new();
     for (n, m) in store.messages.iter().enumerate() {
+        if !wanted(&m.id) {
+            continue;
+        }
         let headers = json!({
             "message-id": bare(&m.id),
             "from": m.from,
@@ -497,7 +503,7 @@ fn all_events(store: &Store) -> Vec<(f64, u64, serde_json::Value)> {
             ));
         }
     }
-    for e in &store.events {
+    for e in store.events.iter().filter(|e| wanted(&e.id)) {
         let mut item = json!({
             "id": format!("ev-{}", e.seq),
             "timestamp": e.timestamp,
@@ -606,7 +612,7 @@ async fn events_page(
     let (items, size) = {
         let mut store = state.store();
         store.stats.events_requests += 1;
-        let mut all: Vec<_> = all_events(&store)
+        let mut all: Vec<_> = all_events(&store, query.message_id.as_deref())
             .into_iter()
             .map(|(_, _, item)| item)
             .filter(|item| matches(&query, begin, item))
