@@ -364,6 +364,8 @@ struct Figures {
     own_cpu: f64,
     /// The API server's CPU profile over the start of the drain.
     profiled: Option<profile::Summary>,
+    /// How long that profile ran.
+    profile_seconds: u64,
     /// Resident set at the end of the idle watch.
     idle_rss: f64,
     /// Its anonymous part (heap and stacks; the rest is mapped files, mostly the binary's code).
@@ -454,7 +456,7 @@ impl Figures {
         }
         self.server.print(self.n, self.secs);
         if let Some(p) = &self.profiled {
-            p.print(self.n);
+            p.print(self.profile_seconds, self.server.cpu_seconds / n);
         }
     }
 }
@@ -725,6 +727,7 @@ async fn run(
         server,
         own_cpu,
         profiled,
+        profile_seconds: args.profile_seconds,
         idle_rss,
         idle_rss_anon,
         resync,

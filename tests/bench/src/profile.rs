@@ -227,19 +227,20 @@ fn summarize(traces: &str) -> Summary {
 }
 
 impl Summary {
-    /// Prints the parts as shares of the profile and per object.
-    pub fn print(&self, objects: usize) {
+    /// Prints the parts as shares of the profile, and as CPU per object of the whole drain
+    /// (`cpu_per_object`, from the server's own counter: the profile may cover only its start).
+    pub fn print(&self, seconds: u64, cpu_per_object: f64) {
         println!(
-            "  API server CPU profile     {:.2} s sampled ({:.2} ms per object); share with a frame in:",
+            "  API server CPU profile     {:.2} s sampled over the drain's first {seconds} s; share with a frame in (and that share of the drain's CPU per object):",
             self.total,
-            1000.0 * self.total / objects as f64
         );
         for (name, sum) in &self.parts {
             if *sum > 0.0 {
+                let share = sum / self.total;
                 println!(
-                    "    {name:<32} {:>5.1}%  {:>6.3} ms/object",
-                    100.0 * sum / self.total,
-                    1000.0 * sum / objects as f64
+                    "    {name:<32} {:>5.1}%  {:>6.2} ms/object",
+                    100.0 * share,
+                    1000.0 * share * cpu_per_object
                 );
             }
         }
