@@ -983,6 +983,15 @@ impl Lane {
                 uid: o.uid().unwrap_or_default(),
             })
         };
+        // The mail server's copy is not the provider's knowledge: a backend that hangs stores
+        // the request and never answers, and the provider learns of it only when its own
+        // timeout and lookup end and it records the send (then shows it in status, its last
+        // write of the pass). Until then the object is still being worked on.
+        let recorded = |o: &DynamicObject| {
+            o.annotations()
+                .contains_key(capm_api::names::MAIL_SENT_ANNOTATION)
+                && o.data["status"]["mail"]["messageID"].is_string()
+        };
         let cluster_of = |m: &DynamicObject| {
             m.labels()
                 .get("cluster.x-k8s.io/cluster-name")
@@ -1059,6 +1068,10 @@ impl Lane {
                         o.uid().unwrap_or_default()
                     ));
                 }
+                Some(o) if !recorded(o) => missing.push(format!(
+                    "MailgunCluster {name} ({}) requested, not yet recorded by the provider",
+                    o.uid().unwrap_or_default()
+                )),
                 Some(_) if !provisioned => missing.push(format!("Cluster {name} not provisioned")),
                 Some(_) => {}
             }
@@ -1079,6 +1092,12 @@ impl Lane {
                 if o.metadata.deletion_timestamp.is_none() && !requested(Kind::Machine, o) {
                     missing.push(format!(
                         "MailgunMachine {} ({}) not requested",
+                        o.name_any(),
+                        o.uid().unwrap_or_default()
+                    ));
+                } else if o.metadata.deletion_timestamp.is_none() && !recorded(o) {
+                    missing.push(format!(
+                        "MailgunMachine {} ({}) requested, not yet recorded by the provider",
                         o.name_any(),
                         o.uid().unwrap_or_default()
                     ));
