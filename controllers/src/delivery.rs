@@ -90,16 +90,7 @@ pub(crate) async fn track<K: InfraKind>(
     }
     let backend = ctx.mailer.backend();
     if !ctx.mailer.tracks_delivery() {
-        let not_trackable = Shown {
-            status: "Unknown",
-            reason: reasons::NOT_TRACKABLE,
-            message: format!(
-                "the {backend} backend reports only that it accepted the mail; whether it \
-                 reached the recipients cannot be known"
-            ),
-            outcome: "not_trackable",
-        };
-        show(obj, ctx, status, &not_trackable, generation).await;
+        show(obj, ctx, status, &not_trackable(backend), generation).await;
         return None;
     }
     let now = Timestamp::now();
@@ -161,15 +152,7 @@ pub(crate) async fn track<K: InfraKind>(
             .delivery_status(&id, SystemTime::from(sent_at))
             .await
         {
-            Ok(Delivery::NotTrackable) => Some(Shown {
-                status: "Unknown",
-                reason: reasons::NOT_TRACKABLE,
-                message: format!(
-                    "the {backend} backend reports only that it accepted the mail; whether it \
-                     reached the recipients cannot be known"
-                ),
-                outcome: "not_trackable",
-            }),
+            Ok(Delivery::NotTrackable) => Some(not_trackable(backend)),
             Ok(Delivery::Delivered) => Some(Shown {
                 status: "True",
                 reason: reasons::DELIVERED,
@@ -218,6 +201,18 @@ pub(crate) async fn track<K: InfraKind>(
     }
     ctx.clear_mail(&mail_key);
     None
+}
+
+fn not_trackable(backend: &str) -> Shown {
+    Shown {
+        status: "Unknown",
+        reason: reasons::NOT_TRACKABLE,
+        message: format!(
+            "the {backend} backend reports only that it accepted the mail; whether it reached \
+             the recipients cannot be known"
+        ),
+        outcome: "not_trackable",
+    }
 }
 
 fn pending(backend: &str) -> Shown {
