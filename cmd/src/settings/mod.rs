@@ -157,8 +157,9 @@ pub struct Args {
     #[arg(long, env = "LOOKUP_GRACE", value_name = "DURATION", default_value = "10s", value_parser = duration)]
     pub lookup_grace: Duration,
 
-    /// First wait before asking the mail backend again whether a request mail was delivered;
-    /// doubles with each answer that leaves it open (Mailgun only; SMTP cannot tell).
+    /// Wait after the send before first asking the mail backend whether a request mail was
+    /// delivered (after a restart: spread over one such wait), doubling with each answer that
+    /// leaves it open (Mailgun only; SMTP cannot tell).
     #[arg(long, env = "DELIVERY_POLL_BASE", value_name = "DURATION", default_value = "30s", value_parser = duration)]
     pub delivery_poll_base: Duration,
 
