@@ -99,10 +99,6 @@ const PARTS: &[(&str, &[&str])] = &[
         ],
     ),
     ("allocation", &["runtime.mallocgc"]),
-    (
-        "Events (the events resource)",
-        &["pkg/registry/core/event", "pkg/apis/events"],
-    ),
 ];
 
 /// A profile summed by [`PARTS`].
