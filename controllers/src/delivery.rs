@@ -229,7 +229,7 @@ fn pending(backend: &str) -> Shown {
 /// "no report yet", and the question would sit on the reconcile's path), and, for mails found
 /// already older (this process just started or took over), spread over one `base` by the
 /// object's UID, so a restart does not ask about every open mail at once.
-pub(crate) fn first_question_in(base: Duration, elapsed: Duration, uid: &str) -> Duration {
+fn first_question_in(base: Duration, elapsed: Duration, uid: &str) -> Duration {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     uid.hash(&mut hasher);
