@@ -7,8 +7,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-started=$SECONDS
-say() { printf '\n\033[1m==> [%dm%02ds] %s\033[0m\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
+# shellcheck source=hack/demo-lib.sh
+. hack/demo-lib.sh
 die() {
   echo "demo-pods: $*" >&2
   if [ -n "${KUBECONFIG:-}" ]; then
@@ -26,26 +26,7 @@ capm_env=target/debug/capm-env
 kubectl=bin/kubectl
 image=capm.local/cluster-api-provider-mailgun:demo
 
-work=$(mktemp -d -t capm-demo-pods-XXXXXX)
-state="$work/control-plane"
-pids=()
-cleanup() {
-  set +e
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
-  "$capm_env" down --dir "$state" >/dev/null 2>&1
-  exec 4>&- 2>/dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_for() { # seconds, description, command...
-  local deadline=$((SECONDS + $1)) what=$2; shift 2
-  until "$@" >/dev/null 2>&1; do
-    [ $SECONDS -lt $deadline ] || die "timed out waiting for $what"
-    sleep 0.5
-  done
-}
+start_work demo-pods
 
 say "starting a control plane and a node; building the provider's image and importing it"
 eval "$("$capm_env" up --dir "$state" --capi-crds --node --timeout 180 \
@@ -71,6 +52,7 @@ mkfifo "$work/mailgun.in"
 MAILGUN_CONTRACT_API_KEY=$api_key target/debug/mailgun-contract-server --listen "$gateway:0" \
   --domain mg.example.com < "$work/mailgun.in" > "$work/mailgun.addr" 2> "$work/mailgun.log" &
 pids+=($!)
+input_fd=4
 exec 4> "$work/mailgun.in"
 wait_for 20 "the Mailgun contract server" test -s "$work/mailgun.addr"
 mailgun=$(head -1 "$work/mailgun.addr")

@@ -6,8 +6,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-started=$SECONDS
-say() { printf '\n\033[1m==> [%dm%02ds] %s\033[0m\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
+# shellcheck source=hack/demo-lib.sh
+. hack/demo-lib.sh
 die() { echo "demo: $*" >&2; exit 1; }
 
 say "building the provider and the local environment CLI (a fresh clone compiles every crate: minutes)"
@@ -16,28 +16,7 @@ capm_env=target/debug/capm-env
 provider=target/debug/cluster-api-provider-mailgun
 kubectl=bin/kubectl
 
-work=$(mktemp -d -t capm-demo-XXXXXX)
-state="$work/control-plane"
-pids=()
-cleanup() {
-  set +e
-  # The managers first, while the API server they talk to is still up: they stop in moments
-  # instead of retrying an absent server until their shutdown timeouts.
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
-  "$capm_env" down --dir "$state" >/dev/null 2>&1
-  exec 3>&- 2>/dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_for() { # seconds, description, command...
-  local deadline=$((SECONDS + $1)) what=$2; shift 2
-  until "$@" >/dev/null 2>&1; do
-    [ $SECONDS -lt $deadline ] || die "timed out waiting for $what"
-    sleep 0.5
-  done
-}
+start_work demo
 
 say "starting a local control plane (etcd, kube-apiserver, kube-controller-manager) with the Cluster API CRDs"
 eval "$("$capm_env" up --dir "$state" --capi-crds)"
@@ -64,6 +43,7 @@ mkdir -p "$work/mail"
 mkfifo "$work/smtp.in"
 python3 tests/mail-servers/smtp_server.py --dir "$work/mail" < "$work/smtp.in" > "$work/smtp.port" 2>"$work/smtp.log" &
 pids+=($!)
+input_fd=3
 exec 3> "$work/smtp.in"
 wait_for 20 "the SMTP server" test -s "$work/smtp.port"
 smtp_addr=$(head -1 "$work/smtp.port")
