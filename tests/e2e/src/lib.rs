@@ -254,6 +254,83 @@ pub async fn create_namespace(client: &kube::Client, name: &str, restricted: boo
     Ok(())
 }
 
+/// The API of any namespaced kind, by group, version and kind.
+pub fn dynamic_api(
+    client: &kube::Client,
+    namespace: &str,
+    group: &str,
+    version: &str,
+    kind: &str,
+) -> kube::Api<kube::api::DynamicObject> {
+    let gvk = kube::api::GroupVersionKind::gvk(group, version, kind);
+    kube::Api::namespaced_with(
+        client.clone(),
+        namespace,
+        &kube::api::ApiResource::from_gvk(&gvk),
+    )
+}
+
+/// An object of any kind: its name and namespace, and `spec`.
+///
+/// # Errors
+/// When the pieces do not make an object.
+pub fn dynamic_object(
+    api_version: &str,
+    kind: &str,
+    namespace: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<kube::api::DynamicObject> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }))?)
+}
+
+/// A MailgunCluster and the Cluster that names it in `spec.infrastructureRef`, as a user writes
+/// them: no owner references (Cluster API's core manager adds them).
+///
+/// # Errors
+/// When the API server refuses either.
+pub async fn create_cluster_pair(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    requester: &str,
+) -> Result<()> {
+    let post = kube::api::PostParams::default();
+    let infra = "infrastructure.cluster.x-k8s.io";
+    dynamic_api(client, namespace, infra, "v1beta1", "MailgunCluster")
+        .create(
+            &post,
+            &dynamic_object(
+                &format!("{infra}/v1beta1"),
+                "MailgunCluster",
+                namespace,
+                name,
+                serde_json::json!({"priority": "Urgent", "request": "One cluster please", "requester": requester}),
+            )?,
+        )
+        .await
+        .with_context(|| format!("creating MailgunCluster {namespace}/{name}"))?;
+    dynamic_api(client, namespace, "cluster.x-k8s.io", "v1beta2", "Cluster")
+        .create(
+            &post,
+            &dynamic_object(
+                "cluster.x-k8s.io/v1beta2",
+                "Cluster",
+                namespace,
+                name,
+                serde_json::json!({"infrastructureRef": {"apiGroup": infra, "kind": "MailgunCluster", "name": name}}),
+            )?,
+        )
+        .await
+        .with_context(|| format!("creating Cluster {namespace}/{name}"))?;
+    Ok(())
+}
+
 /// Creates the Secret `name` in `namespace` from `(key, value)` pairs of text.
 pub async fn create_secret(
     client: &kube::Client,

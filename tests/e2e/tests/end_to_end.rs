@@ -20,9 +20,10 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, chart_dir, create_namespace,
-    create_secret, eventually, free_port, helm, host_ip, https_get, promtool_check_metrics,
-    provider_binary, service_account_kubeconfig, start_capi_manager,
+    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, chart_dir, create_cluster_pair,
+    create_namespace, create_secret, dynamic_api, dynamic_object, eventually, free_port, helm,
+    host_ip, https_get, promtool_check_metrics, provider_binary, service_account_kubeconfig,
+    start_capi_manager,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::{ControlPlane, Options, pki::CertificateAuthority};
@@ -45,25 +46,6 @@ const RELEASE: &str = "capm";
 const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const USER_NS: &str = "team-a";
 const RECIPIENT: &str = "infrastructure-team@example.com";
-
-fn dynamic(client: &Client, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk(group, version, kind);
-    Api::namespaced_with(client.clone(), USER_NS, &ApiResource::from_gvk(&gvk))
-}
-
-fn object(
-    api_version: &str,
-    kind: &str,
-    name: &str,
-    spec: serde_json::Value,
-) -> Result<DynamicObject> {
-    Ok(serde_json::from_value(serde_json::json!({
-        "apiVersion": api_version,
-        "kind": kind,
-        "metadata": {"name": name, "namespace": USER_NS},
-        "spec": spec,
-    }))?)
-}
 
 /// Decodes a quoted-printable body (soft breaks and `=XX`); other bodies pass unchanged.
 fn body_text(mail: &ReceivedMail) -> String {
@@ -359,35 +341,15 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     smtp.fail_next(451, 2)?;
 
     // A Cluster and its MailgunCluster, as a user writes them: no owner references.
-    let clusters = dynamic(&admin, "cluster.x-k8s.io", "v1beta2", "Cluster");
-    let mailgun_clusters = dynamic(
+    create_cluster_pair(&admin, USER_NS, "e2e", "e2e@example.com").await?;
+    let clusters = dynamic_api(&admin, USER_NS, "cluster.x-k8s.io", "v1beta2", "Cluster");
+    let mailgun_clusters = dynamic_api(
         &admin,
+        USER_NS,
         "infrastructure.cluster.x-k8s.io",
         "v1beta1",
         "MailgunCluster",
     );
-    mailgun_clusters
-        .create(
-            &PostParams::default(),
-            &object(
-                "infrastructure.cluster.x-k8s.io/v1beta1",
-                "MailgunCluster",
-                "e2e",
-                serde_json::json!({"priority": "Urgent", "request": "One cluster please", "requester": "e2e@example.com"}),
-            )?,
-        )
-        .await?;
-    clusters
-        .create(
-            &PostParams::default(),
-            &object(
-                "cluster.x-k8s.io/v1beta2",
-                "Cluster",
-                "e2e",
-                serde_json::json!({"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MailgunCluster", "name": "e2e"}}),
-            )?,
-        )
-        .await?;
 
     let wait = Duration::from_secs(120);
     let request = eventually(wait, "the cluster request mail", || async {
@@ -439,9 +401,10 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     .await?;
 
     // A Machine: waits for the Cluster's infrastructure (now ready) and its bootstrap data.
-    let machines = dynamic(&admin, "cluster.x-k8s.io", "v1beta2", "Machine");
-    let mailgun_machines = dynamic(
+    let machines = dynamic_api(&admin, USER_NS, "cluster.x-k8s.io", "v1beta2", "Machine");
+    let mailgun_machines = dynamic_api(
         &admin,
+        USER_NS,
         "infrastructure.cluster.x-k8s.io",
         "v1beta1",
         "MailgunMachine",
@@ -449,9 +412,10 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     mailgun_machines
         .create(
             &PostParams::default(),
-            &object(
+            &dynamic_object(
                 "infrastructure.cluster.x-k8s.io/v1beta1",
                 "MailgunMachine",
+                USER_NS,
                 "e2e-cp-0",
                 serde_json::json!({"priority": "Urgent", "request": "A control plane node please", "requester": "e2e@example.com"}),
             )?,
@@ -460,9 +424,10 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     machines
         .create(
             &PostParams::default(),
-            &object(
+            &dynamic_object(
                 "cluster.x-k8s.io/v1beta2",
                 "Machine",
+                USER_NS,
                 "e2e-cp-0",
                 serde_json::json!({
                     "clusterName": "e2e",
@@ -502,8 +467,9 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     .await?;
 
     // The API server converts through the chart's Service, EndpointSlice and certificate.
-    let old = dynamic(
+    let old = dynamic_api(
         &admin,
+        USER_NS,
         "infrastructure.cluster.x-k8s.io",
         "v1alpha1",
         "MailgunCluster",

@@ -19,19 +19,20 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    Prometheus, chart_dir, create_namespace, create_secret, eventually, helm, provider_binary,
-    start_capi_manager,
+    Prometheus, chart_dir, create_cluster_pair, create_namespace, create_secret, dynamic_api,
+    eventually, helm, provider_binary, start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options};
 use k8s_openapi::api::{apps::v1::Deployment, coordination::v1::Lease, core::v1::Pod};
 use kube::{
-    Api, Client,
-    api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams},
+    Api,
+    api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams},
 };
 
 const NS: &str = "capm-system";
 const USER_NS: &str = "team-a";
+const REQUESTER: &str = "pods@example.com";
 const RELEASE: &str = "capm";
 const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const IMAGE_REPOSITORY: &str = "capm.local/cluster-api-provider-mailgun";
@@ -53,60 +54,6 @@ fn is_root() -> bool {
                 .map(|l| l.split_whitespace().nth(2) == Some("0"))
         })
         .unwrap_or(false)
-}
-
-fn dynamic(client: &Client, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk(group, version, kind);
-    Api::namespaced_with(client.clone(), USER_NS, &ApiResource::from_gvk(&gvk))
-}
-
-fn object(
-    api_version: &str,
-    kind: &str,
-    name: &str,
-    spec: serde_json::Value,
-) -> Result<DynamicObject> {
-    Ok(serde_json::from_value(serde_json::json!({
-        "apiVersion": api_version,
-        "kind": kind,
-        "metadata": {"name": name, "namespace": USER_NS},
-        "spec": spec,
-    }))?)
-}
-
-/// A MailgunCluster and the Cluster that points at it, as a user writes them (Cluster API's
-/// core manager adds the owner reference).
-async fn create_pair(client: &Client, name: &str) -> Result<()> {
-    let mailgun_clusters = dynamic(
-        client,
-        "infrastructure.cluster.x-k8s.io",
-        "v1beta1",
-        "MailgunCluster",
-    );
-    let clusters = dynamic(client, "cluster.x-k8s.io", "v1beta2", "Cluster");
-    mailgun_clusters
-        .create(
-            &PostParams::default(),
-            &object(
-                "infrastructure.cluster.x-k8s.io/v1beta1",
-                "MailgunCluster",
-                name,
-                serde_json::json!({"priority": "Urgent", "request": "One cluster please", "requester": "pods@example.com"}),
-            )?,
-        )
-        .await?;
-    clusters
-        .create(
-            &PostParams::default(),
-            &object(
-                "cluster.x-k8s.io/v1beta2",
-                "Cluster",
-                name,
-                serde_json::json!({"infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MailgunCluster", "name": name}}),
-            )?,
-        )
-        .await?;
-    Ok(())
 }
 
 /// Mails per Cluster name (from the subject "New Cluster <name> requested").
@@ -369,9 +316,10 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     println!("leader: {first_leader}");
 
     // The API server converts through the chart's webhook Service (endpoints: the Pods).
-    create_pair(&admin, "first").await?;
-    let old = dynamic(
+    create_cluster_pair(&admin, USER_NS, "first", REQUESTER).await?;
+    let old = dynamic_api(
         &admin,
+        USER_NS,
         "infrastructure.cluster.x-k8s.io",
         "v1alpha1",
         "MailgunCluster",
@@ -448,7 +396,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     let mut during = Vec::new();
     for i in 0..5 {
         let name = format!("failover-{i}");
-        create_pair(&admin, &name).await?;
+        create_cluster_pair(&admin, USER_NS, &name, REQUESTER).await?;
         during.push(name);
     }
     // The deleted leader releases the Lease as it stops; whichever live Pod asks first takes
@@ -513,7 +461,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         min_ready = min_ready.min(list.iter().filter(|p| ready(p)).count());
         if round < 5 {
             let name = format!("upgrade-{round}");
-            create_pair(&admin, &name).await?;
+            create_cluster_pair(&admin, USER_NS, &name, REQUESTER).await?;
             all.push(name);
         }
         round += 1;
@@ -551,7 +499,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     let mut batch = Vec::new();
     for i in 0..many {
         let name = format!("many-{i}");
-        create_pair(&admin, &name).await?;
+        create_cluster_pair(&admin, USER_NS, &name, REQUESTER).await?;
         batch.push(name);
     }
     println!(
