@@ -27,6 +27,19 @@ cleanup() {
   rm -rf "$work"
 }
 
+# The Cluster API core manager on the host, against $KUBECONFIG, with a throw-away webhook
+# certificate; its log is $work/capi-manager.log.
+start_capi_manager() {
+  mkdir -p "$work/capi-certs"
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 -subj /CN=localhost \
+    -keyout "$work/capi-certs/tls.key" -out "$work/capi-certs/tls.crt" 2>/dev/null
+  bin/capi-manager --kubeconfig "$KUBECONFIG" --leader-elect=false \
+    --webhook-port "$(free_port)" --webhook-cert-dir "$work/capi-certs" \
+    --health-addr "127.0.0.1:$(free_port)" --diagnostics-address "127.0.0.1:$(free_port)" --insecure-diagnostics \
+    > "$work/capi-manager.log" 2>&1 &
+  pids+=($!)
+}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 wait_for() { # seconds, description, command...

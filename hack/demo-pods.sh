@@ -35,14 +35,7 @@ eval "$("$capm_env" up --dir "$state" --capi-crds --node --timeout 180 \
 gateway=$(sed -n 's|^ *server: https://\([0-9.]*\):.*|\1|p' "$KUBECONFIG" | head -1)
 
 say "starting the Cluster API core manager"
-mkdir -p "$work/capi-certs"
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 -subj /CN=localhost \
-  -keyout "$work/capi-certs/tls.key" -out "$work/capi-certs/tls.crt" 2>/dev/null
-bin/capi-manager --kubeconfig "$KUBECONFIG" --leader-elect=false \
-  --webhook-port "$(free_port)" --webhook-cert-dir "$work/capi-certs" \
-  --health-addr "127.0.0.1:$(free_port)" --diagnostics-address "127.0.0.1:$(free_port)" --insecure-diagnostics \
-  > "$work/capi-manager.log" 2>&1 &
-pids+=($!)
+start_capi_manager
 
 say "starting the Mailgun contract server on the node's bridge ($gateway), where Pods reach it"
 api_key="key-demo-$RANDOM$RANDOM"

@@ -27,14 +27,7 @@ say "installing the provider's CRDs"
 "$kubectl" wait --for condition=established --timeout=60s -f config/crd/ >/dev/null
 
 say "starting the Cluster API core manager ($(bin/capi-manager --version 2>/dev/null | head -1 || echo v1.14))"
-mkdir -p "$work/capi-certs"
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 -subj /CN=localhost \
-  -keyout "$work/capi-certs/tls.key" -out "$work/capi-certs/tls.crt" 2>/dev/null
-bin/capi-manager --kubeconfig "$KUBECONFIG" --leader-elect=false \
-  --webhook-port "$(free_port)" --webhook-cert-dir "$work/capi-certs" \
-  --health-addr "127.0.0.1:$(free_port)" --diagnostics-address "127.0.0.1:$(free_port)" --insecure-diagnostics \
-  > "$work/capi-manager.log" 2>&1 &
-pids+=($!)
+start_capi_manager
 
 say "starting an SMTP server on loopback"
 mkdir -p "$work/mail"
