@@ -23,6 +23,26 @@ pub fn chart_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/cluster-api-provider-mailgun")
 }
 
+/// `helm <verb> <release> <this project's chart> -n <namespace> -f <values> <extra...>`, the verb
+/// `install` or `upgrade`.
+///
+/// # Errors
+/// As [`helm`].
+pub fn helm_chart(
+    kubeconfig: &Path,
+    verb: &str,
+    release: &str,
+    namespace: &str,
+    values: &Path,
+    extra: &[&str],
+) -> Result<String> {
+    let (chart, values) = (chart_dir(), values.to_string_lossy());
+    let chart = chart.to_string_lossy();
+    let mut args = vec![verb, release, &chart, "-n", namespace, "-f", &values];
+    args.extend_from_slice(extra);
+    helm(Some(kubeconfig), &args)
+}
+
 /// Runs `helm` (the one `make tools` built) against `kubeconfig` (or none) and returns stdout.
 ///
 /// # Errors

@@ -20,10 +20,10 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, chart_dir, create_cluster_pair,
-    create_namespace, create_secret, dynamic_api, dynamic_object, eventually, free_port, helm,
-    host_ip, https_get, promtool_check_metrics, provider_binary, service_account_kubeconfig,
-    start_capi_manager,
+    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, create_cluster_pair,
+    create_namespace, create_secret, dynamic_api, dynamic_object, eventually, free_port,
+    helm_chart, host_ip, https_get, promtool_check_metrics, provider_binary,
+    service_account_kubeconfig, start_capi_manager,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::{ControlPlane, Options, pki::CertificateAuthority};
@@ -312,19 +312,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
             smtp.url()
         ),
     )?;
-    let chart = chart_dir();
-    helm(
-        Some(cp.kubeconfig()),
-        &[
-            "install",
-            RELEASE,
-            &chart.to_string_lossy(),
-            "-n",
-            NS,
-            "-f",
-            &values.to_string_lossy(),
-        ],
-    )?;
+    helm_chart(cp.kubeconfig(), "install", RELEASE, NS, &values, &[])?;
 
     // The provider as the chart's ServiceAccount, the core manager as Cluster API.
     let sa_kubeconfig = service_account_kubeconfig(&cp, NS, FULLNAME, dir)?;

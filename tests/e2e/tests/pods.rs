@@ -19,8 +19,8 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    Prometheus, chart_dir, create_cluster_pair, create_namespace, create_secret, dynamic_api,
-    eventually, helm, provider_binary, start_capi_manager,
+    Prometheus, create_cluster_pair, create_namespace, create_secret, dynamic_api, eventually,
+    helm, helm_chart, provider_binary, start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options};
@@ -258,20 +258,8 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     )?;
     // Cluster API's core manager, on the host (it is not what this test is about).
     let _capi = start_capi_manager(cp.kubeconfig(), dir)?;
-    let chart = chart_dir();
     let t = Instant::now();
-    helm(
-        Some(cp.kubeconfig()),
-        &[
-            "install",
-            RELEASE,
-            &chart.to_string_lossy(),
-            "-n",
-            NS,
-            "-f",
-            &values.to_string_lossy(),
-        ],
-    )?;
+    helm_chart(cp.kubeconfig(), "install", RELEASE, NS, &values, &[])?;
 
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
     let running = eventually(
@@ -439,19 +427,13 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     // A rolling upgrade changing a value: the Deployment never has fewer Ready Pods than the
     // PDB's minAvailable (1), and no mail is lost or doubled.
     let t = Instant::now();
-    helm(
-        Some(cp.kubeconfig()),
-        &[
-            "upgrade",
-            RELEASE,
-            &chart.to_string_lossy(),
-            "-n",
-            NS,
-            "-f",
-            &values.to_string_lossy(),
-            "--set",
-            "logging.level=debug",
-        ],
+    helm_chart(
+        cp.kubeconfig(),
+        "upgrade",
+        RELEASE,
+        NS,
+        &values,
+        &["--set", "logging.level=debug"],
     )?;
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NS);
     let mut min_ready = usize::MAX;
