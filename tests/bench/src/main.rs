@@ -47,6 +47,7 @@ use kube::{
 };
 use serde_json::json;
 
+mod floor;
 mod profile;
 mod resync;
 
@@ -88,6 +89,9 @@ struct Args {
     /// Writes per ceiling measurement (each concurrency and mix).
     #[arg(long, default_value_t = 1000)]
     ceiling_writes: usize,
+    /// Pairs over which the memory floor of kube-runtime's stores is measured (0: not measured).
+    #[arg(long, default_value_t = 20_000)]
+    floor_pairs: usize,
     /// Where the API server's CPU profiles are written.
     #[arg(long, default_value = "target/bench")]
     profile_dir: PathBuf,
@@ -371,6 +375,8 @@ struct Figures {
     idle_rss: f64,
     /// Its anonymous part (heap and stacks; the rest is mapped files, mostly the binary's code).
     idle_rss_anon: f64,
+    /// Peak and final resident set after running with no objects at all.
+    empty_rss: (f64, f64),
     /// The restart over the finished backlog.
     resync: Option<resync::Resync>,
     /// Mean size of a finished object as JSON, `managedFields` included.
@@ -414,6 +420,10 @@ impl Figures {
         println!(
             "  peak RSS                   {:.1} MiB ({:.1} MiB resident after the idle watch, {:.1} MiB of it anonymous)",
             self.peak_rss, self.idle_rss, self.idle_rss_anon
+        );
+        println!(
+            "  RSS with nothing to do     {:.1} MiB peak, {:.1} MiB after {EMPTY_SECONDS} s (no objects of its kind)",
+            self.empty_rss.0, self.empty_rss.1
         );
         println!(
             "  API writes while idle      {} to our objects, {} Events in {} s ({} in all: the control plane's own)",
@@ -569,6 +579,35 @@ fn spawn(
         .with_context(|| format!("starting the {}", subject.label()))
 }
 
+/// Seconds the subject runs with nothing to do before its resident set is read.
+const EMPTY_SECONDS: u64 = 10;
+
+/// The subject's resident set (peak, and at the end) after [`EMPTY_SECONDS`] with no objects:
+/// its CRD installed, nothing of its kind in the cluster.
+async fn empty_rss(
+    subject: Subject,
+    args: &Args,
+    mailgun: &MailgunServer,
+    cp: &ControlPlane,
+) -> anyhow::Result<(f64, f64)> {
+    let mut child = spawn(subject, args, mailgun, cp.kubeconfig(), None)?;
+    let pid = child.id().context("pid")?;
+    tokio::time::sleep(Duration::from_secs(EMPTY_SECONDS)).await;
+    if let Some(status) = child.try_wait()? {
+        bail!(
+            "the {} exited with nothing to do: {status}",
+            subject.label()
+        );
+    }
+    let rss = (
+        proc_status_mib(pid, "VmHWM").unwrap_or(f64::NAN),
+        proc_status_mib(pid, "VmRSS").unwrap_or(f64::NAN),
+    );
+    child.kill().await.ok();
+    child.wait().await.ok();
+    Ok(rss)
+}
+
 async fn run(
     cp: &ControlPlane,
     client: &Client,
@@ -591,8 +630,9 @@ async fn run(
         "--for=condition=Established",
         &format!("crd/{MGC_CRD}"),
     ])?;
-    create_backlog(client, subject, n, cp).await?;
     let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
+    let empty = empty_rss(subject, args, &mailgun, cp).await?;
+    create_backlog(client, subject, n, cp).await?;
 
     let writes_before = api_writes(client).await?;
     let server_before = profile::server_counters(client).await?;
@@ -611,7 +651,7 @@ async fn run(
     tokio::time::sleep(Duration::from_secs(2)).await;
     let writes = api_writes(client).await? - writes_before;
     let server = profile::server_counters(client).await? - server_before;
-    let object_bytes = mean_object_bytes(client, subject).await?;
+    let object_bytes = mean_object_bytes(client, subject, &args.profile_dir).await?;
     let own_cpu = proc_cpu_seconds(pid).unwrap_or(f64::NAN);
     let profiled = match cpu_profile {
         Some(task) => {
@@ -731,6 +771,7 @@ async fn run(
         profile_seconds: args.profile_seconds,
         idle_rss,
         idle_rss_anon,
+        empty_rss: empty,
         resync,
         object_bytes,
         fresh_status_ceiling,
@@ -783,8 +824,9 @@ async fn fresh_status_ceiling(
 }
 
 /// The mean size of the subject's objects as JSON, `managedFields` included: what the API
-/// server decodes, patches, validates, encodes and stores on every write.
-async fn mean_object_bytes(client: &Client, subject: Subject) -> anyhow::Result<f64> {
+/// server decodes, patches, validates, encodes and stores on every write. One of them is saved,
+/// pretty-printed, as `<dir>/<namespace>-object.json`, to read where the bytes go.
+async fn mean_object_bytes(client: &Client, subject: Subject, dir: &Path) -> anyhow::Result<f64> {
     let api: Api<DynamicObject> = Api::namespaced_with(
         client.clone(),
         &subject.namespace(),
@@ -796,6 +838,12 @@ async fn mean_object_bytes(client: &Client, subject: Subject) -> anyhow::Result<
         .iter()
         .map(|o| serde_json::to_vec(o).map_or(0, |v| v.len()))
         .sum();
+    if let Some(one) = list.items.first() {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join(format!("{}-object.json", subject.namespace()));
+        std::fs::write(&path, serde_json::to_vec_pretty(one)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(total as f64 / list.items.len().max(1) as f64)
 }
 
@@ -820,6 +868,11 @@ async fn main() -> anyhow::Result<()> {
         None => eprintln!("no --peer (CAPM_PEER_BIN): the provider runs alone, without ratios"),
     }
     subjects.push(Subject::Provider);
+
+    // First, before anything else grows this process: the stores' floor.
+    let floor = (args.floor_pairs > 0)
+        .then(|| floor::measure(args.floor_pairs))
+        .transpose()?;
 
     eprintln!("starting the local control plane");
     // Profiling on: the drain's API server CPU profile says where the time goes.
@@ -873,6 +926,35 @@ async fn main() -> anyhow::Result<()> {
                     provider.idle_rss / peer.idle_rss,
                 );
             }
+        }
+    }
+    if let Some(floor) = floor {
+        println!(
+            "== memory floor: kube-runtime's reflector stores (measured in this process over {} pairs)",
+            floor.pairs
+        );
+        println!(
+            "  a Cluster + MailgunCluster pair with only a name, namespace, UID and resourceVersion: {:.0} bytes in the two stores",
+            floor.bytes_per_pair
+        );
+        println!(
+            "  the same stores holding finished pairs as the provider caches them: {:.0} bytes per pair",
+            floor.finished_bytes_per_pair
+        );
+        let smallest_peer = figures[..figures.len() - 1]
+            .iter()
+            .map(|f| f.peak_rss)
+            .fold(f64::NAN, f64::min);
+        if smallest_peer.is_finite() {
+            let bar = smallest_peer / 3.0;
+            let room = (bar - provider.empty_rss.0) * 1024.0 * 1024.0 / provider.n as f64;
+            println!(
+                "  the RSS bar at N={}: {bar:.1} MiB (a third of the smaller peer peak); the provider with nothing to do peaks at {:.1} MiB, leaving {room:.0} bytes per pair: the stores' floor alone is {:.2}x that, the stores with finished pairs {:.2}x",
+                provider.n,
+                provider.empty_rss.0,
+                floor.bytes_per_pair / room,
+                floor.finished_bytes_per_pair / room
+            );
         }
     }
     for f in &figures {

@@ -1,0 +1,235 @@
+//! The memory floor of kube-runtime's caches: what two reflector stores (the provider's
+//! `MailgunCluster` cache and its `Cluster` cache) cost per Cluster + MailgunCluster pair when
+//! the objects carry nothing but a name, a namespace, a UID and a `resourceVersion`.
+//!
+//! Measured in this process, on the resident set (so the allocator's own overhead counts, as it
+//! does for the provider): `pairs` objects of each kind are applied to a `Writer` the way the
+//! reflector applies watch events, and the growth of `VmRSS` is divided by `pairs`. Every
+//! `Store<K>` entry holds an `Arc<K>` (the typed object with its whole `ObjectMeta`), an
+//! `ObjectRef` key with its own copies of the name, namespace, UID and `resourceVersion`, and a
+//! hash-table slot; a controller's cache cannot be smaller than that per object, whatever it
+//! trims.
+
+use kube::{
+    CustomResource,
+    api::ObjectMeta,
+    runtime::{reflector, watcher},
+};
+use serde::{Deserialize, Serialize};
+
+/// A `Cluster` with no fields (the provider's partial type holds a few more).
+#[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize)]
+#[kube(
+    group = "cluster.x-k8s.io",
+    version = "v1beta2",
+    kind = "Cluster",
+    namespaced,
+    schema = "disabled"
+)]
+pub struct ClusterSpec {}
+
+/// The floor, in bytes per pair.
+pub struct Floor {
+    /// Pairs measured.
+    pub pairs: usize,
+    /// Resident bytes per pair for the two stores, objects with names only.
+    pub bytes_per_pair: f64,
+    /// The same with objects as the provider caches a finished pair (its trimmed
+    /// `MailgunCluster`: records, finalizer, owner, spec, five conditions, `status.mail`; the
+    /// partial `Cluster` with its infrastructure reference).
+    pub finished_bytes_per_pair: f64,
+}
+
+/// The fields of `Cluster` the provider caches.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Ref {
+    api_group: String,
+    kind: String,
+    name: String,
+}
+
+/// A `Cluster` with the fields the provider caches.
+#[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize)]
+#[kube(
+    group = "cluster.x-k8s.io",
+    version = "v1beta2",
+    kind = "PartialCluster",
+    namespaced,
+    schema = "disabled"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PartialClusterSpec {
+    paused: Option<bool>,
+    infrastructure_ref: Option<Ref>,
+}
+
+/// A finished `MailgunCluster` as the provider's cache keeps it (the shape of
+/// `target/bench/bench-provider-object.json` after the cache's trimming), for object `i`.
+fn finished(i: usize) -> serde_json::Value {
+    let uid = format!("00000000-0000-4000-8000-{i:012}");
+    let id = format!("<mailguncluster.{uid}@mg.bench.example.com>");
+    let at = |ms: usize| {
+        format!(
+            "2026-11-23T19:36:55.{:09}Z",
+            (i * 7919 + ms) % 1_000_000_000
+        )
+    };
+    let condition = |type_: &str, status: &str, reason: &str, message: &str| {
+        serde_json::json!({
+            "lastTransitionTime": "2026-11-23T19:36:55Z", "message": message,
+            "observedGeneration": 1, "reason": reason, "status": status, "type": type_,
+        })
+    };
+    let waiting = "mailed; waiting for a human to fulfil the request";
+    serde_json::json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+        "kind": "MailgunCluster",
+        "metadata": {
+            "annotations": {
+                "mailgun.infrastructure.cluster.x-k8s.io/mail-intent": serde_json::json!({
+                    "messageId": id, "writer": "vm", "at": at(1), "state": "sending"
+                }).to_string(),
+                "mailgun.infrastructure.cluster.x-k8s.io/mail-sent": serde_json::json!({
+                    "messageId": id, "backendId": id, "at": at(2)
+                }).to_string(),
+            },
+            "creationTimestamp": "2026-11-23T19:36:55Z",
+            "finalizers": ["mailguncluster.infrastructure.cluster.x-k8s.io"],
+            "generation": 1,
+            "name": format!("bench-{i:05}"),
+            "namespace": "bench-provider",
+            "ownerReferences": [{
+                "apiVersion": "cluster.x-k8s.io/v1beta2", "blockOwnerDeletion": true,
+                "controller": true, "kind": "Cluster", "name": format!("bench-{i:05}"),
+                "uid": format!("00000000-0000-4000-9000-{i:012}"),
+            }],
+            "resourceVersion": format!("{}", 100_000 + i),
+            "uid": uid,
+        },
+        "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "bench@example.com" },
+        "status": {
+            "conditions": [
+                condition("Paused", "False", "NotPaused", ""),
+                condition("MailSent", "True", "MailSent", &format!("request mailed as {id}")),
+                condition("MailDelivered", "Unknown", "DeliveryPending", "mailgun accepted the mail; no delivery report yet"),
+                condition("Provisioned", "False", "WaitingForFulfillment", waiting),
+                condition("Ready", "False", "WaitingForFulfillment", waiting),
+            ],
+            "mail": { "messageID": id, "sentAt": "2026-11-23T19:36:55Z", "state": "Sent" },
+            "observedGeneration": 1,
+        },
+    })
+}
+
+fn rss_bytes() -> anyhow::Result<f64> {
+    let statm = std::fs::read_to_string("/proc/self/statm")?;
+    let pages: f64 = statm
+        .split_whitespace()
+        .nth(1)
+        .ok_or_else(|| anyhow::anyhow!("no resident field in /proc/self/statm"))?
+        .parse()?;
+    Ok(pages * 4096.0)
+}
+
+fn meta(i: usize) -> ObjectMeta {
+    ObjectMeta {
+        // Names, UIDs and versions of the lengths the bench's objects have.
+        name: Some(format!("bench-{i:05}")),
+        namespace: Some("bench-provider".into()),
+        uid: Some(format!("00000000-0000-4000-8000-{i:012}")),
+        resource_version: Some(format!("{}", 100_000 + i)),
+        ..ObjectMeta::default()
+    }
+}
+
+/// Measures the floor over `pairs` pairs, and the same stores holding finished pairs.
+///
+/// # Errors
+/// When `/proc/self/statm` cannot be read, or an object cannot be built.
+pub fn measure(pairs: usize) -> anyhow::Result<Floor> {
+    // Each measurement's stores stay alive until both are done, so the second does not grow
+    // into memory the first freed.
+    let (bytes_per_pair, _minimal) = minimal(pairs)?;
+    let (finished_bytes_per_pair, _finished) = with_finished_objects(pairs)?;
+    Ok(Floor {
+        pairs,
+        bytes_per_pair,
+        finished_bytes_per_pair,
+    })
+}
+
+/// The stores a measurement filled, kept alive by the caller.
+type Kept = (Box<dyn std::any::Any>, Box<dyn std::any::Any>);
+
+fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
+    let (mgc_reader, mut mgc_writer) = reflector::store::<capm_api::v1beta1::MailgunCluster>();
+    let (cluster_reader, mut cluster_writer) = reflector::store::<PartialCluster>();
+    let warm = 1000;
+    let mut before = 0.0;
+    for i in 0..warm + pairs {
+        if i == warm {
+            before = rss_bytes()?;
+        }
+        let mgc: capm_api::v1beta1::MailgunCluster = serde_json::from_value(finished(i))?;
+        mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc));
+        let mut cluster = PartialCluster::new(
+            &format!("bench-{i:05}"),
+            PartialClusterSpec {
+                paused: None,
+                infrastructure_ref: Some(Ref {
+                    api_group: "infrastructure.cluster.x-k8s.io".into(),
+                    kind: "MailgunCluster".into(),
+                    name: format!("bench-{i:05}"),
+                }),
+            },
+        );
+        cluster.metadata = meta(i);
+        cluster.metadata.generation = Some(1);
+        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
+    }
+    let after = rss_bytes()?;
+    anyhow::ensure!(
+        mgc_reader.state().len() == warm + pairs && cluster_reader.state().len() == warm + pairs,
+        "the stores do not hold every object"
+    );
+    Ok((
+        (after - before) / pairs as f64,
+        (Box::new(mgc_writer), Box::new(cluster_writer)),
+    ))
+}
+
+fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
+    let (mgc_reader, mut mgc_writer) = reflector::store::<capm_api::v1beta1::MailgunCluster>();
+    let (cluster_reader, mut cluster_writer) = reflector::store::<Cluster>();
+    // A first small batch, so what grows once (the tables' first allocation, the allocator's
+    // arenas) is not counted per pair.
+    let warm = 1000;
+    let mut before = 0.0;
+    for i in 0..warm + pairs {
+        if i == warm {
+            before = rss_bytes()?;
+        }
+        let mut mgc: capm_api::v1beta1::MailgunCluster =
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+                "kind": "MailgunCluster",
+                "metadata": {},
+                "spec": { "priority": "Urgent", "request": "", "requester": "a@example.com" },
+            }))?;
+        mgc.metadata = meta(i);
+        mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc));
+        let mut cluster = Cluster::new("", ClusterSpec {});
+        cluster.metadata = meta(i);
+        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
+    }
+    let after = rss_bytes()?;
+    anyhow::ensure!(
+        mgc_reader.state().len() == warm + pairs && cluster_reader.state().len() == warm + pairs,
+        "the stores do not hold every object"
+    );
+    Ok((
+        (after - before) / pairs as f64,
+        (Box::new(mgc_writer), Box::new(cluster_writer)),
+    ))
+}
