@@ -10,23 +10,13 @@
 //! hash-table slot; a controller's cache cannot be smaller than that per object, whatever it
 //! trims.
 
+use capm_api::v1beta1::MailgunCluster;
 use kube::{
-    CustomResource,
+    CustomResource, Resource,
     api::ObjectMeta,
     runtime::{reflector, watcher},
 };
 use serde::{Deserialize, Serialize};
-
-/// A `Cluster` with no fields (the provider's partial type holds a few more).
-#[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize)]
-#[kube(
-    group = "cluster.x-k8s.io",
-    version = "v1beta2",
-    kind = "Cluster",
-    namespaced,
-    schema = "disabled"
-)]
-pub struct ClusterSpec {}
 
 /// The floor, in bytes per pair.
 pub struct Floor {
@@ -49,17 +39,17 @@ pub struct Ref {
     name: String,
 }
 
-/// A `Cluster` with the fields the provider caches.
+/// A `Cluster` with the fields the provider caches (left empty for the minimal pairs).
 #[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize)]
 #[kube(
     group = "cluster.x-k8s.io",
     version = "v1beta2",
-    kind = "PartialCluster",
+    kind = "Cluster",
     namespaced,
     schema = "disabled"
 )]
 #[serde(rename_all = "camelCase")]
-pub struct PartialClusterSpec {
+pub struct ClusterSpec {
     paused: Option<bool>,
     infrastructure_ref: Option<Ref>,
 }
@@ -163,65 +153,71 @@ pub fn measure(pairs: usize) -> anyhow::Result<Floor> {
 type Kept = (Box<dyn std::any::Any>, Box<dyn std::any::Any>);
 
 fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
-    let (mgc_reader, mut mgc_writer) = reflector::store::<capm_api::v1beta1::MailgunCluster>();
-    let (cluster_reader, mut cluster_writer) = reflector::store::<PartialCluster>();
-    let warm = 1000;
-    let mut before = 0.0;
-    for i in 0..warm + pairs {
-        if i == warm {
-            before = rss_bytes()?;
-        }
-        let mgc: capm_api::v1beta1::MailgunCluster = serde_json::from_value(finished(i))?;
-        mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc));
-        let mut cluster = PartialCluster::new(
-            &format!("bench-{i:05}"),
-            PartialClusterSpec {
-                paused: None,
-                infrastructure_ref: Some(Ref {
-                    api_group: "infrastructure.cluster.x-k8s.io".into(),
-                    kind: "MailgunCluster".into(),
-                    name: format!("bench-{i:05}"),
-                }),
-            },
-        );
-        cluster.metadata = meta(i);
-        cluster.metadata.generation = Some(1);
-        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
-    }
-    let after = rss_bytes()?;
-    anyhow::ensure!(
-        mgc_reader.state().len() == warm + pairs && cluster_reader.state().len() == warm + pairs,
-        "the stores do not hold every object"
-    );
-    Ok((
-        (after - before) / pairs as f64,
-        (Box::new(mgc_writer), Box::new(cluster_writer)),
-    ))
+    fill(
+        pairs,
+        |i| Ok(serde_json::from_value(finished(i))?),
+        |i| {
+            let mut cluster = Cluster::new(
+                &format!("bench-{i:05}"),
+                ClusterSpec {
+                    paused: None,
+                    infrastructure_ref: Some(Ref {
+                        api_group: "infrastructure.cluster.x-k8s.io".into(),
+                        kind: "MailgunCluster".into(),
+                        name: format!("bench-{i:05}"),
+                    }),
+                },
+            );
+            cluster.metadata = meta(i);
+            cluster.metadata.generation = Some(1);
+            cluster
+        },
+    )
 }
 
 fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
-    let (mgc_reader, mut mgc_writer) = reflector::store::<capm_api::v1beta1::MailgunCluster>();
-    let (cluster_reader, mut cluster_writer) = reflector::store::<Cluster>();
-    // A first small batch, so what grows once (the tables' first allocation, the allocator's
-    // arenas) is not counted per pair.
-    let warm = 1000;
-    let mut before = 0.0;
-    for i in 0..warm + pairs {
-        if i == warm {
-            before = rss_bytes()?;
-        }
-        let mut mgc: capm_api::v1beta1::MailgunCluster =
-            serde_json::from_value(serde_json::json!({
+    fill(
+        pairs,
+        |i| {
+            let mut mgc: MailgunCluster = serde_json::from_value(serde_json::json!({
                 "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
                 "kind": "MailgunCluster",
                 "metadata": {},
                 "spec": { "priority": "Urgent", "request": "", "requester": "a@example.com" },
             }))?;
-        mgc.metadata = meta(i);
-        mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc));
-        let mut cluster = Cluster::new("", ClusterSpec {});
-        cluster.metadata = meta(i);
-        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
+            mgc.metadata = meta(i);
+            Ok(mgc)
+        },
+        |i| {
+            let mut cluster = Cluster::new("", ClusterSpec::default());
+            cluster.metadata = meta(i);
+            cluster
+        },
+    )
+}
+
+/// Applies `pairs` pairs (after a first thousand) to two fresh stores, as the reflector applies
+/// watch events, and returns the growth of the resident set per pair with the stores.
+fn fill<C>(
+    pairs: usize,
+    mgc: impl Fn(usize) -> anyhow::Result<MailgunCluster>,
+    cluster: impl Fn(usize) -> C,
+) -> anyhow::Result<(f64, Kept)>
+where
+    C: Resource<DynamicType = ()> + Clone + 'static,
+{
+    let (mgc_reader, mut mgc_writer) = reflector::store::<MailgunCluster>();
+    let (cluster_reader, mut cluster_writer) = reflector::store::<C>();
+    // A first batch, so what grows once (the tables' first allocation, the allocator's arenas)
+    // is not counted per pair.
+    let warm = 1000;
+    let mut before = 0.0;
+    for i in 0..warm + pairs {
+        if i == warm {
+            before = rss_bytes()?;
+        }
+        mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc(i)?));
+        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster(i)));
     }
     let after = rss_bytes()?;
     anyhow::ensure!(

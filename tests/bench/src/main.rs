@@ -464,6 +464,10 @@ impl Figures {
                 "  resync after a restart     {:.2} s until every object was reconciled once; {} writes to our objects ({} Events); peak RSS {:.1} MiB",
                 r.secs, r.writes.ours, r.writes.events, r.peak_rss
             );
+            println!(
+                "    CPU over the resync      its own {:.2} s, the API server's {:.2} s",
+                r.own_cpu, r.server_cpu
+            );
         }
         self.server.print(self.n, self.secs);
         if let Some(p) = &self.profiled {
@@ -750,6 +754,14 @@ async fn run(
         {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        // The control plane goes on working after the objects are gone (the garbage collector's
+        // graph, watch caches, etcd compaction); the next subject starts on a quiet server, not
+        // on this subject's leftovers.
+        let waited = settle(client).await?;
+        eprintln!(
+            "{}: stage cleared; the API server was quiet after {waited:.1} s",
+            subject.label()
+        );
     }
 
     Ok(Figures {
@@ -776,6 +788,23 @@ async fn run(
         object_bytes,
         fresh_status_ceiling,
     })
+}
+
+/// Waits (at most 120 s) until the API server uses less than 5% of a core over 2 s; returns the
+/// seconds waited.
+async fn settle(client: &Client) -> anyhow::Result<f64> {
+    const WINDOW: Duration = Duration::from_secs(2);
+    let started = Instant::now();
+    let mut last = profile::server_counters(client).await?.cpu_seconds;
+    while started.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(WINDOW).await;
+        let now = profile::server_counters(client).await?.cpu_seconds;
+        if (now - last) / WINDOW.as_secs_f64() < 0.05 {
+            break;
+        }
+        last = now;
+    }
+    Ok(started.elapsed().as_secs_f64())
 }
 
 /// The status-patch ceiling of our CRD on `--ceiling-writes` objects just created.

@@ -8,7 +8,9 @@ use capm_mail_servers::MailgunServer;
 use capm_test_support::ControlPlane;
 use kube::Client;
 
-use crate::{Args, Subject, Writes, api_writes, label, proc_status_mib, spawn};
+use crate::{
+    Args, Subject, Writes, api_writes, label, proc_cpu_seconds, proc_status_mib, profile, spawn,
+};
 
 /// What a restart over the recorded backlog costs.
 pub(crate) struct Resync {
@@ -19,6 +21,10 @@ pub(crate) struct Resync {
     pub(crate) writes: Writes,
     /// Peak RSS of the restarted process.
     pub(crate) peak_rss: f64,
+    /// The subject's own CPU seconds until the pass was complete.
+    pub(crate) own_cpu: f64,
+    /// The API server's CPU seconds over the same time.
+    pub(crate) server_cpu: f64,
 }
 
 /// Restarts the subject over its backlog, all of it done, and times its first pass.
@@ -31,6 +37,7 @@ pub(crate) async fn resync(
 ) -> anyhow::Result<Resync> {
     let port = capm_test_support::process::free_port()?;
     let before = api_writes(client).await?;
+    let server_before = profile::server_counters(client).await?;
     let started = Instant::now();
     let mut child = spawn(subject, args, mailgun, cp.kubeconfig(), Some(port))?;
     let pid = child.id().context("pid")?;
@@ -47,6 +54,8 @@ pub(crate) async fn resync(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    let own_cpu = proc_cpu_seconds(pid).unwrap_or(f64::NAN);
+    let server_cpu = (profile::server_counters(client).await? - server_before).cpu_seconds;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let writes = api_writes(client).await? - before;
     let peak_rss = proc_status_mib(pid, "VmHWM").unwrap_or(f64::NAN);
@@ -56,6 +65,8 @@ pub(crate) async fn resync(
         secs,
         writes,
         peak_rss,
+        own_cpu,
+        server_cpu,
     })
 }
 
