@@ -33,7 +33,9 @@ pub struct Status {
 }
 
 impl Status {
-    /// Reads a typed status through JSON (the field names are the same).
+    /// Reads a typed status through JSON (the field names are the same): what each kind's
+    /// field-by-field `current_status` must agree with.
+    #[cfg(test)]
     pub fn from_typed<T: Serialize>(status: Option<&T>) -> Self {
         status
             .and_then(|s| serde_json::to_value(s).ok())

@@ -21,6 +21,8 @@ pub(crate) struct Resync {
     pub(crate) writes: Writes,
     /// Peak RSS of the restarted process.
     pub(crate) peak_rss: f64,
+    /// From the start until the first reconcile had finished (caches listed).
+    pub(crate) first_secs: f64,
     /// The subject's own CPU seconds until the pass was complete.
     pub(crate) own_cpu: f64,
     /// The API server's CPU seconds over the same time.
@@ -42,6 +44,7 @@ pub(crate) async fn resync(
     let mut child = spawn(subject, args, mailgun, cp.kubeconfig(), Some(port))?;
     let pid = child.id().context("pid")?;
     let n = args.objects as f64;
+    let mut first = None;
     let secs = loop {
         if let Some(status) = child.try_wait()? {
             bail!("the {} exited during the resync: {status}", subject.label());
@@ -49,7 +52,11 @@ pub(crate) async fn resync(
         if started.elapsed() > Duration::from_secs(600) {
             bail!("{}: no full pass 600 s after the restart", subject.label());
         }
-        if reconciles(port).await.is_some_and(|r| r >= n) {
+        let done = reconciles(port).await;
+        if first.is_none() && done.is_some_and(|r| r > 0.0) {
+            first = Some(started.elapsed().as_secs_f64());
+        }
+        if done.is_some_and(|r| r >= n) {
             break started.elapsed().as_secs_f64();
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -63,6 +70,7 @@ pub(crate) async fn resync(
     child.wait().await.ok();
     Ok(Resync {
         secs,
+        first_secs: first.unwrap_or(f64::NAN),
         writes,
         peak_rss,
         own_cpu,
