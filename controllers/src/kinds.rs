@@ -117,15 +117,14 @@ impl InfraKind for MailgunCluster {
     fn current_status(&self) -> Status {
         // Field by field, not through JSON: this runs in every reconcile, and a resync of N
         // objects is N of them.
-        self.status
-            .as_ref()
-            .map_or_else(Status::default, |s| Status {
-                initialization: s.initialization.clone(),
-                conditions: s.conditions.clone(),
-                observed_generation: s.observed_generation,
-                addresses: None,
-                mail: s.mail.clone(),
-            })
+        self.status.as_ref().map_or_else(Status::default, |s| {
+            Status::of_fields(
+                &s.initialization,
+                &s.conditions,
+                s.observed_generation,
+                &s.mail,
+            )
+        })
     }
     fn priority(&self) -> Priority {
         self.spec.priority
@@ -193,11 +192,13 @@ impl InfraKind for MailgunMachine {
         self.status
             .as_ref()
             .map_or_else(Status::default, |s| Status {
-                initialization: s.initialization.clone(),
-                conditions: s.conditions.clone(),
-                observed_generation: s.observed_generation,
                 addresses: s.addresses.clone(),
-                mail: s.mail.clone(),
+                ..Status::of_fields(
+                    &s.initialization,
+                    &s.conditions,
+                    s.observed_generation,
+                    &s.mail,
+                )
             })
     }
     fn priority(&self) -> Priority {
