@@ -9,7 +9,7 @@
 //! lifecycle live in the `cluster-api-provider-mailgun` binary (`cmd/`).
 
 mod cache;
-mod capi;
+pub mod capi;
 mod config;
 mod context;
 mod delivery;

@@ -11,12 +11,18 @@
 //! trims.
 
 use capm_api::v1beta1::MailgunCluster;
+use capm_controllers::capi::{Cluster, ClusterSpec, ContractRef};
 use kube::{
-    CustomResource, Resource,
+    Resource,
     api::ObjectMeta,
     runtime::{reflector, watcher},
 };
-use serde::{Deserialize, Serialize};
+
+use crate::object_name;
+
+fn uid(i: usize) -> String {
+    format!("00000000-0000-4000-8000-{i:012}")
+}
 
 /// The floor, in bytes per pair.
 pub struct Floor {
@@ -25,39 +31,15 @@ pub struct Floor {
     /// Resident bytes per pair for the two stores, objects with names only.
     pub bytes_per_pair: f64,
     /// The same with objects as the provider caches a finished pair (its trimmed
-    /// `MailgunCluster`: records, finalizer, owner, spec, five conditions, `status.mail`; the
-    /// partial `Cluster` with its infrastructure reference).
+    /// `MailgunCluster`: records, finalizer, owner, spec, five conditions, `status.mail`; its
+    /// partial `Cluster` type with the infrastructure reference).
     pub finished_bytes_per_pair: f64,
-}
-
-/// The fields of `Cluster` the provider caches.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Ref {
-    api_group: String,
-    kind: String,
-    name: String,
-}
-
-/// A `Cluster` with the fields the provider caches (left empty for the minimal pairs).
-#[derive(CustomResource, Clone, Debug, Default, Serialize, Deserialize)]
-#[kube(
-    group = "cluster.x-k8s.io",
-    version = "v1beta2",
-    kind = "Cluster",
-    namespaced,
-    schema = "disabled"
-)]
-#[serde(rename_all = "camelCase")]
-pub struct ClusterSpec {
-    paused: Option<bool>,
-    infrastructure_ref: Option<Ref>,
 }
 
 /// A finished `MailgunCluster` as the provider's cache keeps it (the shape of
 /// `target/bench/bench-provider-object.json` after the cache's trimming), for object `i`.
 fn finished(i: usize) -> serde_json::Value {
-    let uid = format!("00000000-0000-4000-8000-{i:012}");
+    let uid = uid(i);
     let id = format!("<mailguncluster.{uid}@mg.bench.example.com>");
     let at = |ms: usize| {
         format!(
@@ -87,11 +69,11 @@ fn finished(i: usize) -> serde_json::Value {
             "creationTimestamp": "2026-11-23T19:36:55Z",
             "finalizers": ["mailguncluster.infrastructure.cluster.x-k8s.io"],
             "generation": 1,
-            "name": format!("bench-{i:05}"),
+            "name": object_name(i),
             "namespace": "bench-provider",
             "ownerReferences": [{
                 "apiVersion": "cluster.x-k8s.io/v1beta2", "blockOwnerDeletion": true,
-                "controller": true, "kind": "Cluster", "name": format!("bench-{i:05}"),
+                "controller": true, "kind": "Cluster", "name": object_name(i),
                 "uid": format!("00000000-0000-4000-9000-{i:012}"),
             }],
             "resourceVersion": format!("{}", 100_000 + i),
@@ -125,9 +107,9 @@ fn rss_bytes() -> anyhow::Result<f64> {
 fn meta(i: usize) -> ObjectMeta {
     ObjectMeta {
         // Names, UIDs and versions of the lengths the bench's objects have.
-        name: Some(format!("bench-{i:05}")),
+        name: Some(object_name(i)),
         namespace: Some("bench-provider".into()),
-        uid: Some(format!("00000000-0000-4000-8000-{i:012}")),
+        uid: Some(uid(i)),
         resource_version: Some(format!("{}", 100_000 + i)),
         ..ObjectMeta::default()
     }
@@ -158,13 +140,13 @@ fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
         |i| Ok(serde_json::from_value(finished(i))?),
         |i| {
             let mut cluster = Cluster::new(
-                &format!("bench-{i:05}"),
+                &object_name(i),
                 ClusterSpec {
                     paused: None,
-                    infrastructure_ref: Some(Ref {
-                        api_group: "infrastructure.cluster.x-k8s.io".into(),
+                    infrastructure_ref: Some(ContractRef {
+                        api_group: capm_api::GROUP.into(),
                         kind: "MailgunCluster".into(),
-                        name: format!("bench-{i:05}"),
+                        name: object_name(i),
                     }),
                 },
             );

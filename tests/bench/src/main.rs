@@ -476,6 +476,11 @@ impl Figures {
     }
 }
 
+/// The name of the bench's `i`th Cluster and MailgunCluster.
+fn object_name(i: usize) -> String {
+    format!("bench-{i:05}")
+}
+
 /// The object a mail is about: the first `bench-NNNNN` in its subject or text.
 fn object_of(subject: &str, text: Option<&str>) -> Option<String> {
     [Some(subject), text].into_iter().flatten().find_map(|s| {
@@ -506,7 +511,7 @@ async fn create_backlog(
             let (clusters, mgcs) = (clusters.clone(), mgcs.clone());
             let (cluster_ar, mgc_ar) = (cluster_ar.clone(), mgc_ar.clone());
             async move {
-                let name = format!("bench-{i:05}");
+                let name = object_name(i);
                 let cluster = DynamicObject::new(&name, &cluster_ar).data(json!({ "spec": {
                     "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
                 }}));
@@ -709,7 +714,7 @@ async fn run(
         &subject.namespace(),
         &mgc_resource(subject.version()),
     );
-    let names_list: Arc<Vec<String>> = Arc::new((0..n).map(|i| format!("bench-{i:05}")).collect());
+    let names_list: Arc<Vec<String>> = Arc::new((0..n).map(object_name).collect());
     let mut ceilings = Vec::new();
     let mut status_ceilings = Vec::new();
     for (round, &writers) in args.ceiling_writers.iter().enumerate() {
