@@ -65,8 +65,19 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     )?;
     registry.register(Box::new(leader_gauge.clone()))?;
 
+    let instance = instance_name();
+    let leadership = match &settings.leader_election {
+        None => Leadership::unelected(instance.clone()),
+        Some(params) => Leadership::elected(
+            format!("{instance}_{}", random_suffix()),
+            params.lease_duration,
+            params.renew_deadline,
+        ),
+    };
+
     // Everything that only depends on configuration fails here, before the cluster is touched.
-    let mailer = capm_mailer::build(&settings.mailer)
+    // The backend asks the leadership again at each send's commit point.
+    let mailer = capm_mailer::build_with_gate(&settings.mailer, Arc::new(leadership.clone()))
         .map_err(mailer_error)
         .context("setting up the mail backend")?;
     info!(backend = mailer.backend(), "mail backend ready");
@@ -120,18 +131,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     }
     let readiness = tokio::spawn(watch_api_server(client.clone(), api_reachable));
 
-    let instance = instance_name();
     let mut config = settings.controllers.clone();
-    config.instance = instance.clone();
-    config.leadership = match &settings.leader_election {
-        None => Leadership::unelected(instance.clone()),
-        Some(params) => Leadership::elected(
-            format!("{instance}_{}", random_suffix()),
-            params.lease_duration,
-            params.renew_deadline,
-        ),
-    };
-    let leadership = config.leadership.clone();
+    config.instance = instance;
+    config.leadership = leadership.clone();
     let controllers = Controllers {
         client: client.clone(),
         mailer,

@@ -68,6 +68,8 @@ struct SeriesEntry {
 
 /// Longest object name the API server accepts (a DNS subdomain).
 const MAX_NAME_LENGTH: usize = 253;
+/// events.k8s.io/v1 `note`: at most 1 KiB.
+const MAX_NOTE_BYTES: usize = 1024;
 
 /// `<object name>.<nanoseconds in hex>`, as client-go names events, with the object name
 /// shortened when the result would exceed [`MAX_NAME_LENGTH`]: cut to fit, then stripped of
@@ -152,6 +154,8 @@ impl Events {
             type_,
             reason,
         };
+        // The API server refuses notes over 1 KiB; a peer's words in one are made inert here.
+        let note = capm_mailer::text::clean(&note, MAX_NOTE_BYTES);
         let started = Instant::now();
         let repeat = {
             let mut series = lock(&self.series);

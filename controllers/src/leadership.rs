@@ -9,13 +9,18 @@
 //! Lease unchanged for the lease duration, which is longer than the renew deadline, so a send
 //! that passes this check started before any other replica could lead.
 //!
+//! The same check is the mail backends' [`CommitGate`](capm_mailer::CommitGate): asked again at
+//! each send's commit point (the final chunk of Mailgun's request body, SMTP's end-of-data line),
+//! so a process frozen *during* a send, after the first check, abandons it on resume instead of
+//! completing it.
+//!
 //! # Caveats
-//! A process frozen *between* this check and the backend's acceptance of the mail (a window of
-//! one network write) still delivers on resume. The standby's side of the protocol (see
+//! A process frozen between the commit gate and the kernel's taking of the final bytes (a few
+//! microseconds) still delivers on resume. The standby's side of the protocol (see
 //! [`Leadership::handover`]) waits for intents written by another holder to age past the lease
 //! duration plus the renew deadline before looking them up or resending, which covers a freeze
 //! before the check (by the writer's recorded time and the standby's own first sight of the
-//! intent, whichever is safer); the window after it cannot be closed from the client.
+//! intent, whichever is safer).
 
 use std::{
     fmt,
@@ -138,6 +143,21 @@ impl Leadership {
     }
 }
 
+impl capm_mailer::CommitGate for Leadership {
+    fn may_commit(&self) -> Result<(), String> {
+        // The exactly-once tests freeze the process here: mid-send, before the commit point.
+        crate::failpoint::hit("before-commit");
+        if self.may_act() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} has not renewed its Lease within the renew deadline",
+                self.identity()
+            ))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,5 +186,18 @@ mod tests {
         l.lost();
         assert!(!l.may_act_at(t0 + Duration::from_secs(6)));
         assert_eq!(l.handover(), Duration::from_secs(25));
+    }
+
+    #[test]
+    fn the_commit_gate_is_the_same_check() {
+        use capm_mailer::CommitGate;
+        assert!(Leadership::unelected("me").may_commit().is_ok());
+        let l = Leadership::elected("me", Duration::from_secs(15), Duration::from_secs(10));
+        let refused = l.may_commit().unwrap_err();
+        assert!(refused.contains("me has not renewed"), "{refused}");
+        l.renewed(Instant::now());
+        assert!(l.may_commit().is_ok());
+        l.lost();
+        assert!(l.may_commit().is_err());
     }
 }

@@ -31,6 +31,9 @@ const RECONCILE_BUCKETS: &[f64] = &[
 ///   backend's events expired first), `not_trackable` (the backend cannot tell: SMTP).
 /// - `capm_mail_orphan_releases_total{controller}`: release mails sent at once for an object that
 ///   vanished right after its request went out.
+/// - `capm_mail_abandoned_total{backend}`: sends dropped before their commit point because this
+///   process could no longer prove it leads (frozen or cut off mid-send); the backend accepted
+///   nothing, and the replica that leads sends instead.
 #[derive(Debug, Clone)]
 pub struct Metrics {
     pub(crate) reconcile_total: IntCounterVec,
@@ -44,6 +47,7 @@ pub struct Metrics {
     pub(crate) withheld: IntCounterVec,
     pub(crate) orphan_releases: IntCounterVec,
     pub(crate) delivery: IntCounterVec,
+    pub(crate) abandoned: IntCounterVec,
 }
 
 impl Metrics {
@@ -116,6 +120,11 @@ impl Metrics {
                 "capm_mail_orphan_releases_total",
                 "Release mails sent at once because the object vanished right after its request went out",
                 &["controller"],
+            )?,
+            abandoned: counter(
+                "capm_mail_abandoned_total",
+                "Sends dropped before their commit point because this process could no longer prove it leads",
+                &["backend"],
             )?,
             delivery: counter(
                 "capm_mail_delivery_total",

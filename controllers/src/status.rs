@@ -10,6 +10,10 @@ use k8s_openapi::{
 };
 use serde::{Deserialize, Serialize};
 
+/// The longest condition message written: Cluster API's own messages stay far below it, and a
+/// peer's text inside one is already cut to a few hundred bytes.
+pub const MAX_CONDITION_MESSAGE_BYTES: usize = 1024;
+
 /// The union of `MailgunClusterStatus` and `MailgunMachineStatus` (same JSON names), so one
 /// reconciler computes both. `addresses` stays `None` for clusters.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -95,7 +99,8 @@ impl Status {
         message: impl Into<String>,
         generation: Option<i64>,
     ) {
-        let message = message.into();
+        // Messages carry peers' and users' words (a relay's refusal, a backend's reason).
+        let message = capm_mailer::text::clean(&message.into(), MAX_CONDITION_MESSAGE_BYTES);
         let conditions = self.conditions.get_or_insert_with(Vec::new);
         match conditions.iter_mut().find(|c| c.type_ == type_) {
             Some(c) => {

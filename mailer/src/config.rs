@@ -109,9 +109,24 @@ impl MailerConfig {
 /// # Panics
 /// The SMTP pool starts a background task: call this inside a Tokio runtime.
 pub fn build(config: &MailerConfig) -> Result<Arc<dyn Mailer>, ConfigError> {
+    build_with_gate(config, Arc::new(crate::AlwaysOpen))
+}
+
+/// As [`build`], with a [`CommitGate`](crate::CommitGate) asked right before each send's commit
+/// point (see the gate's module).
+///
+/// # Errors
+/// As [`build`].
+///
+/// # Panics
+/// As [`build`].
+pub fn build_with_gate(
+    config: &MailerConfig,
+    gate: Arc<dyn crate::CommitGate>,
+) -> Result<Arc<dyn Mailer>, ConfigError> {
     Ok(match config {
-        MailerConfig::Mailgun(c) => Arc::new(MailgunMailer::new(c)?),
-        MailerConfig::Smtp(c) => Arc::new(SmtpMailer::new(c)?),
+        MailerConfig::Mailgun(c) => Arc::new(MailgunMailer::new(c)?.with_commit_gate(gate)),
+        MailerConfig::Smtp(c) => Arc::new(SmtpMailer::new(c)?.with_commit_gate(gate)),
     })
 }
 

@@ -14,6 +14,9 @@ pub enum ErrorKind {
     Retryable,
     /// The message may or may not have been accepted: look it up before resending.
     UnknownOutcome,
+    /// The caller's [`CommitGate`](crate::CommitGate) stopped the send before its commit point:
+    /// nothing was accepted, and this process must not send it again (another may).
+    Abandoned,
 }
 
 /// A failed send or lookup.
@@ -61,6 +64,15 @@ pub enum MailError {
         #[source]
         source: Option<BoxError>,
     },
+    /// The caller's [`CommitGate`](crate::CommitGate) refused the commit point: the request was
+    /// dropped incomplete, so the backend accepted nothing.
+    #[error("{backend}: abandoned before the commit point: {reason}")]
+    Abandoned {
+        /// `mailgun` or `smtp`.
+        backend: &'static str,
+        /// What the gate said.
+        reason: String,
+    },
 }
 
 fn code_suffix(code: Option<u16>) -> String {
@@ -74,6 +86,7 @@ impl MailError {
             Self::Permanent { .. } => ErrorKind::Permanent,
             Self::Retryable { .. } => ErrorKind::Retryable,
             Self::UnknownOutcome { .. } => ErrorKind::UnknownOutcome,
+            Self::Abandoned { .. } => ErrorKind::Abandoned,
         }
     }
 
@@ -91,15 +104,18 @@ impl MailError {
             Self::Permanent { code, .. }
             | Self::Retryable { code, .. }
             | Self::UnknownOutcome { code, .. } => *code,
+            Self::Abandoned { .. } => None,
         }
     }
 
-    /// A low-cardinality label for metrics: `permanent`, `retryable` or `unknown_outcome`.
+    /// A low-cardinality label for metrics: `permanent`, `retryable`, `unknown_outcome` or
+    /// `abandoned`.
     pub fn metric_label(&self) -> &'static str {
         match self.kind() {
             ErrorKind::Permanent => "permanent",
             ErrorKind::Retryable => "retryable",
             ErrorKind::UnknownOutcome => "unknown_outcome",
+            ErrorKind::Abandoned => "abandoned",
         }
     }
 }

@@ -41,11 +41,13 @@
 
 mod config;
 mod error;
+mod gate;
 mod mailgun;
 mod message;
 mod metrics;
 mod secret;
 mod smtp;
+pub mod text;
 mod tls;
 
 use std::time::SystemTime;
@@ -54,17 +56,20 @@ use async_trait::async_trait;
 
 pub use config::{
     ConfigError, MailerConfig, MailgunConfig, MailgunRegion, SmtpConfig, SmtpPoolConfig, Starttls,
-    build,
+    build, build_with_gate,
 };
 pub use error::{BoxError, ErrorKind, MailError};
-pub use mailgun::MailgunMailer;
+pub use gate::{AlwaysOpen, CommitGate};
+pub use mailgun::{
+    MAX_ERROR_REPLY_BYTES, MAX_EVENTS_PAGE_BYTES, MAX_SEND_REPLY_BYTES, MailgunMailer,
+};
 pub use message::{
     MAX_MESSAGE_ID_LEN, MAX_METADATA_BYTES, MAX_SUBJECT_CHARS, MAX_TAG_LEN, MAX_TAGS, Message,
     MessageBuilder, MessageError, MessageId, is_plain_address,
 };
 pub use metrics::{InstrumentedMailer, MailerMetrics};
 pub use secret::{ExposeSecret, Secret, SecretError, SecretSource};
-pub use smtp::SmtpMailer;
+pub use smtp::{MAX_REPLY_BYTES, MAX_REPLY_LINE_BYTES, SmtpMailer};
 
 /// What a backend said when it accepted a message.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,22 +5,37 @@
 
 use std::{
     fmt,
+    hash::{BuildHasher, Hasher},
+    pin::Pin,
+    task::{Context, Poll},
     time::{Duration, SystemTime},
 };
 
 use async_trait::async_trait;
-use reqwest::{StatusCode, header::HeaderMap, multipart::Form, redirect};
+use bytes::Bytes;
+use reqwest::{StatusCode, header::HeaderMap, redirect};
 use serde::Deserialize;
 
 use crate::{
     Lookup, MailError, Mailer, Message, MessageId, SendReceipt,
     config::{ConfigError, MailgunConfig},
+    gate::{self, Gate},
     secret::{ExposeSecret, Secret},
 };
 
 const BACKEND: &str = "mailgun";
 /// How much of an error body ends up in an error message.
 const MAX_ERROR_TEXT: usize = 300;
+
+/// The most of a send's reply that is read. Mailgun answers `{"id": ..., "message": ...}`, a few
+/// hundred bytes; past this the reply is not Mailgun's, and a 2xx is an accepted send anyway.
+pub const MAX_SEND_REPLY_BYTES: usize = 64 * 1024;
+/// The most of an error reply that is read: its `message` is all we show (300 characters).
+pub const MAX_ERROR_REPLY_BYTES: usize = 4 * 1024;
+/// The most of one events page that is read: 300 events of a few KiB each fit four times over.
+pub const MAX_EVENTS_PAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Recipients tracked per delivery question (a message has a handful).
+const MAX_TRACKED_RECIPIENTS: usize = 1000;
 
 /// Sends through Mailgun's HTTP API with one pooled, keep-alive HTTP client.
 ///
@@ -43,6 +58,7 @@ pub struct MailgunMailer {
     events_url: String,
     api_key: Secret,
     test_mode: bool,
+    gate: Gate,
 }
 
 impl fmt::Debug for MailgunMailer {
@@ -145,55 +161,76 @@ enum RecipientState {
     Failed(String),
 }
 
-/// Folds events (oldest first) into one answer: delivered as soon as one recipient has the
-/// message (a human can act on it); failed when every recipient seen failed for good; pending
-/// otherwise, with the latest temporary failure.
-fn fold_events(items: &[EventItem]) -> crate::Delivery {
-    let mut recipients: Vec<(String, RecipientState)> = Vec::new();
-    let mut latest_temporary = None;
-    for item in items {
-        let who = item.recipient.clone().unwrap_or_default();
+/// Folds events (oldest first) into one answer, page by page, keeping only what the answer needs
+/// (bounded texts, at most [`MAX_TRACKED_RECIPIENTS`] recipients): delivered as soon as one
+/// recipient has the message (a human can act on it); failed when every recipient seen failed
+/// for good; pending otherwise, with the latest temporary failure.
+#[derive(Default)]
+struct Fold {
+    recipients: Vec<(String, RecipientState)>,
+    latest_temporary: Option<String>,
+}
+
+impl Fold {
+    fn add(&mut self, item: &EventItem) {
+        let who = crate::text::clean(item.recipient.as_deref().unwrap_or_default(), 320);
         let next = match (item.event.as_str(), item.severity.as_deref()) {
             ("delivered", _) => RecipientState::Delivered,
             ("failed", Some("temporary")) => {
                 let text = item.failure_text();
-                latest_temporary = Some(text.clone());
+                self.latest_temporary = Some(text.clone());
                 RecipientState::Pending(Some(text))
             }
             ("failed" | "rejected", _) => RecipientState::Failed(item.failure_text()),
             _ => RecipientState::Pending(None),
         };
-        match recipients.iter_mut().find(|(r, _)| *r == who) {
+        let tracked = self.recipients.len();
+        match self.recipients.iter_mut().find(|(r, _)| *r == who) {
             // A final state stays: later `accepted`/`opened`... events change nothing.
             Some((_, state)) => {
                 if matches!(state, RecipientState::Pending(_)) {
                     *state = next;
                 }
             }
-            None => recipients.push((who, next)),
+            None if tracked < MAX_TRACKED_RECIPIENTS => self.recipients.push((who, next)),
+            None => {}
         }
     }
-    if recipients
-        .iter()
-        .any(|(_, s)| *s == RecipientState::Delivered)
-    {
-        return crate::Delivery::Delivered;
+
+    fn finish(self) -> crate::Delivery {
+        if self
+            .recipients
+            .iter()
+            .any(|(_, s)| *s == RecipientState::Delivered)
+        {
+            return crate::Delivery::Delivered;
+        }
+        let failures: Vec<&str> = self
+            .recipients
+            .iter()
+            .filter_map(|(_, s)| match s {
+                RecipientState::Failed(reason) => Some(reason.as_str()),
+                _ => None,
+            })
+            .collect();
+        if !failures.is_empty() && failures.len() == self.recipients.len() {
+            return crate::Delivery::Failed {
+                reason: error_text(failures.join("; ").as_bytes()),
+            };
+        }
+        crate::Delivery::Pending {
+            temporary_failure: self.latest_temporary,
+        }
     }
-    let failures: Vec<&str> = recipients
-        .iter()
-        .filter_map(|(_, s)| match s {
-            RecipientState::Failed(reason) => Some(reason.as_str()),
-            _ => None,
-        })
-        .collect();
-    if !failures.is_empty() && failures.len() == recipients.len() {
-        return crate::Delivery::Failed {
-            reason: error_text(failures.join("; ").as_bytes()),
-        };
+}
+
+#[cfg(test)]
+fn fold_events(items: &[EventItem]) -> crate::Delivery {
+    let mut fold = Fold::default();
+    for item in items {
+        fold.add(item);
     }
-    crate::Delivery::Pending {
-        temporary_failure: latest_temporary,
-    }
+    fold.finish()
 }
 
 fn client_error(source: impl Into<crate::BoxError>) -> ConfigError {
@@ -236,29 +273,146 @@ impl MailgunMailer {
             events_url: format!("{base}/events"),
             api_key,
             test_mode: config.test_mode,
+            gate: gate::open(),
         })
     }
 
-    fn form(&self, message: &Message) -> Form {
-        let mut form = Form::new().text("from", message.from().to_string());
+    /// The same mailer, asking `gate` right before each send's commit point (the request
+    /// body's final chunk).
+    #[must_use]
+    pub fn with_commit_gate(mut self, gate: std::sync::Arc<dyn crate::CommitGate>) -> Self {
+        self.gate = gate;
+        self
+    }
+
+    /// The message's form fields, in Mailgun's names.
+    fn fields(&self, message: &Message) -> Vec<(String, String)> {
+        let mut fields = vec![("from".to_owned(), message.from().to_string())];
         for to in message.to() {
-            form = form.text("to", to.to_string());
+            fields.push(("to".into(), to.to_string()));
         }
-        form = form
-            .text("subject", message.subject().to_owned())
-            .text("text", message.text().to_owned())
-            .text("h:Message-Id", message.message_id().to_string());
+        fields.push(("subject".into(), message.subject().to_owned()));
+        fields.push(("text".into(), message.text().to_owned()));
+        fields.push(("h:Message-Id".into(), message.message_id().to_string()));
         for tag in message.tags() {
-            form = form.text("o:tag", tag.clone());
+            fields.push(("o:tag".into(), tag.clone()));
         }
         for (name, value) in message.variables() {
-            form = form.text(format!("v:{name}"), value.clone());
+            fields.push((format!("v:{name}"), value.clone()));
         }
         if self.test_mode {
-            form = form.text("o:testmode", "yes");
+            fields.push(("o:testmode".into(), "yes".into()));
         }
-        form
+        fields
     }
+}
+
+/// A `multipart/form-data` body (RFC 7578) of text fields: its boundary, everything before the
+/// closing delimiter, and the closing delimiter (the request's commit point).
+struct Multipart {
+    boundary: String,
+    head: Bytes,
+    tail: Bytes,
+}
+
+impl Multipart {
+    fn new(fields: &[(String, String)]) -> Self {
+        let random = std::hash::RandomState::new();
+        let mut salt = 0u64;
+        let boundary = loop {
+            let mut h = random.build_hasher();
+            h.write_u64(salt);
+            let candidate = format!("capm-{:016x}{:08x}", h.finish(), salt);
+            // A boundary must not occur in any value (names are ours and ASCII).
+            if !fields.iter().any(|(_, v)| v.contains(&candidate)) {
+                break candidate;
+            }
+            salt += 1;
+        };
+        let mut head = Vec::new();
+        for (name, value) in fields {
+            // Field names are Mailgun's and validated variable names: no quote, CR or LF.
+            head.extend_from_slice(
+                format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n")
+                    .as_bytes(),
+            );
+            head.extend_from_slice(value.as_bytes());
+            head.extend_from_slice(b"\r\n");
+        }
+        let tail = format!("--{boundary}--\r\n");
+        Self {
+            boundary,
+            head: head.into(),
+            tail: tail.into_bytes().into(),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        (self.head.len() + self.tail.len()) as u64
+    }
+}
+
+/// A request body that releases its final chunk only if the [`CommitGate`](crate::CommitGate)
+/// says so; otherwise it fails, and the HTTP client drops the connection with the request
+/// incomplete (its `Content-Length` is never reached).
+struct GatedBody {
+    head: Option<Bytes>,
+    tail: Option<Bytes>,
+    gate: Gate,
+    abandoned: std::sync::Arc<std::sync::OnceLock<String>>,
+    len: u64,
+}
+
+impl http_body::Body for GatedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        if let Some(head) = self.head.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(head))));
+        }
+        let Some(tail) = self.tail.take() else {
+            return Poll::Ready(None);
+        };
+        match self.gate.may_commit() {
+            Ok(()) => Poll::Ready(Some(Ok(http_body::Frame::data(tail)))),
+            Err(reason) => {
+                let _ = self.abandoned.set(reason);
+                Poll::Ready(Some(Err(std::io::Error::other(
+                    "the commit gate refused the final chunk",
+                ))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.head.is_none() && self.tail.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.len)
+    }
+}
+
+/// Reads at most `limit` bytes of `response`'s body, chunk by chunk (never more than one chunk
+/// past what is kept). `true` when the whole body fit.
+async fn read_at_most(
+    response: &mut reqwest::Response,
+    limit: usize,
+) -> Result<(Vec<u8>, bool), reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        let room = limit - body.len();
+        if chunk.len() > room {
+            body.extend_from_slice(&chunk[..room]);
+            return Ok((body, false));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((body, true))
 }
 
 /// Parses `Retry-After`: delay-seconds or an HTTP date.
@@ -288,11 +442,7 @@ fn error_text(body: &[u8]) -> String {
         Ok(e) => e.message,
         Err(_) => String::from_utf8_lossy(body).trim().to_owned(),
     };
-    let mut text: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(MAX_ERROR_TEXT)
-        .collect();
+    let mut text = crate::text::clean(&text, MAX_ERROR_TEXT);
     if text.is_empty() {
         text = "(empty reply)".into();
     }
@@ -380,29 +530,66 @@ impl Mailer for MailgunMailer {
     }
 
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
-        let response = self
+        let form = Multipart::new(&self.fields(message));
+        let abandoned = std::sync::Arc::new(std::sync::OnceLock::new());
+        let body = GatedBody {
+            len: form.len(),
+            head: Some(form.head),
+            tail: Some(form.tail),
+            gate: self.gate.clone(),
+            abandoned: abandoned.clone(),
+        };
+        let sent = self
             .client
             .post(&self.messages_url)
             .basic_auth("api", Some(self.api_key.expose_secret()))
-            .multipart(self.form(message))
+            .header(
+                reqwest::header::CONTENT_TYPE,
+                format!("multipart/form-data; boundary={}", form.boundary),
+            )
+            .header(reqwest::header::CONTENT_LENGTH, body.len)
+            .body(reqwest::Body::wrap(body))
             .send()
-            .await
-            .map_err(|e| transport_error(e, false))?;
+            .await;
+        if let Some(reason) = abandoned.get() {
+            return Err(MailError::Abandoned {
+                backend: BACKEND,
+                reason: reason.clone(),
+            });
+        }
+        let mut response = sent.map_err(|e| transport_error(e, false))?;
         let status = response.status();
-        let headers = response.headers().clone();
-        let body = response
-            .bytes()
-            .await
-            .map_err(|e| transport_error(e, false))?;
         if !status.is_success() {
+            let headers = response.headers().clone();
+            // The message is all that is shown: an unreadable or cut body still has its status.
+            let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
+                .await
+                .map(|(body, _)| body)
+                .unwrap_or_default();
             return Err(status_error(status, &headers, &body, false));
         }
-        // A 2xx means Mailgun queued the message, whatever the body looks like.
-        let parsed = serde_json::from_slice::<SendResponse>(&body).ok();
-        let (id, text) = parsed.map(|r| (r.id, r.message)).unwrap_or_default();
+        // A 2xx means Mailgun queued the message, whatever the body looks like (oversized, cut,
+        // unreadable): the receipt then names our own Message-Id.
+        let (id, text) = match read_at_most(&mut response, MAX_SEND_REPLY_BYTES).await {
+            Ok((body, true)) => match serde_json::from_slice::<SendResponse>(&body) {
+                Ok(reply) => (reply.id, reply.message.map(|m| error_text(m.as_bytes()))),
+                Err(_) => (None, Some(error_text(&body))),
+            },
+            Ok((_, false)) => (
+                None,
+                Some(format!(
+                    "accepted; the reply exceeded {MAX_SEND_REPLY_BYTES} bytes and was not read"
+                )),
+            ),
+            Err(_) => (None, Some("accepted; the reply was cut off".to_owned())),
+        };
         Ok(SendReceipt {
-            message_id: id.unwrap_or_else(|| message.message_id().to_string()),
-            response: text.unwrap_or_else(|| error_text(&body)),
+            // Mailgun echoes our `h:Message-Id`; what it says is kept cleaned and bounded.
+            message_id: id
+                .map(|id| crate::text::clean(&id, crate::MAX_MESSAGE_ID_LEN))
+                .filter(|id| !id.is_empty())
+                .unwrap_or_else(|| message.message_id().to_string()),
+            response: text.unwrap_or_else(|| "(empty reply)".into()),
         })
     }
 
@@ -419,7 +606,7 @@ impl Mailer for MailgunMailer {
             .into_iter()
             .find(|item| item.event != "rejected")
             .map_or(Lookup::NotFound, |item| Lookup::Accepted {
-                event: item.event,
+                event: crate::text::clean(&item.event, 64),
             }))
     }
 
@@ -439,14 +626,16 @@ impl Mailer for MailgunMailer {
             self.events_url,
             encode_query_value(message_id.without_brackets())
         );
-        let mut items = Vec::new();
+        let mut fold = Fold::default();
         for _ in 0..MAX_EVENT_PAGES {
             let page = self.events_page(&url).await?;
             // The last page is the first empty one.
             if page.items.is_empty() {
-                return Ok(fold_events(&items));
+                return Ok(fold.finish());
             }
-            items.extend(page.items);
+            for item in &page.items {
+                fold.add(item);
+            }
             match page.paging.next {
                 Some(next) if self.is_events_url(&next) => url = next,
                 Some(_) => {
@@ -459,7 +648,7 @@ impl Mailer for MailgunMailer {
                         source: None,
                     });
                 }
-                None => return Ok(fold_events(&items)),
+                None => return Ok(fold.finish()),
             }
         }
         Err(MailError::Retryable {
@@ -488,14 +677,29 @@ impl MailgunMailer {
             .send()
             .await
             .map_err(|e| transport_error(e, true))?;
+        let mut response = response;
         let status = response.status();
-        let headers = response.headers().clone();
-        let body = response
-            .bytes()
+        if !status.is_success() {
+            let headers = response.headers().clone();
+            let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
+                .await
+                .map(|(body, _)| body)
+                .unwrap_or_default();
+            return Err(status_error(status, &headers, &body, true));
+        }
+        let (body, complete) = read_at_most(&mut response, MAX_EVENTS_PAGE_BYTES)
             .await
             .map_err(|e| transport_error(e, true))?;
-        if !status.is_success() {
-            return Err(status_error(status, &headers, &body, true));
+        if !complete {
+            return Err(MailError::Retryable {
+                backend: BACKEND,
+                code: Some(status.as_u16()),
+                retry_after: None,
+                message: format!(
+                    "an events page larger than {MAX_EVENTS_PAGE_BYTES} bytes; not read"
+                ),
+                source: None,
+            });
         }
         serde_json::from_slice(&body).map_err(|e| MailError::Retryable {
             backend: BACKEND,

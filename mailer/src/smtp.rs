@@ -45,7 +45,10 @@ const BACKEND: &str = "smtp";
 pub struct SmtpMailer {
     pool: Arc<pool::Pool>,
     endpoint: SmtpEndpoint,
+    gate: crate::gate::Gate,
 }
+
+pub use pool::{MAX_REPLY_BYTES, MAX_REPLY_LINE_BYTES};
 
 impl fmt::Debug for SmtpMailer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -205,7 +208,19 @@ impl SmtpMailer {
             max_idle,
             Duration::from_secs_f64(config.pool.idle_timeout_seconds),
         );
-        Ok(Self { pool, endpoint })
+        Ok(Self {
+            pool,
+            endpoint,
+            gate: crate::gate::open(),
+        })
+    }
+
+    /// The same mailer, asking `gate` right before each send's commit point (the end-of-data
+    /// line).
+    #[must_use]
+    pub fn with_commit_gate(mut self, gate: Arc<dyn crate::CommitGate>) -> Self {
+        self.gate = gate;
+        self
     }
 
     /// The message as sent on the wire, and its envelope.
@@ -248,9 +263,13 @@ impl SmtpMailer {
     }
 }
 
+/// How much of a relay's reply ends up in an error message or receipt.
+const MAX_ERROR_TEXT: usize = 300;
+
 fn classify(err: lettre::transport::smtp::Error) -> MailError {
     let code = err.status().map(u16::from);
-    let message = err.to_string();
+    // The relay's reply text, as a human will read it in conditions and Events.
+    let message = crate::text::clean(&err.to_string(), MAX_ERROR_TEXT);
     // lettre has no public accessor for its "Connection" kind; its Display is stable and the
     // integration test with a stopped server pins it.
     let before_sending = message.starts_with("Connection error") || err.is_tls() || err.is_client();
@@ -286,13 +305,16 @@ impl Mailer for SmtpMailer {
 
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
         let (envelope, raw) = Self::render(message)?;
-        let response = self.pool.send(&envelope, &raw).await?;
+        let response = self.pool.send(&envelope, &raw, &self.gate).await?;
         Ok(SendReceipt {
             message_id: message.message_id().to_string(),
-            response: format!(
-                "{} {}",
-                u16::from(response.code()),
-                response.message().collect::<Vec<_>>().join(" ")
+            response: crate::text::clean(
+                &format!(
+                    "{} {}",
+                    u16::from(response.code()),
+                    response.message().collect::<Vec<_>>().join(" ")
+                ),
+                MAX_ERROR_TEXT,
             ),
         })
     }

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use capm_api::names::reasons;
-use capm_mailer::{ErrorKind, Message, MessageId};
+use capm_mailer::{ErrorKind, MailError, Message, MessageId};
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt, api::Patch};
 use serde_json::json;
@@ -400,9 +400,17 @@ async fn send<K: InfraKind>(
                 at: sent.at,
             })
         }
+        Err(MailError::Abandoned { backend, reason }) => {
+            // Frozen or cut off mid-send: the backend has nothing whole, and the intent stays
+            // `sending` for the replica that leads now (it waits out the hand-over, then looks
+            // the mail up or sends it). Nothing else may be written from here.
+            ctx.metrics.abandoned.with_label_values(&[backend]).inc();
+            info!(kind = K::KIND, name = %obj.name_any(), namespace = %obj.namespace().unwrap_or_default(), which = which.label(), %reason, "abandoned the send before its commit point");
+            Err(ReconcileError::Withheld(Withheld::NotLeading))
+        }
         Err(error) => {
             match error.kind() {
-                ErrorKind::UnknownOutcome => {}
+                ErrorKind::UnknownOutcome | ErrorKind::Abandoned => {}
                 ErrorKind::Permanent | ErrorKind::Retryable => {
                     if fresh {
                         mark_refused(obj, ctx, tracked, which).await;
@@ -477,6 +485,11 @@ async fn vanished_after_send<K: InfraKind>(obj: &K, ctx: &Ctx, which: Which) -> 
                 Err(e) if e.kind() == ErrorKind::Retryable && attempt < 4 => {
                     tokio::time::sleep(delay).await;
                     delay *= 2;
+                }
+                Err(MailError::Abandoned { backend, reason }) => {
+                    ctx.metrics.abandoned.with_label_values(&[backend]).inc();
+                    info!(kind = K::KIND, name = %obj.name_any(), %reason, "abandoned the release of a vanished object before its commit point");
+                    break;
                 }
                 Err(e) => {
                     warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "the release of a vanished object could not be sent");
