@@ -38,6 +38,8 @@ struct Provider {
     child: Child,
     metrics: SocketAddr,
     _config: Option<tempfile::NamedTempFile>,
+    /// The process's standard error (its logs).
+    log: tempfile::NamedTempFile,
 }
 
 impl Provider {
@@ -53,7 +55,7 @@ impl Provider {
         let mut cmd = Command::new(BIN);
         cmd.env_clear()
             .env("MAIL_RECIPIENT", "ops@example.com")
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "warn,capm_controllers::sendonce::execute=info")
             .arg("--kubeconfig")
             .arg(ns.control_plane().kubeconfig())
             .args([
@@ -87,17 +89,24 @@ impl Provider {
         if let Some(step) = failpoint {
             cmd.env("CAPM_FAILPOINT", step);
         }
+        let log = tempfile::Builder::new().suffix(".log").tempfile().unwrap();
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(log.reopen().unwrap())
             .spawn()
             .unwrap();
         Self {
             child,
             metrics,
             _config: config_file,
+            log,
         }
+    }
+
+    /// What the process has logged so far.
+    fn stderr_log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
     }
 
     /// Waits for the process to end on its own (a failpoint aborts it).
@@ -147,6 +156,9 @@ impl Drop for Provider {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- provider log ---\n{}", self.stderr_log());
+        }
     }
 }
 
@@ -356,13 +368,23 @@ fn delivered(backend: &Backend<'_>) -> Vec<String> {
     }
 }
 
-/// Issue 13, defect 1 (path a): the leader records its intent and is frozen before it sends;
-/// the standby takes the Lease over and sends; then the old leader resumes. It must not send:
-/// it has not renewed its Lease within the renew deadline. Before the fix it sent on resume
-/// (and, with SMTP, the new leader resent at once, not waiting for the hand-over window).
-async fn frozen_leader_does_not_send_after_losing_its_lease(backend: Backend<'_>, prefix: &str) {
+/// Issue 13, defect 1 (path a): the leader records its intent and is frozen (at `failpoint`)
+/// before it sends; the standby takes the Lease over and sends; then the old leader resumes. It
+/// must not send: it has not renewed its Lease within the renew deadline. Before the fix it sent
+/// on resume (and, with SMTP, the new leader resent at once, not waiting for the hand-over
+/// window).
+///
+/// Issue 28: with `before-commit:stop` the freeze comes in the middle of the send, with the
+/// request on the wire (Mailgun: headers and all of the body but its final chunk; SMTP: the
+/// message after `DATA`, without its end-of-data line). Before the commit gate the resumed
+/// leader completed it, and the backend had two copies.
+async fn frozen_leader_does_not_send_after_losing_its_lease(
+    backend: Backend<'_>,
+    prefix: &str,
+    failpoint: &str,
+) {
     let ns = namespace(prefix).await;
-    let mut old = Provider::start(&ns, &backend, Some("after-intent:stop"), true);
+    let mut old = Provider::start(&ns, &backend, Some(failpoint), true);
     assert_eq!(
         old.wait_metric_at_least("leader_election_master_status", 1.0)
             .await,
@@ -417,18 +439,55 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(backend: Backend<'_>
         vec![id],
         "exactly one mail: the resumed old leader did not send"
     );
+    if failpoint.starts_with("before-commit") {
+        let log = old.stderr_log();
+        assert!(
+            log.contains("abandoned the send before its commit point"),
+            "the old leader says it abandoned the send: {log}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_leader_does_not_send_after_losing_its_lease_mailgun() {
     let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
-    frozen_leader_does_not_send_after_losing_its_lease(Backend::Mailgun(&mailgun), "eo-frozen-mg")
-        .await;
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Mailgun(&mailgun),
+        "eo-frozen-mg",
+        "after-intent:stop",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_leader_does_not_send_after_losing_its_lease_smtp() {
     let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
-    frozen_leader_does_not_send_after_losing_its_lease(Backend::Smtp(&smtp), "eo-frozen-smtp")
-        .await;
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Smtp(&smtp),
+        "eo-frozen-smtp",
+        "after-intent:stop",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_frozen_mid_send_abandons_it_on_resume_mailgun() {
+    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Mailgun(&mailgun),
+        "eo-midsend-mg",
+        "before-commit:stop",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_frozen_mid_send_abandons_it_on_resume_smtp() {
+    let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Smtp(&smtp),
+        "eo-midsend-smtp",
+        "before-commit:stop",
+    )
+    .await;
 }

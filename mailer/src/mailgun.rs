@@ -358,6 +358,8 @@ impl Multipart {
 struct GatedBody {
     head: Option<Bytes>,
     tail: Option<Bytes>,
+    /// Whether the head has had its chance to be written out.
+    flushed: bool,
     gate: Gate,
     abandoned: std::sync::Arc<std::sync::OnceLock<String>>,
     len: u64,
@@ -369,10 +371,18 @@ impl http_body::Body for GatedBody {
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
         if let Some(head) = self.head.take() {
             return Poll::Ready(Some(Ok(http_body::Frame::data(head))));
+        }
+        if !self.flushed {
+            // Pending once, so the HTTP client writes out everything before the final chunk
+            // (hyper flushes while its body is pending): the gate is then asked with only the
+            // final chunk left to write.
+            self.flushed = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
         }
         let Some(tail) = self.tail.take() else {
             return Poll::Ready(None);
@@ -536,6 +546,7 @@ impl Mailer for MailgunMailer {
             len: form.len(),
             head: Some(form.head),
             tail: Some(form.tail),
+            flushed: false,
             gate: self.gate.clone(),
             abandoned: abandoned.clone(),
         };
