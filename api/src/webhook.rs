@@ -24,9 +24,12 @@ use crate::conversion::convert;
 /// The path the webhook is conventionally served at (the handler itself answers on any path).
 pub const CONVERT_PATH: &str = "/convert";
 
-/// Largest request body accepted. A review carries at most one list page of objects, each at
-/// most the API server's 3 MiB request limit in practice far less.
-pub const MAX_REVIEW_BYTES: usize = 64 * 1024 * 1024;
+/// Largest request body accepted. The API server converts a whole list response in one review:
+/// a finished MailgunCluster is about 4.3 KB of JSON with its managedFields, so this takes an
+/// unpaged list of about 1 900 objects read through a version other than the stored one (a page
+/// of kubectl's default 500 is about 2.1 MB). Larger lists must be paged (`--chunk-size`).
+/// Chosen so that two reviews at once, parsed, stay within the chart's memory limit.
+pub const MAX_REVIEW_BYTES: usize = 8 * 1024 * 1024;
 
 /// Why an HTTP request was not a usable `ConversionReview`.
 #[derive(Debug, thiserror::Error)]

@@ -94,6 +94,20 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let client = kube_client(settings.kubeconfig.as_deref()).await?;
 
+    let (open_files, raise_error) = http::raise_open_files_limit();
+    if let Some(e) = raise_error {
+        warn!(error = %e, open_files, "could not raise the open files limit to its hard limit");
+    }
+    let cap = http::connection_cap(open_files, 3);
+    info!(open_files, connections_per_server = cap, "open files limit");
+    let rejected = http::rejected_counter(&registry)?;
+    let server = |name, listener, tls, limits| http::Server {
+        name,
+        listener,
+        tls,
+        limits,
+        rejected: rejected.clone(),
+    };
     let mut servers: Vec<JoinHandle<()>> = Vec::new();
     if let Some(diag) = &settings.diagnostics {
         let metrics = http::metrics_handler(registry.clone());
@@ -102,11 +116,21 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 let listener = http::bind("diagnostics (HTTPS, authorized)", diag.bind).await?;
                 let authorizer = Arc::new(diagnostics::Authorizer::new(client.clone()));
                 let handler = diagnostics::secured(authorizer, metrics);
-                http::serve(listener, Some(tls), handler, shutdown.clone())
+                let limits = http::Limits::plain(cap);
+                http::serve(
+                    server("diagnostics", listener, Some(tls), limits),
+                    handler,
+                    shutdown.clone(),
+                )
             }
             None => {
                 let listener = http::bind("diagnostics (insecure HTTP)", diag.bind).await?;
-                http::serve(listener, None, metrics, shutdown.clone())
+                let limits = http::Limits::plain(cap);
+                http::serve(
+                    server("diagnostics", listener, None, limits),
+                    metrics,
+                    shutdown.clone(),
+                )
             }
         });
     }
@@ -114,8 +138,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Some(address) = settings.probe_address {
         let listener = http::bind("health probes", address).await?;
         servers.push(http::serve(
-            listener,
-            None,
+            server("probes", listener, None, http::Limits::plain(cap)),
             http::probe_handler(api_reachable.clone()),
             shutdown.clone(),
         ));
@@ -123,8 +146,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     if let (Some(hook), Some(tls)) = (&settings.webhook, webhook_tls) {
         let listener = http::bind("conversion webhook", hook.bind).await?;
         servers.push(http::serve(
-            listener,
-            Some(tls),
+            server("webhook", listener, Some(tls), http::Limits::webhooks(cap)),
             http::webhook_handler,
             shutdown.clone(),
         ));

@@ -22,9 +22,8 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
+use http::{Method, Response, StatusCode, header};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use k8s_openapi::api::{
     authentication::v1::{TokenReview, TokenReviewSpec},
     authorization::v1::{NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec},
@@ -77,7 +76,7 @@ fn key(token: &str, verb: &str, path: &str) -> Key {
 }
 
 /// The `Bearer` token of a request, if it has one.
-fn bearer(req: &Request<Incoming>) -> Option<&str> {
+fn bearer(req: &crate::http::Req) -> Option<&str> {
     let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     let token = token.trim();
@@ -179,7 +178,7 @@ impl Authorizer {
     }
 
     /// `Ok` when the request may proceed, else the response to send.
-    async fn check(&self, req: &Request<Incoming>) -> Result<(), Response<Full<Bytes>>> {
+    async fn check(&self, req: &crate::http::Req) -> Result<(), Response<Full<Bytes>>> {
         let Some(token) = bearer(req) else {
             return Err(unauthorized());
         };
@@ -223,9 +222,9 @@ pub type ResponseFuture = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + S
 pub fn secured<F, Fut>(
     authorizer: Arc<Authorizer>,
     inner: F,
-) -> impl Fn(Request<Incoming>) -> ResponseFuture + Send + Sync + Clone + 'static
+) -> impl Fn(crate::http::Req) -> ResponseFuture + Send + Sync + Clone + 'static
 where
-    F: Fn(Request<Incoming>) -> Fut + Send + Sync + Clone + 'static,
+    F: Fn(crate::http::Req) -> Fut + Send + Sync + Clone + 'static,
     Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
     move |req| {

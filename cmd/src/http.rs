@@ -1,6 +1,14 @@
 //! The three HTTP endpoints: `/metrics`, the probes `/healthz` + `/readyz`, and the webhooks
 //! (conversion and admission) over TLS. Each stops accepting when shutdown is requested and lets open requests
 //! finish.
+//!
+//! Any Pod that can reach a port is a client, so every server reads within [`Limits`], applied
+//! while reading: open connections (past the cap a new one is closed at once, so descriptors
+//! stay for the API server and the mail relay), requests in flight and body bytes buffered
+//! across them (past either, a fast 503), one request's body (413 on its `Content-Length`,
+//! before reading, or once it grows past), and time: TLS handshake and request headers within
+//! [`HEADER_TIMEOUT`] (hyper's header timer also runs while a kept-alive connection waits for
+//! its next request, so idle connections close after it), the body within [`BODY_TIMEOUT`].
 
 use std::{
     convert::Infallible,
@@ -15,13 +23,14 @@ use std::{
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::{body::Incoming, service::service_fn};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use prometheus::{Encoder, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounterVec, Registry, TextEncoder};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::TcpListener,
+    sync::Semaphore,
     task::JoinHandle,
 };
 use tokio_rustls::TlsAcceptor;
@@ -29,8 +38,216 @@ use tracing::{debug, info, warn};
 
 use crate::shutdown::Shutdown;
 
-/// Slow clients get this long to send their request headers or finish a TLS handshake.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Slow clients get this long to finish a TLS handshake, or to send their request headers (or,
+/// on a kept-alive connection, to start the next request).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request's body must arrive within this long.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// The body budget is counted in units of this many bytes.
+const BUDGET_UNIT: usize = 1024;
+
+/// A request as the handlers get it: the body read whole, within the server's [`Limits`].
+pub type Req = Request<Full<Bytes>>;
+
+/// What one server accepts from its clients at once. See the module documentation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Open connections (those past it are closed as soon as accepted).
+    pub max_connections: usize,
+    /// Requests being handled at once (those past it get 503).
+    pub max_in_flight: usize,
+    /// One request's body (past it: 413).
+    pub max_body_bytes: usize,
+    /// Body bytes buffered across all requests in flight (past it: 503).
+    pub body_budget_bytes: usize,
+}
+
+impl Limits {
+    /// Probes and metrics: GETs without bodies.
+    pub fn plain(max_connections: usize) -> Self {
+        Self {
+            max_connections,
+            max_in_flight: 64,
+            max_body_bytes: 64 * 1024,
+            body_budget_bytes: 1024 * 1024,
+        }
+    }
+
+    /// The webhooks: the largest review either webhook takes, and room for two of them.
+    pub fn webhooks(max_connections: usize) -> Self {
+        let max_body_bytes =
+            capm_api::webhook::MAX_REVIEW_BYTES.max(capm_api::admission::MAX_REVIEW_BYTES);
+        Self {
+            max_connections,
+            max_in_flight: 32,
+            max_body_bytes,
+            body_budget_bytes: 2 * max_body_bytes,
+        }
+    }
+}
+
+/// Descriptors kept out of the servers' connection caps: the API server's connections and
+/// watches, the mail relay's pool, files, the runtime's own.
+const RESERVED_DESCRIPTORS: u64 = 256;
+
+/// Raises this process's soft limit of open files to its hard limit (as the Go runtime does at
+/// start) and returns the soft limit in force, or the error and the unchanged limit.
+pub fn raise_open_files_limit() -> (u64, Option<std::io::Error>) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let soft = limit.current.unwrap_or(u64::MAX);
+    if limit.current == limit.maximum {
+        return (soft, None);
+    }
+    match setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        },
+    ) {
+        Ok(()) => (limit.maximum.unwrap_or(u64::MAX), None),
+        Err(e) => (soft, Some(e.into())),
+    }
+}
+
+/// Each of `servers` servers' connection cap with `open_files` descriptors: an equal share of
+/// what [`RESERVED_DESCRIPTORS`] leaves, between 16 and 1024.
+pub fn connection_cap(open_files: u64, servers: u64) -> usize {
+    let share = open_files.saturating_sub(RESERVED_DESCRIPTORS) / servers.max(1);
+    usize::try_from(share.clamp(16, 1024)).unwrap_or(1024)
+}
+
+/// `capm_http_rejected_total{server, reason}`: connections and requests refused by [`Limits`]
+/// (`connections`, `in_flight`, `budget`, `too_large`, `body_timeout`, `body_error`).
+///
+/// # Errors
+/// When it is already registered.
+pub fn rejected_counter(registry: &Registry) -> Result<IntCounterVec, prometheus::Error> {
+    let counter = IntCounterVec::new(
+        prometheus::Opts::new(
+            "capm_http_rejected_total",
+            "Connections and requests refused by a server's limits, by reason",
+        ),
+        &["server", "reason"],
+    )?;
+    registry.register(Box::new(counter.clone()))?;
+    Ok(counter)
+}
+
+/// One server's shared counters of what is in use.
+struct Gauges {
+    name: &'static str,
+    limits: Limits,
+    connections: Arc<Semaphore>,
+    in_flight: Semaphore,
+    budget: Semaphore,
+    rejected: IntCounterVec,
+}
+
+impl Gauges {
+    fn new(name: &'static str, limits: Limits, rejected: IntCounterVec) -> Self {
+        Self {
+            name,
+            limits,
+            connections: Arc::new(Semaphore::new(limits.max_connections)),
+            in_flight: Semaphore::new(limits.max_in_flight),
+            budget: Semaphore::new(limits.body_budget_bytes.div_ceil(BUDGET_UNIT)),
+            rejected,
+        }
+    }
+
+    fn reject(&self, reason: &str) {
+        self.rejected.with_label_values(&[self.name, reason]).inc();
+    }
+}
+
+fn busy(what: &str) -> Response<Full<Bytes>> {
+    let mut response = text(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("too many {what} at once; try again\n"),
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    response
+}
+
+/// Reads `req`'s body within the server's limits, then answers with `handler`; the body's share
+/// of the budget is held until the answer is ready.
+async fn bounded<F, Fut>(
+    gauges: &Gauges,
+    req: Request<Incoming>,
+    handler: F,
+) -> Response<Full<Bytes>>
+where
+    F: Fn(Req) -> Fut,
+    Fut: Future<Output = Response<Full<Bytes>>>,
+{
+    let Ok(_slot) = gauges.in_flight.try_acquire() else {
+        gauges.reject("in_flight");
+        return busy("requests");
+    };
+    let max = gauges.limits.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        gauges.reject("too_large");
+        return text(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body exceeds {max} bytes\n"),
+        );
+    }
+    let (parts, mut body) = req.into_parts();
+    let mut bytes = Vec::with_capacity(declared.map_or(0, |n| n as usize));
+    let mut held = Vec::new();
+    let read = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|_| "body_error")?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            if bytes.len() + data.len() > max {
+                return Err("too_large");
+            }
+            let units = u32::try_from(data.len().div_ceil(BUDGET_UNIT)).map_err(|_| "too_large")?;
+            if units > 0 {
+                held.push(
+                    gauges
+                        .budget
+                        .try_acquire_many(units)
+                        .map_err(|_| "budget")?,
+                );
+            }
+            bytes.extend_from_slice(&data);
+        }
+        Ok(())
+    };
+    let outcome = match tokio::time::timeout(BODY_TIMEOUT, read).await {
+        Ok(result) => result,
+        Err(_) => Err("body_timeout"),
+    };
+    if let Err(reason) = outcome {
+        gauges.reject(reason);
+        return match reason {
+            "too_large" => text(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body exceeds {max} bytes\n"),
+            ),
+            "budget" => busy("request bytes"),
+            "body_timeout" => text(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the body did not arrive within {BODY_TIMEOUT:?}\n"),
+            ),
+            _ => text(StatusCode::BAD_REQUEST, "the body could not be read\n"),
+        };
+    }
+    let response = handler(Request::from_parts(parts, Full::new(Bytes::from(bytes)))).await;
+    drop(held);
+    response
+}
 
 /// A plain-text response.
 pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
@@ -56,15 +273,16 @@ pub async fn bind(what: &str, address: SocketAddr) -> anyhow::Result<TcpListener
 }
 
 /// Serves one connection until it ends or shutdown asks it to close.
-async fn connection<S, F, Fut>(io: S, handler: F, mut shutdown: Shutdown)
+async fn connection<S, F, Fut>(io: S, gauges: Arc<Gauges>, handler: F, mut shutdown: Shutdown)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    F: Fn(Request<Incoming>) -> Fut + Send + Sync + Clone + 'static,
+    F: Fn(Req) -> Fut + Send + Sync + Clone + 'static,
     Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
     let service = service_fn(move |req| {
         let handler = handler.clone();
-        async move { Ok::<_, Infallible>(handler(req).await) }
+        let gauges = gauges.clone();
+        async move { Ok::<_, Infallible>(bounded(&gauges, req, handler).await) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
@@ -84,17 +302,34 @@ where
     }
 }
 
-/// Accepts connections on `listener` until shutdown, with TLS when `tls` is given.
-pub fn serve<F, Fut>(
-    listener: TcpListener,
-    tls: Option<TlsAcceptor>,
-    handler: F,
-    shutdown: Shutdown,
-) -> JoinHandle<()>
+/// One server: its name (a metric label), listener, TLS, and limits.
+pub struct Server {
+    /// `webhook`, `diagnostics` or `probes`.
+    pub name: &'static str,
+    /// The bound listener.
+    pub listener: TcpListener,
+    /// TLS, when served over it.
+    pub tls: Option<TlsAcceptor>,
+    /// What it accepts at once.
+    pub limits: Limits,
+    /// `capm_http_rejected_total`.
+    pub rejected: IntCounterVec,
+}
+
+/// Accepts connections until shutdown, each within the server's [`Limits`].
+pub fn serve<F, Fut>(server: Server, handler: F, shutdown: Shutdown) -> JoinHandle<()>
 where
-    F: Fn(Request<Incoming>) -> Fut + Send + Sync + Clone + 'static,
+    F: Fn(Req) -> Fut + Send + Sync + Clone + 'static,
     Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
+    let Server {
+        name,
+        listener,
+        tls,
+        limits,
+        rejected,
+    } = server;
+    let gauges = Arc::new(Gauges::new(name, limits, rejected));
     tokio::spawn(async move {
         let mut stop = shutdown.clone();
         loop {
@@ -109,16 +344,25 @@ where
                 },
                 () = stop.wait() => break,
             };
+            // Past the cap the connection is closed at once: waiting clients would hold their
+            // descriptors in the backlog, and closing is the fastest answer.
+            let Ok(permit) = gauges.connections.clone().try_acquire_owned() else {
+                gauges.reject("connections");
+                drop(tcp);
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let handler = handler.clone();
             let shutdown = shutdown.clone();
             let tls = tls.clone();
+            let gauges = gauges.clone();
             tokio::spawn(async move {
+                let _permit = permit;
                 match tls {
-                    None => connection(tcp, handler, shutdown).await,
+                    None => connection(tcp, gauges, handler, shutdown).await,
                     Some(acceptor) => {
                         match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(tcp)).await {
-                            Ok(Ok(stream)) => connection(stream, handler, shutdown).await,
+                            Ok(Ok(stream)) => connection(stream, gauges, handler, shutdown).await,
                             Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
                             Err(_) => debug!(%peer, "TLS handshake timed out"),
                         }
@@ -132,11 +376,7 @@ where
 /// `GET /metrics`: the registry in Prometheus text format.
 pub fn metrics_handler(
     registry: Registry,
-) -> impl Fn(Request<Incoming>) -> std::future::Ready<Response<Full<Bytes>>>
-+ Send
-+ Sync
-+ Clone
-+ 'static {
+) -> impl Fn(Req) -> std::future::Ready<Response<Full<Bytes>>> + Send + Sync + Clone + 'static {
     move |req| {
         std::future::ready(if req.uri().path() != "/metrics" {
             text(StatusCode::NOT_FOUND, "not found\n")
@@ -165,11 +405,7 @@ pub fn metrics_handler(
 /// `/healthz`: the process serves requests. `/readyz`: and it can reach the API server.
 pub fn probe_handler(
     api_reachable: Arc<AtomicBool>,
-) -> impl Fn(Request<Incoming>) -> std::future::Ready<Response<Full<Bytes>>>
-+ Send
-+ Sync
-+ Clone
-+ 'static {
+) -> impl Fn(Req) -> std::future::Ready<Response<Full<Bytes>>> + Send + Sync + Clone + 'static {
     move |req| {
         std::future::ready(match req.uri().path() {
             "/healthz" | "/livez" => text(StatusCode::OK, "ok\n"),
@@ -185,10 +421,149 @@ pub fn probe_handler(
 
 /// The conversion webhook at `/convert`, the admission webhook for writes through `v1alpha1`
 /// at `/validate`.
-pub async fn webhook_handler(req: Request<Incoming>) -> Response<Full<Bytes>> {
+pub async fn webhook_handler(req: Req) -> Response<Full<Bytes>> {
     match req.uri().path() {
         capm_api::webhook::CONVERT_PATH => capm_api::webhook::handle(req).await,
         capm_api::admission::VALIDATE_PATH => capm_api::admission::handle(req).await,
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    #[test]
+    fn connection_caps_share_what_the_reserve_leaves() {
+        assert_eq!(connection_cap(1024, 3), 256);
+        assert_eq!(connection_cap(1_048_576, 3), 1024);
+        assert_eq!(connection_cap(100, 3), 16);
+    }
+
+    /// A server with small limits whose handler waits `hold` before answering.
+    async fn small_server(hold: Duration) -> (SocketAddr, IntCounterVec, Shutdown) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let registry = Registry::new();
+        let rejected = rejected_counter(&registry).unwrap();
+        let shutdown = Shutdown::new();
+        let limits = Limits {
+            max_connections: 3,
+            max_in_flight: 1,
+            max_body_bytes: 4096,
+            body_budget_bytes: 4096,
+        };
+        serve(
+            Server {
+                name: "test",
+                listener,
+                tls: None,
+                limits,
+                rejected: rejected.clone(),
+            },
+            move |req: Req| async move {
+                tokio::time::sleep(hold).await;
+                let len = req
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_or(0, |b| b.to_bytes().len());
+                text(StatusCode::OK, format!("{len} bytes\n"))
+            },
+            shutdown.clone(),
+        );
+        (addr, rejected, shutdown)
+    }
+
+    /// Sends `head` and `body`, returns the status line (or the error) and how long it took.
+    async fn exchange(addr: SocketAddr, head: &str, body: &[u8]) -> String {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _ = tcp.write_all(head.as_bytes()).await;
+        let _ = tcp.write_all(body).await;
+        let mut answer = vec![0; 256];
+        match tokio::time::timeout(Duration::from_secs(15), tcp.read(&mut answer)).await {
+            Ok(Ok(n)) => String::from_utf8_lossy(&answer[..n])
+                .lines()
+                .next()
+                .unwrap_or("(closed)")
+                .to_owned(),
+            Ok(Err(e)) => format!("error: {e}"),
+            Err(_) => "no answer".into(),
+        }
+    }
+
+    fn post(len: usize) -> String {
+        format!("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n")
+    }
+
+    #[tokio::test]
+    async fn bodies_are_bounded_before_and_while_reading() {
+        let (addr, rejected, _stop) = small_server(Duration::ZERO).await;
+        assert_eq!(
+            exchange(addr, &post(10), b"0123456789").await,
+            "HTTP/1.1 200 OK"
+        );
+        // Declared too large: answered before a byte of the body is read.
+        let started = Instant::now();
+        assert_eq!(
+            exchange(addr, &post(1 << 30), b"").await,
+            "HTTP/1.1 413 Payload Too Large"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+        // Chunked, growing past the limit while read.
+        let chunk = format!("{:x}\r\n{}\r\n", 3000, "x".repeat(3000));
+        let chunked = "POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(
+            exchange(addr, chunked, format!("{chunk}{chunk}").as_bytes()).await,
+            "HTTP/1.1 413 Payload Too Large"
+        );
+        assert_eq!(rejected.with_label_values(&["test", "too_large"]).get(), 2);
+    }
+
+    #[tokio::test]
+    async fn past_the_caps_answers_are_fast() {
+        let (addr, rejected, _stop) = small_server(Duration::from_secs(2)).await;
+        // One request in flight holds the only slot; the next gets 503 at once.
+        let first = tokio::spawn(async move { exchange(addr, &post(1), b"x").await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let started = Instant::now();
+        assert_eq!(
+            exchange(addr, &post(1), b"x").await,
+            "HTTP/1.1 503 Service Unavailable"
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(first.await.unwrap(), "HTTP/1.1 200 OK");
+        assert_eq!(rejected.with_label_values(&["test", "in_flight"]).get(), 1);
+
+        // Three idle connections fill the cap; a fourth is closed as soon as it is accepted.
+        let mut idle = Vec::new();
+        for _ in 0..3 {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut fourth = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut byte = [0u8; 1];
+        let closed = tokio::time::timeout(Duration::from_secs(2), fourth.read(&mut byte)).await;
+        assert!(matches!(closed, Ok(Ok(0) | Err(_))), "{closed:?}");
+        assert!(rejected.with_label_values(&["test", "connections"]).get() >= 1);
+    }
+
+    #[tokio::test]
+    async fn a_body_that_does_not_arrive_times_out() {
+        let (addr, rejected, _stop) = small_server(Duration::ZERO).await;
+        let started = Instant::now();
+        assert_eq!(
+            exchange(addr, &post(100), b"x").await,
+            "HTTP/1.1 408 Request Timeout"
+        );
+        assert!(started.elapsed() >= BODY_TIMEOUT);
+        assert_eq!(
+            rejected.with_label_values(&["test", "body_timeout"]).get(),
+            1
+        );
     }
 }
