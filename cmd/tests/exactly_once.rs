@@ -12,7 +12,10 @@ use std::{
 use capm_api::{names, v1beta1::MailgunCluster};
 use capm_controllers::sendonce::{Which, records};
 use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer};
-use capm_test_support::{TestNamespace, process::free_port};
+use capm_test_support::{
+    TestNamespace,
+    process::{free_port, is_stopped},
+};
 use kube::{
     Api, ResourceExt,
     api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
@@ -325,17 +328,6 @@ async fn two_replicas_only_the_leader_sends() {
     assert_eq!(leader.metric("mailer_messages_total"), 5.0);
     assert_eq!(standby.metric("controller_runtime_reconcile_total"), 0.0);
     assert_eq!(standby.metric("mailer_messages_total"), 0.0);
-}
-
-/// `/proc/<pid>/stat` says the process is stopped (SIGSTOP).
-fn is_stopped(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().starts_with('T'))
-        })
-        .unwrap_or(false)
 }
 
 fn signal(pid: u32, sig: &str) {

@@ -4,6 +4,9 @@
 //! (`after-intent`: intent recorded, mail not sent; `after-send`: mail accepted, not recorded).
 //! `CAPM_FAILPOINT=<name>:stop` freezes it there instead, once (SIGSTOP to itself, as an
 //! operator's `kill -STOP` or a stalled node would): the test resumes it with SIGCONT.
+//! `CAPM_FAILPOINT_FILE=<path>` arms a freeze while the process runs: when the file holds
+//! `<name>:stop` as the process reaches that step, the file is removed and the process freezes
+//! (the soak uses it to freeze a leader in the middle of a send, at `before-commit`).
 //! Compiled in only with the `failpoints` cargo feature, which only the tests enable: a release
 //! build has no way to make library code abort.
 
@@ -21,6 +24,7 @@ pub fn hit(step: &str) {
     };
     static ARMED: OnceLock<Option<String>> = OnceLock::new();
     static STOPPED: AtomicBool = AtomicBool::new(false);
+    hit_file(step);
     let armed = ARMED.get_or_init(|| {
         std::env::var("CAPM_FAILPOINT")
             .ok()
@@ -34,13 +38,35 @@ pub fn hit(step: &str) {
         std::process::abort();
     }
     if armed.strip_suffix(":stop") == Some(step) && !STOPPED.swap(true, Ordering::SeqCst) {
-        eprintln!("CAPM_FAILPOINT={armed}: freezing on purpose (SIGSTOP)");
-        let stopped = std::process::Command::new("kill")
-            .args(["-STOP", &std::process::id().to_string()])
-            .status();
-        if !stopped.is_ok_and(|s| s.success()) {
-            eprintln!("CAPM_FAILPOINT={armed}: could not stop; aborting instead");
-            std::process::abort();
-        }
+        stop(&format!("CAPM_FAILPOINT={armed}"));
+    }
+}
+
+/// Freezes the process when the armed file names this step (see the module documentation).
+#[cfg(feature = "failpoints")]
+fn hit_file(step: &str) {
+    use std::sync::OnceLock;
+    static FILE: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
+    let Some(path) = FILE.get_or_init(|| std::env::var_os("CAPM_FAILPOINT_FILE").map(Into::into))
+    else {
+        return;
+    };
+    let Ok(armed) = std::fs::read_to_string(path) else {
+        return;
+    };
+    if armed.trim().strip_suffix(":stop") == Some(step) && std::fs::remove_file(path).is_ok() {
+        stop(&format!("CAPM_FAILPOINT_FILE {}", armed.trim()));
+    }
+}
+
+#[cfg(feature = "failpoints")]
+fn stop(what: &str) {
+    eprintln!("{what}: freezing on purpose (SIGSTOP)");
+    let stopped = std::process::Command::new("kill")
+        .args(["-STOP", &std::process::id().to_string()])
+        .status();
+    if !stopped.is_ok_and(|s| s.success()) {
+        eprintln!("{what}: could not stop; aborting instead");
+        std::process::abort();
     }
 }

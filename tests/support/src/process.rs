@@ -85,6 +85,17 @@ pub fn free_port() -> Result<u16, Error> {
         .port())
 }
 
+/// Whether process `pid` is stopped (SIGSTOP): `/proc/<pid>/stat` shows state `T`.
+pub fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('T'))
+        })
+        .unwrap_or(false)
+}
+
 /// Checks that `port` on 127.0.0.1 can be bound.
 ///
 /// # Errors

@@ -14,7 +14,10 @@
 //! delete a `Cluster`, scale a `MachineDeployment` (also down right after up, e.g. 0→3 then at
 //! once 3→1), pause or unpause a `Cluster`; and, at random moments, a backend fault for 2-6 s
 //! (see below), SIGKILL of the leading replica (restarted like a Deployment would), or SIGSTOP of
-//! it for 15-25 s so the standby takes the Lease, then SIGCONT; and, for both lanes at once,
+//! it for 15-25 s so the standby takes the Lease, then SIGCONT (a freeze of an odd number of
+//! seconds strikes mid-send when it can: the leader stops itself at its next commit point, with
+//! the request on the wire, through the `before-commit` failpoint armed by file; if no send
+//! reaches it within 3 s, an outside SIGSTOP as for the others); and, for both lanes at once,
 //! a kube-apiserver restart (SIGKILL, same flags, etcd data kept). A human plays along: every
 //! request mail of a `MailgunCluster` is fulfilled with the command it gives
 //! (`spec.controlPlaneEndpoint`), which lets Cluster API provision the cluster and the machines

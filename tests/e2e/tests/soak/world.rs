@@ -427,6 +427,7 @@ impl Lane {
             .args(["--message-id-domain", DOMAIN])
             .arg("--config")
             .arg(&self.config);
+        cmd.env("CAPM_FAILPOINT_FILE", self.failpoint_file(&name));
         let proc = Proc::spawn(&name, cmd, self.logs.join(format!("{name}.log")))?;
         self.cp.adopt(proc.pid())?;
         Ok(Replica {
@@ -731,16 +732,43 @@ impl Lane {
             self.note("freeze: no replica leads; skipped");
             return Ok(());
         };
-        let name = {
+        // Odd lengths strike mid-send (a plan's shape does not depend on it, so seeds replay).
+        let mid_send = lasts.as_secs() % 2 == 1;
+        let (name, pid, failpoint) = {
             let mut replicas = lock(&self.replicas);
             let victim = &mut replicas[i];
             victim.read_resends();
-            victim.proc.signal("STOP")?;
-            victim.frozen = true;
-            victim.name.clone()
+            (
+                victim.name.clone(),
+                victim.proc.pid(),
+                self.failpoint_file(&victim.name),
+            )
         };
+        let mut how = "SIGSTOP";
+        if mid_send {
+            std::fs::write(&failpoint, "before-commit:stop")?;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+            while !capm_test_support::process::is_stopped(pid)
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // Disarmed either way: the replica removes the file when it stops on it.
+            let _ = std::fs::remove_file(&failpoint);
+            if capm_test_support::process::is_stopped(pid) {
+                how = "stopped itself mid-send (before its commit point):";
+            }
+        }
+        {
+            let mut replicas = lock(&self.replicas);
+            let victim = &mut replicas[i];
+            if !capm_test_support::process::is_stopped(pid) {
+                victim.proc.signal("STOP")?;
+            }
+            victim.frozen = true;
+        }
         self.note(format!(
-            "SIGSTOP leader {name} for {:.0} s",
+            "{how} leader {name} for {:.0} s",
             lasts.as_secs_f64()
         ));
         tokio::time::sleep(lasts).await;
@@ -752,6 +780,11 @@ impl Lane {
         }
         self.note(format!("SIGCONT {name}"));
         Ok(())
+    }
+
+    /// The file that arms a replica's failpoints while it runs (`CAPM_FAILPOINT_FILE`).
+    fn failpoint_file(&self, replica: &str) -> PathBuf {
+        self.logs.join(format!("{replica}.failpoint"))
     }
 
     async fn fault(&self, fault: Fault, lasts: Duration) -> Result<()> {
