@@ -340,9 +340,24 @@ async fn fail(rule: FailureRule, state: &AppState, message: Option<StoredMessage
     }
 }
 
+/// `POST /v3/{domain}/messages`. A request that arrived whole is handled whole even when its
+/// client hangs up right after the last byte, as a real server does (hyper drops the handler of
+/// a connection whose client went away, so the handling runs in a task of its own); a request
+/// whose body never completes is never handled.
 async fn send_message(
     State(state): State<Shared>,
     Path(domain): Path<String>,
+    headers: HeaderMap,
+    form: Multipart,
+) -> Response {
+    tokio::spawn(receive_message(state, domain, headers, form))
+        .await
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "the handler failed"))
+}
+
+async fn receive_message(
+    state: Shared,
+    domain: String,
     headers: HeaderMap,
     mut form: Multipart,
 ) -> Response {
