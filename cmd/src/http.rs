@@ -553,6 +553,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_idle_kept_alive_connection_is_closed_after_the_header_timeout() {
+        let (addr, _rejected, _stop) = small_server(Duration::ZERO).await;
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        let mut answer = vec![0; 256];
+        let n = tcp.read(&mut answer).await.unwrap();
+        assert!(answer[..n].starts_with(b"HTTP/1.1 200 OK"));
+        // Kept alive, then idle: closed once the next request's headers are overdue.
+        let started = Instant::now();
+        let closed = tokio::time::timeout(HEADER_TIMEOUT * 2, tcp.read(&mut answer)).await;
+        assert!(matches!(closed, Ok(Ok(0) | Err(_))), "{closed:?}");
+        assert!(started.elapsed() >= HEADER_TIMEOUT - Duration::from_secs(1));
+    }
+
+    #[tokio::test]
     async fn a_body_that_does_not_arrive_times_out() {
         let (addr, rejected, _stop) = small_server(Duration::ZERO).await;
         let started = Instant::now();

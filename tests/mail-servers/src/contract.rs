@@ -8,7 +8,8 @@
 //! - `GET /_control/messages`: every accepted message, JSON array of [`StoredMessage`].
 //! - `DELETE /_control/messages`: forget them.
 //! - `PUT /_control/failure` with a JSON [`FailureRule`]: fail the next `count` requests (or every
-//!   request when `count` is absent) to the chosen endpoint.
+//!   request when `count` is absent) to the chosen endpoint, or play a hostile peer there (see
+//!   below).
 //! - `DELETE /_control/failure`: stop failing.
 //! - `PUT /_control/delay` with a JSON [`DelayRule`]: answer the next `count` message posts (or
 //!   every one when `count` is absent) `delayMs` late, then normally (slow, not failing).
@@ -28,6 +29,15 @@
 //! most 300). `paging.next` is an absolute URL `/v3/{domain}/events/{token}` that continues after
 //! the page; the page after the last item is empty, and its `next` stays where it is (poll it
 //! again later for newer events), as Mailgun documents.
+//!
+//! # Hostile peers
+//! The failure modes from [`FailureMode::HugeOk`] on play a broken or malicious Mailgun (or a
+//! proxy in its path) for the client's bounds and text cleaning: replies of `bodyBytes`
+//! (default [`HOSTILE_BODY_BYTES`]) or without end, generated while they are sent (the server
+//! holds 64 KiB of filler, never the body), [`CONTROL_TEXT`] in what a human would read, a body
+//! that is not JSON, a reply dripped one byte at a time, a reply cut by a TCP reset. Each
+//! variant's documentation gives its exact wire behaviour. With no rule set (or after
+//! `DELETE /_control/failure`) the server behaves normally again.
 
 use std::{
     collections::BTreeMap,
@@ -49,6 +59,10 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::net::TcpListener;
+
+use self::hostile::{Cutter, MaybeCutter};
+
+mod hostile;
 
 /// What the server expects from its clients.
 #[derive(Debug, Clone)]
@@ -103,7 +117,54 @@ pub enum FailureMode {
     Hang,
     /// Store the message, then never answer.
     AcceptThenHang,
+    /// A hostile peer with a huge success. Messages: store the message, then 200,
+    /// `Content-Type: application/json`, chunked (no `Content-Length`), a body that starts
+    /// `{"id":"<id>","message":"Queued. Thank you."` and goes on with spaces (JSON whitespace,
+    /// never the closing `}`) to `bodyBytes` bytes in all. Events: 200, chunked, a page that
+    /// starts `{"items":[` and goes on with `accepted` items of the asked message-id, each
+    /// followed by a comma, never closed, `bodyBytes` bytes in all (the last item cut).
+    HugeOk,
+    /// A hostile peer with a huge error (either target): 500 without storing anything,
+    /// `Content-Type: application/json`, chunked, a body that starts `{"message":"` and goes on
+    /// with `x` to `bodyBytes` bytes in all (never closed).
+    HugeError,
+    /// A hostile peer whose success never ends: as [`Self::HugeOk`] (messages: stored first),
+    /// but the body goes on until the client hangs up.
+    Endless,
+    /// A hostile peer with control characters in its texts. Messages: 400 (nothing stored),
+    /// `{"message": CONTROL_TEXT}` (see [`CONTROL_TEXT`]), with `Content-Length`. Events: 200,
+    /// a page with one `failed` event, severity `permanent`, for the asked message-id (and the
+    /// first recipient of the stored message with it, if any) whose `reason` and
+    /// `delivery-status.message` and `.description` carry [`CONTROL_TEXT`].
+    ControlText,
+    /// A hostile peer whose body is not JSON: 200, `Content-Type: application/json`, body
+    /// `<html>oops\u{1b}[2J</html>`. Messages: stored first (an accepted send whose reply cannot
+    /// be read).
+    BadJson,
+    /// A hostile peer that drips: 200 with `Content-Length` and a valid body (messages: stored
+    /// first, `{"id":…,"message":"Queued. Thank you."}`; events: an empty page), the headers at
+    /// once, then the body one byte every `dripMs` milliseconds (default [`DEFAULT_DRIP_MS`]).
+    Drip,
+    /// A hostile peer that cuts its reply: 200 with `Content-Length` of the valid body of
+    /// [`Self::Drip`] (messages: stored first), the status line, headers and the first half of
+    /// the body, then, 200 ms later, a TCP reset (`SO_LINGER` 0, then close: an RST, not a
+    /// FIN). Served through [`router`] without [`serve`], the connection is closed instead.
+    ResetMidReply,
 }
+
+/// The default `bodyBytes` of a [`FailureRule`]: 1 GiB, generated as it is sent.
+pub const HOSTILE_BODY_BYTES: u64 = 1 << 30;
+
+/// The default `dripMs` of a [`FailureRule`] ([`FailureMode::Drip`]): a byte a second.
+pub const DEFAULT_DRIP_MS: u64 = 1000;
+
+/// What [`FailureMode::ControlText`] says: normal text (`Invalid recipient`, `mailbox
+/// unavailable`) around a terminal colour escape (ESC `[31m`), BEL, NUL, DEL, the C1 control
+/// CSI (U+009B), the Unicode line and paragraph separators (U+2028, U+2029), a right-to-left
+/// override (U+202E) and the isolates U+2066 to U+2069.
+pub const CONTROL_TEXT: &str = "Invalid recipient \u{1b}[31mred\u{1b}[0m bell\u{7} nul\u{0} \
+     del\u{7f} csi\u{9b}2J line\u{2028}para\u{2029} \u{202e}exe.txt \u{2066}lri\u{2069} \
+     \u{2067}rli\u{2069} \u{2068}fsi\u{2069} mailbox unavailable";
 
 /// Which requests a [`FailureRule`] applies to.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,6 +194,28 @@ pub struct FailureRule {
     /// Which endpoint fails.
     #[serde(default)]
     pub target: FailureTarget,
+    /// How long the body of [`FailureMode::HugeOk`] and [`FailureMode::HugeError`] is, in
+    /// bytes; absent = [`HOSTILE_BODY_BYTES`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_bytes: Option<u64>,
+    /// Milliseconds between two bytes of [`FailureMode::Drip`]; absent = [`DEFAULT_DRIP_MS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drip_ms: Option<u64>,
+}
+
+impl FailureRule {
+    /// `mode` for every message post until cleared, every other field absent: write
+    /// `FailureRule { count: Some(1), ..FailureRule::new(mode) }` for the rest.
+    pub fn new(mode: FailureMode) -> Self {
+        Self {
+            mode,
+            count: None,
+            retry_after: None,
+            target: FailureTarget::Messages,
+            body_bytes: None,
+            drip_ms: None,
+        }
+    }
 }
 
 /// A delay to add before answering message posts, set with `PUT /_control/delay`: a slow
@@ -304,11 +387,29 @@ impl AppState {
     }
 }
 
-/// Answers a request the failure rule says to fail; `store` stores the message first.
-async fn fail(rule: FailureRule, state: &AppState, message: Option<StoredMessage>) -> Response {
-    let store = |m: Option<StoredMessage>| {
-        if let Some(m) = m {
-            state.store().messages.push(m);
+/// What a failing request asked for.
+enum Asked {
+    /// A message post, with the message as it would be stored.
+    Message(StoredMessage),
+    /// An events page: the asked message-id, if any, and a `paging.next` URL for a page
+    /// after every event.
+    Events {
+        message_id: Option<String>,
+        next: String,
+    },
+}
+
+/// Answers a request the failure rule says to fail (storing the message first where the mode
+/// says so); `cutter` resets the connection for [`FailureMode::ResetMidReply`].
+async fn fail(
+    rule: FailureRule,
+    state: &AppState,
+    asked: Asked,
+    cutter: Option<Cutter>,
+) -> Response {
+    let store = |asked: &Asked| {
+        if let Asked::Message(m) = asked {
+            state.store().messages.push(m.clone());
         }
     };
     match rule.mode {
@@ -327,15 +428,26 @@ async fn fail(rule: FailureRule, state: &AppState, message: Option<StoredMessage
         }
         FailureMode::ServerError => error(StatusCode::INTERNAL_SERVER_ERROR, "Internal error"),
         FailureMode::AcceptThenServerError => {
-            store(message);
+            store(&asked);
             error(StatusCode::INTERNAL_SERVER_ERROR, "Internal error")
         }
         FailureMode::Hang | FailureMode::AcceptThenHang => {
             if rule.mode == FailureMode::AcceptThenHang {
-                store(message);
+                store(&asked);
             }
             tokio::time::sleep(Duration::from_secs(3600)).await;
             error(StatusCode::GATEWAY_TIMEOUT, "Gave up hanging")
+        }
+        FailureMode::HugeError | FailureMode::ControlText => {
+            hostile::reply(rule, state, &asked, cutter)
+        }
+        FailureMode::HugeOk
+        | FailureMode::Endless
+        | FailureMode::BadJson
+        | FailureMode::Drip
+        | FailureMode::ResetMidReply => {
+            store(&asked);
+            hostile::reply(rule, state, &asked, cutter)
         }
     }
 }
@@ -347,10 +459,11 @@ async fn fail(rule: FailureRule, state: &AppState, message: Option<StoredMessage
 async fn send_message(
     State(state): State<Shared>,
     Path(domain): Path<String>,
+    MaybeCutter(cutter): MaybeCutter,
     headers: HeaderMap,
     form: Multipart,
 ) -> Response {
-    tokio::spawn(receive_message(state, domain, headers, form))
+    tokio::spawn(receive_message(state, domain, cutter, headers, form))
         .await
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "the handler failed"))
 }
@@ -358,6 +471,7 @@ async fn send_message(
 async fn receive_message(
     state: Shared,
     domain: String,
+    cutter: Option<Cutter>,
     headers: HeaderMap,
     mut form: Multipart,
 ) -> Response {
@@ -450,7 +564,7 @@ async fn receive_message(
         tokio::time::sleep(delay).await;
     }
     if let Some(rule) = state.take_failure(FailureTarget::Messages) {
-        return fail(rule, &state, Some(message)).await;
+        return fail(rule, &state, Asked::Message(message), cutter).await;
     }
     let id = message.id.clone();
     state.store().messages.push(message);
@@ -571,15 +685,17 @@ fn matches(query: &EventsQuery, begin: Option<f64>, item: &serde_json::Value) ->
 async fn events(
     State(state): State<Shared>,
     Path(domain): Path<String>,
+    MaybeCutter(cutter): MaybeCutter,
     headers: HeaderMap,
     Query(query): Query<EventsQuery>,
 ) -> Response {
-    events_page(&state, &domain, &headers, query).await
+    events_page(&state, &domain, &headers, query, cutter).await
 }
 
 async fn events_next(
     State(state): State<Shared>,
     Path((domain, token)): Path<(String, String)>,
+    MaybeCutter(cutter): MaybeCutter,
     headers: HeaderMap,
 ) -> Response {
     let query = base64::engine::general_purpose::URL_SAFE_NO_PAD
@@ -587,7 +703,7 @@ async fn events_next(
         .ok()
         .and_then(|raw| serde_json::from_slice::<EventsQuery>(&raw).ok());
     match query {
-        Some(query) => events_page(&state, &domain, &headers, query).await,
+        Some(query) => events_page(&state, &domain, &headers, query, cutter).await,
         None => {
             if let Some(r) = state.rejection(&headers, &domain) {
                 return r;
@@ -602,12 +718,34 @@ async fn events_page(
     domain: &str,
     headers: &HeaderMap,
     query: EventsQuery,
+    cutter: Option<Cutter>,
 ) -> Response {
     if let Some(r) = state.rejection(headers, domain) {
         return r;
     }
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("localhost");
+    let url = |offset: usize| {
+        let token = EventsQuery {
+            offset,
+            ..query.clone()
+        };
+        let raw = serde_json::to_vec(&token).unwrap_or_default();
+        format!(
+            "http://{host}/v3/{domain}/events/{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw)
+        )
+    };
     if let Some(rule) = state.take_failure(FailureTarget::Events) {
-        return fail(rule, state, None).await;
+        // A hostile page's `next` asks again from where this one started: once the server
+        // behaves again, the real events are there.
+        let asked = Asked::Events {
+            message_id: query.message_id.clone(),
+            next: url(query.offset),
+        };
+        return fail(rule, state, asked, cutter).await;
     }
     let begin = match query.begin.as_deref().map(str::parse::<f64>) {
         None => None,
@@ -638,21 +776,6 @@ async fn events_page(
         let size = limit.min(store.page_size.unwrap_or(300)).max(1);
         let items: Vec<_> = all.into_iter().skip(query.offset).take(size).collect();
         (items, size)
-    };
-    let host = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .unwrap_or("localhost");
-    let url = |offset: usize| {
-        let token = EventsQuery {
-            offset,
-            ..query.clone()
-        };
-        let raw = serde_json::to_vec(&token).unwrap_or_default();
-        format!(
-            "http://{host}/v3/{domain}/events/{}",
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw)
-        )
     };
     let next = url(query.offset + items.len());
     let paging = json!({
@@ -763,15 +886,15 @@ pub fn router(config: &ContractConfig) -> Router {
 }
 
 /// Serves the contract on `listener` until the future is dropped, with `TCP_NODELAY` on every
-/// accepted socket (otherwise Nagle plus delayed ACKs add ~40 ms to each keep-alive request).
+/// accepted socket (otherwise Nagle plus delayed ACKs add ~40 ms to each keep-alive request),
+/// and connections that [`FailureMode::ResetMidReply`] can reset.
 ///
 /// # Errors
 /// When accepting connections fails for good.
 pub async fn serve(listener: TcpListener, config: &ContractConfig) -> std::io::Result<()> {
-    use axum::serve::ListenerExt as _;
-    let listener = listener.tap_io(|tcp| {
-        // Best effort: a socket without NODELAY is only slower.
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(listener, router(config)).await
+    axum::serve(
+        hostile::CuttingListener::new(listener),
+        router(config).into_make_service_with_connect_info::<Cutter>(),
+    )
+    .await
 }

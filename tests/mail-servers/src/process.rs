@@ -1,8 +1,8 @@
 //! Starting the servers as child processes on free loopback ports, talking to them, reading back
 //! what they received, and stopping them on drop.
 //!
-//! Long because both servers (SMTP, Mailgun contract) each need start, control, read-back and stop
-//! here.
+//! Long because the servers (SMTP, Mailgun contract, hostile SMTP relay) each need start,
+//! control, read-back and stop here.
 //!
 //! Each child gets a pipe as standard input and exits when it closes, so even a test process
 //! killed with SIGKILL leaves no server behind; `Drop` also kills and reaps it.
@@ -19,6 +19,7 @@ use std::{
 
 use crate::{
     contract::{DelayRule, FailureRule, StoredMessage},
+    hostile_smtp::{RelayMode, RelayStats},
     pki::{PkiError, TestPki},
 };
 
@@ -47,8 +48,8 @@ pub enum Error {
         /// The end of its standard error.
         log: String,
     },
-    /// Building the contract server binary with cargo failed.
-    #[error("building mailgun-contract-server failed:\n{0}")]
+    /// Building a server binary (the contract server, the hostile relay) with cargo failed.
+    #[error("building a server binary failed: {0}")]
     Build(String),
     /// A control request or command got an unexpected answer.
     #[error("{what}: unexpected answer: {answer}")]
@@ -223,12 +224,27 @@ fn http(
 /// # Errors
 /// [`Error::Build`] when cargo fails.
 pub fn contract_server_binary() -> Result<PathBuf, Error> {
-    static BUILT: Mutex<Option<PathBuf>> = Mutex::new(None);
-    if let Some(path) = std::env::var_os("CAPM_MAILGUN_SERVER_BIN") {
+    server_binary("mailgun-contract-server", "CAPM_MAILGUN_SERVER_BIN")
+}
+
+/// Where `hostile-smtp-relay` is: `$CAPM_HOSTILE_SMTP_RELAY_BIN`, or built on first use with
+/// `cargo build` into the target directory of the running executable (same profile).
+///
+/// # Errors
+/// [`Error::Build`] when cargo fails.
+pub fn hostile_smtp_relay_binary() -> Result<PathBuf, Error> {
+    server_binary("hostile-smtp-relay", "CAPM_HOSTILE_SMTP_RELAY_BIN")
+}
+
+/// Where this crate's binary `name` is: `$<env>`, or built once per process with `cargo build`
+/// into the target directory of the running executable (same profile).
+fn server_binary(name: &'static str, env: &str) -> Result<PathBuf, Error> {
+    static BUILT: Mutex<BTreeMap<&'static str, PathBuf>> = Mutex::new(BTreeMap::new());
+    if let Some(path) = std::env::var_os(env) {
         return Ok(PathBuf::from(path));
     }
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(path) = built.as_ref() {
+    if let Some(path) = built.get(name) {
         return Ok(path.clone());
     }
     let exe = std::env::current_exe().map_err(io("finding the current executable"))?;
@@ -249,17 +265,18 @@ pub fn contract_server_binary() -> Result<PathBuf, Error> {
     let output = Command::new(cargo)
         .current_dir(&workspace)
         .env("CARGO_TARGET_DIR", target_dir)
-        .args(["build", "--quiet", "-p", "capm-mail-servers", "--bin"])
-        .args(["mailgun-contract-server", "--profile", profile])
+        .args(["build", "--quiet", "-p", "capm-mail-servers", "--bin", name])
+        .args(["--profile", profile])
         .output()
         .map_err(io("running cargo build"))?;
     if !output.status.success() {
-        return Err(Error::Build(
-            String::from_utf8_lossy(&output.stderr).into_owned(),
-        ));
+        return Err(Error::Build(format!(
+            "{name}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )));
     }
-    let path = profile_dir.join("mailgun-contract-server");
-    *built = Some(path.clone());
+    let path = profile_dir.join(name);
+    built.insert(name, path.clone());
     Ok(path)
 }
 
@@ -276,6 +293,8 @@ pub fn contract_server_binary() -> Result<PathBuf, Error> {
 ///     count: Some(1),
 ///     retry_after: Some(3),
 ///     target: FailureTarget::Messages,
+///     body_bytes: None,
+///     drip_ms: None,
 /// })?;
 /// assert!(server.messages()?.is_empty());
 /// # Ok::<(), capm_mail_servers::Error>(())
@@ -328,6 +347,11 @@ impl MailgunServer {
     /// The bound address.
     pub fn addr(&self) -> SocketAddr {
         self.server.addr
+    }
+
+    /// The server process's id (e.g. to read its memory in `/proc/<pid>/status`).
+    pub fn pid(&self) -> u32 {
+        self.server.child.id()
     }
 
     /// The API key it expects.
@@ -731,6 +755,122 @@ impl SmtpServer {
                 ))
             })
             .collect()
+    }
+}
+
+/// A running `hostile-smtp-relay` in front of a real SMTP server: see
+/// [`crate::hostile_smtp`] and [`RelayMode`] for what each mode does on the wire.
+///
+/// # Example
+/// ```no_run
+/// use capm_mail_servers::{HostileSmtpRelay, RelayMode, SmtpOptions, SmtpServer};
+///
+/// let server = SmtpServer::start(SmtpOptions::default())?;
+/// let relay = HostileSmtpRelay::start(server.addr())?;
+/// println!("send through {} (starttls: never)", relay.url());
+/// relay.set_mode(RelayMode::EndlessGreeting)?;
+/// // ... the client must give up on its own ...
+/// relay.set_mode(RelayMode::Pass)?;
+/// # Ok::<(), capm_mail_servers::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct HostileSmtpRelay {
+    server: Mutex<ChildServer>,
+    addr: SocketAddr,
+    pid: u32,
+    upstream: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl HostileSmtpRelay {
+    /// Starts the relay on a free loopback port, in [`RelayMode::Pass`] to `upstream`.
+    ///
+    /// # Errors
+    /// [`Error`] when the binary cannot be built or started.
+    pub fn start(upstream: SocketAddr) -> Result<Self, Error> {
+        let dir = tempfile::tempdir().map_err(io("creating a temporary directory"))?;
+        let mut cmd = Command::new(hostile_smtp_relay_binary()?);
+        cmd.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            &upstream.to_string(),
+        ]);
+        let server = ChildServer::spawn("hostile-smtp-relay", cmd, &dir.path().join("stderr.log"))?;
+        Ok(Self {
+            addr: server.addr,
+            pid: server.child.id(),
+            server: Mutex::new(server),
+            upstream,
+            _dir: dir,
+        })
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `smtp://127.0.0.1:<port>` (plain SMTP: `starttls: never`).
+    pub fn url(&self) -> String {
+        format!("smtp://{}", self.addr)
+    }
+
+    /// The real server `Pass` mode forwards to.
+    pub fn upstream(&self) -> SocketAddr {
+        self.upstream
+    }
+
+    /// The relay process's id (e.g. to read its memory in `/proc/<pid>/status`).
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn command(&self, line: &str) -> Result<String, Error> {
+        self.server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .command(line)
+    }
+
+    fn expect_ok(&self, line: &str) -> Result<(), Error> {
+        match self.command(line)? {
+            answer if answer == "ok" => Ok(()),
+            answer => Err(Error::Control {
+                what: line.to_owned(),
+                answer,
+            }),
+        }
+    }
+
+    /// Plays `mode` on every connection accepted from now on (a hostile mode also closes the
+    /// connections passing through).
+    ///
+    /// # Errors
+    /// [`Error`] when the relay does not acknowledge.
+    pub fn set_mode(&self, mode: RelayMode) -> Result<(), Error> {
+        self.expect_ok(&format!("mode {}", mode.name()))
+    }
+
+    /// The time between two bytes of [`RelayMode::Drip`] for connections accepted from now on
+    /// (default 1 s; whole milliseconds).
+    ///
+    /// # Errors
+    /// [`Error`] when the relay does not acknowledge.
+    pub fn set_drip(&self, every: Duration) -> Result<(), Error> {
+        self.expect_ok(&format!("drip {}", every.as_millis()))
+    }
+
+    /// What the relay has seen so far.
+    ///
+    /// # Errors
+    /// [`Error`] when the relay does not answer with its counts.
+    pub fn stats(&self) -> Result<RelayStats, Error> {
+        let answer = self.command("stats")?;
+        serde_json::from_str(&answer).map_err(|e| Error::Control {
+            what: "stats".into(),
+            answer: format!("{e}: {answer}"),
+        })
     }
 }
 
