@@ -2,199 +2,18 @@
 //! (failpoints abort the process), a restart, and two replicas of which only the leader sends.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::{
-    io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpStream},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+mod common;
+
+use std::time::{Duration, Instant};
 
 use capm_api::{names, v1beta1::MailgunCluster};
 use capm_controllers::sendonce::{Which, records};
 use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer};
-use capm_test_support::{
-    TestNamespace,
-    process::{free_port, is_stopped},
+use capm_test_support::process::is_stopped;
+use common::{
+    Backend, DOMAIN, KEY, Provider, create_pair, delivered, namespace, signal, wait_recorded,
 };
-use kube::{
-    Api, ResourceExt,
-    api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
-};
-use serde_json::json;
-
-const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
-const DOMAIN: &str = "mg.example.com";
-const KEY: &str = "key-exactly-once";
-
-async fn namespace(prefix: &str) -> TestNamespace {
-    TestNamespace::create_with_crds(prefix, &capm_api::crd::crds().unwrap())
-        .await
-        .unwrap()
-}
-
-enum Backend<'a> {
-    Mailgun(&'a MailgunServer),
-    Smtp(&'a SmtpServer),
-}
-
-struct Provider {
-    child: Child,
-    metrics: SocketAddr,
-    _config: Option<tempfile::NamedTempFile>,
-    /// The process's standard error (its logs).
-    log: tempfile::NamedTempFile,
-}
-
-impl Provider {
-    fn start(
-        ns: &TestNamespace,
-        backend: &Backend<'_>,
-        failpoint: Option<&str>,
-        leader_elect: bool,
-    ) -> Self {
-        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
-        let probes = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
-        let mut config_file = None;
-        let mut cmd = Command::new(BIN);
-        cmd.env_clear()
-            .env("MAIL_RECIPIENT", "ops@example.com")
-            .env("RUST_LOG", "warn,capm_controllers::sendonce::execute=info")
-            .arg("--kubeconfig")
-            .arg(ns.control_plane().kubeconfig())
-            .args([
-                "--namespace",
-                &ns.name,
-                "--leader-election-namespace",
-                &ns.name,
-            ])
-            .args(["--metrics-bind-address", &metrics.to_string()])
-            .args(["--health-probe-bind-address", &probes.to_string()])
-            .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
-            .arg(format!("--leader-elect={leader_elect}"));
-        match backend {
-            Backend::Mailgun(server) => {
-                cmd.env("MAILGUN_DOMAIN", DOMAIN)
-                    .env("MAILGUN_API_KEY", KEY)
-                    .args(["--mailgun-base-url", &server.base_url()]);
-            }
-            Backend::Smtp(server) => {
-                // The test relay speaks plain SMTP; the binary's default is STARTTLS required.
-                let file = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
-                let config =
-                    json!({ "mailer": { "smtp": { "url": server.url(), "starttls": "never" } } });
-                std::fs::write(file.path(), config.to_string()).unwrap();
-                cmd.arg("--config")
-                    .arg(file.path())
-                    .args(["--message-id-domain", DOMAIN]);
-                config_file = Some(file);
-            }
-        }
-        if let Some(step) = failpoint {
-            cmd.env("CAPM_FAILPOINT", step);
-        }
-        let log = tempfile::Builder::new().suffix(".log").tempfile().unwrap();
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log.reopen().unwrap())
-            .spawn()
-            .unwrap();
-        Self {
-            child,
-            metrics,
-            _config: config_file,
-            log,
-        }
-    }
-
-    /// What the process has logged so far.
-    fn stderr_log(&self) -> String {
-        std::fs::read_to_string(self.log.path()).unwrap_or_default()
-    }
-
-    /// Waits for the process to end on its own (a failpoint aborts it).
-    fn wait_for_crash(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(!status.success(), "the failpoint aborts: {status}");
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("the provider did not reach its failpoint within 60 s");
-    }
-
-    /// Sum of a metric's samples, from the provider's /metrics.
-    fn metric(&self, name: &str) -> f64 {
-        let Ok(mut stream) = TcpStream::connect(self.metrics) else {
-            return 0.0;
-        };
-        stream
-            .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-            .unwrap();
-        let mut text = String::new();
-        stream.read_to_string(&mut text).unwrap();
-        text.lines()
-            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-            .sum()
-    }
-
-    /// Polls `name` until it reaches `floor` (or 30 s pass) and returns the last value seen.
-    async fn wait_metric_at_least(&self, name: &str, floor: f64) -> f64 {
-        let mut value = self.metric(name);
-        for _ in 0..300 {
-            if value >= floor {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            value = self.metric(name);
-        }
-        value
-    }
-}
-
-impl Drop for Provider {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- provider log ---\n{}", self.stderr_log());
-        }
-    }
-}
-
-/// A Cluster and its MailgunCluster, owner reference set as Cluster API does.
-async fn create_pair(ns: &TestNamespace, name: &str) -> MailgunCluster {
-    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-        "cluster.x-k8s.io",
-        "v1beta2",
-        "Cluster",
-    ));
-    let clusters: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
-    let cluster = DynamicObject::new(name, &ar).data(json!({ "spec": {
-        "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
-    }}));
-    let cluster = clusters
-        .create(&PostParams::default(), &cluster)
-        .await
-        .unwrap();
-    let mgc: MailgunCluster = serde_json::from_value(json!({
-        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-        "kind": "MailgunCluster",
-        "metadata": { "name": name, "ownerReferences": [{
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
-            "uid": cluster.metadata.uid, "controller": true
-        }]},
-        "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "dev@example.com" }
-    }))
-    .unwrap();
-    ns.api::<MailgunCluster>()
-        .create(&PostParams::default(), &mgc)
-        .await
-        .unwrap()
-}
+use kube::ResourceExt;
 
 fn intent_of(obj: &MailgunCluster) -> records::Intent {
     records::parse_intent(
@@ -203,18 +22,6 @@ fn intent_of(obj: &MailgunCluster) -> records::Intent {
         Which::Request,
     )
     .unwrap()
-}
-
-async fn wait_recorded(ns: &TestNamespace, name: &str) -> MailgunCluster {
-    let api = ns.api::<MailgunCluster>();
-    for _ in 0..600 {
-        let obj = api.get(name).await.unwrap();
-        if obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
-            return obj;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{name} was not recorded as sent within 60 s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -328,36 +135,6 @@ async fn two_replicas_only_the_leader_sends() {
     assert_eq!(leader.metric("mailer_messages_total"), 5.0);
     assert_eq!(standby.metric("controller_runtime_reconcile_total"), 0.0);
     assert_eq!(standby.metric("mailer_messages_total"), 0.0);
-}
-
-fn signal(pid: u32, sig: &str) {
-    let status = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill {sig} {pid}");
-}
-
-fn delivered(backend: &Backend<'_>) -> Vec<String> {
-    match backend {
-        Backend::Mailgun(server) => server
-            .messages()
-            .unwrap()
-            .into_iter()
-            .map(|m| m.id)
-            .collect(),
-        Backend::Smtp(server) => server
-            .messages()
-            .unwrap()
-            .iter()
-            .map(|m| {
-                m.header("Message-ID")
-                    .or(m.header("Message-Id"))
-                    .unwrap_or_default()
-                    .to_owned()
-            })
-            .collect(),
-    }
 }
 
 /// Issue 13, defect 1 (path a): the leader records its intent and is frozen (at `failpoint`)

@@ -54,6 +54,8 @@ impl Fixture {
                 count,
                 retry_after: None,
                 target: FailureTarget::Messages,
+                body_bytes: None,
+                drip_ms: None,
             })
             .unwrap();
     }
@@ -139,6 +141,8 @@ async fn rate_limiting_is_retryable_with_retry_after() {
             count: Some(1),
             retry_after: Some(7),
             target: FailureTarget::Messages,
+            body_bytes: None,
+            drip_ms: None,
         })
         .unwrap();
     let err = f
@@ -229,6 +233,8 @@ async fn lookup_failures_are_retryable() {
             count: Some(1),
             retry_after: None,
             target: FailureTarget::Events,
+            body_bytes: None,
+            drip_ms: None,
         })
         .unwrap();
     let id = MessageId::parse("<x@capm.test>").unwrap();
@@ -462,6 +468,8 @@ async fn events_failures_are_retryable() {
             count: Some(1),
             retry_after: None,
             target: FailureTarget::Events,
+            body_bytes: None,
+            drip_ms: None,
         })
         .unwrap();
     let err = mailer.delivery_status(&id, at).await.unwrap_err();

@@ -1,0 +1,340 @@
+//! The real binary as a child process of a test, and what the tests of this folder ask of it
+//! (its metrics, probes, memory, logs), shared by `exactly_once.rs` and `peers.rs`.
+// Each test crate uses its own part of this module.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use capm_api::{names, v1beta1::MailgunCluster};
+use capm_mail_servers::{MailgunServer, SmtpServer};
+use capm_test_support::{TestNamespace, process::free_port};
+use kube::{
+    Api, ResourceExt,
+    api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
+};
+use serde_json::json;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
+pub const DOMAIN: &str = "mg.example.com";
+pub const KEY: &str = "key-exactly-once";
+
+pub async fn namespace(prefix: &str) -> TestNamespace {
+    TestNamespace::create_with_crds(prefix, &capm_api::crd::crds().unwrap())
+        .await
+        .unwrap()
+}
+
+/// Where the provider sends its mail.
+pub enum Backend<'a> {
+    Mailgun(&'a MailgunServer),
+    /// A server speaking plain SMTP at this URL (a real one, or a relay in front of it).
+    Smtp(&'a SmtpServer),
+    SmtpUrl(String),
+}
+
+/// How to start one provider process.
+#[derive(Default)]
+pub struct Launch<'a> {
+    /// `CAPM_FAILPOINT` (crash or freeze at a step).
+    pub failpoint: Option<&'a str>,
+    pub leader_elect: bool,
+    /// More flags.
+    pub args: Vec<String>,
+    /// `RUST_LOG`; a default that shows sends when absent.
+    pub log_filter: Option<&'a str>,
+    /// Start under `prlimit --nofile=<soft>:<hard>` (as a container runtime sets it).
+    pub nofile: Option<(u64, u64)>,
+}
+
+pub struct Provider {
+    pub child: Child,
+    pub metrics: SocketAddr,
+    pub probes: SocketAddr,
+    _config: Option<tempfile::NamedTempFile>,
+    /// The process's standard error (its logs).
+    log: tempfile::NamedTempFile,
+}
+
+impl Provider {
+    pub fn start(
+        ns: &TestNamespace,
+        backend: &Backend<'_>,
+        failpoint: Option<&str>,
+        leader_elect: bool,
+    ) -> Self {
+        Self::launch(
+            ns,
+            backend,
+            &Launch {
+                failpoint,
+                leader_elect,
+                ..Launch::default()
+            },
+        )
+    }
+
+    pub fn launch(ns: &TestNamespace, backend: &Backend<'_>, launch: &Launch<'_>) -> Self {
+        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
+        let probes = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
+        let mut config_file = None;
+        let mut cmd = match launch.nofile {
+            Some((soft, hard)) => {
+                let mut cmd = Command::new("prlimit");
+                cmd.arg(format!("--nofile={soft}:{hard}"))
+                    .arg("--")
+                    .arg(BIN);
+                cmd
+            }
+            None => Command::new(BIN),
+        };
+        cmd.env_clear()
+            .env("MAIL_RECIPIENT", "ops@example.com")
+            .env(
+                "RUST_LOG",
+                launch
+                    .log_filter
+                    .unwrap_or("warn,capm_controllers::sendonce::execute=info"),
+            )
+            .arg("--kubeconfig")
+            .arg(ns.control_plane().kubeconfig())
+            .args([
+                "--namespace",
+                &ns.name,
+                "--leader-election-namespace",
+                &ns.name,
+            ])
+            .args(["--metrics-bind-address", &metrics.to_string()])
+            .args(["--health-probe-bind-address", &probes.to_string()])
+            .args(["--shutdown-timeout", "10s"])
+            .arg(format!("--leader-elect={}", launch.leader_elect));
+        if !launch.args.iter().any(|a| a.starts_with("--webhook-port")) {
+            cmd.args(["--webhook-port", "0"]);
+        }
+        let smtp_url = match backend {
+            Backend::Mailgun(server) => {
+                cmd.env("MAILGUN_DOMAIN", DOMAIN)
+                    .env("MAILGUN_API_KEY", KEY)
+                    .args(["--mailgun-base-url", &server.base_url()]);
+                None
+            }
+            Backend::Smtp(server) => Some(server.url()),
+            Backend::SmtpUrl(url) => Some(url.clone()),
+        };
+        if let Some(url) = smtp_url {
+            // The test relay speaks plain SMTP; the binary's default is STARTTLS required.
+            let file = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
+            let config = json!({ "mailer": { "smtp": { "url": url, "starttls": "never" } } });
+            std::fs::write(file.path(), config.to_string()).unwrap();
+            cmd.arg("--config")
+                .arg(file.path())
+                .args(["--message-id-domain", DOMAIN]);
+            config_file = Some(file);
+        }
+        cmd.args(&launch.args);
+        if let Some(step) = launch.failpoint {
+            cmd.env("CAPM_FAILPOINT", step);
+        }
+        let log = tempfile::Builder::new().suffix(".log").tempfile().unwrap();
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log.reopen().unwrap())
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            metrics,
+            probes,
+            _config: config_file,
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// What the process has logged so far.
+    pub fn stderr_log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.log.path().to_owned()
+    }
+
+    /// Waits for the process to end on its own (a failpoint aborts it).
+    pub fn wait_for_crash(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(!status.success(), "the failpoint aborts: {status}");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the provider did not reach its failpoint within 60 s");
+    }
+
+    /// Whether the process still runs.
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    /// The status code of `GET <path>` on the probes port, if it answers within 5 s.
+    pub fn probe(&self, path: &str) -> Option<u16> {
+        let (status, _) = http_get(self.probes, path)?;
+        Some(status)
+    }
+
+    /// Sum of a metric's samples whose line contains every one of `labels`, from the
+    /// provider's /metrics.
+    pub fn metric_with(&self, name: &str, labels: &[&str]) -> f64 {
+        let Some((_, text)) = http_get(self.metrics, "/metrics") else {
+            return 0.0;
+        };
+        text.lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+            .filter(|l| labels.iter().all(|label| l.contains(label)))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Sum of a metric's samples, from the provider's /metrics.
+    pub fn metric(&self, name: &str) -> f64 {
+        self.metric_with(name, &[])
+    }
+
+    /// Polls `name` until it reaches `floor` (or 30 s pass) and returns the last value seen.
+    pub async fn wait_metric_at_least(&self, name: &str, floor: f64) -> f64 {
+        let mut value = self.metric(name);
+        for _ in 0..300 {
+            if value >= floor {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            value = self.metric(name);
+        }
+        value
+    }
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- provider log ---\n{}", self.stderr_log());
+        }
+    }
+}
+
+/// `GET path` over HTTP/1.0: the status and the body, or `None` when nothing answers within 5 s.
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
+}
+
+/// A Cluster and its MailgunCluster, owner reference set as Cluster API does.
+pub async fn create_pair(ns: &TestNamespace, name: &str) -> MailgunCluster {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+    ));
+    let clusters: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
+    let cluster = DynamicObject::new(name, &ar).data(json!({ "spec": {
+        "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
+    }}));
+    let cluster = clusters
+        .create(&PostParams::default(), &cluster)
+        .await
+        .unwrap();
+    let mgc: MailgunCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+        "kind": "MailgunCluster",
+        "metadata": { "name": name, "ownerReferences": [{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
+            "uid": cluster.metadata.uid, "controller": true
+        }]},
+        "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "dev@example.com" }
+    }))
+    .unwrap();
+    ns.api::<MailgunCluster>()
+        .create(&PostParams::default(), &mgc)
+        .await
+        .unwrap()
+}
+
+/// Waits (60 s) until `name` carries the durable sent record.
+pub async fn wait_recorded(ns: &TestNamespace, name: &str) -> MailgunCluster {
+    wait_recorded_within(ns, name, Duration::from_secs(60)).await
+}
+
+/// Waits until `name` carries the durable sent record.
+pub async fn wait_recorded_within(
+    ns: &TestNamespace,
+    name: &str,
+    within: Duration,
+) -> MailgunCluster {
+    let api = ns.api::<MailgunCluster>();
+    let deadline = Instant::now() + within;
+    loop {
+        let obj = api.get(name).await.unwrap();
+        if obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
+            return obj;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name} was not recorded as sent within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+pub fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {sig} {pid}");
+}
+
+/// The Message-Ids the backend has, one per copy.
+pub fn delivered(backend: &Backend<'_>) -> Vec<String> {
+    match backend {
+        Backend::Mailgun(server) => server
+            .messages()
+            .unwrap()
+            .into_iter()
+            .map(|m| m.id)
+            .collect(),
+        Backend::Smtp(server) => server
+            .messages()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                m.header("Message-ID")
+                    .or(m.header("Message-Id"))
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect(),
+        Backend::SmtpUrl(_) => panic!("ask the server behind the relay"),
+    }
+}
