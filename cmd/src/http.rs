@@ -556,7 +556,9 @@ mod tests {
     async fn an_idle_kept_alive_connection_is_closed_after_the_header_timeout() {
         let (addr, _rejected, _stop) = small_server(Duration::ZERO).await;
         let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        tcp.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        tcp.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
         let mut answer = vec![0; 256];
         let n = tcp.read(&mut answer).await.unwrap();
         assert!(answer[..n].starts_with(b"HTTP/1.1 200 OK"));
