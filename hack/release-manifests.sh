@@ -6,6 +6,8 @@
 #                                   ${MAILGUN_DOMAIN} and ${MAILGUN_API_KEY}
 #   metadata.yaml                   release series -> Cluster API contract
 #   cluster-template.yaml           for `clusterctl generate cluster`
+#   cluster-template-clusterclass.yaml
+#                                   for `clusterctl generate cluster --flavor clusterclass`
 # Usage: hack/release-manifests.sh [out-dir]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,4 +28,5 @@ namespace=capm-system
   | python3 "$root/hack/clusterctl_components.py" "$namespace" > "$out/infrastructure-components.yaml"
 cp "$root/metadata.yaml" "$out/metadata.yaml"
 cp "$root/config/clusterctl/cluster-template.yaml" "$out/cluster-template.yaml"
-echo "wrote $out/infrastructure-components.yaml, metadata.yaml, cluster-template.yaml"
+cp "$root/config/clusterctl/cluster-template-clusterclass.yaml" "$out/cluster-template-clusterclass.yaml"
+echo "wrote $out/infrastructure-components.yaml, metadata.yaml, cluster-template.yaml, cluster-template-clusterclass.yaml"
