@@ -166,7 +166,11 @@ fn admission_objects() -> Vec<DynamicObject> {
                 }
                 objects.push(serde_json::from_value(value).expect("object"));
             }
-            assert_eq!(objects.len(), 7, "webhook, three policies and their bindings");
+            assert_eq!(
+                objects.len(),
+                7,
+                "webhook, three policies and their bindings"
+            );
             objects
         })
         .clone()
