@@ -6,6 +6,9 @@
 #                                   ${MAILGUN_DOMAIN} and ${MAILGUN_API_KEY}
 #   metadata.yaml                   release series -> Cluster API contract
 #   cluster-template.yaml           for `clusterctl generate cluster`
+#   cluster-template-clusterclass.yaml
+#                                   for `clusterctl generate cluster --flavor clusterclass`
+#   clusterclass-mailgun.yaml       the ClusterClass that flavor names (clusterctl adds it)
 # Usage: hack/release-manifests.sh [out-dir]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,4 +29,6 @@ namespace=capm-system
   | python3 "$root/hack/clusterctl_components.py" "$namespace" > "$out/infrastructure-components.yaml"
 cp "$root/metadata.yaml" "$out/metadata.yaml"
 cp "$root/config/clusterctl/cluster-template.yaml" "$out/cluster-template.yaml"
-echo "wrote $out/infrastructure-components.yaml, metadata.yaml, cluster-template.yaml"
+cp "$root/config/clusterctl/cluster-template-clusterclass.yaml" "$out/cluster-template-clusterclass.yaml"
+cp "$root/config/clusterctl/clusterclass-mailgun.yaml" "$out/clusterclass-mailgun.yaml"
+echo "wrote $out/infrastructure-components.yaml, metadata.yaml, cluster-template.yaml, cluster-template-clusterclass.yaml, clusterclass-mailgun.yaml"

@@ -28,8 +28,8 @@ use std::{
 use k8s_openapi::{
     ByteString,
     apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-        CustomResourceConversion, CustomResourceDefinition, ServiceReference, WebhookClientConfig,
-        WebhookConversion,
+        CustomResourceConversion, CustomResourceDefinition, JSONSchemaProps,
+        JSONSchemaPropsOrArray, ServiceReference, WebhookClientConfig, WebhookConversion,
     },
 };
 use kube::{CustomResourceExt, core::crd::merge_crds};
@@ -117,10 +117,48 @@ pub fn crds() -> Result<Vec<CustomResourceDefinition>, CrdError> {
             strategy: "None".into(),
             webhook: None,
         });
+        if kind.ends_with("Template") {
+            for version in &mut crd.spec.versions {
+                if let Some(schema) = version
+                    .schema
+                    .as_mut()
+                    .and_then(|s| s.open_api_v3_schema.as_mut())
+                {
+                    drop_transition_rules(schema);
+                }
+            }
+        }
         out.push(crd);
     }
     out.sort_by(|x, y| x.metadata.name.cmp(&y.metadata.name));
     Ok(out)
+}
+
+/// Removes every CEL rule that compares with `oldSelf` (immutable and set-once fields) from a
+/// template's schema, the embedded object's spec included.
+///
+/// A template is immutable as a whole, and the chart's `template-immutable` admission policy says
+/// so, except under the ClusterClass topology controller's server-side-apply dry runs (marked
+/// with the `topology.cluster.x-k8s.io/dry-run` annotation): they apply the desired template onto
+/// the current one to find out whether to rotate it, and a CEL rule cannot see that a request is
+/// a dry run, so one would refuse every rotation.
+fn drop_transition_rules(schema: &mut JSONSchemaProps) {
+    if let Some(rules) = &mut schema.x_kubernetes_validations {
+        rules.retain(|r| !r.rule.contains("oldSelf"));
+        if rules.is_empty() {
+            schema.x_kubernetes_validations = None;
+        }
+    }
+    for child in schema.properties.iter_mut().flat_map(|p| p.values_mut()) {
+        drop_transition_rules(child);
+    }
+    match &mut schema.items {
+        Some(JSONSchemaPropsOrArray::Schema(item)) => drop_transition_rules(item),
+        Some(JSONSchemaPropsOrArray::Schemas(items)) => {
+            items.iter_mut().for_each(drop_transition_rules);
+        }
+        None => {}
+    }
 }
 
 /// Where the API server reaches the conversion webhook.
@@ -436,9 +474,13 @@ mod tests {
             );
         }
         assert!(schema_json(&crds[2], "v1alpha1").contains("providerID is set-once"));
+        // Templates are immutable through the chart's admission policy, not CEL (the
+        // topology controller's dry runs must get through): no transition rule in them.
         for i in [1, 3] {
             for v in ["v1alpha1", "v1beta1"] {
-                assert!(schema_json(&crds[i], v).contains(r#""message":"template is immutable""#));
+                let schema = schema_json(&crds[i], v);
+                assert!(!schema.contains("oldSelf"), "{v}: {schema}");
+                assert!(schema.contains("must have at most 64 characters"), "{v}");
             }
         }
         assert!(schema_json(&crds[3], "v1beta1").contains("must not be set in a template"));

@@ -469,8 +469,8 @@ pub struct MailgunClusterTemplateResource {
     )
 )]
 pub struct MailgunClusterTemplateSpec {
-    /// template (required, immutable): the `MailgunCluster` to create.
-    #[schemars(extend("x-kubernetes-validations" = [{"rule": "self == oldSelf", "message": "template is immutable"}]))]
+    /// template (required, immutable): the `MailgunCluster` to create. Immutable through the
+    /// chart's admission policy, not CEL: see `crd::drop_transition_rules`.
     pub template: MailgunClusterTemplateResource,
 }
 
@@ -516,9 +516,8 @@ pub struct MailgunMachineTemplateResource {
 pub struct MailgunMachineTemplateSpec {
     /// template (required, immutable): the `MailgunMachine`s to create; `spec.providerID`
     /// must be unset.
-    // One `extend` per key: a field's extension replaces the type's, so both rules live here.
+    // Immutable through the chart's admission policy, not CEL: see `crd::drop_transition_rules`.
     #[schemars(extend("x-kubernetes-validations" = [
-        {"rule": "self == oldSelf", "message": "template is immutable"},
         {
             "rule": "!has(self.spec.providerID)",
             "message": "providerID must not be set in a template: every machine gets its own",

@@ -166,7 +166,11 @@ fn admission_objects() -> Vec<DynamicObject> {
                 }
                 objects.push(serde_json::from_value(value).expect("object"));
             }
-            assert_eq!(objects.len(), 5, "webhook, two policies and their bindings");
+            assert_eq!(
+                objects.len(),
+                7,
+                "webhook, three policies and their bindings"
+            );
             objects
         })
         .clone()
@@ -336,7 +340,7 @@ async fn crds_are_established_and_every_sample_is_accepted() {
     let cp = ns.control_plane();
     cp.install_capi_crds().await.expect("Cluster API CRDs");
     let files = samples();
-    assert_eq!(files.len(), 9, "{files:?}");
+    assert_eq!(files.len(), 11, "{files:?}");
     for file in files {
         let path = file.to_string_lossy().into_owned();
         let mut last = None;

@@ -9,7 +9,8 @@
 #   $CAPM_TOOLS_CACHE/<name>-<sha256 of go.mod+go.sum, 16 hex>/bin
 # (default cache: ~/.cache/cluster-api-provider-mailgun/tools). A folder that already holds every
 # binary is reused and nothing is built. `bin/` at the repository root gets symlinks to the
-# current binaries, and the Cluster API CRDs are copied to bin/capi-crds/.
+# current binaries, and the Cluster API CRDs are copied to bin/capi-crds/ (the kubeadm providers'
+# template CRDs to bin/capi-kubeadm-crds/).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -151,5 +152,11 @@ for tool in "${tools[@]}"; do
     # All core CRDs: the core manager watches most of them and fails to start without them.
     cp "$src"/core/config/crd/bases/*.yaml "$root/bin/capi-crds/"
     chmod u+w "$root/bin/capi-crds"/*.yaml
+    # The kubeadm providers' template CRDs, apart (no test runs their managers): the API server
+    # checks the clusterclass flavor's KubeadmControlPlaneTemplate and KubeadmConfigTemplate.
+    rm -rf "$root/bin/capi-kubeadm-crds" && mkdir -p "$root/bin/capi-kubeadm-crds"
+    cp "$src"/controlplane/kubeadm/config/crd/bases/*templates.yaml \
+      "$src"/bootstrap/kubeadm/config/crd/bases/*templates.yaml "$root/bin/capi-kubeadm-crds/"
+    chmod u+w "$root/bin/capi-kubeadm-crds"/*.yaml
   fi
 done

@@ -55,8 +55,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-webhook-cert" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The Lease: one per release, and per shard (a shard's watchFilter is in its name). */}}
 {{- define "capm.leaderElectionID" -}}
+{{- if .Values.watchFilter }}
+{{- printf "%s-%s-leader" (include "capm.fullname" .) (.Values.watchFilter | lower | replace "_" "-" | replace "." "-") | trunc 63 | trimSuffix "-" }}
+{{- else }}
 {{- printf "%s-leader" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
 {{- end }}
 
 {{/*

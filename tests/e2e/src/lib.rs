@@ -18,6 +18,55 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_test_support::{ControlPlane, process};
 
+pub mod ledger;
+pub mod pods;
+mod provider;
+pub mod topology;
+
+pub use provider::{ChartProvider, fulfil_command, route_webhook_service, start_chart_provider};
+
+/// What a Mailgun contract server stored, as the ledger reads it (arrival order from 1), each
+/// with its text body.
+///
+/// # Errors
+/// When the server cannot be asked.
+pub fn mailgun_mails(
+    server: &capm_mail_servers::MailgunServer,
+) -> Result<Vec<(ledger::Received, String)>> {
+    Ok(server
+        .messages()?
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            (
+                ledger::Received {
+                    seq: i + 1,
+                    message_id: m.id,
+                    subject: m.subject,
+                },
+                m.text.unwrap_or_default(),
+            )
+        })
+        .collect())
+}
+
+/// The ledger of everything a Mailgun contract server stored, whose Message-Ids are under
+/// `domain`.
+///
+/// # Errors
+/// When the server cannot be asked.
+pub fn mailgun_ledger(
+    server: &capm_mail_servers::MailgunServer,
+    domain: &str,
+) -> Result<ledger::Ledger> {
+    let mails: Vec<_> = mailgun_mails(server)?.into_iter().map(|(r, _)| r).collect();
+    Ok(ledger::Ledger::build(
+        ledger::Backend::Mailgun,
+        domain,
+        &mails,
+    ))
+}
+
 /// The chart, relative to this crate.
 pub fn chart_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/cluster-api-provider-mailgun")
@@ -320,31 +369,57 @@ pub async fn create_cluster_pair(
     name: &str,
     requester: &str,
 ) -> Result<()> {
+    create_labelled_cluster_pair(client, namespace, name, requester, &[]).await
+}
+
+/// [`create_cluster_pair`] with `labels` on both objects (e.g.
+/// `cluster.x-k8s.io/watch-filter`, which picks the shard that reconciles them).
+///
+/// # Errors
+/// When the API server refuses either.
+pub async fn create_labelled_cluster_pair(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    requester: &str,
+    labels: &[(&str, &str)],
+) -> Result<()> {
     let post = kube::api::PostParams::default();
     let infra = "infrastructure.cluster.x-k8s.io";
+    let labelled = |mut object: kube::api::DynamicObject| {
+        if !labels.is_empty() {
+            object.metadata.labels = Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            );
+        }
+        object
+    };
     dynamic_api(client, namespace, infra, "v1beta1", "MailgunCluster")
         .create(
             &post,
-            &dynamic_object(
+            &labelled(dynamic_object(
                 &format!("{infra}/v1beta1"),
                 "MailgunCluster",
                 namespace,
                 name,
                 serde_json::json!({"priority": "Urgent", "request": "One cluster please", "requester": requester}),
-            )?,
+            )?),
         )
         .await
         .with_context(|| format!("creating MailgunCluster {namespace}/{name}"))?;
     dynamic_api(client, namespace, "cluster.x-k8s.io", "v1beta2", "Cluster")
         .create(
             &post,
-            &dynamic_object(
+            &labelled(dynamic_object(
                 "cluster.x-k8s.io/v1beta2",
                 "Cluster",
                 namespace,
                 name,
                 serde_json::json!({"infrastructureRef": {"apiGroup": infra, "kind": "MailgunCluster", "name": name}}),
-            )?,
+            )?),
         )
         .await
         .with_context(|| format!("creating Cluster {namespace}/{name}"))?;
@@ -441,6 +516,14 @@ pub fn service_account_kubeconfig(
 /// # Errors
 /// When it is not built or cannot start.
 pub fn start_capi_manager(kubeconfig: &Path, dir: &Path) -> Result<Proc> {
+    start_capi_manager_with(kubeconfig, dir, &[])
+}
+
+/// [`start_capi_manager`] with more flags, e.g. `--feature-gates=ClusterTopology=true`.
+///
+/// # Errors
+/// When it is not built or cannot start.
+pub fn start_capi_manager_with(kubeconfig: &Path, dir: &Path, extra: &[&str]) -> Result<Proc> {
     let certs = dir.join("capi-webhook-certs");
     fs::create_dir_all(&certs)?;
     let ca = capm_test_support::pki::CertificateAuthority::new("capi-webhook-ca")?;
@@ -459,7 +542,8 @@ pub fn start_capi_manager(kubeconfig: &Path, dir: &Path) -> Result<Proc> {
             "--diagnostics-address",
             &format!("127.0.0.1:{}", free_port()?),
         ])
-        .arg("--insecure-diagnostics");
+        .arg("--insecure-diagnostics")
+        .args(extra);
     Proc::spawn("capi-manager", cmd, dir.join("capi-manager.log"))
 }
 
@@ -745,6 +829,14 @@ pub struct AuditedRequest {
     pub code: u16,
     /// The client's User-Agent.
     pub user_agent: String,
+    /// Who made it.
+    pub username: String,
+    /// The object's name; empty for collections.
+    pub name: String,
+    /// Whether it was a dry run (`dryRun=All` in the request URI).
+    pub dry_run: bool,
+    /// The `fieldManager` of a write, from the request URI; empty when not given.
+    pub field_manager: String,
 }
 
 /// The completed requests of `username` in an audit log.
@@ -752,19 +844,31 @@ pub struct AuditedRequest {
 /// # Errors
 /// When the log cannot be read.
 pub fn audited_requests(log: &Path, username: &str) -> Result<Vec<AuditedRequest>> {
+    Ok(all_audited_requests(log)?
+        .into_iter()
+        .filter(|r| r.username == username)
+        .collect())
+}
+
+/// Every completed request to a resource in an audit log, whoever made it.
+///
+/// # Errors
+/// When the log cannot be read.
+pub fn all_audited_requests(log: &Path) -> Result<Vec<AuditedRequest>> {
     let text = fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
     let mut out = Vec::new();
     for line in text.lines() {
         let Ok(event) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
-        if event["stage"] != "ResponseComplete" || event["user"]["username"] != username {
+        if event["stage"] != "ResponseComplete" {
             continue;
         }
         let obj = &event["objectRef"];
         let Some(resource) = obj["resource"].as_str() else {
             continue; // non-resource URLs (/api, /version, ...)
         };
+        let uri = event["requestURI"].as_str().unwrap_or_default();
         let resource = match obj["subresource"].as_str() {
             Some(sub) => format!("{resource}/{sub}"),
             None => resource.to_owned(),
@@ -778,6 +882,17 @@ pub fn audited_requests(log: &Path, username: &str) -> Result<Vec<AuditedRequest
                 .and_then(|c| u16::try_from(c).ok())
                 .unwrap_or(0),
             user_agent: event["userAgent"].as_str().unwrap_or_default().to_owned(),
+            username: event["user"]["username"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+            name: obj["name"].as_str().unwrap_or_default().to_owned(),
+            dry_run: uri.contains("dryRun=All"),
+            field_manager: uri
+                .split(['?', '&'])
+                .find_map(|p| p.strip_prefix("fieldManager="))
+                .unwrap_or_default()
+                .to_owned(),
         });
     }
     Ok(out)

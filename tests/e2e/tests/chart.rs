@@ -592,6 +592,54 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
             && accepted.contains("mailguncluster.infrastructure.cluster.x-k8s.io/hello"),
         "{accepted}"
     );
+
+    // `--flavor clusterclass`: a ClusterClass of our templates and the kubeadm providers', and
+    // a topology Cluster, which the API server accepts (with the kubeadm template CRDs).
+    let template = clusterctl(
+        &home,
+        &[
+            "generate",
+            "cluster",
+            "hello-class",
+            "--infrastructure",
+            &provider,
+            "--flavor",
+            "clusterclass",
+            "--kubernetes-version",
+            "v1.34.2",
+            "--config",
+            &config,
+            "--target-namespace",
+            "default",
+        ],
+        &[("MAILGUN_CLUSTER_REQUESTER", "me@example.com")],
+    )?;
+    let kubeadm = capm_test_support::process::bin_dir().join("capi-kubeadm-crds");
+    cp.kubectl_output(&["apply", "--server-side", "-f", &kubeadm.to_string_lossy()])?;
+    cp.kubectl_output(&[
+        "wait",
+        "--for=condition=established",
+        "--timeout=60s",
+        "-f",
+        &kubeadm.to_string_lossy(),
+    ])?;
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
+    let accepted = run_with_input(
+        &mut kubectl,
+        &template,
+        "dry run of the clusterclass flavor",
+    )?;
+    for name in [
+        "clusterclass.cluster.x-k8s.io/mailgun",
+        "mailgunclustertemplate.infrastructure.cluster.x-k8s.io/mailgun-cluster",
+        "mailgunmachinetemplate.infrastructure.cluster.x-k8s.io/mailgun-machines",
+        "kubeadmcontrolplanetemplate.controlplane.cluster.x-k8s.io/mailgun-control-plane",
+        "kubeadmconfigtemplate.bootstrap.cluster.x-k8s.io/mailgun-workers",
+        "cluster.cluster.x-k8s.io/hello-class",
+    ] {
+        ensure!(accepted.contains(name), "{name} not accepted: {accepted}");
+    }
     cp.stop();
     Ok(())
 }

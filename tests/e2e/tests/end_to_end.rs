@@ -13,33 +13,24 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    path::{Path, PathBuf},
     process::Command,
     time::Duration,
 };
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    AUDIT_POLICY, HttpsScrape, Proc, Prometheus, audited_requests, create_cluster_pair,
-    create_namespace, create_secret, dynamic_api, dynamic_object, eventually, free_port,
-    helm_chart, host_ip, https_get, promtool_check_metrics, provider_binary,
-    service_account_kubeconfig, start_capi_manager,
+    AUDIT_POLICY, HttpsScrape, Prometheus, audited_requests, create_cluster_pair, create_namespace,
+    create_secret, dynamic_api, dynamic_object, eventually, helm_chart, https_get,
+    promtool_check_metrics, route_webhook_service, service_account_kubeconfig, start_capi_manager,
+    start_chart_provider,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::{ControlPlane, Options, pki::CertificateAuthority};
-use k8s_openapi::{
-    ByteString,
-    api::{
-        apps::v1::Deployment,
-        core::v1::{Secret, ServiceAccount},
-        rbac::v1::{ClusterRole, PolicyRule, Role},
-    },
+use k8s_openapi::api::{
+    core::v1::ServiceAccount,
+    rbac::v1::{ClusterRole, PolicyRule, Role},
 };
-use kube::{
-    Api, Client,
-    api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
-    core::ObjectMeta,
-};
+use kube::{Api, api::PostParams, core::ObjectMeta};
 
 const NS: &str = "capm-system";
 const RELEASE: &str = "capm";
@@ -76,159 +67,7 @@ fn body_text(mail: &ReceivedMail) -> String {
 
 /// The `kubectl ...` line the mail gives its recipient, placeholders filled in.
 fn fulfil_command(mail: &ReceivedMail, fill: &[(&str, &str)]) -> Result<Vec<String>> {
-    let body = body_text(mail);
-    let line = body
-        .lines()
-        .map(str::trim)
-        .find(|l| l.starts_with("kubectl patch"))
-        .with_context(|| format!("no kubectl command in the mail:\n{body}"))?;
-    let mut line = line.to_owned();
-    for (placeholder, value) in fill {
-        line = line.replace(placeholder, value);
-    }
-    // The line is written for a POSIX shell: split it the way one would.
-    shell_words(&line)
-}
-
-/// Splits a shell line with `sh` itself (quotes as the recipient's shell would treat them).
-fn shell_words(line: &str) -> Result<Vec<String>> {
-    let out = capm_e2e::run(
-        Command::new("sh").args([
-            "-c",
-            &format!("for a in {line}; do printf '%s\\0' \"$a\"; done"),
-        ]),
-        "sh",
-    )?;
-    Ok(out
-        .split('\0')
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect())
-}
-
-/// Writes what the kubelet would mount for the Deployment's Secret volumes into `dir` and
-/// returns (mountPath, local dir) pairs.
-async fn emulate_secret_mounts(
-    client: &Client,
-    deployment: &Deployment,
-    dir: &Path,
-) -> Result<Vec<(String, PathBuf)>> {
-    let pod = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .context("pod template")?;
-    let container = &pod.containers[0];
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), NS);
-    let mut mounts = Vec::new();
-    for mount in container.volume_mounts.as_deref().unwrap_or_default() {
-        let volume = pod
-            .volumes
-            .as_deref()
-            .unwrap_or_default()
-            .iter()
-            .find(|v| v.name == mount.name)
-            .context("volume of a mount")?;
-        let source = volume
-            .secret
-            .as_ref()
-            .context("only Secret volumes are expected")?;
-        let secret = secrets
-            .get(source.secret_name.as_deref().context("secretName")?)
-            .await?;
-        let data = secret.data.unwrap_or_default();
-        let local = dir.join("mounts").join(&mount.name);
-        fs::create_dir_all(&local)?;
-        for item in source.items.as_deref().unwrap_or_default() {
-            let ByteString(bytes) = data
-                .get(&item.key)
-                .with_context(|| format!("key {} in Secret of volume {}", item.key, mount.name))?;
-            fs::write(local.join(&item.path), bytes)?;
-        }
-        mounts.push((mount.mount_path.clone(), local));
-    }
-    Ok(mounts)
-}
-
-/// The provider, run from this build with the Deployment's arguments: mount paths mapped to
-/// the emulated mounts, listeners moved to free ports, authenticated by `kubeconfig`.
-struct Provider {
-    proc: Proc,
-    metrics: String,
-    webhook_port: u16,
-}
-
-async fn start_provider(
-    client: &Client,
-    kubeconfig: &Path,
-    dir: &Path,
-) -> Result<(Provider, Vec<String>)> {
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
-    let deployment = deployments.get(FULLNAME).await?;
-    let mounts = emulate_secret_mounts(client, &deployment, dir).await?;
-    let chart_args = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .and_then(|p| p.containers[0].args.clone())
-        .context("container args")?;
-    let metrics = format!("127.0.0.1:{}", free_port()?);
-    let webhook_port = free_port()?;
-    let mut args = Vec::new();
-    for arg in &chart_args {
-        let (flag, value) = arg.split_once('=').unwrap_or((arg, ""));
-        let value = match flag {
-            "--diagnostics-address" => metrics.clone(),
-            "--health-probe-bind-address" => format!("127.0.0.1:{}", free_port()?),
-            "--webhook-port" => webhook_port.to_string(),
-            _ => mounts
-                .iter()
-                .find(|(path, _)| value == path || value.starts_with(&format!("{path}/")))
-                .map(|(path, local)| value.replacen(path.as_str(), &local.to_string_lossy(), 1))
-                .unwrap_or_else(|| value.to_owned()),
-        };
-        args.push(format!("{flag}={value}"));
-    }
-    let mut cmd = Command::new(provider_binary()?);
-    cmd.args(&args)
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .env("POD_NAMESPACE", NS)
-        .env_remove("KUBECONFIG")
-        .env_remove("MAILGUN_API_KEY")
-        .env_remove("SMTP_PASSWORD");
-    let proc = Proc::spawn("provider", cmd, dir.join("provider.log"))?;
-    Ok((
-        Provider {
-            proc,
-            metrics,
-            webhook_port,
-        },
-        chart_args,
-    ))
-}
-
-/// Points the chart's webhook Service at the local provider: there is no kube-proxy and no
-/// kubelet here, so the EndpointSlice the endpoint controllers would write is written by hand.
-async fn route_webhook_service(client: &Client, port: u16) -> Result<()> {
-    let ip = host_ip()?;
-    let slice: DynamicObject = serde_json::from_value(serde_json::json!({
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": format!("{FULLNAME}-webhook-local"),
-            "namespace": NS,
-            "labels": {"kubernetes.io/service-name": format!("{FULLNAME}-webhook")},
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
-        "endpoints": [{"addresses": [ip.to_string()], "conditions": {"ready": true}}],
-    }))?;
-    let gvk = GroupVersionKind::gvk("discovery.k8s.io", "v1", "EndpointSlice");
-    let api: Api<DynamicObject> =
-        Api::namespaced_with(client.clone(), NS, &ApiResource::from_gvk(&gvk));
-    api.create(&PostParams::default(), &slice).await?;
-    Ok(())
+    capm_e2e::fulfil_command(&body_text(mail), fill)
 }
 
 /// Granted (group, resource, verb) triples of a rule list.
@@ -316,12 +155,22 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
 
     // The provider as the chart's ServiceAccount, the core manager as Cluster API.
     let sa_kubeconfig = service_account_kubeconfig(&cp, NS, FULLNAME, dir)?;
-    let (provider, chart_args) = start_provider(&admin, &sa_kubeconfig, dir).await?;
+    let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, dir).await?;
     ensure!(
-        chart_args.iter().any(|a| a == "--leader-elect=true"),
-        "the chart runs with leader election: {chart_args:?}"
+        provider
+            .chart_args
+            .iter()
+            .any(|a| a == "--leader-elect=true"),
+        "the chart runs with leader election: {:?}",
+        provider.chart_args
     );
-    route_webhook_service(&admin, provider.webhook_port).await?;
+    route_webhook_service(
+        &admin,
+        NS,
+        &format!("{FULLNAME}-webhook"),
+        provider.webhook_port,
+    )
+    .await?;
     let capi = start_capi_manager(cp.kubeconfig(), dir)?;
 
     // The relay refuses the first two attempts (451, try again later): the provider reports

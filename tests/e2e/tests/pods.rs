@@ -20,10 +20,12 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     Prometheus, create_cluster_pair, create_namespace, create_secret, dynamic_api, eventually,
-    helm, helm_chart, provider_binary, start_capi_manager,
+    helm, helm_chart,
+    pods::{check_no_restarts, leader, on_a_node, provider_pods, ready},
+    provider_binary, start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
-use capm_test_support::{ControlPlane, Options};
+use capm_test_support::ControlPlane;
 use k8s_openapi::api::{apps::v1::Deployment, coordination::v1::Lease, core::v1::Pod};
 use kube::{
     Api,
@@ -44,17 +46,6 @@ const RECIPIENT: &str = "infrastructure-team@example.com";
 /// Objects of the memory check (`CAPM_PODS_OBJECTS` overrides): the Cluster + MailgunCluster
 /// pairs alive at once while the chart's memory limit applies.
 const MANY: usize = 1000;
-
-fn is_root() -> bool {
-    fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(2) == Some("0"))
-        })
-        .unwrap_or(false)
-}
 
 /// Mails per Cluster name (from the subject "New Cluster <name> requested").
 fn mails_per_cluster(server: &MailgunServer) -> Result<BTreeMap<String, usize>> {
@@ -88,32 +79,6 @@ async fn every_mail_once(server: &MailgunServer, names: &[String], wait: Duratio
     .await
 }
 
-fn ready(pod: &Pod) -> bool {
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-async fn provider_pods(pods: &Api<Pod>) -> Result<Vec<Pod>> {
-    Ok(pods
-        .list(&ListParams::default().labels("app.kubernetes.io/name=cluster-api-provider-mailgun"))
-        .await?
-        .items)
-}
-
-/// The Pod name in the Lease's holder identity (`<pod>_<suffix>`).
-async fn leader(leases: &Api<Lease>) -> Result<Option<String>> {
-    Ok(leases
-        .get_opt(LEASE)
-        .await?
-        .and_then(|l| l.spec)
-        .and_then(|s| s.holder_identity)
-        .and_then(|h| h.rsplit_once('_').map(|(pod, _)| pod.to_owned())))
-}
-
 /// The container's peak memory use from its cgroup (v1 `memory.max_usage_in_bytes` under
 /// containerd's `k8s.io` parent, or v2 `memory.peak`), in bytes.
 fn peak_memory(container_id: &str) -> Option<u64> {
@@ -126,99 +91,9 @@ fn peak_memory(container_id: &str) -> Option<u64> {
     .and_then(|s| s.trim().parse().ok())
 }
 
-/// Fails when a provider container was OOM-killed or restarted.
-fn check_no_restarts(pods: &[Pod]) -> Result<()> {
-    for pod in pods {
-        for c in pod
-            .status
-            .as_ref()
-            .and_then(|s| s.container_statuses.as_ref())
-            .into_iter()
-            .flatten()
-        {
-            let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
-            ensure!(
-                c.restart_count == 0,
-                "{} restarted {} times (last: {:?})",
-                pod.metadata.name.as_deref().unwrap_or("?"),
-                c.restart_count,
-                last.map(|t| (t.reason.clone(), t.exit_code))
-            );
-        }
-    }
-    Ok(())
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn the_chart_runs_as_pods_from_the_projects_image() -> Result<()> {
-    ensure!(
-        is_root(),
-        "this test starts a kubelet, containerd and a bridge network and needs root \
-         (run `make test` as root, as CI does)"
-    );
-    let work = tempfile::tempdir()?;
-    let dir = work.path();
-    let started = Instant::now();
-    let cp = ControlPlane::start(Options {
-        node: true,
-        timeout: Duration::from_secs(180),
-        ..Options::default()
-    })
-    .await?;
-    println!("control plane + node Ready in {:.1?}", started.elapsed());
-    let result = run(&cp, dir).await;
-    if result.is_err() {
-        if let Some(state) = cp.dir() {
-            for name in ["kubelet", "containerd"] {
-                let log = state.join("logs").join(format!("{name}.log"));
-                eprintln!(
-                    "--- last lines of {name}:\n{}",
-                    capm_test_support::process::tail(&log, 30)
-                );
-            }
-        }
-        if let Ok(out) = cp.kubectl_output(&["get", "pods", "-A", "-o", "wide"]) {
-            eprintln!("--- pods:\n{out}");
-        }
-        if let Ok(out) = cp.kubectl_output(&[
-            "-n",
-            NS,
-            "logs",
-            "-l",
-            "app.kubernetes.io/name=cluster-api-provider-mailgun",
-            "--tail=30",
-            "--prefix",
-        ]) {
-            eprintln!("--- provider logs:\n{out}");
-        }
-    }
-    // Nothing left behind: the node's bridge goes with the control plane.
-    let bridge = cp
-        .network()
-        .map(|n| n.bridge.clone())
-        .context("the node's network")?;
-    let state = cp
-        .dir()
-        .map(|d| d.display().to_string())
-        .context("the state directory")?;
-    cp.stop();
-    // No process (containerd's shims above all: they outlive containerd) names the state dir.
-    let mut left = Vec::new();
-    for entry in fs::read_dir("/proc")?.flatten() {
-        let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(&state) {
-            left.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
-        }
-    }
-    ensure!(left.is_empty(), "processes left behind: {left:?}");
-    let links = std::process::Command::new("ip")
-        .args(["-o", "link"])
-        .output()?;
-    ensure!(
-        !String::from_utf8_lossy(&links.stdout).contains(&format!(" {bridge}:")),
-        "bridge {bridge} is still there after the control plane stopped"
-    );
-    result
+    on_a_node(NS, run).await
 }
 
 async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
@@ -266,7 +141,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         Duration::from_secs(180),
         "2 provider Pods Ready",
         || async {
-            let list = provider_pods(&pods).await?;
+            let list = provider_pods(&pods, None).await?;
             check_no_restarts(&list)?;
             Ok((list.iter().filter(|p| ready(p)).count() == 2).then_some(list))
         },
@@ -298,7 +173,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     let first_leader = eventually(
         Duration::from_secs(60),
         "a leader among the Pods",
-        || async { Ok(leader(&leases).await?.filter(|l| names.contains(l))) },
+        || async { Ok(leader(&leases, LEASE).await?.filter(|l| names.contains(l))) },
     )
     .await?;
     println!("leader: {first_leader}");
@@ -393,10 +268,10 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     let new_leader = eventually(
         Duration::from_secs(90),
         "another Pod to take the Lease",
-        || async { Ok(leader(&leases).await?.filter(|l| *l != first_leader)) },
+        || async { Ok(leader(&leases, LEASE).await?.filter(|l| *l != first_leader)) },
     )
     .await?;
-    let live = provider_pods(&pods).await?;
+    let live = provider_pods(&pods, None).await?;
     ensure!(
         live.iter()
             .any(|p| p.metadata.name.as_deref() == Some(new_leader.as_str())
@@ -418,7 +293,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         Duration::from_secs(180),
         "the replacement Pod Ready",
         || async {
-            let list = provider_pods(&pods).await?;
+            let list = provider_pods(&pods, None).await?;
             Ok((list.iter().filter(|p| ready(p)).count() == 2).then_some(()))
         },
     )
@@ -439,7 +314,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     let mut min_ready = usize::MAX;
     let mut round = 0;
     loop {
-        let list = provider_pods(&pods).await?;
+        let list = provider_pods(&pods, None).await?;
         min_ready = min_ready.min(list.iter().filter(|p| ready(p)).count());
         if round < 5 {
             let name = format!("upgrade-{round}");
@@ -490,7 +365,7 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     );
     every_mail_once(&mailgun, &batch, Duration::from_secs(600)).await?;
     println!("{many} mails sent once each in {:.1?}", t.elapsed());
-    let list = provider_pods(&pods).await?;
+    let list = provider_pods(&pods, None).await?;
     check_no_restarts(&list)?;
     ensure!(
         list.iter().filter(|p| ready(p)).count() == 2,

@@ -73,12 +73,12 @@
 //! violation and carries on, failing at the end (to survey a seed). Everything (processes, namespaces, the control
 //! plane) is removed also on failure.
 
-mod ledger;
 mod world;
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use capm_e2e::ledger;
 use rand::{Rng as _, RngExt as _, SeedableRng, rngs::StdRng};
 
 use world::{Lane, Plan, Round, World};

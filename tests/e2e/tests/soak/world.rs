@@ -2,7 +2,7 @@
 //! server, two provider replicas, a namespace), the plans and how a round runs and is judged.
 //!
 //! Long because it is the whole simulated world (lanes, faults, plans, judging); `main.rs` drives
-//! it and `ledger.rs` holds the rules.
+//! it and `capm_e2e::ledger` holds the rules.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -33,7 +33,7 @@ use kube::{
 use rand::{RngExt as _, rngs::StdRng};
 use serde_json::{Value, json};
 
-use crate::ledger::{Backend, Kind, Ledger, Object, Received, Violation};
+use capm_e2e::ledger::{Backend, Kind, Ledger, Object, Received, Violation};
 
 const DOMAIN: &str = "mg.soak.test";
 const API_KEY: &str = "key-soak";
@@ -952,8 +952,8 @@ impl Lane {
     async fn fulfil(&self) -> Result<()> {
         for mail in self.mails()? {
             let id = &mail.received.message_id;
-            let Some((object, crate::ledger::Which::Request)) =
-                crate::ledger::parse_message_id(id, DOMAIN)
+            let Some((object, capm_e2e::ledger::Which::Request)) =
+                capm_e2e::ledger::parse_message_id(id, DOMAIN)
             else {
                 continue;
             };

@@ -1,6 +1,7 @@
 //! The mail ledger: what the mail servers received, judged per object. Built only from the
 //! servers' own records (the Message-Id of each stored message, in arrival order) and from which
-//! of our objects still exist; never from the provider's annotations or status.
+//! of our objects still exist; never from the provider's annotations or status. The soak test
+//! and the ClusterClass and sharding tests judge their mail with it.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -1,0 +1,200 @@
+//! The provider from this build run exactly as the chart's Deployment runs it (its arguments, its
+//! mounted Secrets, a token of its ServiceAccount), and the human who fulfils its mails.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result};
+use k8s_openapi::{
+    ByteString,
+    api::{apps::v1::Deployment, core::v1::Secret},
+};
+use kube::{
+    Api, Client,
+    api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
+};
+
+use crate::{Proc, free_port, host_ip, provider_binary};
+
+/// Writes what the kubelet would mount for the Deployment's Secret volumes into `dir` and
+/// returns (mountPath, local dir) pairs.
+async fn emulate_secret_mounts(
+    client: &Client,
+    namespace: &str,
+    deployment: &Deployment,
+    dir: &Path,
+) -> Result<Vec<(String, PathBuf)>> {
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("pod template")?;
+    let container = &pod.containers[0];
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let mut mounts = Vec::new();
+    for mount in container.volume_mounts.as_deref().unwrap_or_default() {
+        let volume = pod
+            .volumes
+            .as_deref()
+            .unwrap_or_default()
+            .iter()
+            .find(|v| v.name == mount.name)
+            .context("volume of a mount")?;
+        let source = volume
+            .secret
+            .as_ref()
+            .context("only Secret volumes are expected")?;
+        let secret = secrets
+            .get(source.secret_name.as_deref().context("secretName")?)
+            .await?;
+        let data = secret.data.unwrap_or_default();
+        let local = dir.join("mounts").join(&mount.name);
+        fs::create_dir_all(&local)?;
+        for item in source.items.as_deref().unwrap_or_default() {
+            let ByteString(bytes) = data
+                .get(&item.key)
+                .with_context(|| format!("key {} in Secret of volume {}", item.key, mount.name))?;
+            fs::write(local.join(&item.path), bytes)?;
+        }
+        mounts.push((mount.mount_path.clone(), local));
+    }
+    Ok(mounts)
+}
+
+/// The provider, run from this build with the chart Deployment's arguments.
+#[derive(Debug)]
+pub struct ChartProvider {
+    /// The process.
+    pub proc: Proc,
+    /// Where its diagnostics endpoint (`/metrics`) listens.
+    pub metrics: String,
+    /// Its webhook port (on every address).
+    pub webhook_port: u16,
+    /// The arguments the chart gives the container.
+    pub chart_args: Vec<String>,
+}
+
+/// Starts the provider with the arguments of the Deployment `deployment` in `namespace` (as
+/// `helm install` rendered it): mount paths mapped to emulated mounts in `dir`, listeners moved to
+/// free ports, authenticated by `kubeconfig` (e.g. [`crate::service_account_kubeconfig`]).
+///
+/// # Errors
+/// When the Deployment or its Secrets cannot be read, or the process cannot start.
+pub async fn start_chart_provider(
+    client: &Client,
+    namespace: &str,
+    deployment: &str,
+    kubeconfig: &Path,
+    dir: &Path,
+) -> Result<ChartProvider> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+    let deployment = deployments.get(deployment).await?;
+    let mounts = emulate_secret_mounts(client, namespace, &deployment, dir).await?;
+    let chart_args = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.containers[0].args.clone())
+        .context("container args")?;
+    let metrics = format!("127.0.0.1:{}", free_port()?);
+    let webhook_port = free_port()?;
+    let mut args = Vec::new();
+    for arg in &chart_args {
+        let (flag, value) = arg.split_once('=').unwrap_or((arg, ""));
+        let value = match flag {
+            "--diagnostics-address" => metrics.clone(),
+            "--health-probe-bind-address" => format!("127.0.0.1:{}", free_port()?),
+            "--webhook-port" => webhook_port.to_string(),
+            _ => mounts
+                .iter()
+                .find(|(path, _)| value == path || value.starts_with(&format!("{path}/")))
+                .map(|(path, local)| value.replacen(path.as_str(), &local.to_string_lossy(), 1))
+                .unwrap_or_else(|| value.to_owned()),
+        };
+        args.push(format!("{flag}={value}"));
+    }
+    let mut cmd = Command::new(provider_binary()?);
+    cmd.args(&args)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .env("POD_NAMESPACE", namespace)
+        .env_remove("KUBECONFIG")
+        .env_remove("MAILGUN_API_KEY")
+        .env_remove("SMTP_PASSWORD");
+    let proc = Proc::spawn("provider", cmd, dir.join("provider.log"))?;
+    Ok(ChartProvider {
+        proc,
+        metrics,
+        webhook_port,
+        chart_args,
+    })
+}
+
+/// Points the webhook Service `service` in `namespace` at a provider on this host's `port`:
+/// without kube-proxy and a kubelet, the EndpointSlice the endpoint controllers would write is
+/// written by hand.
+///
+/// # Errors
+/// When the API server refuses it.
+pub async fn route_webhook_service(
+    client: &Client,
+    namespace: &str,
+    service: &str,
+    port: u16,
+) -> Result<()> {
+    let ip = host_ip()?;
+    let slice: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": format!("{service}-local"),
+            "namespace": namespace,
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip.to_string()], "conditions": {"ready": true}}],
+    }))?;
+    let gvk = GroupVersionKind::gvk("discovery.k8s.io", "v1", "EndpointSlice");
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk(&gvk));
+    api.create(&PostParams::default(), &slice).await?;
+    Ok(())
+}
+
+/// The `kubectl ...` line a mail's (decoded) `body` gives its recipient, placeholders filled in,
+/// split into words the way the recipient's shell would.
+///
+/// # Errors
+/// When the body has no `kubectl patch` line or `sh` fails.
+pub fn fulfil_command(body: &str, fill: &[(&str, &str)]) -> Result<Vec<String>> {
+    let line = body
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("kubectl patch"))
+        .with_context(|| format!("no kubectl command in the mail:\n{body}"))?;
+    let mut line = line.to_owned();
+    for (placeholder, value) in fill {
+        line = line.replace(placeholder, value);
+    }
+    shell_words(&line)
+}
+
+/// Splits a shell line with `sh` itself (quotes as the recipient's shell would treat them).
+fn shell_words(line: &str) -> Result<Vec<String>> {
+    let out = crate::run(
+        Command::new("sh").args([
+            "-c",
+            &format!("for a in {line}; do printf '%s\\0' \"$a\"; done"),
+        ]),
+        "sh",
+    )?;
+    Ok(out
+        .split('\0')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect())
+}

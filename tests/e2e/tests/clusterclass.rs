@@ -1,0 +1,705 @@
+//! ClusterClass (issue 27): the real Cluster API core manager with its topology controller on
+//! (`--feature-gates=ClusterTopology=true`), a ClusterClass naming our MailgunClusterTemplate and
+//! MailgunMachineTemplate (with the test-only control plane and bootstrap providers of
+//! `capm_e2e::topology`), and a topology Cluster with one MachineDeployment of 2 replicas. The
+//! provider runs from this build as the chart's Deployment would (its arguments, its
+//! ServiceAccount's token, the chart's CRDs and admission policies), against the Mailgun contract
+//! server; a human fulfils each request with the command from its mail.
+//!
+//! The story: request mails once each, the Cluster `Provisioned` and the Machines' infrastructure
+//! ready; no writes to our objects while the topology controller reconciles a settled Cluster
+//! again; a new MailgunMachineTemplate in the ClusterClass rolls the machines (new ones request,
+//! old ones release); scaling through `spec.topology`; deleting the Cluster. The mail ledger then
+//! shows exactly one request and one release per object, and the API server's audit log what the
+//! topology controller sent our CRDs (dry-runs and applies).
+//!
+//! Long because it is one story with a check at every step.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use capm_e2e::{
+    AuditedRequest, all_audited_requests, create_namespace, create_secret, dynamic_api,
+    dynamic_object, eventually, fulfil_command, helm_chart,
+    ledger::{Kind, Ledger, Object, Received, Which, parse_message_id},
+    mailgun_ledger, mailgun_mails, route_webhook_service, service_account_kubeconfig,
+    start_capi_manager_with, start_chart_provider,
+    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+};
+use capm_mail_servers::MailgunServer;
+use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
+};
+use serde_json::{Value, json};
+
+const NS: &str = "capm-system";
+const RELEASE: &str = "capm";
+const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
+const USER_NS: &str = "team-topology";
+const DOMAIN: &str = "mg.topology.example.com";
+const RECIPIENT: &str = "infrastructure-team@example.com";
+const INFRA: &str = "infrastructure.cluster.x-k8s.io";
+const CAPI: &str = "cluster.x-k8s.io";
+const CLUSTER: &str = "topo";
+const CLASS: &str = "mailgun";
+const MD: &str = "md-0";
+
+/// Every request to our API group, whoever makes it, at level Metadata (with the request URI,
+/// which carries `dryRun` and `fieldManager`).
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    resources: [{group: infrastructure.cluster.x-k8s.io}]
+  - level: None
+";
+
+/// The objects and clients of the story.
+struct World {
+    cp: ControlPlane,
+    admin: Client,
+    mailgun: MailgunServer,
+    audit_log: std::path::PathBuf,
+    /// Request Message-Ids already fulfilled by the human.
+    fulfilled: BTreeSet<String>,
+    /// Every MailgunCluster and MailgunMachine seen, by UID.
+    seen: BTreeMap<Object, String>,
+}
+
+fn api(client: &Client, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
+    dynamic_api(client, USER_NS, group, version, kind)
+}
+
+fn infra(client: &Client, kind: &str) -> Api<DynamicObject> {
+    api(client, INFRA, "v1beta1", kind)
+}
+
+fn template_ref(api_version: &str, kind: &str, name: &str) -> Value {
+    json!({"templateRef": {"apiVersion": api_version, "kind": kind, "name": name}})
+}
+
+/// The ClusterClass's MachineDeployment classes, workers from the MailgunMachineTemplate
+/// `machines`.
+fn class_workers(machines: &str) -> Value {
+    json!({"machineDeployments": [{
+        "class": "default-worker",
+        "bootstrap": template_ref(&format!("{BOOTSTRAP_GROUP}/{}", topology::VERSION), "TestBootstrapConfigTemplate", "test"),
+        "infrastructure": template_ref(&format!("{INFRA}/v1beta1"), "MailgunMachineTemplate", machines),
+    }]})
+}
+
+/// The topology's MachineDeployments: one of `replicas`. Its Machines never get a Node (nobody
+/// builds the mailed machines here), so they never become Available: a rollout that waited for
+/// availability (maxUnavailable 0, the default) would never remove an old Machine.
+fn topology_workers(replicas: usize) -> Value {
+    json!({"machineDeployments": [{
+        "class": "default-worker",
+        "name": MD,
+        "replicas": replicas,
+        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 2}}},
+    }]})
+}
+
+/// A MailgunMachineTemplate whose machines are requested with `request`.
+fn machine_template(name: &str, request: &str) -> Result<DynamicObject> {
+    dynamic_object(
+        &format!("{INFRA}/v1beta1"),
+        "MailgunMachineTemplate",
+        USER_NS,
+        name,
+        json!({"template": {"spec": {"priority": "Urgent", "request": request, "requester": "topology@example.com"}}}),
+    )
+}
+
+impl World {
+    fn mails(&self) -> Result<Vec<(Received, String)>> {
+        mailgun_mails(&self.mailgun)
+    }
+
+    fn ledger(&self) -> Result<Ledger> {
+        mailgun_ledger(&self.mailgun, DOMAIN)
+    }
+
+    /// The human: runs the command of every request mail not yet fulfilled.
+    fn fulfil(&mut self) -> Result<()> {
+        for (mail, body) in self.mails()? {
+            let Some((object, Which::Request)) = parse_message_id(&mail.message_id, DOMAIN) else {
+                continue;
+            };
+            if self.fulfilled.contains(&mail.message_id) {
+                continue;
+            }
+            let short = &object.uid[..8.min(object.uid.len())];
+            let fill = match object.kind {
+                Kind::Cluster => vec![("<host>".to_owned(), format!("api-{short}.example.com"))],
+                Kind::Machine => vec![
+                    ("<scheme>://<id>".to_owned(), format!("mailgun://{short}")),
+                    ("<ip>".to_owned(), "192.0.2.10".to_owned()),
+                ],
+            };
+            let fill: Vec<(&str, &str)> =
+                fill.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+            let command = fulfil_command(&body, &fill)?;
+            ensure!(command[0] == "kubectl", "{command:?}");
+            let mut kubectl = self.cp.kubectl()?;
+            kubectl.args(&command[1..]);
+            match capm_e2e::run(&mut kubectl, &command.join(" ")) {
+                Ok(_) => {}
+                // Deleted before the human got to it (a scale-down).
+                Err(e) if format!("{e:#}").contains("NotFound") => {}
+                Err(e) => return Err(e),
+            }
+            self.fulfilled.insert(mail.message_id);
+        }
+        Ok(())
+    }
+
+    /// Records the MailgunClusters and MailgunMachines that exist now.
+    async fn note_objects(&mut self) -> Result<()> {
+        for (kind, api_kind) in [
+            (Kind::Cluster, "MailgunCluster"),
+            (Kind::Machine, "MailgunMachine"),
+        ] {
+            for o in infra(&self.admin, api_kind)
+                .list(&ListParams::default())
+                .await?
+                .items
+            {
+                let uid = o.uid().context("an object without a UID")?;
+                self.seen.insert(Object { kind, uid }, o.name_any());
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits (fulfilling requests as they come) until the Cluster is `Provisioned` with its
+    /// infrastructure ready and exactly `replicas` Machines exist, none deleting, each with its
+    /// infrastructure provisioned (phase `Provisioned`). Returns the MailgunMachines' UIDs.
+    async fn settle(&mut self, replicas: usize, timeout: Duration) -> Result<BTreeSet<String>> {
+        let clusters = api(&self.admin, CAPI, "v1beta2", "Cluster");
+        let machines = api(&self.admin, CAPI, "v1beta2", "Machine");
+        let mailgun_machines = infra(&self.admin, "MailgunMachine");
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.fulfil()?;
+            self.note_objects().await?;
+            let cluster = clusters.get(CLUSTER).await?;
+            let status = &cluster.data["status"];
+            let cluster_ready = status["phase"] == "Provisioned"
+                && status["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "InfrastructureReady" && c["status"] == "True");
+            let list = machines.list(&ListParams::default()).await?.items;
+            let provisioned = list
+                .iter()
+                .filter(|m| {
+                    m.metadata.deletion_timestamp.is_none()
+                        && m.data["status"]["phase"] == "Provisioned"
+                        && m.data["status"]["initialization"]["infrastructureProvisioned"] == true
+                })
+                .count();
+            let infra_list = mailgun_machines.list(&ListParams::default()).await?.items;
+            if cluster_ready
+                && list.len() == replicas
+                && provisioned == replicas
+                && infra_list.len() == replicas
+            {
+                return infra_list
+                    .iter()
+                    .map(|m| m.uid().context("no UID"))
+                    .collect();
+            }
+            if Instant::now() > deadline {
+                let phases: Vec<_> = list
+                    .iter()
+                    .map(|m| {
+                        format!(
+                            "{}: {} deleting={}",
+                            m.name_any(),
+                            m.data["status"]["phase"],
+                            m.metadata.deletion_timestamp.is_some()
+                        )
+                    })
+                    .collect();
+                bail!(
+                    "not settled at {replicas} replicas after {timeout:?}: Cluster phase {} \
+                     (infrastructure ready: {cluster_ready}), Machines {phases:?}, \
+                     {} MailgunMachines",
+                    status["phase"],
+                    infra_list.len()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
+    /// The `resourceVersion` of every object of our kinds in the namespace.
+    async fn versions(&self) -> Result<BTreeMap<String, String>> {
+        let mut out = BTreeMap::new();
+        for kind in [
+            "MailgunCluster",
+            "MailgunMachine",
+            "MailgunClusterTemplate",
+            "MailgunMachineTemplate",
+        ] {
+            for o in infra(&self.admin, kind)
+                .list(&ListParams::default())
+                .await?
+                .items
+            {
+                out.insert(
+                    format!("{kind}/{}", o.name_any()),
+                    o.resource_version().unwrap_or_default(),
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// The requests to our kinds the audit log holds so far.
+    fn audit(&self) -> Result<Vec<AuditedRequest>> {
+        all_audited_requests(&self.audit_log)
+    }
+}
+
+fn is_write(r: &AuditedRequest) -> bool {
+    matches!(r.verb.as_str(), "create" | "update" | "patch" | "delete")
+}
+
+/// Counts of the writes (dry runs apart) in `requests`, by field manager (or user agent's
+/// program), verb and resource.
+fn summary(requests: &[AuditedRequest]) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for r in requests.iter().filter(|r| is_write(r)) {
+        let who = if r.field_manager.is_empty() {
+            r.user_agent
+                .split('/')
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        } else {
+            r.field_manager.clone()
+        };
+        let key = format!(
+            "{who} {}{} {} -> {}",
+            r.verb,
+            if r.dry_run { " (dry run)" } else { "" },
+            r.resource,
+            r.code
+        );
+        *out.entry(key).or_insert(0) += 1;
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clusterclass_topology_mails_each_object_once() -> Result<()> {
+    let work = tempfile::tempdir()?;
+    let dir = work.path();
+    let policy = dir.join("audit-policy.yaml");
+    fs::write(&policy, AUDIT_POLICY)?;
+    let audit_log = dir.join("audit.log");
+    let started = Instant::now();
+    let cp = ControlPlane::start(Options {
+        apiserver_args: vec![
+            format!("--audit-policy-file={}", policy.display()).into(),
+            format!("--audit-log-path={}", audit_log.display()).into(),
+            "--audit-log-mode=blocking".into(),
+        ],
+        ..Options::default()
+    })
+    .await?;
+    cp.install_capi_crds().await?;
+    let admin = cp.client().await?;
+    topology::install_crds(&admin).await?;
+    let api_key = "key-topology-e2e-not-logged";
+    let mailgun = MailgunServer::start(api_key, DOMAIN)?;
+    let mut world = World {
+        cp,
+        admin: admin.clone(),
+        mailgun,
+        audit_log,
+        fulfilled: BTreeSet::new(),
+        seen: BTreeMap::new(),
+    };
+    let result = story(&mut world, dir, started).await;
+    if let Err(e) = &result {
+        eprintln!("failed: {e:#}");
+        for name in ["capi-manager.log", "provider.log"] {
+            eprintln!(
+                "--- last lines of {name}:\n{}",
+                capm_test_support::process::tail(&dir.join(name), 40)
+            );
+        }
+    }
+    world.cp.stop();
+    result
+}
+
+async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
+    let admin = world.admin.clone();
+    let kubeconfig = world.cp.kubeconfig().to_owned();
+
+    // The chart (CRDs, admission policies, RBAC), the provider as its ServiceAccount.
+    create_namespace(&admin, NS, true).await?;
+    create_namespace(&admin, USER_NS, false).await?;
+    create_secret(
+        &admin,
+        NS,
+        "mailgun-credentials",
+        &[("api-key", api_key(world))],
+    )
+    .await?;
+    let values = dir.join("values.yaml");
+    fs::write(
+        &values,
+        format!(
+            "mail:\n  recipient: {RECIPIENT}\n  backend: mailgun\n  mailgun:\n    domain: {DOMAIN}\n    \
+             baseURL: {}\n    apiKeySecret: {{name: mailgun-credentials}}\n",
+            world.mailgun.base_url()
+        ),
+    )?;
+    helm_chart(&kubeconfig, "install", RELEASE, NS, &values, &[])?;
+    let sa_kubeconfig = service_account_kubeconfig(&world.cp, NS, FULLNAME, dir)?;
+    let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, dir).await?;
+    route_webhook_service(
+        &admin,
+        NS,
+        &format!("{FULLNAME}-webhook"),
+        provider.webhook_port,
+    )
+    .await?;
+    let capi =
+        start_capi_manager_with(&kubeconfig, dir, &["--feature-gates=ClusterTopology=true"])?;
+    let _providers = TestProviders::start(&admin, USER_NS);
+
+    // The ClusterClass: our templates, the test control plane and bootstrap templates.
+    let post = PostParams::default();
+    topology::create_templates(&admin, USER_NS, "test").await?;
+    infra(&admin, "MailgunClusterTemplate")
+        .create(
+            &post,
+            &dynamic_object(
+                &format!("{INFRA}/v1beta1"),
+                "MailgunClusterTemplate",
+                USER_NS,
+                "mailgun-cluster",
+                json!({"template": {"spec": {"priority": "Urgent", "request": "One topology cluster please", "requester": "topology@example.com"}}}),
+            )?,
+        )
+        .await?;
+    let machine_templates = infra(&admin, "MailgunMachineTemplate");
+    machine_templates
+        .create(
+            &post,
+            &machine_template("mailgun-worker-v1", "A worker please")?,
+        )
+        .await?;
+    let classes = api(&admin, CAPI, "v1beta2", "ClusterClass");
+    classes
+        .create(
+            &post,
+            &dynamic_object(
+                &format!("{CAPI}/v1beta2"),
+                "ClusterClass",
+                USER_NS,
+                CLASS,
+                json!({
+                    "controlPlane": template_ref(&format!("{CONTROL_PLANE_GROUP}/{}", topology::VERSION), "TestControlPlaneTemplate", "test"),
+                    "infrastructure": template_ref(&format!("{INFRA}/v1beta1"), "MailgunClusterTemplate", "mailgun-cluster"),
+                    "workers": class_workers("mailgun-worker-v1"),
+                }),
+            )?,
+        )
+        .await?;
+
+    // The topology Cluster.
+    let clusters = api(&admin, CAPI, "v1beta2", "Cluster");
+    clusters
+        .create(
+            &post,
+            &dynamic_object(
+                &format!("{CAPI}/v1beta2"),
+                "Cluster",
+                USER_NS,
+                CLUSTER,
+                json!({"topology": {
+                    "classRef": {"name": CLASS},
+                    "version": KUBERNETES_VERSION,
+                    "workers": topology_workers(2),
+                }}),
+            )?,
+        )
+        .await?;
+    let t = Instant::now();
+    let first = world
+        .settle(2, Duration::from_secs(180))
+        .await
+        .context("the topology Cluster and its 2 machines")?;
+    println!(
+        "topology Cluster provisioned, 2 machines provisioned, in {:.1?} ({:.1?} since start)",
+        t.elapsed(),
+        started.elapsed()
+    );
+    provider.proc.check_alive()?;
+    capi.check_alive()?;
+    let mailgun_clusters = infra(&admin, "MailgunCluster")
+        .list(&ListParams::default())
+        .await?;
+    ensure!(mailgun_clusters.items.len() == 1, "one MailgunCluster");
+    let mc = &mailgun_clusters.items[0];
+    ensure!(
+        mc.labels().get("topology.cluster.x-k8s.io/owned").is_some(),
+        "the MailgunCluster was made by the topology controller: {:?}",
+        mc.labels()
+    );
+
+    // Settled: the topology controller reconciles the Cluster again (each change of the Cluster
+    // triggers it) and writes nothing to our objects, nor does the provider.
+    let before = world.versions().await?;
+    let audit_before = world.audit()?.len();
+    let merge = PatchParams::default();
+    for i in 0..3 {
+        clusters
+            .patch(
+                CLUSTER,
+                &merge,
+                &Patch::Merge(json!({"metadata": {"annotations": {"e2e.capm.example.com/poke": i.to_string()}}})),
+            )
+            .await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let after = world.versions().await?;
+    let window: Vec<_> = world.audit()?.into_iter().skip(audit_before).collect();
+    let writes: Vec<_> = window
+        .iter()
+        .filter(|r| is_write(r) && !r.dry_run)
+        .collect();
+    println!(
+        "settled window (3 Cluster changes, 12 s): {} requests to our kinds, {} dry runs, {} writes",
+        window.len(),
+        window.iter().filter(|r| r.dry_run).count(),
+        writes.len()
+    );
+    ensure!(
+        before == after && writes.is_empty(),
+        "writes to our objects once settled: {writes:#?}\nbefore: {before:?}\nafter: {after:?}"
+    );
+
+    // A rollout: the ClusterClass names a new MailgunMachineTemplate. The topology controller
+    // clones it (template rotation) and the MachineDeployment replaces both machines.
+    machine_templates
+        .create(
+            &post,
+            &machine_template("mailgun-worker-v2", "A bigger worker please")?,
+        )
+        .await?;
+    let t = Instant::now();
+    classes
+        .patch(
+            CLASS,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"workers": class_workers("mailgun-worker-v2")}})),
+        )
+        .await?;
+    let rolled = loop {
+        provider.proc.check_alive()?;
+        capi.check_alive()?;
+        let now = world.settle(2, Duration::from_secs(240)).await?;
+        if now.is_disjoint(&first) {
+            break now;
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(240),
+            "the machines were not replaced after 240 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    println!("rollout: 2 machines replaced in {:.1?}", t.elapsed());
+    let ledger = world.ledger()?;
+    for uid in &first {
+        let entry = ledger.entries.get(&Object {
+            kind: Kind::Machine,
+            uid: uid.clone(),
+        });
+        ensure!(
+            entry.is_some_and(|e| e.requests.len() == 1 && e.releases.len() == 1),
+            "an old machine {uid}: {entry:?}"
+        );
+    }
+    for uid in &rolled {
+        let entry = ledger.entries.get(&Object {
+            kind: Kind::Machine,
+            uid: uid.clone(),
+        });
+        ensure!(
+            entry.is_some_and(|e| e.requests.len() == 1 && e.releases.is_empty()),
+            "a new machine {uid}: {entry:?}"
+        );
+        let body = world
+            .mails()?
+            .into_iter()
+            .find(|(r, _)| entry.is_some_and(|e| e.requests[0] == r.seq))
+            .map(|(_, b)| b)
+            .unwrap_or_default();
+        ensure!(
+            body.contains("A bigger worker please"),
+            "a new machine's mail carries the new template's request:\n{body}"
+        );
+    }
+
+    // Scaling through the topology: up to 3, down to 1.
+    for replicas in [3, 1] {
+        let t = Instant::now();
+        clusters
+            .patch(
+                CLUSTER,
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({"spec": {"topology": {"workers": topology_workers(replicas)}}}),
+                ),
+            )
+            .await?;
+        world
+            .settle(replicas, Duration::from_secs(180))
+            .await
+            .with_context(|| format!("scaling to {replicas}"))?;
+        println!("scaled to {replicas} in {:.1?}", t.elapsed());
+    }
+
+    // Deleting the Cluster: every object released once, nothing left.
+    let t = Instant::now();
+    clusters.delete(CLUSTER, &DeleteParams::default()).await?;
+    let mailgun_machines = infra(&admin, "MailgunMachine");
+    let mailgun_clusters = infra(&admin, "MailgunCluster");
+    eventually(
+        Duration::from_secs(180),
+        "the Cluster and our objects gone",
+        || async {
+            provider.proc.check_alive()?;
+            let gone = clusters.get_opt(CLUSTER).await?.is_none()
+                && mailgun_clusters
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .is_empty()
+                && mailgun_machines
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .is_empty();
+            Ok(gone.then_some(()))
+        },
+    )
+    .await?;
+    println!("Cluster deleted in {:.1?}", t.elapsed());
+    // The clones the topology controller made are the Cluster's, collected with it; the
+    // ClusterClass's own templates stay.
+    eventually(
+        Duration::from_secs(60),
+        "the cloned templates collected",
+        || async {
+            let left: BTreeSet<String> = machine_templates
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .map(ResourceExt::name_any)
+                .chain(
+                    infra(&admin, "MailgunClusterTemplate")
+                        .list(&ListParams::default())
+                        .await?
+                        .items
+                        .iter()
+                        .map(ResourceExt::name_any),
+                )
+                .collect();
+            let expected: BTreeSet<String> =
+                ["mailgun-worker-v1", "mailgun-worker-v2", "mailgun-cluster"]
+                    .map(str::to_owned)
+                    .into();
+            Ok((left == expected).then_some(()))
+        },
+    )
+    .await?;
+
+    // The ledger: exactly one request and one release per object, nothing else.
+    let ledger = world.ledger()?;
+    let violations = ledger.check(&BTreeSet::new(), &BTreeSet::new(), &BTreeMap::new());
+    ensure!(
+        violations.is_empty(),
+        "ledger violations:\n{}",
+        violations
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let seen: BTreeSet<&Object> = world.seen.keys().collect();
+    let mailed: BTreeSet<&Object> = ledger.entries.keys().collect();
+    ensure!(
+        seen == mailed,
+        "objects seen {seen:?}, objects mailed {mailed:?}"
+    );
+    for (object, entry) in &ledger.entries {
+        ensure!(
+            entry.requests.len() == 1 && entry.releases.len() == 1,
+            "{object} ({}): {entry:?}",
+            world.seen.get(object).map_or("?", String::as_str)
+        );
+    }
+    let machines = ledger
+        .entries
+        .keys()
+        .filter(|o| o.kind == Kind::Machine)
+        .count();
+    ensure!(
+        machines == 5,
+        "5 machines (2, 2 rolled, 1 scaled up): {machines}"
+    );
+    println!(
+        "ledger: {} objects (1 MailgunCluster, {machines} MailgunMachines), one request and one release each",
+        ledger.entries.len()
+    );
+
+    // What the topology controller (field manager capi-topology) and everyone else sent our
+    // kinds over the whole story.
+    let all = world.audit()?;
+    println!("writes to our kinds, by field manager or client, verb and resource:");
+    for (key, n) in summary(&all) {
+        println!("  {n:>4}  {key}");
+    }
+    // Not refusals: 404 (deleting what is gone), 409 (a stale write, retried), 415 (the
+    // garbage collector's strategic merge patch, which custom resources do not take; it falls
+    // back to a merge patch at once).
+    let refused: Vec<_> = all
+        .iter()
+        .filter(|r| is_write(r) && r.code >= 400 && ![404, 409, 415].contains(&r.code))
+        .collect();
+    ensure!(
+        refused.is_empty(),
+        "writes to our kinds refused: {refused:#?}"
+    );
+    let log = provider.proc.log();
+    ensure!(
+        !log.contains(api_key(world)),
+        "the API key is in the provider's log"
+    );
+    drop(capi);
+    Ok(())
+}
+
+fn api_key(world: &World) -> &str {
+    world.mailgun.api_key()
+}
