@@ -256,6 +256,8 @@ async fn backend_down_then_up_delivers_once() {
             count: None,
             retry_after: None,
             target: FailureTarget::Messages,
+            body_bytes: None,
+            drip_ms: None,
         })
         .unwrap();
     env.start().await;
@@ -294,6 +296,8 @@ async fn accepted_despite_error_is_found_by_lookup_not_resent() {
             count: Some(1),
             retry_after: None,
             target: FailureTarget::Messages,
+            body_bytes: None,
+            drip_ms: None,
         })
         .unwrap();
     env.start().await;
@@ -318,6 +322,8 @@ async fn refuse_and_wait_for_mail_failed(env: &mut Env, name: &str) {
             count: None,
             retry_after: None,
             target: FailureTarget::All,
+            body_bytes: None,
+            drip_ms: None,
         })
         .unwrap();
     env.start().await;

@@ -201,6 +201,8 @@ async fn requests_never_accepted_are_not_released_even_after_a_restart() {
             count: None,
             retry_after: Some(1),
             target: FailureTarget::Messages,
+            body_bytes: None,
+            drip_ms: None,
         })
         .unwrap();
     env.start().await;

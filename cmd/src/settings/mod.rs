@@ -105,6 +105,13 @@ pub struct Args {
     #[arg(long, env = "MAILGUN_REGION", value_enum)]
     pub mailgun_region: Option<Region>,
 
+    /// Which Mailgun API answers "was this mail accepted?" and "was it delivered?": `logs`
+    /// (one question covers up to 100 open mails; Mailgun deprecates the events API in its
+    /// favour) or `events` (one question per mail, for accounts or proxies without the Logs API)
+    /// [default: logs].
+    #[arg(long, env = "MAILGUN_EVENTS_API", value_enum)]
+    pub mailgun_events_api: Option<EventsApi>,
+
     /// Mailgun API base URL, overrides --mailgun-region (e.g. a test server).
     #[arg(long, env = "MAILGUN_BASE_URL", value_name = "URL")]
     pub mailgun_base_url: Option<String>,
@@ -296,6 +303,15 @@ pub enum Region {
     Us,
     /// api.eu.mailgun.net
     Eu,
+}
+
+/// Mailgun's APIs for lookups and delivery questions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EventsApi {
+    /// POST /v1/analytics/logs: many mails per question.
+    Logs,
+    /// GET /v3/{domain}/events (deprecated by Mailgun): one mail per question.
+    Events,
 }
 
 /// Log output format.
