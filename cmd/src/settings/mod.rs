@@ -64,13 +64,15 @@ const DEFAULT_WEBHOOK_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
 
 /// The Cluster API infrastructure provider for Mailgun: mails a human for every cluster.
 ///
-/// Every flag can also be set by the environment variable shown, or in the `--config` file
-/// (camelCase keys, e.g. `metricsBindAddress`; the mail backend under `mailer`, in the format of
-/// `capm_mailer::MailerConfig`). A flag beats its variable, which beats the file, which beats the
-/// default.
-///
-/// Each setting is declared here once: its flag, variable, default and parser. The file's values
-/// become the flags' defaults (see [`Settings::resolve`]), so nothing else lists the settings.
+/// For each MailgunCluster and MailgunMachine it mails one request to --mail-recipient, through
+/// Mailgun (--mailgun-domain and an API key) or an SMTP relay (--smtp-url), and reports in
+/// status whether the mail was sent and delivered. Every flag can also be set by the environment
+/// variable shown, or in the --config file (YAML or JSON, camelCase keys such as
+/// `mailgunDomain`; the mail backend may also be given whole under `mailer`). A flag beats its
+/// variable, which beats the file, which beats the default. Secrets are read only from files or
+/// from MAILGUN_API_KEY / SMTP_PASSWORD.
+// Each setting is declared here once: its flag, variable, default and parser. The file's
+// values become the flags' defaults (see `Settings::resolve`), so nothing else lists them.
 #[derive(Debug, Parser)]
 #[command(name = "cluster-api-provider-mailgun", version, about, long_about)]
 pub struct Args {
