@@ -124,6 +124,9 @@ pub mod reasons {
     /// The backend gave up delivering the mail (`MailDelivered` False; also a Warning event).
     /// The provider never resends because of it: a human must act.
     pub const DELIVERY_FAILED: &str = "DeliveryFailed";
+    /// Some recipients have the mail and the backend gave up on the others (`MailDelivered`
+    /// True; also a Warning event naming those it could not reach).
+    pub const PARTLY_DELIVERED: &str = "PartlyDelivered";
     /// The backend's events expired before they showed an outcome; the provider stopped
     /// asking (`MailDelivered` Unknown).
     pub const DELIVERY_UNKNOWN: &str = "DeliveryUnknown";

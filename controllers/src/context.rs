@@ -18,6 +18,7 @@ use crate::{
     Config, Metrics,
     capi::{Cluster, Machine},
     events::Events,
+    poller::{Poller, Timings},
     sendonce::decide::Withheld,
 };
 
@@ -136,10 +137,6 @@ struct MailMemory {
     not_found_since: Option<Instant>,
     /// The generation at which the backend refused this mail permanently.
     refused_at_generation: Option<i64>,
-    /// Delivery questions asked since the mail was sent (or this process started).
-    delivery_polls: u32,
-    /// When the next delivery question is due.
-    next_delivery_poll: Option<Instant>,
 }
 
 /// How long a deleted object's UID is remembered, so stale cached copies of it are ignored.
@@ -161,6 +158,8 @@ pub struct Ctx {
     pub clusters: Store<Cluster>,
     /// Cached Cluster API `Machine`s.
     pub machines: Store<Machine>,
+    /// The process's one delivery poller (its task is started by the runner).
+    pub poller: Arc<Poller>,
     failures: Mutex<HashMap<String, (u32, Instant)>>,
     expected_versions: Mutex<HashMap<String, u64>>,
     mails: Mutex<HashMap<String, MailMemory>>,
@@ -204,9 +203,19 @@ impl Ctx {
         clusters: Store<Cluster>,
         machines: Store<Machine>,
     ) -> Self {
+        let poller = Arc::new(Poller::new(
+            mailer.clone(),
+            config.leadership.clone(),
+            Timings {
+                base: config.delivery_poll_base,
+                max: config.delivery_poll_max,
+                retention: config.delivery_retention,
+            },
+        ));
         Self {
             client,
             mailer,
+            poller,
             events,
             config,
             metrics,
@@ -365,36 +374,6 @@ impl Ctx {
             .is_some_and(|m| m.refused_at_generation == Some(generation))
     }
 
-    /// How long until the next delivery question about `mail_key` is due (zero: now). The
-    /// first time this process sees the mail, the first question is scheduled `first` from now.
-    pub fn delivery_wait(&self, mail_key: &str, first: Duration) -> Duration {
-        let now = Instant::now();
-        self.with_mail(mail_key, |m| {
-            m.next_delivery_poll
-                .get_or_insert(now + first)
-                .saturating_duration_since(now)
-        })
-    }
-
-    /// A delivery question about `mail_key` was just asked and left the outcome open: the next
-    /// one waits `delivery_poll_base`, doubling per question up to `delivery_poll_max`, never
-    /// less than the backend's `Retry-After`. Returns the wait.
-    pub fn delivery_polled(&self, mail_key: &str, retry_after: Option<Duration>) -> Duration {
-        let (base, max) = (
-            self.config.delivery_poll_base,
-            self.config.delivery_poll_max,
-        );
-        self.with_mail(mail_key, |m| {
-            m.delivery_polls = m.delivery_polls.saturating_add(1);
-            let wait = base
-                .saturating_mul(1u32 << (m.delivery_polls - 1).min(20))
-                .min(max)
-                .max(retry_after.unwrap_or_default());
-            m.next_delivery_poll = Some(Instant::now() + wait);
-            wait
-        })
-    }
-
     /// The mail went out or was found: forget the attempts.
     pub fn clear_mail(&self, mail_key: &str) {
         lock(&self.mails).remove(mail_key);
@@ -404,6 +383,7 @@ impl Ctx {
     /// every cached copy of it is stale from now on. Remembered for [`TOMBSTONE_TTL`].
     pub fn gone(&self, uid: &str) {
         lock(&self.expected_versions).remove(uid);
+        self.poller.forget(uid);
         lock(&self.mails).retain(|k, _| !k.starts_with(uid));
         let mut tombstones = lock(&self.tombstones);
         let now = Instant::now();
@@ -586,38 +566,6 @@ mod tests {
         assert!(!ctx.permanently_refused("u/deletion", 3));
         ctx.gone("u");
         assert!(!ctx.permanently_refused("u/request", 3));
-    }
-
-    #[tokio::test]
-    async fn delivery_questions_back_off_and_are_forgotten() {
-        let ctx = ctx();
-        let (base, max) = (ctx.config.delivery_poll_base, ctx.config.delivery_poll_max);
-        // The first question is scheduled when the mail is first seen, not asked at once.
-        let first = Duration::from_secs(5);
-        let wait = ctx.delivery_wait("u/request", first);
-        assert!(
-            wait > first - Duration::from_secs(1) && wait <= first,
-            "{wait:?}"
-        );
-        let waits: Vec<_> = (0..20)
-            .map(|_| ctx.delivery_polled("u/request", None))
-            .collect();
-        assert_eq!(waits[0], base);
-        assert_eq!(waits[1], base * 2);
-        assert_eq!(waits[19], max);
-        let left = ctx.delivery_wait("u/request", first);
-        assert!(
-            left > max - Duration::from_secs(1) && left <= max,
-            "{left:?}"
-        );
-        let asked = Duration::from_secs(7 * 3600);
-        assert_eq!(ctx.delivery_polled("u/request", Some(asked)), asked);
-        ctx.clear_mail("u/request");
-        assert_eq!(
-            ctx.delivery_wait("u/request", Duration::ZERO),
-            Duration::ZERO
-        );
-        assert_eq!(ctx.delivery_polled("u/request", None), base);
     }
 
     #[tokio::test]

@@ -18,6 +18,7 @@ pub mod failpoint;
 mod kinds;
 mod leadership;
 mod metrics;
+mod poller;
 mod reconcile;
 mod runner;
 pub mod sendonce;

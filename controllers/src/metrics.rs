@@ -27,7 +27,8 @@ const RECONCILE_BUCKETS: &[f64] = &[
 ///   `owner_deleting`, `permanently_refused`, `backoff`, `handover`).
 /// - `capm_mail_delivery_total{backend, outcome}`: what became of request mails after the
 ///   backend accepted them, counted when the object's status first shows it: `delivered`,
-///   `failed` (for good), `delayed` (a temporary failure; the backend retries), `unknown` (the
+///   `partly_delivered` (some recipients have it, the backend gave up on others), `failed` (for
+///   good), `delayed` (a temporary failure; the backend retries), `unknown` (the
 ///   backend's events expired first), `not_trackable` (the backend cannot tell: SMTP).
 /// - `capm_mail_orphan_releases_total{controller}`: release mails sent at once for an object that
 ///   vanished right after its request went out.
@@ -128,7 +129,7 @@ impl Metrics {
             )?,
             delivery: counter(
                 "capm_mail_delivery_total",
-                "What became of request mails after the backend accepted them (delivered, failed, delayed, unknown, not_trackable)",
+                "What became of request mails after the backend accepted them (delivered, partly_delivered, failed, delayed, unknown, not_trackable)",
                 &["backend", "outcome"],
             )?,
         })

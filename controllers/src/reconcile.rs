@@ -393,7 +393,6 @@ async fn reconcile_normal<K: InfraKind>(
     for (key, why) in &found.ignored {
         debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
     }
-    let delivery_recheck;
     let status = &mut report.status;
     match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text, Some(check)).await {
         Ok(outcome) => {
@@ -428,8 +427,7 @@ async fn reconcile_normal<K: InfraKind>(
                         .intent
                         .and_then(|i| i.at)
                 });
-            delivery_recheck =
-                delivery::track(obj, ctx, status, &outcome.message_id, sent_at).await;
+            delivery::track(obj, ctx, status, &outcome.message_id, sent_at).await;
         }
         Err(ReconcileError::Withheld(Withheld::OwnerDeleting)) => {
             let message = format!(
@@ -503,14 +501,8 @@ async fn reconcile_normal<K: InfraKind>(
         }
     }
     report.ready = Readiness::Summary;
-    Ok(match delivery_recheck {
-        // Ask the backend again about the delivery then (the outcome is still open).
-        Some(wait) => Pass {
-            action: Action::requeue(wait),
-            gone: false,
-        },
-        None => Pass::wait(),
-    })
+    // Delivery news comes from the poller, which wakes this object's reconcile.
+    Ok(Pass::wait())
 }
 
 async fn reconcile_delete<K: InfraKind>(

@@ -107,6 +107,16 @@ pub async fn run(
             .set(i64::from(config.concurrency));
     }
     let controller_config = controller::Config::default().concurrency(config.concurrency);
+    let no_wakes = || Error::Config("the delivery poller's wake-ups were taken twice".into());
+    let cluster_wakes = ctx
+        .poller
+        .take_wakes::<MailgunCluster>()
+        .ok_or_else(no_wakes)?;
+    let machine_wakes = ctx
+        .poller
+        .take_wakes::<MailgunMachine>()
+        .ok_or_else(no_wakes)?;
+    let poller = ctx.poller.clone().run(shutdown.clone());
 
     // MailgunCluster: its own objects, and Clusters mapped through spec.infrastructureRef.
     let (mgc_reader, mgc_writer) = reflector::store::<MailgunCluster>();
@@ -121,6 +131,7 @@ pub async fn run(
     let mgc_abort = abort_if_never_ready(shutdown.clone(), mgc_reader.clone());
     let cluster_controller = Controller::for_stream(mgc_stream, mgc_reader)
         .with_config(controller_config.clone())
+        .reconcile_on(cluster_wakes)
         .watches_shared_stream(cluster_sub_a, move |cluster| {
             let target = infra_target(
                 cluster.spec.infrastructure_ref.as_ref(),
@@ -160,6 +171,7 @@ pub async fn run(
     let mgm_abort = abort_if_never_ready(shutdown.clone(), mgm_reader.clone());
     let machine_controller = Controller::for_stream(mgm_stream, mgm_reader)
         .with_config(controller_config)
+        .reconcile_on(machine_wakes)
         .watches_shared_stream(machine_subscription, move |machine| {
             let target = infra_target(
                 machine.spec.infrastructure_ref.as_ref(),
@@ -223,7 +235,8 @@ pub async fn run(
         cluster_controller,
         machine_controller,
         cluster_driver,
-        machine_driver
+        machine_driver,
+        poller
     );
     info!("controllers stopped");
     Ok(())

@@ -1,5 +1,6 @@
 //! Delivery tracking of the request mail against the real API server, the Mailgun contract
-//! server (delivered / failed events, paging) and a real SMTP server.
+//! server (its Logs API by default, the events API behind the flag: delivered / failed events,
+//! paging, rate limits) and a real SMTP server.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
@@ -7,8 +8,11 @@ mod support;
 use std::time::Duration;
 
 use capm_api::{names::reasons, v1beta1::MailState};
-use capm_mail_servers::{DeliveryEvent, EventRule, SmtpOptions, SmtpServer, SmtpTls};
-use capm_mailer::{MailerConfig, SmtpConfig, Starttls};
+use capm_mail_servers::{
+    DeliveryEvent, EventRule, FailureMode, FailureRule, FailureTarget, SmtpOptions, SmtpServer,
+    SmtpTls,
+};
+use capm_mailer::{MailerConfig, MailgunEventsApi, SmtpConfig, Starttls};
 use k8s_openapi::api::events::v1::Event;
 use kube::{
     Api, ResourceExt,
@@ -60,30 +64,43 @@ fn event(id: &str, event: DeliveryEvent) -> EventRule {
     }
 }
 
+/// Questions the contract server answered, through either API (failed ones included for Logs).
+fn asked(env: &Env) -> u64 {
+    let stats = env.mailgun.stats().unwrap();
+    stats.events_requests + stats.logs_requests
+}
+
 /// Waits until `name` shows `reason`, then checks that over a few poll periods neither the
 /// object is written nor the backend asked again.
 async fn assert_settled(env: &Env, name: &str) {
     let rv = env.clusters().get(name).await.unwrap().resource_version();
-    let asked = env.mailgun.stats().unwrap().events_requests;
+    let before = asked(env);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         env.clusters().get(name).await.unwrap().resource_version(),
         rv,
         "status rewritten although nothing changed"
     );
-    assert_eq!(
-        env.mailgun.stats().unwrap().events_requests,
-        asked,
-        "asked again after a final outcome"
-    );
+    assert_eq!(asked(env), before, "asked again after a final outcome");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delayed_then_delivered_is_shown_and_then_left_alone() {
-    let mut env = Env::new("mgc-delivered").await;
+    delayed_then_delivered("mgc-delivered", MailgunEventsApi::Logs).await;
+}
+
+/// The same through the deprecated events API (`--mailgun-events-api events`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_then_delivered_through_the_events_api() {
+    delayed_then_delivered("mgc-delivered-events", MailgunEventsApi::Events).await;
+}
+
+async fn delayed_then_delivered(prefix: &str, api: MailgunEventsApi) {
+    let mut env = Env::new(prefix).await;
     // Small pages: the controller must page through the events.
     env.mailgun.set_page_size(1).unwrap();
-    env.start_with(config(&env)).await;
+    let mailer = env.mailer_on(api);
+    env.start_with_mailer(config(&env), mailer).await;
     env.create_mailgun_cluster("d1").await;
     env.create_owner_cluster("d1", false).await;
     wait_for_reason(&env, "d1", reasons::DELIVERY_PENDING).await;
@@ -159,17 +176,13 @@ async fn the_first_question_waits_one_poll_period_after_the_send() {
     let (c, state) = delivery(&env, "f1").await;
     assert_eq!(c.unwrap().0, "Unknown");
     assert_eq!(state, Some(MailState::Sent));
-    assert_eq!(
-        env.mailgun.stats().unwrap().events_requests,
-        0,
-        "asked in the pass that sent"
-    );
+    assert_eq!(asked(&env), 0, "asked in the pass that sent");
     let id = env.mails()[0].id.clone();
     env.mailgun
         .add_event(&event(&id, DeliveryEvent::Delivered))
         .unwrap();
     wait_for_reason(&env, "f1", reasons::DELIVERED).await;
-    assert!(env.mailgun.stats().unwrap().events_requests >= 1);
+    assert!(asked(&env) >= 1);
     env.stop().await;
 }
 
@@ -334,19 +347,16 @@ async fn only_a_leading_process_asks() {
     env.create_owner_cluster("l1", false).await;
     wait_for_reason(&env, "l1", reasons::DELIVERY_PENDING).await;
     // Still open: a leader keeps asking (every second at most here).
-    let asked = env.mailgun.stats().unwrap().events_requests;
-    eventually("another question", || async {
-        env.mailgun.stats().unwrap().events_requests > asked
-    })
-    .await;
+    let before = asked(&env);
+    eventually("another question", || async { asked(&env) > before }).await;
 
     leadership.lost();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let asked = env.mailgun.stats().unwrap().events_requests;
+    let before = asked(&env);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
-        env.mailgun.stats().unwrap().events_requests,
-        asked,
+        asked(&env),
+        before,
         "a process that does not lead asked about the delivery"
     );
 
@@ -382,5 +392,95 @@ async fn a_new_generation_moves_every_condition_in_one_write() {
     for c in status.conditions.as_deref().unwrap_or_default() {
         assert_eq!(c.observed_generation, Some(2), "{} lags behind", c.type_);
     }
+    env.stop().await;
+}
+
+/// A 429 with `Retry-After` pauses the one poller: no question about any open mail until it
+/// has passed, then the outcomes arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limit_pauses_the_whole_poller() {
+    let mut env = Env::new("mgc-rate-limited").await;
+    env.mailgun
+        .set_failure(FailureRule {
+            count: Some(1),
+            retry_after: Some(4),
+            target: FailureTarget::Logs,
+            ..FailureRule::new(FailureMode::RateLimited)
+        })
+        .unwrap();
+    env.start_with(config(&env)).await;
+    for name in ["p1", "p2", "p3"] {
+        env.create_mailgun_cluster(name).await;
+        env.create_owner_cluster(name, false).await;
+    }
+    for name in ["p1", "p2", "p3"] {
+        wait_for_reason(&env, name, reasons::DELIVERY_PENDING).await;
+    }
+    for mail in env.mails() {
+        env.mailgun
+            .add_event(&event(&mail.id, DeliveryEvent::Delivered))
+            .unwrap();
+    }
+    eventually("the first question (refused)", || async {
+        asked(&env) >= 1
+    })
+    .await;
+    let refused_at = std::time::Instant::now();
+    // Every mail is due every 200 ms to 1 s; the pause holds them all for the 4 s asked.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(asked(&env), 1, "asked during the Retry-After pause");
+    for name in ["p1", "p2", "p3"] {
+        wait_for_reason(&env, name, reasons::DELIVERED).await;
+    }
+    assert!(refused_at.elapsed() >= Duration::from_secs(3));
+    assert_eq!(env.mails().len(), 3);
+    env.stop().await;
+}
+
+/// 100 open mails found by a process that starts (the outcomes arrived while none ran): the
+/// poller asks about them together, a handful of requests in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_open_mails_cost_a_handful_of_requests() {
+    const N: usize = 100;
+    let mut env = Env::new("mgc-batch").await;
+    // No question while the objects are mailed.
+    let quiet = capm_controllers::Config {
+        delivery_poll_base: Duration::from_secs(600),
+        delivery_poll_max: Duration::from_secs(600),
+        ..env.config()
+    };
+    env.start_with(quiet).await;
+    let names: Vec<String> = (0..N).map(|i| format!("b{i}")).collect();
+    for name in &names {
+        env.create_mailgun_cluster(name).await;
+        env.create_owner_cluster(name, false).await;
+    }
+    eventually("every request mailed", || async { env.mails().len() == N }).await;
+    for name in &names {
+        wait_for_reason(&env, name, reasons::DELIVERY_PENDING).await;
+    }
+    env.stop().await;
+    for mail in env.mails() {
+        env.mailgun
+            .add_event(&event(&mail.id, DeliveryEvent::Delivered))
+            .unwrap();
+    }
+    // The process was down for one poll base at least: every mail is a base old.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let before = asked(&env);
+    let cfg = capm_controllers::Config {
+        delivery_poll_base: Duration::from_secs(4),
+        delivery_poll_max: Duration::from_secs(4),
+        ..env.config()
+    };
+    env.start_with(cfg).await;
+    for name in &names {
+        wait_for_reason(&env, name, reasons::DELIVERED).await;
+    }
+    let requests = asked(&env) - before;
+    // 100 accepted and 100 delivered events: two pages of one question.
+    println!("{N} open mails answered with {requests} Logs requests");
+    assert!(requests <= 5, "{requests} requests for {N} open mails");
+    assert_eq!(env.mails().len(), N);
     env.stop().await;
 }

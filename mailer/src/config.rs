@@ -158,6 +158,19 @@ impl MailgunRegion {
     }
 }
 
+/// Which of Mailgun's event APIs answers lookups and delivery questions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum MailgunEventsApi {
+    /// `POST /v1/analytics/logs` (the default): one query asks about many Message-Ids. Mailgun
+    /// documents the events API as deprecated in its favour.
+    #[default]
+    Logs,
+    /// `GET /v3/{domain}/events`, one query per Message-Id: for accounts or proxies that lack
+    /// the Logs API.
+    Events,
+}
+
 fn default_connect_timeout() -> f64 {
     10.0
 }
@@ -182,6 +195,10 @@ pub struct MailgunConfig {
     /// `testMode` (optional, false): send `o:testmode=yes` (accepted, not delivered, billed).
     #[serde(default)]
     pub test_mode: bool,
+    /// `eventsApi` (optional, `logs`): which API answers lookups and delivery questions, `logs`
+    /// or `events` (deprecated by Mailgun; for accounts or proxies without the Logs API).
+    #[serde(default)]
+    pub events_api: MailgunEventsApi,
     /// `connectTimeoutSeconds` (optional, 10): TCP + TLS connect timeout.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_seconds: f64,
@@ -199,6 +216,7 @@ impl MailgunConfig {
             base_url: None,
             api_key,
             test_mode: false,
+            events_api: MailgunEventsApi::Logs,
             connect_timeout_seconds: default_connect_timeout(),
             request_timeout_seconds: default_request_timeout(),
         }

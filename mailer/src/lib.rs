@@ -11,7 +11,8 @@
 //! [`ErrorKind::UnknownOutcome`] for "may have been accepted", and [`Mailer::lookup`] for the
 //! backends that can answer that question. [`Mailer::delivery_status`] tells what became of an
 //! accepted message ([`Delivery`]) where the backend keeps events (Mailgun); when to stop asking
-//! is the caller's choice too.
+//! is the caller's choice too. [`Mailer::delivery_statuses`] asks about many mails at once where
+//! the backend can (Mailgun's Logs API: one query names up to [`LOGS_BATCH`] Message-Ids).
 //!
 //! # Example
 //! ```no_run
@@ -55,13 +56,13 @@ use std::time::SystemTime;
 use async_trait::async_trait;
 
 pub use config::{
-    ConfigError, MailerConfig, MailgunConfig, MailgunRegion, SmtpConfig, SmtpPoolConfig, Starttls,
-    build, build_with_gate,
+    ConfigError, MailerConfig, MailgunConfig, MailgunEventsApi, MailgunRegion, SmtpConfig,
+    SmtpPoolConfig, Starttls, build, build_with_gate,
 };
 pub use error::{BoxError, ErrorKind, MailError};
 pub use gate::{AlwaysOpen, CommitGate};
 pub use mailgun::{
-    MAX_ERROR_REPLY_BYTES, MAX_EVENTS_PAGE_BYTES, MAX_SEND_REPLY_BYTES, MailgunMailer,
+    LOGS_BATCH, MAX_ERROR_REPLY_BYTES, MAX_EVENTS_PAGE_BYTES, MAX_SEND_REPLY_BYTES, MailgunMailer,
 };
 pub use message::{
     MAX_MESSAGE_ID_LEN, MAX_METADATA_BYTES, MAX_SUBJECT_CHARS, MAX_TAG_LEN, MAX_TAGS, Message,
@@ -111,13 +112,38 @@ pub enum Delivery {
         /// The latest temporary failure's reason (no secrets: the receiving server's reply).
         temporary_failure: Option<String>,
     },
-    /// The recipients' servers accepted the message.
+    /// Every recipient's server accepted the message.
     Delivered,
-    /// The backend gave up for good (bounce, suppressed address, too many retries).
+    /// Some recipients' servers accepted the message and the backend gave up for good on the
+    /// others: a human has it, and someone who should have it does not.
+    PartlyDelivered {
+        /// The recipients that did not get it and why (reason and the receiving server's reply).
+        failed: String,
+    },
+    /// The backend gave up for good on every recipient (bounce, suppressed address, too many
+    /// retries).
     Failed {
         /// Why, as the backend reports it (reason and the receiving server's reply).
         reason: String,
     },
+}
+
+impl Delivery {
+    /// True once the outcome can no longer change (delivered, partly or wholly failed for good,
+    /// or not trackable at all).
+    pub fn is_final(&self) -> bool {
+        !matches!(self, Self::Pending { .. })
+    }
+}
+
+/// A mail whose delivery is asked about: its Message-Id and about when the backend accepted it
+/// (the lower bound of the events searched).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenMail {
+    /// The mail's Message-Id.
+    pub message_id: MessageId,
+    /// When it was accepted (the send time recorded by the caller).
+    pub sent_at: SystemTime,
 }
 
 /// Sends mail. Object-safe: use it as `Arc<dyn Mailer>`.
@@ -171,5 +197,29 @@ pub trait Mailer: Send + Sync {
     ) -> Result<Delivery, MailError> {
         let _ = (message_id, sent_at);
         Ok(Delivery::NotTrackable)
+    }
+
+    /// How many mails one [`Self::delivery_statuses`] call asks about with one question (its
+    /// pages aside): 1 for backends that ask per mail, more where one query can name many
+    /// Message-Ids (Mailgun's Logs API: [`LOGS_BATCH`]).
+    fn delivery_batch_size(&self) -> usize {
+        1
+    }
+
+    /// Asks what became of each of `mails`; the answers come in the same order, one per mail.
+    ///
+    /// The default asks [`Self::delivery_status`] once per mail, for backends that cannot
+    /// batch. Callers give at most [`Self::delivery_batch_size`] mails per call to keep each
+    /// call one question.
+    ///
+    /// # Errors
+    /// A [`MailError`] when any question fails (the answers already had are dropped: a query
+    /// changes nothing, ask again later); a `Retry-After` the backend gave is in it.
+    async fn delivery_statuses(&self, mails: &[OpenMail]) -> Result<Vec<Delivery>, MailError> {
+        let mut answers = Vec::with_capacity(mails.len());
+        for mail in mails {
+            answers.push(self.delivery_status(&mail.message_id, mail.sent_at).await?);
+        }
+        Ok(answers)
     }
 }

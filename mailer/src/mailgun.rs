@@ -1,7 +1,12 @@
-//! The Mailgun HTTP API backend: `POST /v3/{domain}/messages` and `GET /v3/{domain}/events`.
+//! The Mailgun HTTP API backend: `POST /v3/{domain}/messages`, and for lookups and delivery
+//! either `POST /v1/analytics/logs` (the default, [`logs`]) or `GET /v3/{domain}/events`.
 //!
 //! Long because it speaks three parts of the API (sending, the crash-recovery lookup, delivery
 //! events with paging) with one client and one error mapping; a fifth is tests.
+
+mod logs;
+
+pub use logs::LOGS_BATCH;
 
 use std::{
     fmt,
@@ -17,8 +22,8 @@ use reqwest::{StatusCode, header::HeaderMap, redirect};
 use serde::Deserialize;
 
 use crate::{
-    Lookup, MailError, Mailer, Message, MessageId, SendReceipt,
-    config::{ConfigError, MailgunConfig},
+    Lookup, MailError, Mailer, Message, MessageId, OpenMail, SendReceipt,
+    config::{ConfigError, MailgunConfig, MailgunEventsApi},
     gate::{self, Gate},
     secret::{ExposeSecret, Secret},
 };
@@ -56,6 +61,9 @@ pub struct MailgunMailer {
     client: reqwest::Client,
     messages_url: String,
     events_url: String,
+    logs_url: String,
+    domain: String,
+    events_api: MailgunEventsApi,
     api_key: Secret,
     test_mode: bool,
     gate: Gate,
@@ -65,6 +73,7 @@ impl fmt::Debug for MailgunMailer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MailgunMailer")
             .field("messages_url", &self.messages_url)
+            .field("events_api", &self.events_api)
             .field("api_key", &self.api_key)
             .field("test_mode", &self.test_mode)
             .finish_non_exhaustive()
@@ -98,6 +107,8 @@ struct Paging {
     next: Option<String>,
 }
 
+/// One event, as both APIs give it (the Logs API's items carry the same fields by the same
+/// names, plus `@timestamp`).
 #[derive(Deserialize)]
 struct EventItem {
     event: String,
@@ -109,6 +120,28 @@ struct EventItem {
     reason: Option<String>,
     #[serde(default, rename = "delivery-status")]
     delivery_status: Option<DeliveryStatusField>,
+    #[serde(default)]
+    message: Option<EventMessage>,
+}
+
+#[derive(Deserialize)]
+struct EventMessage {
+    #[serde(default)]
+    headers: EventHeaders,
+}
+
+#[derive(Deserialize, Default)]
+struct EventHeaders {
+    #[serde(default, rename = "message-id")]
+    message_id: Option<String>,
+}
+
+impl EventItem {
+    /// The event's Message-Id without brackets, if it names one.
+    fn message_id(&self) -> Option<&str> {
+        let id = self.message.as_ref()?.headers.message_id.as_deref()?;
+        Some(id.trim().trim_start_matches('<').trim_end_matches('>'))
+    }
 }
 
 #[derive(Deserialize)]
@@ -162,9 +195,10 @@ enum RecipientState {
 }
 
 /// Folds events (oldest first) into one answer, page by page, keeping only what the answer needs
-/// (bounded texts, at most [`MAX_TRACKED_RECIPIENTS`] recipients): delivered as soon as one
-/// recipient has the message (a human can act on it); failed when every recipient seen failed
-/// for good; pending otherwise, with the latest temporary failure.
+/// (bounded texts, at most [`MAX_TRACKED_RECIPIENTS`] recipients): final only once every
+/// recipient seen is (delivered, or failed for good); then delivered when all have it, failed
+/// when none has, partly delivered otherwise: a failure to one recipient is reported even when
+/// another has the mail. Pending while any is open, with the latest temporary failure.
 #[derive(Default)]
 struct Fold {
     recipients: Vec<(String, RecipientState)>,
@@ -198,12 +232,14 @@ impl Fold {
     }
 
     fn finish(self) -> crate::Delivery {
-        if self
+        let open = self
             .recipients
             .iter()
-            .any(|(_, s)| *s == RecipientState::Delivered)
-        {
-            return crate::Delivery::Delivered;
+            .any(|(_, s)| matches!(s, RecipientState::Pending(_)));
+        if self.recipients.is_empty() || open {
+            return crate::Delivery::Pending {
+                temporary_failure: self.latest_temporary,
+            };
         }
         let failures: Vec<&str> = self
             .recipients
@@ -213,13 +249,13 @@ impl Fold {
                 _ => None,
             })
             .collect();
-        if !failures.is_empty() && failures.len() == self.recipients.len() {
-            return crate::Delivery::Failed {
-                reason: error_text(failures.join("; ").as_bytes()),
-            };
-        }
-        crate::Delivery::Pending {
-            temporary_failure: self.latest_temporary,
+        let text = || error_text(failures.join("; ").as_bytes());
+        if failures.is_empty() {
+            crate::Delivery::Delivered
+        } else if failures.len() == self.recipients.len() {
+            crate::Delivery::Failed { reason: text() }
+        } else {
+            crate::Delivery::PartlyDelivered { failed: text() }
         }
     }
 }
@@ -271,6 +307,9 @@ impl MailgunMailer {
             client,
             messages_url: format!("{base}/messages"),
             events_url: format!("{base}/events"),
+            logs_url: format!("{}/v1/analytics/logs", config.effective_base_url()),
+            domain: config.domain.clone(),
+            events_api: config.events_api,
             api_key,
             test_mode: config.test_mode,
             gate: gate::open(),
@@ -605,6 +644,9 @@ impl Mailer for MailgunMailer {
     }
 
     async fn lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError> {
+        if self.events_api == MailgunEventsApi::Logs {
+            return self.logs_lookup(message_id).await;
+        }
         let url = format!(
             "{}?message-id={}",
             self.events_url,
@@ -626,6 +668,16 @@ impl Mailer for MailgunMailer {
         message_id: &MessageId,
         sent_at: SystemTime,
     ) -> Result<crate::Delivery, MailError> {
+        if self.events_api == MailgunEventsApi::Logs {
+            let mail = OpenMail {
+                message_id: message_id.clone(),
+                sent_at,
+            };
+            let mut answers = self.logs_deliveries(std::slice::from_ref(&mail)).await?;
+            return Ok(answers.pop().unwrap_or(crate::Delivery::Pending {
+                temporary_failure: None,
+            }));
+        }
         let begin = sent_at
             .checked_sub(EVENTS_CLOCK_SLACK)
             .unwrap_or(sent_at)
@@ -670,6 +722,31 @@ impl Mailer for MailgunMailer {
             source: None,
         })
     }
+
+    fn delivery_batch_size(&self) -> usize {
+        match self.events_api {
+            MailgunEventsApi::Logs => LOGS_BATCH,
+            MailgunEventsApi::Events => 1,
+        }
+    }
+
+    async fn delivery_statuses(
+        &self,
+        mails: &[OpenMail],
+    ) -> Result<Vec<crate::Delivery>, MailError> {
+        if self.events_api == MailgunEventsApi::Events {
+            let mut answers = Vec::with_capacity(mails.len());
+            for mail in mails {
+                answers.push(self.delivery_status(&mail.message_id, mail.sent_at).await?);
+            }
+            return Ok(answers);
+        }
+        let mut answers = Vec::with_capacity(mails.len());
+        for batch in mails.chunks(LOGS_BATCH) {
+            answers.extend(self.logs_deliveries(batch).await?);
+        }
+        Ok(answers)
+    }
 }
 
 impl MailgunMailer {
@@ -681,14 +758,22 @@ impl MailgunMailer {
 
     /// One page of `GET /v3/{domain}/events`.
     async fn events_page(&self, url: &str) -> Result<EventsResponse, MailError> {
-        let response = self
-            .client
-            .get(url)
+        self.page(self.client.get(url), "events").await
+    }
+
+    /// Sends `request` with the API key and reads its JSON reply of at most
+    /// [`MAX_EVENTS_PAGE_BYTES`], with the lookup's error classes (`what` names the API in
+    /// errors).
+    async fn page<T: serde::de::DeserializeOwned>(
+        &self,
+        request: reqwest::RequestBuilder,
+        what: &str,
+    ) -> Result<T, MailError> {
+        let mut response = request
             .basic_auth("api", Some(self.api_key.expose_secret()))
             .send()
             .await
             .map_err(|e| transport_error(e, true))?;
-        let mut response = response;
         let status = response.status();
         if !status.is_success() {
             let headers = response.headers().clone();
@@ -701,24 +786,21 @@ impl MailgunMailer {
         let (body, complete) = read_at_most(&mut response, MAX_EVENTS_PAGE_BYTES)
             .await
             .map_err(|e| transport_error(e, true))?;
-        if !complete {
-            return Err(MailError::Retryable {
-                backend: BACKEND,
-                code: Some(status.as_u16()),
-                retry_after: None,
-                message: format!(
-                    "an events page larger than {MAX_EVENTS_PAGE_BYTES} bytes; not read"
-                ),
-                source: None,
-            });
-        }
-        serde_json::from_slice(&body).map_err(|e| MailError::Retryable {
+        let unreadable = |message: String, source: Option<crate::BoxError>| MailError::Retryable {
             backend: BACKEND,
             code: Some(status.as_u16()),
             retry_after: None,
-            message: "unreadable events reply".into(),
-            source: Some(Box::new(e)),
-        })
+            message,
+            source,
+        };
+        if !complete {
+            return Err(unreadable(
+                format!("a page of {what} larger than {MAX_EVENTS_PAGE_BYTES} bytes; not read"),
+                None,
+            ));
+        }
+        serde_json::from_slice(&body)
+            .map_err(|e| unreadable(format!("unreadable {what} reply"), Some(Box::new(e))))
     }
 }
 
@@ -816,6 +898,7 @@ mod tests {
             severity: severity.map(Into::into),
             reason: Some("bounce".into()),
             delivery_status: None,
+            message: None,
         }
     }
 
@@ -861,6 +944,29 @@ mod tests {
                 temporary_failure: Some(_)
             }
         ));
+        // One recipient has it, the other is still on its way: not final yet.
+        assert_eq!(
+            fold_events(&[
+                accepted("a@x"),
+                accepted("b@x"),
+                item("delivered", "a@x", None)
+            ]),
+            Delivery::Pending {
+                temporary_failure: None
+            }
+        );
+        // A failure to one recipient is reported although the other has the mail.
+        assert_eq!(
+            fold_events(&[
+                accepted("a@x"),
+                accepted("b@x"),
+                item("delivered", "a@x", None),
+                item("failed", "b@x", Some("permanent")),
+            ]),
+            Delivery::PartlyDelivered {
+                failed: "b@x: bounce".into()
+            }
+        );
     }
 
     #[test]

@@ -138,6 +138,17 @@ impl Mailer for InstrumentedMailer {
     ) -> Result<crate::Delivery, MailError> {
         self.inner.delivery_status(message_id, sent_at).await
     }
+
+    fn delivery_batch_size(&self) -> usize {
+        self.inner.delivery_batch_size()
+    }
+
+    async fn delivery_statuses(
+        &self,
+        mails: &[crate::OpenMail],
+    ) -> Result<Vec<crate::Delivery>, MailError> {
+        self.inner.delivery_statuses(mails).await
+    }
 }
 
 #[cfg(test)]

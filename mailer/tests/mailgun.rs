@@ -14,8 +14,9 @@ use capm_mail_servers::{
     DeliveryEvent, EventRule, FailureMode, FailureRule, FailureTarget, MailgunServer,
 };
 use capm_mailer::{
-    Delivery, ErrorKind, InstrumentedMailer, Lookup, Mailer, MailerConfig, MailerMetrics,
-    MailgunConfig, MailgunMailer, Message, MessageId, SecretSource, build,
+    Delivery, ErrorKind, InstrumentedMailer, LOGS_BATCH, Lookup, Mailer, MailerConfig,
+    MailerMetrics, MailgunConfig, MailgunEventsApi, MailgunMailer, Message, MessageId, OpenMail,
+    SecretSource, build,
 };
 
 const KEY: &str = "key-contract-test-0123";
@@ -207,7 +208,14 @@ async fn a_hanging_server_times_out_as_unknown_outcome() {
 
 #[tokio::test]
 async fn lookup_finds_sent_ids_and_not_others() {
-    let f = fixture();
+    for api in [MailgunEventsApi::Logs, MailgunEventsApi::Events] {
+        let mut f = fixture();
+        f.config.events_api = api;
+        lookup_finds(&f).await;
+    }
+}
+
+async fn lookup_finds(f: &Fixture) {
     let mailer = f.mailer();
     // Characters that need encoding in a query string.
     let m = message("<mg+look=up&1@capm.test>");
@@ -232,7 +240,7 @@ async fn lookup_failures_are_retryable() {
             mode: FailureMode::ServerError,
             count: Some(1),
             retry_after: None,
-            target: FailureTarget::Events,
+            target: FailureTarget::All,
             body_bytes: None,
             drip_ms: None,
         })
@@ -401,7 +409,7 @@ async fn temporary_failures_stay_pending_until_delivered() {
 }
 
 #[tokio::test]
-async fn one_recipient_delivered_is_delivered_all_failed_is_failed() {
+async fn a_failure_to_one_recipient_is_reported_although_the_other_has_the_mail() {
     let f = fixture();
     let (mailer, id, at) = sent(&f, "<dl-4@capm.test>").await;
     f.server
@@ -423,15 +431,18 @@ async fn one_recipient_delivered_is_delivered_all_failed_is_failed() {
             ..event("<dl-4@capm.test>", DeliveryEvent::Delivered)
         })
         .unwrap();
-    assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
-        Delivery::Delivered
-    );
+    let Delivery::PartlyDelivered { failed } = mailer.delivery_status(&id, at).await.unwrap()
+    else {
+        panic!("not partly delivered");
+    };
+    assert!(failed.starts_with("audit@example.com: generic"), "{failed}");
+    assert!(!failed.contains("ops@example.com"), "{failed}");
 }
 
 #[tokio::test]
-async fn the_outcome_on_a_later_page_is_found() {
-    let f = fixture();
+async fn the_outcome_on_a_later_page_is_found_with_the_events_api() {
+    let mut f = fixture();
+    f.config.events_api = MailgunEventsApi::Events;
     // Page size 1: two accepted, four temporary failures (two per recipient), then the
     // delivery on page 7.
     f.server.set_page_size(1).unwrap();
@@ -444,23 +455,21 @@ async fn the_outcome_on_a_later_page_is_found() {
     // Unrelated traffic in between.
     sent(&f, "<dl-5-noise@capm.test>").await;
     f.server
-        .add_event(&EventRule {
-            recipient: Some("ops@example.com".into()),
-            ..event("<dl-5@capm.test>", DeliveryEvent::Delivered)
-        })
+        .add_event(&event("<dl-5@capm.test>", DeliveryEvent::Delivered))
         .unwrap();
     let before = f.server.stats().unwrap().events_requests;
     assert_eq!(
         mailer.delivery_status(&id, at).await.unwrap(),
         Delivery::Delivered
     );
-    // 7 items, one per page, and the empty page that ends it.
-    assert_eq!(f.server.stats().unwrap().events_requests - before, 8);
+    // 8 items, one per page, and the empty page that ends it.
+    assert_eq!(f.server.stats().unwrap().events_requests - before, 9);
 }
 
 #[tokio::test]
 async fn events_failures_are_retryable() {
-    let f = fixture();
+    let mut f = fixture();
+    f.config.events_api = MailgunEventsApi::Events;
     let (mailer, id, at) = sent(&f, "<dl-6@capm.test>").await;
     f.server
         .set_failure(FailureRule {
@@ -491,5 +500,193 @@ async fn events_before_the_send_time_are_not_asked_for() {
         Delivery::Pending {
             temporary_failure: None
         }
+    );
+}
+
+/// Sends `count` mails (two recipients each) and returns them as open mails.
+async fn open_mails(f: &Fixture, prefix: &str, count: usize) -> Vec<OpenMail> {
+    let mailer = f.mailer();
+    let mut mails = Vec::new();
+    for i in 0..count {
+        let m = message(&format!("<{prefix}-{i}@capm.test>"));
+        let sent_at = SystemTime::now();
+        mailer.send(&m).await.unwrap();
+        mails.push(OpenMail {
+            message_id: m.message_id().clone(),
+            sent_at,
+        });
+    }
+    mails
+}
+
+fn logs_requests(f: &Fixture) -> u64 {
+    f.server.stats().unwrap().logs_requests
+}
+
+#[tokio::test]
+async fn a_batch_of_100_open_mails_is_answered_with_a_handful_of_logs_requests() {
+    let f = fixture();
+    let mails = open_mails(&f, "batch", 100).await;
+    // Every fifth delivered to one recipient and failed for good for the other, every other
+    // third delivered to both, the rest open.
+    for (i, mail) in mails.iter().enumerate() {
+        let id = mail.message_id.as_str();
+        if i % 5 == 0 {
+            for (recipient, what) in [
+                ("ops@example.com", DeliveryEvent::Delivered),
+                ("audit@example.com", DeliveryEvent::PermanentFailure),
+            ] {
+                f.server
+                    .add_event(&EventRule {
+                        recipient: Some(recipient.into()),
+                        ..event(id, what)
+                    })
+                    .unwrap();
+            }
+        } else if i % 3 == 0 {
+            f.server
+                .add_event(&event(id, DeliveryEvent::Delivered))
+                .unwrap();
+        }
+    }
+    let mailer = f.mailer();
+    assert_eq!(mailer.delivery_batch_size(), LOGS_BATCH);
+    let before = logs_requests(&f);
+    let answers = mailer.delivery_statuses(&mails).await.unwrap();
+    let asked = logs_requests(&f) - before;
+    // 200 accepted, 74 delivered and 20 failed events: three pages of 100.
+    println!("100 open mails answered with {asked} Logs requests");
+    assert!(asked <= 5, "{asked} requests for 100 mails");
+    assert_eq!(answers.len(), 100);
+    for (i, answer) in answers.iter().enumerate() {
+        let expected = if i % 5 == 0 {
+            "partly"
+        } else if i % 3 == 0 {
+            "delivered"
+        } else {
+            "pending"
+        };
+        let got = match answer {
+            Delivery::PartlyDelivered { failed } => {
+                assert!(failed.contains("audit@example.com"), "{failed}");
+                "partly"
+            }
+            Delivery::Delivered => "delivered",
+            Delivery::Pending { .. } => "pending",
+            other => panic!("mail {i}: {other:?}"),
+        };
+        assert_eq!(got, expected, "mail {i}");
+    }
+    // The same question through the events API costs a request per mail at least.
+    let mut events = fixture();
+    events.config.events_api = MailgunEventsApi::Events;
+    let mails = open_mails(&events, "batch-events", 10).await;
+    let mailer = events.mailer();
+    assert_eq!(mailer.delivery_batch_size(), 1);
+    let before = events.server.stats().unwrap().events_requests;
+    assert_eq!(mailer.delivery_statuses(&mails).await.unwrap().len(), 10);
+    assert!(events.server.stats().unwrap().events_requests - before >= 10);
+}
+
+#[tokio::test]
+async fn the_logs_pagination_token_is_followed_to_the_outcome() {
+    let f = fixture();
+    f.server.set_page_size(1).unwrap();
+    let (mailer, id, at) = sent(&f, "<lg-1@capm.test>").await;
+    for _ in 0..2 {
+        f.server
+            .add_event(&event("<lg-1@capm.test>", DeliveryEvent::TemporaryFailure))
+            .unwrap();
+    }
+    sent(&f, "<lg-1-noise@capm.test>").await;
+    f.server
+        .add_event(&event("<lg-1@capm.test>", DeliveryEvent::Delivered))
+        .unwrap();
+    let before = logs_requests(&f);
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::Delivered
+    );
+    // 2 accepted, 4 temporary failures, 2 deliveries: one item a page, the last without a token.
+    assert_eq!(logs_requests(&f) - before, 8);
+}
+
+#[tokio::test]
+async fn logs_failures_keep_their_classes_and_retry_after() {
+    let f = fixture();
+    let (mailer, id, at) = sent(&f, "<lg-2@capm.test>").await;
+    let fail = |mode, retry_after| {
+        f.server
+            .set_failure(FailureRule {
+                count: Some(1),
+                retry_after,
+                target: FailureTarget::Logs,
+                ..FailureRule::new(mode)
+            })
+            .unwrap();
+    };
+    fail(FailureMode::RateLimited, Some(7));
+    let err = mailer.delivery_status(&id, at).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
+    assert_eq!(err.code(), Some(429));
+    assert_eq!(err.retry_after(), Some(Duration::from_secs(7)));
+    fail(FailureMode::ServerError, None);
+    let err = mailer.lookup(&id).await.unwrap_err();
+    assert_eq!((err.kind(), err.code()), (ErrorKind::Retryable, Some(500)));
+    fail(FailureMode::Unauthorized, None);
+    let err = mailer.delivery_status(&id, at).await.unwrap_err();
+    assert_eq!((err.kind(), err.code()), (ErrorKind::Permanent, Some(401)));
+    assert!(!format!("{err} {err:?}").contains(KEY));
+    // Used up: the Logs API answers again.
+    assert_eq!(
+        mailer.lookup(&id).await.unwrap(),
+        Lookup::Accepted {
+            event: "accepted".into()
+        }
+    );
+}
+
+#[tokio::test]
+async fn hostile_logs_replies_are_bounded_and_cleaned() {
+    let f = fixture();
+    let (mailer, id, at) = sent(&f, "<lg-3@capm.test>").await;
+    let hostile = |mode| {
+        f.server
+            .set_failure(FailureRule {
+                count: Some(1),
+                target: FailureTarget::Logs,
+                body_bytes: Some(64 << 20),
+                ..FailureRule::new(mode)
+            })
+            .unwrap();
+    };
+    hostile(FailureMode::HugeOk);
+    let started = std::time::Instant::now();
+    let err = mailer.delivery_status(&id, at).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
+    assert!(err.to_string().contains("larger than"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    hostile(FailureMode::BadJson);
+    let err = mailer.lookup(&id).await.unwrap_err();
+    assert!(err.to_string().contains("unreadable logs reply"), "{err}");
+    hostile(FailureMode::ControlText);
+    // The hostile page says the first recipient failed, with control text, and its token asks
+    // again from the start, where the real events say the other has the mail.
+    f.server
+        .add_event(&EventRule {
+            recipient: Some("audit@example.com".into()),
+            ..event("<lg-3@capm.test>", DeliveryEvent::Delivered)
+        })
+        .unwrap();
+    let answer = mailer.delivery_status(&id, at).await.unwrap();
+    let Delivery::PartlyDelivered { failed: reason } = answer else {
+        panic!("{answer:?}");
+    };
+    assert!(reason.contains("mailbox unavailable"), "{reason}");
+    assert!(
+        !reason
+            .chars()
+            .any(|c| c.is_control() || ('\u{2028}'..='\u{202e}').contains(&c)),
+        "{reason:?}"
     );
 }

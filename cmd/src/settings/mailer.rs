@@ -1,11 +1,13 @@
 //! The mail backend's configuration: from its flags over the config file's `mailer` section.
 
 use capm_mailer::{
-    ConfigError, MailerConfig, MailgunConfig, MailgunRegion, SecretSource, SmtpConfig,
+    ConfigError, MailerConfig, MailgunConfig, MailgunEventsApi, MailgunRegion, SecretSource,
+    SmtpConfig,
 };
 
 use super::{
-    Args, Backend, MAILGUN_API_KEY_ENV, Region, SMTP_PASSWORD_ENV, SettingsError, invalid,
+    Args, Backend, EventsApi, MAILGUN_API_KEY_ENV, Region, SMTP_PASSWORD_ENV, SettingsError,
+    invalid,
 };
 
 /// Maps a mailer configuration error to the flag that sets the field, when there is one.
@@ -99,6 +101,12 @@ pub(super) fn resolve_mailer(
             }
             if let Some(url) = &args.mailgun_base_url {
                 config.base_url = Some(url.clone());
+            }
+            if let Some(api) = args.mailgun_events_api {
+                config.events_api = match api {
+                    EventsApi::Logs => MailgunEventsApi::Logs,
+                    EventsApi::Events => MailgunEventsApi::Events,
+                };
             }
             MailerConfig::Mailgun(config)
         }

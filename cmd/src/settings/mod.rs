@@ -64,13 +64,15 @@ const DEFAULT_WEBHOOK_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
 
 /// The Cluster API infrastructure provider for Mailgun: mails a human for every cluster.
 ///
-/// Every flag can also be set by the environment variable shown, or in the `--config` file
-/// (camelCase keys, e.g. `metricsBindAddress`; the mail backend under `mailer`, in the format of
-/// `capm_mailer::MailerConfig`). A flag beats its variable, which beats the file, which beats the
-/// default.
-///
-/// Each setting is declared here once: its flag, variable, default and parser. The file's values
-/// become the flags' defaults (see [`Settings::resolve`]), so nothing else lists the settings.
+/// For each MailgunCluster and MailgunMachine it mails one request to --mail-recipient, through
+/// Mailgun (--mailgun-domain and an API key) or an SMTP relay (--smtp-url), and reports in
+/// status whether the mail was sent and delivered. Every flag can also be set by the environment
+/// variable shown, or in the --config file (YAML or JSON, camelCase keys such as
+/// `mailgunDomain`; the mail backend may also be given whole under `mailer`). A flag beats its
+/// variable, which beats the file, which beats the default. Secrets are read only from files or
+/// from MAILGUN_API_KEY / SMTP_PASSWORD.
+// Each setting is declared here once: its flag, variable, default and parser. The file's
+// values become the flags' defaults (see `Settings::resolve`), so nothing else lists them.
 #[derive(Debug, Parser)]
 #[command(name = "cluster-api-provider-mailgun", version, about, long_about)]
 pub struct Args {
@@ -104,6 +106,13 @@ pub struct Args {
     /// Mailgun API region [default: us].
     #[arg(long, env = "MAILGUN_REGION", value_enum)]
     pub mailgun_region: Option<Region>,
+
+    /// Which Mailgun API answers "was this mail accepted?" and "was it delivered?": `logs`
+    /// (one question covers up to 100 open mails; Mailgun deprecates the events API in its
+    /// favour) or `events` (one question per mail, for accounts or proxies without the Logs API)
+    /// [default: logs].
+    #[arg(long, env = "MAILGUN_EVENTS_API", value_enum)]
+    pub mailgun_events_api: Option<EventsApi>,
 
     /// Mailgun API base URL, overrides --mailgun-region (e.g. a test server).
     #[arg(long, env = "MAILGUN_BASE_URL", value_name = "URL")]
@@ -296,6 +305,15 @@ pub enum Region {
     Us,
     /// api.eu.mailgun.net
     Eu,
+}
+
+/// Mailgun's APIs for lookups and delivery questions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EventsApi {
+    /// POST /v1/analytics/logs: many mails per question.
+    Logs,
+    /// GET /v3/{domain}/events (deprecated by Mailgun): one mail per question.
+    Events,
 }
 
 /// Log output format.

@@ -611,3 +611,50 @@ fn durations() {
     assert_eq!(parse_duration("1m30s"), Some(Duration::from_secs(90)));
     assert_eq!(parse_duration("-1s"), None);
 }
+
+#[test]
+fn the_mailgun_events_api_is_logs_unless_a_flag_variable_or_file_says_events() {
+    use capm_mailer::MailgunEventsApi;
+    let api = |s: &Settings| match &s.mailer {
+        MailerConfig::Mailgun(m) => m.events_api,
+        MailerConfig::Smtp(_) => panic!("not mailgun"),
+    };
+    assert_eq!(
+        api(&resolve(MAILGUN, &with_key).unwrap()),
+        MailgunEventsApi::Logs
+    );
+    let flags = [MAILGUN, &["--mailgun-events-api", "events"]].concat();
+    assert_eq!(
+        api(&resolve(&flags, &with_key).unwrap()),
+        MailgunEventsApi::Events
+    );
+    // The file sets it as a flag default or in the mailer section; the flag wins.
+    let f = file("mailgunEventsApi: events\n");
+    let path = f.path().to_str().unwrap();
+    let flags = [MAILGUN, &["--config", path]].concat();
+    assert_eq!(
+        api(&resolve(&flags, &with_key).unwrap()),
+        MailgunEventsApi::Events
+    );
+    let flags = [MAILGUN, &["--config", path, "--mailgun-events-api=logs"]].concat();
+    assert_eq!(
+        api(&resolve(&flags, &with_key).unwrap()),
+        MailgunEventsApi::Logs
+    );
+    let f = file(
+        "mailer:\n  mailgun: {domain: mg.example.com, apiKey: {env: MAILGUN_API_KEY}, eventsApi: events}\nmailRecipients: [a@example.com]\n",
+    );
+    let s = resolve(&["--config", f.path().to_str().unwrap()], &with_key).unwrap();
+    assert_eq!(api(&s), MailgunEventsApi::Events);
+    // A bad value stops start-up naming the field.
+    let flags = [MAILGUN, &["--mailgun-events-api", "webhooks"]].concat();
+    let err = error(&flags, &with_key);
+    assert!(err.contains("--mailgun-events-api"), "{err}");
+    let f = file("mailgunEventsApi: webhooks\n");
+    let flags = [MAILGUN, &["--config", f.path().to_str().unwrap()]].concat();
+    let err = error(&flags, &with_key);
+    assert!(
+        err.starts_with("--config (CAPM_CONFIG): ") && err.contains("--mailgun-events-api"),
+        "{err}"
+    );
+}

@@ -70,8 +70,14 @@ impl Env {
     }
 
     pub fn mailer(&self) -> Arc<dyn capm_mailer::Mailer> {
+        self.mailer_on(capm_mailer::MailgunEventsApi::Logs)
+    }
+
+    /// A Mailgun mailer asking `api` about lookups and deliveries.
+    pub fn mailer_on(&self, api: capm_mailer::MailgunEventsApi) -> Arc<dyn capm_mailer::Mailer> {
         let mut cfg =
             MailgunConfig::new(DOMAIN, SecretSource::File(self.key_file.path().to_owned()));
+        cfg.events_api = api;
         cfg.base_url = Some(self.mailgun.base_url());
         cfg.request_timeout_seconds = 2.0;
         capm_mailer::build(&MailerConfig::Mailgun(cfg)).unwrap()

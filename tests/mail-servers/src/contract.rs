@@ -1,5 +1,6 @@
-//! The Mailgun API contract server: the documented parts of `POST /v3/{domain}/messages` and
-//! `GET /v3/{domain}/events`, messages kept in memory, and control endpoints for tests.
+//! The Mailgun API contract server: the documented parts of `POST /v3/{domain}/messages`,
+//! `GET /v3/{domain}/events` and `POST /v1/analytics/logs` (the Logs API, see its module),
+//! messages kept in memory, and control endpoints for tests.
 //!
 //! Long because it implements the documented contract the provider relies on (sending, events with
 //! filters and paging) plus the control endpoints tests use to script failures.
@@ -29,6 +30,14 @@
 //! most 300). `paging.next` is an absolute URL `/v3/{domain}/events/{token}` that continues after
 //! the page; the page after the last item is empty, and its `next` stays where it is (poll it
 //! again later for newer events), as Mailgun documents.
+//!
+//! # Logs API
+//! `POST /v1/analytics/logs` answers from the same events (items with `@timestamp` instead of
+//! `timestamp`, and `domain.name`), filtered by the body's window, `events` and `filter.AND`
+//! clauses (values of one clause are alternatives), `pagination.limit` items a page (at most
+//! 100, and at most the `pageSize` of `/_control/paging`); `pagination.next` is an opaque token
+//! present only when more items follow. Failure rules with target `logs` (or `all`) apply to it,
+//! hostile modes included; every request, failed or not, counts in `Stats::logs_requests`.
 //!
 //! # Hostile peers
 //! The failure modes from [`FailureMode::HugeOk`] on play a broken or malicious Mailgun (or a
@@ -63,6 +72,7 @@ use tokio::net::TcpListener;
 use self::hostile::{Cutter, MaybeCutter};
 
 mod hostile;
+mod logs;
 
 /// What the server expects from its clients.
 #[derive(Debug, Clone)]
@@ -175,7 +185,9 @@ pub enum FailureTarget {
     Messages,
     /// `GET /v3/{domain}/events`.
     Events,
-    /// Both.
+    /// `POST /v1/analytics/logs`.
+    Logs,
+    /// Every endpoint.
     All,
 }
 
@@ -264,7 +276,7 @@ pub struct EventRule {
     pub message: Option<String>,
 }
 
-/// How the events API pages, set with `PUT /_control/paging`.
+/// How the events and Logs APIs page, set with `PUT /_control/paging`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PagingRule {
@@ -277,7 +289,12 @@ pub struct PagingRule {
 #[serde(rename_all = "camelCase")]
 pub struct Stats {
     /// Answered events requests (first pages and `paging.next` pages).
+    #[serde(default)]
     pub events_requests: u64,
+    /// Logs API requests (first pages and pages asked by token), failed ones included: what a
+    /// client spent of its rate limit.
+    #[serde(default)]
+    pub logs_requests: u64,
 }
 
 /// An event recorded with `PUT /_control/events`, for one recipient.
@@ -369,13 +386,19 @@ impl AppState {
         }
     }
 
-    /// The error answer for a request with wrong credentials or an unknown domain, if any.
-    fn rejection(&self, headers: &HeaderMap, domain: &str) -> Option<Response> {
+    /// The error answer for a request with wrong credentials, if any.
+    fn unauthorized(&self, headers: &HeaderMap) -> Option<Response> {
         let auth = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
-        if auth != Some(self.expected_auth.as_str()) {
-            return Some(error(StatusCode::UNAUTHORIZED, "Invalid private key"));
+        (auth != Some(self.expected_auth.as_str()))
+            .then(|| error(StatusCode::UNAUTHORIZED, "Invalid private key"))
+    }
+
+    /// The error answer for a request with wrong credentials or an unknown domain, if any.
+    fn rejection(&self, headers: &HeaderMap, domain: &str) -> Option<Response> {
+        if let Some(r) = self.unauthorized(headers) {
+            return Some(r);
         }
         if domain != self.domain {
             return Some(error(
@@ -391,11 +414,12 @@ impl AppState {
 enum Asked {
     /// A message post, with the message as it would be stored.
     Message(StoredMessage),
-    /// An events page: the asked message-id, if any, and a `paging.next` URL for a page
-    /// after every event.
+    /// An events or Logs page: the (first) asked message-id, if any, and the `paging.next`
+    /// URL (events) or `pagination.next` token (Logs) of a page after every event.
     Events {
         message_id: Option<String>,
         next: String,
+        logs: bool,
     },
 }
 
@@ -600,11 +624,10 @@ fn bare(id: &str) -> &str {
     id.trim().trim_start_matches('<').trim_end_matches('>')
 }
 
-/// Every event of the domain as (timestamp, sequence, JSON), oldest first; only those of
-/// `message_id` when given (filtered before any JSON is built: a query about one message must
-/// not cost what the whole log costs, or a long benchmark measures this server).
-fn all_events(store: &Store, message_id: Option<&str>) -> Vec<(f64, u64, serde_json::Value)> {
-    let wanted = |id: &str| message_id.is_none_or(|w| bare(id) == bare(w));
+/// Every event of the domain as (timestamp, sequence, JSON), oldest first; only those of the
+/// message ids `wanted` accepts (filtered before any JSON is built: a query about one message
+/// must not cost what the whole log costs, or a long benchmark measures this server).
+fn all_events(store: &Store, wanted: &dyn Fn(&str) -> bool) -> Vec<(f64, u64, serde_json::Value)> {
     let mut out = Vec::new();
     for (n, m) in store.messages.iter().enumerate() {
         if !wanted(&m.id) {
@@ -744,6 +767,7 @@ async fn events_page(
         let asked = Asked::Events {
             message_id: query.message_id.clone(),
             next: url(query.offset),
+            logs: false,
         };
         return fail(rule, state, asked, cutter).await;
     }
@@ -765,7 +789,9 @@ async fn events_page(
     let (items, size) = {
         let mut store = state.store();
         store.stats.events_requests += 1;
-        let mut all: Vec<_> = all_events(&store, query.message_id.as_deref())
+        let asked = query.message_id.as_deref();
+        let wanted = |id: &str| asked.is_none_or(|w| bare(id) == bare(w));
+        let mut all: Vec<_> = all_events(&store, &wanted)
             .into_iter()
             .map(|(_, _, item)| item)
             .filter(|item| matches(&query, begin, item))
@@ -873,6 +899,7 @@ pub fn router(config: &ContractConfig) -> Router {
         .route("/v3/{domain}/messages", post(send_message))
         .route("/v3/{domain}/events", get(events))
         .route("/v3/{domain}/events/{token}", get(events_next))
+        .route("/v1/analytics/logs", post(logs::logs))
         .route(
             "/_control/messages",
             get(list_messages).delete(clear_messages),

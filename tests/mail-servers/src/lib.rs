@@ -4,7 +4,7 @@
 //! What it is for:
 //! - [`contract`]: a Mailgun API contract server (the `mailgun-contract-server` binary) that
 //!   checks auth, domain and form fields like Mailgun documents, keeps messages in memory, answers
-//!   the events API (accepted, delivered and failed events, paged), and fails on request (401,
+//!   the events and Logs APIs (accepted, delivered and failed events, paged), and fails on request (401,
 //!   429 + `Retry-After`, 500, 500 after accepting, hanging) or answers late; and plays a
 //!   hostile Mailgun on request (replies of a gigabyte or without end, [`CONTROL_TEXT`] in
 //!   errors and events, bodies that are not JSON, drips, replies cut by a TCP reset), generated

@@ -1,7 +1,9 @@
 //! The contract server's hostile modes as a client sees them on the wire, read with bounds: a
 //! huge or endless body really streams (tens of MiB) while the server's own memory stays
 //! small, control text carries every control, a body that is not JSON, a drip, a reply cut by
-//! a reset; what each stores; and the normal contract once the rule is used up or cleared.
+//! a reset; what each stores; and the normal contract once the rule is used up or cleared. The
+//! Logs endpoint (`POST /v1/analytics/logs`) on the wire: the request and reply shapes it
+//! accepts and gives, its tokens, its failures and its hostile pages.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::{
@@ -119,6 +121,62 @@ fn events(server: &MailgunServer, id: &str) -> BufReader<TcpStream> {
     )
     .unwrap();
     BufReader::new(stream)
+}
+
+/// Posts `body` to the Logs API, with the key unless `anonymous`; the reply is to be read.
+fn logs(server: &MailgunServer, body: &serde_json::Value, anonymous: bool) -> BufReader<TcpStream> {
+    let body = body.to_string();
+    let auth = if anonymous {
+        String::new()
+    } else {
+        format!("Authorization: {}\r\n", auth())
+    };
+    let mut stream = connect(server);
+    write!(
+        stream,
+        "POST /v1/analytics/logs HTTP/1.1\r\nHost: {}\r\n{auth}\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        server.addr(),
+        body.len()
+    )
+    .unwrap();
+    BufReader::new(stream)
+}
+
+/// The status, headers and JSON body of a Logs reply to `body`.
+fn logs_reply(server: &MailgunServer, body: &serde_json::Value) -> (Head, serde_json::Value) {
+    let mut reply = logs(server, body, false);
+    let head = read_head(&mut reply);
+    let json = serde_json::from_slice(&small_body(&mut reply, &head)).unwrap();
+    (head, json)
+}
+
+/// The documented query for the message ids `ids`, from an hour ago, oldest first.
+fn logs_query(ids: &[&str], limit: u32, token: Option<&str>) -> serde_json::Value {
+    let start = httpdate_minus_hour();
+    let mut pagination = serde_json::json!({ "sort": "timestamp:asc", "limit": limit });
+    if let Some(token) = token {
+        pagination["token"] = token.into();
+    }
+    serde_json::json!({
+        "start": start,
+        "events": ["accepted", "delivered", "failed"],
+        "filter": {"AND": [
+            {"attribute": "domain", "comparator": "=", "values": [{"label": DOMAIN, "value": DOMAIN}]},
+            {"attribute": "message-id", "comparator": "=",
+             "values": ids.iter().map(|id| serde_json::json!({"label": id, "value": id})).collect::<Vec<_>>()},
+        ]},
+        "include_totals": true,
+        "pagination": pagination,
+    })
+}
+
+/// RFC 2822 for an hour ago.
+fn httpdate_minus_hour() -> String {
+    let at = jiff::Timestamp::now() - jiff::SignedDuration::from_hours(1);
+    jiff::fmt::rfc2822::DateTimePrinter::new()
+        .timestamp_to_string(&at)
+        .unwrap()
 }
 
 /// A reply's status line and headers.
@@ -589,4 +647,136 @@ fn reset_mid_reply_cuts_the_reply_with_a_reset() {
     }
     assert_eq!(server.messages().unwrap().len(), 1, "stored first");
     assert_behaves(&server, "after-cut@b.test");
+}
+
+#[test]
+fn logs_accepts_the_documented_request_and_pages_with_tokens() {
+    let server = start();
+    for id in ["l1@b.test", "l2@b.test", "l3@b.test"] {
+        assert_eq!(read_head(&mut post(&server, id)).status, 200);
+    }
+    // Without the key: 401, counted.
+    let mut reply = logs(&server, &logs_query(&["l1@b.test"], 100, None), true);
+    assert_eq!(read_head(&mut reply).status, 401);
+    // One page of two: the documented reply, items of the asked ids only.
+    let (head, page) = logs_reply(
+        &server,
+        &logs_query(&["l1@b.test", "<l3@b.test>"], 100, None),
+    );
+    assert_eq!(head.status, 200);
+    for key in ["start", "end", "items", "pagination", "aggregates"] {
+        assert!(page.get(key).is_some(), "{key} missing: {page}");
+    }
+    assert!(page["start"].as_str().unwrap().ends_with("-0000"), "{page}");
+    let items = page["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2, "{page}");
+    for (item, id) in items.iter().zip(["l1@b.test", "l3@b.test"]) {
+        assert_eq!(item["event"], "accepted");
+        assert_eq!(item["message"]["headers"]["message-id"], id);
+        assert_eq!(item["recipient"], "ops@example.com");
+        assert_eq!(item["domain"]["name"], DOMAIN);
+        assert!(
+            item["@timestamp"].as_str().unwrap().ends_with('Z'),
+            "{item}"
+        );
+        assert!(item.get("timestamp").is_none(), "{item}");
+    }
+    assert_eq!(page["pagination"]["total"], 2);
+    assert!(
+        page["pagination"].get("next").is_none(),
+        "the last page has no next"
+    );
+    // Pages of one: a token to each next page, none after the last.
+    let (_, first) = logs_reply(&server, &logs_query(&["l1@b.test", "l3@b.test"], 1, None));
+    let token = first["pagination"]["next"].as_str().unwrap().to_owned();
+    let (_, second) = logs_reply(
+        &server,
+        &logs_query(&["l1@b.test", "l3@b.test"], 1, Some(&token)),
+    );
+    assert_eq!(
+        second["items"][0]["message"]["headers"]["message-id"],
+        "l3@b.test"
+    );
+    assert!(second["pagination"].get("next").is_none(), "{second}");
+    // Shapes the server refuses (400), each naming what is wrong.
+    let bad = [
+        (
+            serde_json::json!({"pagination": {"limit": 300}}),
+            "pagination.limit",
+        ),
+        (serde_json::json!({"start": "1720396800"}), "start"),
+        (
+            serde_json::json!({"filter": {"AND": [{"attribute": "message_id", "comparator": "=", "values": [{"label": "x", "value": "x"}]}]}}),
+            "attribute",
+        ),
+        (serde_json::json!({"page": 2}), "unknown field"),
+        (
+            serde_json::json!({"pagination": {"token": "forged"}}),
+            "token",
+        ),
+    ];
+    for (body, named) in bad {
+        let (head, reply) = logs_reply(&server, &body);
+        assert_eq!(head.status, 400, "{body}");
+        assert!(
+            reply["message"].as_str().unwrap().contains(named),
+            "{body}: {reply}"
+        );
+    }
+    assert_eq!(server.stats().unwrap().logs_requests, 9);
+}
+
+#[test]
+fn logs_failures_and_hostile_pages() {
+    let server = start();
+    assert_eq!(read_head(&mut post(&server, "lf@b.test")).status, 200);
+    let query = logs_query(&["lf@b.test"], 100, None);
+    server
+        .set_failure(FailureRule {
+            retry_after: Some(9),
+            ..rule(FailureMode::RateLimited, FailureTarget::Logs)
+        })
+        .unwrap();
+    let (head, _) = logs_reply(&server, &query);
+    assert_eq!((head.status, head.header("retry-after")), (429, Some("9")));
+    for (mode, status) in [
+        (FailureMode::ServerError, 500),
+        (FailureMode::Unauthorized, 401),
+    ] {
+        server.set_failure(rule(mode, FailureTarget::Logs)).unwrap();
+        assert_eq!(logs_reply(&server, &query).0.status, status, "{mode:?}");
+    }
+    // A rule for the events API leaves the Logs API alone, and `all` covers it.
+    server
+        .set_failure(rule(FailureMode::ServerError, FailureTarget::Events))
+        .unwrap();
+    assert_eq!(logs_reply(&server, &query).0.status, 200);
+    server.clear_failure().unwrap();
+    // Control text in a Logs page: `pagination` with tokens, not `paging` with URLs.
+    server
+        .set_failure(rule(FailureMode::ControlText, FailureTarget::Logs))
+        .unwrap();
+    let (head, page) = logs_reply(&server, &query);
+    assert_eq!(head.status, 200);
+    let item = &page["items"][0];
+    assert_eq!(item["message"]["headers"]["message-id"], "lf@b.test");
+    assert!(item["reason"].as_str().unwrap().contains("\u{202e}"));
+    let token = page["pagination"]["next"].as_str().unwrap().to_owned();
+    assert!(!token.starts_with("http"), "{token}");
+    // Its token asks again from the start, where the real events are.
+    let (_, page) = logs_reply(&server, &logs_query(&["lf@b.test"], 100, Some(&token)));
+    assert_eq!(page["items"][0]["event"], "accepted");
+    // A huge page streams past any sane bound.
+    server
+        .set_failure(FailureRule {
+            body_bytes: Some(8 * MIB),
+            ..rule(FailureMode::HugeOk, FailureTarget::Logs)
+        })
+        .unwrap();
+    let mut reply = logs(&server, &query, false);
+    let head = read_head(&mut reply);
+    assert!(head.chunked());
+    let body = read_body(&mut reply, &head, 16 * MIB, |_| {});
+    assert_eq!(body.read, 8 * MIB);
+    assert!(body.start.starts_with(br#"{"items":["#));
 }

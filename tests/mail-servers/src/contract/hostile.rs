@@ -87,7 +87,14 @@ pub(super) fn reply(
         (FailureMode::ControlText, Asked::Message(_)) => {
             error(StatusCode::BAD_REQUEST, CONTROL_TEXT)
         }
-        (FailureMode::ControlText, Asked::Events { message_id, next }) => {
+        (
+            FailureMode::ControlText,
+            Asked::Events {
+                message_id,
+                next,
+                logs,
+            },
+        ) => {
             let id = message_id_or_made_up(state, message_id.as_deref());
             let recipient = state
                 .store()
@@ -96,24 +103,22 @@ pub(super) fn reply(
                 .find(|m| bare(&m.id) == id)
                 .and_then(|m| m.to.first().cloned())
                 .unwrap_or_else(|| "recipient@example.com".into());
-            let page = json!({
-                "items": [{
-                    "id": "hostile-control-text",
-                    "event": "failed",
-                    "severity": "permanent",
-                    "timestamp": now(),
-                    "recipient": recipient,
-                    "reason": CONTROL_TEXT,
-                    "delivery-status": {
-                        "code": 550,
-                        "message": CONTROL_TEXT,
-                        "description": CONTROL_TEXT,
-                    },
-                    "message": {"headers": {"message-id": id}},
-                }],
-                "paging": paging(next),
-            });
-            axum::Json(page).into_response()
+            let items = json!([{
+                "id": "hostile-control-text",
+                "event": "failed",
+                "severity": "permanent",
+                "timestamp": now(),
+                "@timestamp": super::logs::rfc3339(now()),
+                "recipient": recipient,
+                "reason": CONTROL_TEXT,
+                "delivery-status": {
+                    "code": 550,
+                    "message": CONTROL_TEXT,
+                    "description": CONTROL_TEXT,
+                },
+                "message": {"headers": {"message-id": id}},
+            }]);
+            axum::Json(page(items, next, *logs)).into_response()
         }
         (FailureMode::BadJson, _) => with_body(StatusCode::OK, Body::from(NOT_JSON), None),
         (FailureMode::Drip, _) => {
@@ -206,6 +211,7 @@ fn item_block(message_id: &str) -> Bytes {
         "id": "hostile-accepted",
         "event": "accepted",
         "timestamp": now(),
+        "@timestamp": super::logs::rfc3339(now()),
         "recipient": "flood@example.com",
         "message": {"headers": {"message-id": message_id}},
     });
@@ -213,17 +219,23 @@ fn item_block(message_id: &str) -> Bytes {
     Bytes::from(item.repeat(CHUNK / item.len() + 1))
 }
 
-/// A page's `paging` whose every link is `next`.
-fn paging(next: &str) -> serde_json::Value {
-    json!({ "next": next, "previous": next, "first": next, "last": next })
+/// A page of `items` whose every link is `next`: events' `paging` (URLs) or Logs'
+/// `pagination` (tokens).
+fn page(items: serde_json::Value, next: &str, logs: bool) -> serde_json::Value {
+    let links = json!({ "next": next, "previous": next, "first": next, "last": next });
+    if logs {
+        json!({ "items": items, "pagination": links })
+    } else {
+        json!({ "items": items, "paging": links })
+    }
 }
 
 /// What a well-behaved server would answer (for the modes that spoil only the delivery):
-/// `{"id":…,"message":"Queued. Thank you."}`, or an empty events page.
+/// `{"id":…,"message":"Queued. Thank you."}`, or an empty events or Logs page.
 fn valid_body(asked: &Asked) -> Bytes {
     let value = match asked {
         Asked::Message(message) => json!({ "id": message.id, "message": "Queued. Thank you." }),
-        Asked::Events { next, .. } => json!({ "items": [], "paging": paging(next) }),
+        Asked::Events { next, logs, .. } => page(json!([]), next, *logs),
     };
     Bytes::from(value.to_string())
 }
