@@ -15,14 +15,18 @@ mod common;
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use capm_api::{names, v1beta1::MailgunCluster};
 use capm_mail_servers::{
-    DeliveryEvent, EventRule, FailureMode, FailureRule, FailureTarget, HostileSmtpRelay,
-    MailgunServer, RelayMode, SmtpOptions, SmtpServer, TestPki, idle_connections, post_bodies,
-    raise_nofile_limit,
+    DeliveryEvent, EventRule, FailureMode, FailureRule, FailureTarget, FloodReport,
+    HostileSmtpRelay, MailgunServer, RelayMode, SmtpOptions, SmtpServer, TestPki, idle_connections,
+    post_bodies, raise_nofile_limit,
 };
 use capm_mailer::text::is_unsafe;
 use capm_test_support::{TestNamespace, process::free_port};
@@ -57,7 +61,7 @@ fn quick_args() -> Vec<String> {
     .to_vec()
 }
 
-const LOG_FILTER: &str = "info,capm_controllers::delivery=debug";
+const LOG_FILTER: &str = "info,capm_controllers::poller=debug";
 
 /// Resets the process's peak resident set (`VmHWM`) to its current one.
 fn reset_peak(pid: u32) {
@@ -234,12 +238,6 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
         ..Launch::default()
     };
     let mut provider = Provider::launch(&ns, &backend, &launch);
-    assert_eq!(
-        provider
-            .wait_metric_at_least("leader_election_master_status", 1.0)
-            .await,
-        1.0
-    );
     let pid = provider.pid();
     let mut measured = Vec::new();
     let mut refused = Vec::new();
@@ -353,10 +351,10 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
     mailgun.clear_failure().unwrap();
     refused.push("error-control");
 
-    // The events endpoint answers a page of 1 GiB (then 500 with 1 GiB): the delivery question
-    // fails with an error naming the limit and is asked again later.
+    // The Logs endpoint (the default events API) answers a page of 1 GiB (then 500 with 1 GiB):
+    // the delivery question fails with an error naming the limit and is asked again later.
     for (row, name, mode) in [
-        ("events page of 1 GiB", "events-huge", FailureMode::HugeOk),
+        ("Logs page of 1 GiB", "events-huge", FailureMode::HugeOk),
         (
             "events answered 500 with 1 GiB",
             "events-error",
@@ -365,7 +363,7 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
     ] {
         reset_peak(pid);
         mailgun
-            .set_failure(hostile(mode, FailureTarget::Events))
+            .set_failure(hostile(mode, FailureTarget::Logs))
             .unwrap();
         let lines_before = provider.stderr_log().lines().count();
         create_pair(&ns, name).await;
@@ -379,7 +377,7 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
             if let Some(line) = log
                 .lines()
                 .skip(lines_before)
-                .find(|l| l.contains("could not ask about the delivery") && l.contains(name))
+                .find(|l| l.contains("could not ask about deliveries"))
             {
                 break line.to_owned();
             }
@@ -422,10 +420,10 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
     }
 
     // A failed event whose reason and delivery status carry control characters.
-    let row = "events with control characters";
+    let row = "Logs items with control characters";
     reset_peak(pid);
     mailgun
-        .set_failure(hostile(FailureMode::ControlText, FailureTarget::Events))
+        .set_failure(hostile(FailureMode::ControlText, FailureTarget::Logs))
         .unwrap();
     create_pair(&ns, "events-control").await;
     let obj = wait_conditions(
@@ -559,14 +557,22 @@ async fn a_hostile_smtp_relay_is_read_with_bounds_and_shown_clean() {
             peak: peak_rss(pid),
         });
         assert_alive_and_ready(&mut provider, row);
+        // The relay behaves again: a retried mail goes through (once) before the next row, so
+        // no object meets two hostile modes.
+        relay.set_mode(RelayMode::Pass).unwrap();
+        if !permanent {
+            wait_conditions(&ns, name, Duration::from_secs(90), "MailSent", |c| {
+                mail_sent_is(c, "True")
+            })
+            .await;
+        }
     }
     let stats = relay.stats().unwrap();
     assert!(
-        stats.hostile_bytes > MIB,
+        stats.hostile_bytes > 64 * 1024,
         "the relay really streamed: {stats:?}"
     );
 
-    relay.set_mode(RelayMode::Pass).unwrap();
     let checked = assert_all_shown_clean(&ns, &provider).await;
     assert!(checked > 10, "something was checked: {checked}");
     for m in &measured {
@@ -579,18 +585,7 @@ async fn a_hostile_smtp_relay_is_read_with_bounds_and_shown_clean() {
     }
     print_table("SMTP relay peers (one provider process)", &measured);
 
-    // The retried ones go through once the relay passes; the refused ones after a restart.
-    for name in [
-        "endless-greeting",
-        "endless-multiline",
-        "reset-mid-reply",
-        "endless-after-data",
-    ] {
-        wait_conditions(&ns, name, Duration::from_secs(90), "MailSent", |c| {
-            mail_sent_is(c, "True")
-        })
-        .await;
-    }
+    // The refused ones go through after a restart.
     drop(provider);
     let provider = Provider::launch(&ns, &via_relay, &launch);
     for name in refused {
@@ -610,12 +605,9 @@ async fn renewed_at(ns: &TestNamespace) -> String {
     serde_json::to_string(&lease.spec.unwrap().renew_time).unwrap()
 }
 
-/// While `flood` runs, a new object is mailed and the Lease renewed.
-async fn mailed_and_leading_during(
-    ns: &TestNamespace,
-    name: &str,
-    flood_done: impl Fn() -> bool,
-) -> (bool, bool) {
+/// While something floods the webhook, a new object is mailed and the Lease renewed: whether
+/// each happened within 60 s.
+async fn mailed_and_leading_during(ns: &TestNamespace, name: &str) -> (bool, bool) {
     let renewed = renewed_at(ns).await;
     create_pair(ns, name).await;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -630,11 +622,25 @@ async fn mailed_and_leading_during(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(
-        !flood_done(),
-        "the flood ended before the checks: they were not made during it"
-    );
     (mailed, lease_moved)
+}
+
+/// Rounds of `clients` concurrent `POST`s of `body_bytes` to `/convert` over TLS, one after
+/// the other until `stop` is set: the server answers each body at once (413), so one round alone
+/// is over in milliseconds.
+fn flood_until(
+    webhook: SocketAddr,
+    clients: usize,
+    body_bytes: u64,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Vec<FloodReport>> {
+    tokio::spawn(async move {
+        let mut rounds = Vec::new();
+        while !stop.load(Ordering::SeqCst) {
+            rounds.push(post_bodies(webhook, true, clients, body_bytes, "/convert").await);
+        }
+        rounds
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -686,11 +692,12 @@ async fn a_webhook_flood_leaves_the_provider_mailing_and_leading() {
 
     // 32 clients POST 60 MiB bodies to /convert at once, over TLS, no client certificate.
     reset_peak(pid);
-    let flood = tokio::spawn(post_bodies(webhook, true, BODIES, BODY_BYTES, "/convert"));
-    let (mailed, leading) =
-        mailed_and_leading_during(&ns, "during-bodies", || flood.is_finished()).await;
-    let report = flood.await.unwrap();
-    let row = "32 clients POST 60 MiB to /convert at once";
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = flood_until(webhook, BODIES, BODY_BYTES, stop.clone());
+    let (mailed, leading) = mailed_and_leading_during(&ns, "during-bodies").await;
+    stop.store(true, Ordering::SeqCst);
+    let rounds = flood.await.unwrap();
+    let row = "32 clients POST 60 MiB to /convert at once, round after round";
     measured.push(Measured {
         row,
         peak: peak_rss(pid),
@@ -698,22 +705,37 @@ async fn a_webhook_flood_leaves_the_provider_mailing_and_leading() {
     assert!(mailed, "{row}: a new object was mailed meanwhile");
     assert!(leading, "{row}: the Lease was renewed meanwhile");
     assert_alive_and_ready(&mut provider, row);
-    let refused = report.with_status(413) + report.with_status(503);
-    assert_eq!(
-        refused, BODIES,
-        "every body is refused (413 past the limit, 503 past the budget): {:?}",
-        report.clients
-    );
     assert!(
-        report.max_body_bytes_sent() < BODY_BYTES,
-        "no body was read whole"
+        rounds.len() >= 2,
+        "the flood lasted: {} rounds",
+        rounds.len()
+    );
+    let mut statuses = BTreeMap::new();
+    for report in &rounds {
+        for (status, n) in report.statuses() {
+            *statuses.entry(status).or_insert(0) += n;
+        }
+        assert!(
+            report.max_body_bytes_sent() < BODY_BYTES,
+            "no body was read whole"
+        );
+    }
+    let refused: usize = [413, 503].iter().filter_map(|s| statuses.get(s)).sum();
+    eprintln!(
+        "{} rounds of {BODIES} bodies: answers {statuses:?}",
+        rounds.len()
+    );
+    assert_eq!(
+        refused,
+        rounds.len() * BODIES,
+        "every body is refused (413 past the limit, 503 past the budget): {statuses:?}"
     );
 
     // 4 000 idle connections: past the webhook's share of descriptors they are closed at once;
     // the API server's connections, the mail backend's and the probes' are not starved.
     reset_peak(pid);
     let mut idle = idle_connections(webhook, IDLE).await;
-    let (mailed, leading) = mailed_and_leading_during(&ns, "during-idle", || false).await;
+    let (mailed, leading) = mailed_and_leading_during(&ns, "during-idle").await;
     let open = idle.probe();
     let row = "4 000 idle connections to the webhook port (limit 1 024 descriptors)";
     measured.push(Measured {
