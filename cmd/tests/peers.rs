@@ -356,7 +356,7 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
     for (row, name, mode) in [
         ("Logs page of 1 GiB", "events-huge", FailureMode::HugeOk),
         (
-            "events answered 500 with 1 GiB",
+            "Logs answered 500 with 1 GiB",
             "events-error",
             FailureMode::HugeError,
         ),
