@@ -220,6 +220,44 @@ async fn assert_one_mail_each(ns: &TestNamespace, ids: &[String]) {
     assert_eq!(got, want, "exactly one mail per object");
 }
 
+/// Every row's peak under [`RSS_BOUND`]; the table printed.
+fn assert_bounded(title: &str, measured: &[Measured]) {
+    print_table(title, measured);
+    for m in measured {
+        assert!(
+            m.peak < RSS_BOUND,
+            "{}: peak RSS {} MiB",
+            m.row,
+            m.peak / MIB
+        );
+    }
+}
+
+/// After the rows, with the peer behaving: everything shown so far is clean; a new process
+/// (a refusal is retried only by a restart) mails the `refused` objects; then every object has
+/// exactly one mail among `ids()` and the new process showed nothing unclean either.
+async fn restart_and_settle(
+    ns: &TestNamespace,
+    provider: Provider,
+    backend: &Backend<'_>,
+    launch: &Launch<'_>,
+    refused: &[&str],
+    ids: impl Fn() -> Vec<String>,
+) {
+    let checked = assert_all_shown_clean(ns, &provider).await;
+    assert!(checked > 10, "something was checked: {checked}");
+    drop(provider);
+    let provider = Provider::launch(ns, backend, launch);
+    for name in refused {
+        wait_conditions(ns, name, Duration::from_secs(60), "MailSent", |c| {
+            mail_sent_is(c, "True")
+        })
+        .await;
+    }
+    assert_one_mail_each(ns, &ids()).await;
+    assert_all_shown_clean(ns, &provider).await;
+}
+
 fn hostile(mode: FailureMode, target: FailureTarget) -> FailureRule {
     FailureRule {
         target,
@@ -449,29 +487,12 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
     assert_alive_and_ready(&mut provider, row);
     mailgun.clear_failure().unwrap();
 
-    let checked = assert_all_shown_clean(&ns, &provider).await;
-    assert!(checked > 20, "something was checked: {checked}");
-    for m in &measured {
-        assert!(
-            m.peak < RSS_BOUND,
-            "{}: peak RSS {} MiB",
-            m.row,
-            m.peak / MIB
-        );
-    }
-    print_table("Mailgun peers (one provider process)", &measured);
-
+    assert_bounded("Mailgun peers (one provider process)", &measured);
     // A refusal is retried only by a restart: with Mailgun behaving, the new process mails it.
-    drop(provider);
-    let provider = Provider::launch(&ns, &backend, &launch);
-    for name in refused {
-        wait_conditions(&ns, name, Duration::from_secs(60), "MailSent", |c| {
-            mail_sent_is(c, "True")
-        })
-        .await;
-    }
-    assert_one_mail_each(&ns, &delivered(&backend)).await;
-    assert_all_shown_clean(&ns, &provider).await;
+    restart_and_settle(&ns, provider, &backend, &launch, &refused, || {
+        delivered(&backend)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -573,29 +594,11 @@ async fn a_hostile_smtp_relay_is_read_with_bounds_and_shown_clean() {
         "the relay really streamed: {stats:?}"
     );
 
-    let checked = assert_all_shown_clean(&ns, &provider).await;
-    assert!(checked > 10, "something was checked: {checked}");
-    for m in &measured {
-        assert!(
-            m.peak < RSS_BOUND,
-            "{}: peak RSS {} MiB",
-            m.row,
-            m.peak / MIB
-        );
-    }
-    print_table("SMTP relay peers (one provider process)", &measured);
-
-    // The refused ones go through after a restart.
-    drop(provider);
-    let provider = Provider::launch(&ns, &via_relay, &launch);
-    for name in refused {
-        wait_conditions(&ns, name, Duration::from_secs(60), "MailSent", |c| {
-            mail_sent_is(c, "True")
-        })
-        .await;
-    }
-    assert_one_mail_each(&ns, &delivered(&Backend::Smtp(&smtp))).await;
-    assert_all_shown_clean(&ns, &provider).await;
+    assert_bounded("SMTP relay peers (one provider process)", &measured);
+    restart_and_settle(&ns, provider, &via_relay, &launch, &refused, || {
+        delivered(&Backend::Smtp(&smtp))
+    })
+    .await;
 }
 
 /// The Lease's last renewal, as the API server has it.
@@ -770,15 +773,7 @@ async fn a_webhook_flood_leaves_the_provider_mailing_and_leading() {
         "the process ran out of descriptors"
     );
 
-    for m in &measured {
-        assert!(
-            m.peak < RSS_BOUND,
-            "{}: peak RSS {} MiB",
-            m.row,
-            m.peak / MIB
-        );
-    }
-    print_table("Webhook flood (one provider process)", &measured);
+    assert_bounded("Webhook flood (one provider process)", &measured);
     assert_one_mail_each(&ns, &delivered(&backend)).await;
     assert_all_shown_clean(&ns, &provider).await;
 }
