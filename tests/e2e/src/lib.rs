@@ -16,7 +16,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail, ensure};
-use capm_test_support::{ControlPlane, process};
+use capm_test_support::{ControlPlane, Options, process};
 
 pub mod ledger;
 pub mod pods;
@@ -907,3 +907,27 @@ rules:
     userGroups: [\"system:serviceaccounts\"]
   - level: None
 ";
+
+/// A control plane of its own whose API server writes what the audit `policy` selects to
+/// `<dir>/audit.log` (blocking mode: an entry is written before the request is answered, so a
+/// test reads everything that happened before it looks), with the Cluster API CRDs installed.
+/// Returns it and the log's path.
+///
+/// # Errors
+/// When a file cannot be written or the control plane does not start.
+pub async fn audited_control_plane(dir: &Path, policy: &str) -> Result<(ControlPlane, PathBuf)> {
+    let policy_file = dir.join("audit-policy.yaml");
+    fs::write(&policy_file, policy)?;
+    let audit_log = dir.join("audit.log");
+    let cp = ControlPlane::start(Options {
+        apiserver_args: vec![
+            format!("--audit-policy-file={}", policy_file.display()).into(),
+            format!("--audit-log-path={}", audit_log.display()).into(),
+            "--audit-log-mode=blocking".into(),
+        ],
+        ..Options::default()
+    })
+    .await?;
+    cp.install_capi_crds().await?;
+    Ok((cp, audit_log))
+}

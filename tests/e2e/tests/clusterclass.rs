@@ -32,7 +32,7 @@ use capm_e2e::{
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
-use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use capm_test_support::{ControlPlane, KUBERNETES_VERSION};
 use kube::{
     Api, Client, ResourceExt,
     api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
@@ -306,20 +306,8 @@ fn summary(requests: &[AuditedRequest]) -> BTreeMap<String, usize> {
 async fn clusterclass_topology_mails_each_object_once() -> Result<()> {
     let work = tempfile::tempdir()?;
     let dir = work.path();
-    let policy = dir.join("audit-policy.yaml");
-    fs::write(&policy, AUDIT_POLICY)?;
-    let audit_log = dir.join("audit.log");
     let started = Instant::now();
-    let cp = ControlPlane::start(Options {
-        apiserver_args: vec![
-            format!("--audit-policy-file={}", policy.display()).into(),
-            format!("--audit-log-path={}", audit_log.display()).into(),
-            "--audit-log-mode=blocking".into(),
-        ],
-        ..Options::default()
-    })
-    .await?;
-    cp.install_capi_crds().await?;
+    let (cp, audit_log) = capm_e2e::audited_control_plane(dir, AUDIT_POLICY).await?;
     let admin = cp.client().await?;
     topology::install_crds(&admin).await?;
     let api_key = "key-topology-e2e-not-logged";

@@ -25,7 +25,7 @@ use capm_e2e::{
     start_chart_provider,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
-use capm_test_support::{ControlPlane, Options, pki::CertificateAuthority};
+use capm_test_support::pki::CertificateAuthority;
 use k8s_openapi::api::{
     core::v1::ServiceAccount,
     rbac::v1::{ClusterRole, PolicyRule, Role},
@@ -90,19 +90,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     let work = tempfile::tempdir()?;
     let dir = work.path();
     // A control plane of its own, with an audit log of every ServiceAccount's requests.
-    let policy = dir.join("audit-policy.yaml");
-    fs::write(&policy, AUDIT_POLICY)?;
-    let audit_log = dir.join("audit.log");
-    let cp = ControlPlane::start(Options {
-        apiserver_args: vec![
-            format!("--audit-policy-file={}", policy.display()).into(),
-            format!("--audit-log-path={}", audit_log.display()).into(),
-            "--audit-log-mode=blocking".into(),
-        ],
-        ..Options::default()
-    })
-    .await?;
-    cp.install_capi_crds().await?;
+    let (cp, audit_log) = capm_e2e::audited_control_plane(dir, AUDIT_POLICY).await?;
     let admin = cp.client().await?;
 
     // A real SMTP relay: STARTTLS required, AUTH, a private CA.
