@@ -31,11 +31,9 @@ use tokio::net::TcpStream;
 use tokio_rustls::{
     TlsConnector,
     rustls::{
-        ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
-        client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+        ClientConfig, RootCertStore,
         crypto::ring,
-        crypto::{verify_tls12_signature, verify_tls13_signature},
-        pki_types::{CertificateDer, ServerName, UnixTime, pem::PemObject},
+        pki_types::{CertificateDer, ServerName, pem::PemObject},
     },
 };
 
@@ -181,55 +179,6 @@ async fn revoke(ns: &TestNamespace, name: &str) {
         .await;
 }
 
-/// Accepts any server certificate: only for the self-signed one, which nothing can verify.
-#[derive(Debug)]
-struct AnyCertificate(Arc<tokio_rustls::rustls::crypto::CryptoProvider>);
-
-impl ServerCertVerifier for AnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, tokio_rustls::rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
 fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: Option<&Path>) -> Killed {
     let log = dir.join("manager.log");
     let out = File::create(&log).expect("log file");
@@ -358,14 +307,8 @@ async fn without_a_certificate_directory_it_serves_a_self_signed_certificate() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port().expect("port");
     let _manager = start(&ns, dir.path(), port, None);
-    let provider = Arc::new(ring::default_provider());
-    let config = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .expect("protocols")
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
-        .with_no_client_auth();
-    let connector = TlsConnector::from(Arc::new(config));
+    // The self-signed certificate is made at start: nothing can verify it.
+    let connector = capm_mail_servers::insecure_tls_connector().expect("TLS client");
     let start = Instant::now();
     let (status, _) = loop {
         match get_metrics(&connector, port, None).await {

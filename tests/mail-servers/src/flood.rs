@@ -167,7 +167,7 @@ pub async fn post_bodies_within(
     path: &str,
     timeout: Duration,
 ) -> FloodReport {
-    let connector = match tls.then(insecure_connector).transpose() {
+    let connector = match tls.then(insecure_tls_connector).transpose() {
         Ok(connector) => connector,
         Err(e) => {
             let failed = ClientReport {
@@ -363,7 +363,12 @@ fn not_http(head: &[u8]) -> FloodOutcome {
 }
 
 /// A TLS client that accepts any certificate (handshake signatures are still checked).
-fn insecure_connector() -> Result<TlsConnector, rustls::Error> {
+/// A TLS connector that accepts every server certificate (ring, safe default protocol versions):
+/// for test clients of servers with throwaway or self-signed certificates, never elsewhere.
+///
+/// # Errors
+/// When rustls refuses the protocol versions for the provider.
+pub fn insecure_tls_connector() -> Result<TlsConnector, rustls::Error> {
     let provider = Arc::new(ring::default_provider());
     let verifier = Arc::new(AnyCertificate(provider.clone()));
     let config = rustls::ClientConfig::builder_with_provider(provider)

@@ -38,8 +38,8 @@ pub use contract::{
     FailureTarget, HOSTILE_BODY_BYTES, PagingRule, Stats, StoredMessage,
 };
 pub use flood::{
-    ClientReport, FloodOutcome, FloodReport, IdleConnections, idle_connections, post_bodies,
-    post_bodies_within, raise_nofile_limit,
+    ClientReport, FloodOutcome, FloodReport, IdleConnections, idle_connections,
+    insecure_tls_connector, post_bodies, post_bodies_within, raise_nofile_limit,
 };
 pub use hostile_smtp::{RelayMode, RelayStats, SMTP_CONTROL_TEXT};
 pub use pki::{PkiError, TestPki};
