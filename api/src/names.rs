@@ -7,32 +7,48 @@
 /// Prefix of every annotation this provider owns.
 pub const ANNOTATION_PREFIX: &str = "mailgun.infrastructure.cluster.x-k8s.io";
 
-/// Annotation written **before** a mail is sent: its value is the deterministic `Message-Id`
-/// the mail will carry (see [`message_id`]).
+/// The durable record of the request mail, one annotation through the mail's whole life: written
+/// **before** the mail is sent (state `sending`, with the deterministic `Message-Id` the mail
+/// carries, see [`message_id`]), and rewritten once the backend accepted it (state `sent`).
 ///
 /// Step 1 of the crash-safe send: the controller writes this annotation in one metadata update
 /// guarded by the object's `resourceVersion` (a conflict means another writer won, so it
 /// requeues), and only then talks to the mail backend. Metadata survives `clusterctl move` and
-/// backups; status does not, which is why the intent is not kept in status alone.
+/// backups; status does not, which is why the record is not kept in status alone. A record still
+/// `sending` means the process was interrupted between "decided to send" and "recorded as sent":
+/// the controller asks the backend whether that `Message-Id` was accepted before sending again,
+/// and re-sends with the **same** `Message-Id` when the backend cannot answer, so receivers can
+/// de-duplicate.
+pub const MAIL_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail";
+
+/// Like [`MAIL_ANNOTATION`], for the "no longer needed" mail sent while the object is deleted.
+/// Its `Message-Id` comes from [`deletion_message_id`].
+pub const DELETION_MAIL_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/deletion-mail";
+
+/// The request's intent as release 0.1 wrote it (beside [`MAIL_SENT_ANNOTATION`]); still
+/// read, never written: objects mailed by release 0.1 are not mailed again.
 pub const MAIL_INTENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail-intent";
 
-/// Annotation written **after** the backend accepted the mail: its value is the id the backend
-/// returned (for Mailgun, the `<...>` message id; for SMTP, the `Message-Id` sent).
-///
-/// An object with [`MAIL_INTENT_ANNOTATION`] but without this one was interrupted between
-/// "decided to send" and "recorded as sent": the controller asks the backend whether the intent's
-/// `Message-Id` was accepted before sending again, and re-sends with the **same** `Message-Id`
-/// when the backend cannot answer, so receivers can de-duplicate.
+/// The request's sent record as release 0.1 wrote it; still read, never written.
 pub const MAIL_SENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail-sent";
 
-/// Like [`MAIL_INTENT_ANNOTATION`], for the "no longer needed" mail sent while the object is
-/// deleted. Its `Message-Id` comes from [`deletion_message_id`].
+/// Like [`MAIL_INTENT_ANNOTATION`], for the release mail; still read, never written.
 pub const DELETION_MAIL_INTENT_ANNOTATION: &str =
     "mailgun.infrastructure.cluster.x-k8s.io/deletion-mail-intent";
 
-/// Like [`MAIL_SENT_ANNOTATION`], for the "no longer needed" mail.
+/// Like [`MAIL_SENT_ANNOTATION`], for the release mail; still read, never written.
 pub const DELETION_MAIL_SENT_ANNOTATION: &str =
     "mailgun.infrastructure.cluster.x-k8s.io/deletion-mail-sent";
+
+/// Whether the object's annotations say its request mail was accepted, in either record format
+/// (a quick look for tests and tools; the controller believes a record only after checking its
+/// shape).
+pub fn request_recorded_sent(annotations: &std::collections::BTreeMap<String, String>) -> bool {
+    annotations
+        .get(MAIL_ANNOTATION)
+        .is_some_and(|v| v.contains("\"state\":\"sent\""))
+        || annotations.contains_key(MAIL_SENT_ANNOTATION)
+}
 
 /// Annotation holding, as JSON, the fields an older API version cannot represent, so that a
 /// round trip through that version loses nothing. Written by down-conversion, read and removed by
@@ -180,6 +196,8 @@ mod tests {
     #[test]
     fn annotation_keys_share_the_prefix() {
         for key in [
+            MAIL_ANNOTATION,
+            DELETION_MAIL_ANNOTATION,
             MAIL_INTENT_ANNOTATION,
             MAIL_SENT_ANNOTATION,
             DELETION_MAIL_INTENT_ANNOTATION,

@@ -16,12 +16,13 @@ use common::{
 use kube::ResourceExt;
 
 fn intent_of(obj: &MailgunCluster) -> records::Intent {
-    records::parse_intent(
-        &obj.annotations()[names::MAIL_INTENT_ANNOTATION],
+    records::parse_record(
+        &obj.annotations()[Which::Request.record_key()],
         "MailgunCluster",
         Which::Request,
     )
     .unwrap()
+    .0
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,7 +36,7 @@ async fn crash_after_intent_then_restart_sends_exactly_one() {
     let obj = ns.api::<MailgunCluster>().get("one").await.unwrap();
     let id = names::message_id("MailgunCluster", &created.uid().unwrap(), DOMAIN);
     assert_eq!(intent_of(&obj).message_id, id);
-    assert!(!obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION));
+    assert!(!names::request_recorded_sent(obj.annotations()));
     assert!(mailgun.messages().unwrap().is_empty());
 
     // The new process finds a pending intent, the backend has no record: it sends, once.
@@ -60,7 +61,7 @@ async fn crash_after_send_mailgun_lookup_finds_it() {
         "accepted before the crash"
     );
     let obj = ns.api::<MailgunCluster>().get("two").await.unwrap();
-    assert!(!obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION));
+    assert!(!names::request_recorded_sent(obj.annotations()));
 
     let provider = Provider::start(&ns, &backend, None, false);
     let obj = wait_recorded(&ns, "two").await;
@@ -69,11 +70,14 @@ async fn crash_after_send_mailgun_lookup_finds_it() {
         1,
         "the lookup found it: no second mail"
     );
-    let sent = records::parse_sent(
-        &obj.annotations()[names::MAIL_SENT_ANNOTATION],
-        Some(&intent_of(&obj)),
+    let sent = records::parse_record(
+        &obj.annotations()[Which::Request.record_key()],
+        "MailgunCluster",
+        Which::Request,
     )
-    .unwrap();
+    .unwrap()
+    .1
+    .expect("recorded as sent");
     assert_eq!(sent.backend_id, mailgun.messages().unwrap()[0].id);
     assert_eq!(provider.metric("capm_mail_resends_total"), 0.0);
     assert!(provider.metric("mailer_lookups_total") >= 1.0);

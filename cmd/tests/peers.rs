@@ -308,7 +308,7 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
             mail_sent_is(c, "True")
         })
         .await;
-        assert!(obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION));
+        assert!(names::request_recorded_sent(obj.annotations()));
         measured.push(Measured {
             row,
             peak: peak_rss(pid),
@@ -618,7 +618,7 @@ async fn mailed_and_leading_during(ns: &TestNamespace, name: &str) -> (bool, boo
     while !(mailed && lease_moved) && Instant::now() < deadline {
         if !mailed {
             let obj = ns.api::<MailgunCluster>().get(name).await.unwrap();
-            mailed = obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION);
+            mailed = names::request_recorded_sent(obj.annotations());
         }
         if !lease_moved {
             lease_moved = renewed_at(ns).await != renewed;

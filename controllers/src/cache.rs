@@ -24,7 +24,9 @@ use crate::{
 };
 
 /// The annotations a reconcile reads (by key) on our objects.
-pub const READ_ANNOTATIONS: [&str; 6] = [
+pub const READ_ANNOTATIONS: [&str; 8] = [
+    names::MAIL_ANNOTATION,
+    names::DELETION_MAIL_ANNOTATION,
     names::MAIL_INTENT_ANNOTATION,
     names::MAIL_SENT_ANNOTATION,
     names::DELETION_MAIL_INTENT_ANNOTATION,

@@ -79,23 +79,13 @@ pub(crate) async fn track<K: InfraKind>(
     sent_at: Option<Timestamp>,
 ) {
     let uid = obj.uid().unwrap_or_default();
-    let generation = obj.meta().generation;
-    // Every condition of a pass speaks for the generation the pass saw, this one too: it moves
-    // with the others, in the same write, not alone at the next question (a status write that
-    // says nothing new; the soak found it).
-    if let Some(c) = status.conditions.as_mut().and_then(|cs| {
-        cs.iter_mut()
-            .find(|c| c.type_ == conditions::MAIL_DELIVERED)
-    }) {
-        c.observed_generation = generation;
-    }
     if is_final(status) {
         ctx.poller.forget(&uid);
         return;
     }
     let backend = ctx.mailer.backend();
     if !ctx.mailer.tracks_delivery() {
-        show(obj, ctx, status, &not_trackable(backend), generation).await;
+        show(obj, ctx, status, &not_trackable(backend)).await;
         return;
     }
     // The send time is in the durable record; without it (found by lookup after a crash), the
@@ -109,7 +99,7 @@ pub(crate) async fn track<K: InfraKind>(
                 .to_owned(),
             outcome: "unknown",
         };
-        show(obj, ctx, status, &unknown, generation).await;
+        show(obj, ctx, status, &unknown).await;
         return;
     };
     let elapsed = Duration::from_millis(
@@ -133,7 +123,7 @@ pub(crate) async fn track<K: InfraKind>(
             ),
             outcome: "unknown",
         };
-        show(obj, ctx, status, &unknown, generation).await;
+        show(obj, ctx, status, &unknown).await;
         return;
     }
     let id = match MessageId::parse(message_id) {
@@ -147,11 +137,11 @@ pub(crate) async fn track<K: InfraKind>(
         .poller
         .track(obj, &uid, id, SystemTime::from(sent_at), elapsed)
     {
-        Some(delivery) => show(obj, ctx, status, &shown(backend, delivery), generation).await,
+        Some(delivery) => show(obj, ctx, status, &shown(backend, delivery)).await,
         // Nothing learned yet (just sent, or this process just started): keep what status
         // shows, "pending" when it shows nothing.
         None if status.condition(conditions::MAIL_DELIVERED).is_none() => {
-            show(obj, ctx, status, &pending(backend), generation).await;
+            show(obj, ctx, status, &pending()).await;
         }
         None => {}
     }
@@ -197,7 +187,7 @@ fn shown(backend: &str, delivery: Delivery) -> Shown {
         },
         Delivery::Pending {
             temporary_failure: None,
-        } => pending(backend),
+        } => pending(),
     }
 }
 
@@ -205,32 +195,24 @@ fn not_trackable(backend: &str) -> Shown {
     Shown {
         status: "Unknown",
         reason: reasons::NOT_TRACKABLE,
-        message: format!(
-            "the {backend} backend reports only that it accepted the mail; whether it reached \
-             the recipients cannot be known"
-        ),
+        message: format!("{backend} cannot tell whether the mail reached the recipients"),
         outcome: "not_trackable",
     }
 }
 
-fn pending(backend: &str) -> Shown {
+fn pending() -> Shown {
     Shown {
         status: "Unknown",
         reason: reasons::DELIVERY_PENDING,
-        message: format!("{backend} accepted the mail; no delivery report yet"),
+        // The reason says it all; `status.mail.state` shows `Sent`.
+        message: String::new(),
         outcome: "",
     }
 }
 
 /// Shows `shown` in the condition and the mail state; counts and announces it only when it is
 /// news (a different reason than status showed).
-async fn show<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    status: &mut Status,
-    shown: &Shown,
-    generation: Option<i64>,
-) {
+async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, status: &mut Status, shown: &Shown) {
     let news = status
         .condition(conditions::MAIL_DELIVERED)
         .is_none_or(|c| c.reason != shown.reason);
@@ -239,7 +221,6 @@ async fn show<K: InfraKind>(
         shown.status,
         shown.reason,
         shown.message.clone(),
-        generation,
     );
     if let Some(state) = final_state(status)
         && let Some(mail) = status.mail.as_mut()

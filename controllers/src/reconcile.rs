@@ -170,7 +170,8 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         return Ok(Action::await_change());
     }
     let Report { mut status, ready } = report;
-    status.set_ready(ready, obj.meta().generation);
+    status.set_ready(ready);
+    status.drop_condition_generations();
     if status.differs_on_the_wire(&original) {
         write_status(obj, ctx, &status).await?;
     }
@@ -251,7 +252,6 @@ async fn steps<K: InfraKind>(
     ctx: &Ctx,
     report: &mut Report,
 ) -> Result<Pass, ReconcileError> {
-    let generation = obj.meta().generation;
     let deleting = obj.meta().deletion_timestamp.is_some();
     let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
     if deleting && !has_finalizer {
@@ -289,17 +289,12 @@ async fn steps<K: InfraKind>(
             true,
             reasons::PAUSED,
             "reconciliation is paused",
-            generation,
         );
         return Ok(Pass::wait());
     }
-    report.status.set_condition(
-        conditions::PAUSED,
-        false,
-        reasons::NOT_PAUSED,
-        "",
-        generation,
-    );
+    report
+        .status
+        .set_condition(conditions::PAUSED, false, reasons::NOT_PAUSED, "");
 
     if deleting {
         reconcile_delete(obj, ctx, report).await
@@ -321,6 +316,7 @@ async fn strip_foreign_release_records<K: InfraKind>(
     tracked: &mut Tracked,
 ) -> Result<(), ReconcileError> {
     let keys = [
+        names::DELETION_MAIL_ANNOTATION,
         names::DELETION_MAIL_INTENT_ANNOTATION,
         names::DELETION_MAIL_SENT_ANNOTATION,
     ];
@@ -368,7 +364,6 @@ async fn reconcile_normal<K: InfraKind>(
     owner: &K::Owner,
     check: &OwnerCheck,
 ) -> Result<Pass, ReconcileError> {
-    let generation = obj.meta().generation;
     let invalid = obj.validate();
     if !invalid.is_empty() {
         let message = invalid
@@ -414,8 +409,8 @@ async fn reconcile_normal<K: InfraKind>(
                 conditions::MAIL_SENT,
                 true,
                 reasons::MAIL_SENT,
-                format!("request mailed as {}", outcome.message_id),
-                generation,
+                // The Message-Id is in status.mail.messageID, once.
+                "",
             );
             let sent_at = status
                 .mail
@@ -460,7 +455,7 @@ async fn reconcile_normal<K: InfraKind>(
             } else {
                 error.to_string()
             };
-            status.set_condition(conditions::MAIL_SENT, false, reason, &message, generation);
+            status.set_condition(conditions::MAIL_SENT, false, reason, &message);
             report.ready = Readiness::Summary;
             return Err(error);
         }
@@ -483,20 +478,19 @@ async fn reconcile_normal<K: InfraKind>(
                 true,
                 reasons::PROVISIONED,
                 &message,
-                generation,
             );
             if newly {
                 publish(ctx, obj, EventType::Normal, reasons::PROVISIONED, message).await;
             }
         }
         None => {
-            let message = "mailed; waiting for a human to fulfil the request";
+            // The reason says it; README and `kubectl explain` say how to fulfil.
+            let message = "";
             status.set_condition(
                 conditions::PROVISIONED,
                 false,
                 reasons::WAITING_FOR_FULFILLMENT,
                 message,
-                generation,
             );
         }
     }

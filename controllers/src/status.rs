@@ -77,17 +77,18 @@ impl Status {
     }
 
     /// Sets a condition. `lastTransitionTime` changes only when `status` does, so a
-    /// reconcile that learns nothing new writes nothing.
+    /// reconcile that learns nothing new writes nothing. Conditions carry no `observedGeneration`
+    /// of their own: every condition is computed in the same pass, so `status.observedGeneration`
+    /// says it once for all of them (releases up to 0.1 wrote it on each).
     pub fn set_condition(
         &mut self,
         type_: &str,
         status: bool,
         reason: &str,
         message: impl Into<String>,
-        generation: Option<i64>,
     ) {
         let status = if status { "True" } else { "False" };
-        self.set_condition_status(type_, status, reason, message, generation);
+        self.set_condition_status(type_, status, reason, message);
     }
 
     /// Sets a condition to `status` (`True`, `False` or `Unknown`), as [`Self::set_condition`].
@@ -97,7 +98,6 @@ impl Status {
         status: &str,
         reason: &str,
         message: impl Into<String>,
-        generation: Option<i64>,
     ) {
         // Messages carry peers' and users' words (a relay's refusal, a backend's reason).
         let message = capm_mailer::text::clean(&message.into(), MAX_CONDITION_MESSAGE_BYTES);
@@ -110,14 +110,14 @@ impl Status {
                 c.status = status.into();
                 c.reason = reason.into();
                 c.message = message;
-                c.observed_generation = generation;
+                c.observed_generation = None;
             }
             None => conditions.push(Condition {
                 type_: type_.into(),
                 status: status.into(),
                 reason: reason.into(),
                 message,
-                observed_generation: generation,
+                observed_generation: None,
                 last_transition_time: Time(Timestamp::now()),
             }),
         }
@@ -144,9 +144,10 @@ pub enum Readiness {
 }
 
 impl Status {
-    /// Sets `Ready` from `readiness`: false with the blocker; or false with the first of
-    /// `MailSent`, `Provisioned` that is not true; or true with `Provisioned`'s reason.
-    pub fn set_ready(&mut self, readiness: Readiness, generation: Option<i64>) {
+    /// Sets `Ready` from `readiness`: false with the blocker; or false with the reason and
+    /// message of the first of `MailSent`, `Provisioned` that is not true; or true with
+    /// `Provisioned`'s reason and no message (the details stay on `Provisioned`, once).
+    pub fn set_ready(&mut self, readiness: Readiness) {
         let (ready, reason, message) = match readiness {
             Readiness::Unchanged => return,
             Readiness::Blocked { reason, message } => (false, reason.to_owned(), message),
@@ -158,14 +159,21 @@ impl Status {
                     parts.iter().flatten().find(|c| c.status != "True"),
                     provisioned,
                 ) {
-                    (Some(c), _) | (None, Some(c)) => {
-                        (c.status == "True", c.reason.clone(), c.message.clone())
-                    }
+                    (Some(c), _) => (false, c.reason.clone(), c.message.clone()),
+                    (None, Some(c)) => (true, c.reason.clone(), String::new()),
                     (None, None) => return,
                 }
             }
         };
-        self.set_condition(conditions::READY, ready, &reason, message, generation);
+        self.set_condition(conditions::READY, ready, &reason, message);
+    }
+
+    /// Drops the per-condition `observedGeneration` that releases up to 0.1 wrote on conditions
+    /// this pass did not touch, so a status written by them is rewritten once, whole.
+    pub fn drop_condition_generations(&mut self) {
+        for c in self.conditions.iter_mut().flatten() {
+            c.observed_generation = None;
+        }
     }
 }
 
@@ -176,17 +184,17 @@ mod tests {
     #[test]
     fn transition_time_moves_only_when_status_flips() {
         let mut s = Status::default();
-        s.set_condition("Ready", false, "Waiting", "waiting", Some(1));
+        s.set_condition("Ready", false, "Waiting", "waiting");
         let first = s.condition("Ready").unwrap().last_transition_time.clone();
         std::thread::sleep(std::time::Duration::from_millis(5));
-        s.set_condition("Ready", false, "StillWaiting", "still", Some(2));
+        s.set_condition("Ready", false, "StillWaiting", "still");
         let c = s.condition("Ready").unwrap();
         assert_eq!(c.last_transition_time, first);
         assert_eq!(
             (c.reason.as_str(), c.observed_generation),
-            ("StillWaiting", Some(2))
+            ("StillWaiting", None)
         );
-        s.set_condition("Ready", true, "Done", "done", Some(2));
+        s.set_condition("Ready", true, "Done", "done");
         assert_ne!(s.condition("Ready").unwrap().last_transition_time, first);
     }
 
@@ -197,55 +205,38 @@ mod tests {
             (c.status.clone(), c.reason.clone(), c.message.clone())
         };
         let mut s = Status::default();
-        s.set_ready(Readiness::Summary, Some(1));
+        s.set_ready(Readiness::Summary);
         assert!(
             s.condition(conditions::READY).is_none(),
             "nothing to summarize"
         );
-        s.set_condition(
-            conditions::MAIL_SENT,
-            false,
-            "MailPending",
-            "timeout",
-            Some(1),
-        );
-        s.set_ready(Readiness::Summary, Some(1));
+        s.set_condition(conditions::MAIL_SENT, false, "MailPending", "timeout");
+        s.set_ready(Readiness::Summary);
         assert_eq!(
             ready(&s),
             ("False".into(), "MailPending".into(), "timeout".into())
         );
-        s.set_condition(conditions::MAIL_SENT, true, "MailSent", "mailed", Some(1));
-        s.set_condition(
-            conditions::PROVISIONED,
-            false,
-            "WaitingForFulfillment",
-            "w",
-            Some(1),
-        );
-        s.set_ready(Readiness::Summary, Some(1));
+        s.set_condition(conditions::MAIL_SENT, true, "MailSent", "mailed");
+        s.set_condition(conditions::PROVISIONED, false, "WaitingForFulfillment", "w");
+        s.set_ready(Readiness::Summary);
         assert_eq!(
             ready(&s),
             ("False".into(), "WaitingForFulfillment".into(), "w".into())
         );
-        s.set_condition(
-            conditions::PROVISIONED,
-            true,
-            "Provisioned",
-            "done",
-            Some(1),
-        );
-        s.set_ready(Readiness::Summary, Some(1));
+        s.set_condition(conditions::PROVISIONED, true, "Provisioned", "done");
+        s.set_ready(Readiness::Summary);
         assert_eq!(
             ready(&s),
-            ("True".into(), "Provisioned".into(), "done".into())
+            ("True".into(), "Provisioned".into(), String::new()),
+            "the details stay on Provisioned"
         );
-        s.set_ready(Readiness::Unchanged, Some(2));
+        s.set_ready(Readiness::Unchanged);
         assert_eq!(ready(&s).0, "True");
         let blocked = Readiness::Blocked {
             reason: "OwnerMismatch",
             message: "uid".into(),
         };
-        s.set_ready(blocked, Some(2));
+        s.set_ready(blocked);
         assert_eq!(
             ready(&s),
             ("False".into(), "OwnerMismatch".into(), "uid".into())
@@ -270,9 +261,9 @@ mod tests {
     #[test]
     fn same_inputs_give_equal_status() {
         let mut a = Status::default();
-        a.set_condition("Ready", true, "R", "m", Some(1));
+        a.set_condition("Ready", true, "R", "m");
         let mut b = a.clone();
-        b.set_condition("Ready", true, "R", "m", Some(1));
+        b.set_condition("Ready", true, "R", "m");
         assert_eq!(a, b);
     }
 }

@@ -68,21 +68,22 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
     );
 
     let obj = env.clusters().get("alpha").await.unwrap();
-    let intent = records::parse_intent(
-        &obj.annotations()[names::MAIL_INTENT_ANNOTATION],
+    let (intent, sent) = records::parse_record(
+        &obj.annotations()[names::MAIL_ANNOTATION],
         "MailgunCluster",
         Which::Request,
     )
     .unwrap();
     assert_eq!(intent.message_id, mail.id);
-    assert_eq!(intent.writer.as_deref(), Some("test"));
-    let sent = records::parse_sent(
-        &obj.annotations()[names::MAIL_SENT_ANNOTATION],
-        Some(&intent),
-    )
-    .unwrap();
+    let sent = sent.expect("the one record says sent");
     assert_eq!(sent.backend_id, mail.id);
     assert!(sent.at.is_some());
+    for legacy in [names::MAIL_INTENT_ANNOTATION, names::MAIL_SENT_ANNOTATION] {
+        assert!(
+            !obj.annotations().contains_key(legacy),
+            "{legacy} is not written"
+        );
+    }
     assert!(
         obj.finalizers()
             .contains(&names::CLUSTER_FINALIZER.to_string())

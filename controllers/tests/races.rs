@@ -214,9 +214,9 @@ async fn requests_never_accepted_are_not_released_even_after_a_restart() {
         eventually("the intent to say refused", || async {
             let obj = env.clusters().get(name).await.unwrap();
             obj.annotations()
-                .get(names::MAIL_INTENT_ANNOTATION)
-                .and_then(|v| records::parse_intent(v, "MailgunCluster", Which::Request).ok())
-                .is_some_and(|i| i.state == IntentState::Refused)
+                .get(names::MAIL_ANNOTATION)
+                .and_then(|v| records::parse_record(v, "MailgunCluster", Which::Request).ok())
+                .is_some_and(|(i, sent)| i.state == IntentState::Refused && sent.is_none())
         })
         .await;
     }

@@ -179,7 +179,10 @@ async fn forged_records_are_not_believed() {
     let forged_sent = create_with(
         &env,
         "forged-sent",
-        json!({ "annotations": { names::MAIL_SENT_ANNOTATION: "<forged@evil.example>" } }),
+        json!({ "annotations": {
+            names::MAIL_SENT_ANNOTATION: "<forged@evil.example>",
+            names::MAIL_ANNOTATION: r#"{"messageId":"<forged@evil.example>","state":"sent"}"#,
+        } }),
     )
     .await;
     let huge = create_with(
@@ -194,6 +197,8 @@ async fn forged_records_are_not_believed() {
         json!({ "annotations": {
             names::DELETION_MAIL_INTENT_ANNOTATION: "<mailguncluster-deleted.x@mg.example.com>",
             names::DELETION_MAIL_SENT_ANNOTATION: "<mailguncluster-deleted.x@mg.example.com>",
+            names::DELETION_MAIL_ANNOTATION:
+                r#"{"messageId":"<mailguncluster-deleted.x@mg.example.com>","state":"sent"}"#,
         } }),
     )
     .await;
@@ -224,6 +229,10 @@ async fn forged_records_are_not_believed() {
     assert!(
         !obj.annotations()
             .contains_key(names::DELETION_MAIL_INTENT_ANNOTATION)
+    );
+    assert!(
+        !obj.annotations()
+            .contains_key(names::DELETION_MAIL_ANNOTATION)
     );
     env.clusters()
         .delete("no-release", &DeleteParams::default())

@@ -296,7 +296,7 @@ pub async fn wait_recorded_within(
     let deadline = Instant::now() + within;
     loop {
         let obj = api.get(name).await.unwrap();
-        if obj.annotations().contains_key(names::MAIL_SENT_ANNOTATION) {
+        if names::request_recorded_sent(obj.annotations()) {
             return obj;
         }
         assert!(

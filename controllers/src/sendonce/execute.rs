@@ -52,13 +52,26 @@ pub(crate) struct Records {
     pub(crate) ignored: Vec<(&'static str, RecordError)>,
 }
 
-/// Reads one mail's records from `annotations`.
+/// Reads one mail's records from `annotations`: its one record, or release 0.1's intent and
+/// sent annotations when there is no record we believe.
 pub(crate) fn read_records(
     annotations: &std::collections::BTreeMap<String, String>,
     kind: &str,
     which: Which,
 ) -> Records {
     let mut ignored = Vec::new();
+    if let Some(value) = annotations.get(which.record_key()) {
+        match records::parse_record(value, kind, which) {
+            Ok((intent, sent)) => {
+                return Records {
+                    intent: Some(intent),
+                    sent,
+                    ignored,
+                };
+            }
+            Err(e) => ignored.push((which.record_key(), e)),
+        }
+    }
     let intent = annotations.get(which.intent_key()).and_then(|v| {
         match records::parse_intent(v, kind, which) {
             Ok(i) => Some(i),
@@ -82,6 +95,19 @@ pub(crate) fn read_records(
         sent,
         ignored,
     }
+}
+
+/// The annotations of one write of a mail's record: the record, and removal of release 0.1's
+/// annotations for that mail where the object still has them.
+fn record_patch(tracked: &Tracked, which: Which, value: String) -> serde_json::Value {
+    let mut annotations = serde_json::Map::new();
+    annotations.insert(which.record_key().to_owned(), value.into());
+    for legacy in [which.intent_key(), which.sent_key()] {
+        if tracked.annotations.contains_key(legacy) {
+            annotations.insert(legacy.to_owned(), serde_json::Value::Null);
+        }
+    }
+    serde_json::Value::Object(annotations)
 }
 
 /// What [`ensure_sent`] established.
@@ -287,8 +313,8 @@ async fn owner_alive<K: InfraKind>(
     }))
 }
 
-/// Writes a fresh intent (`sending`, this process, now) with our finalizer, and clears a sent
-/// record that does not belong to it, in one write guarded by `resourceVersion`: the fence
+/// Writes a fresh intent (`sending`, this process, now) with our finalizer, replacing whatever
+/// record the mail had, in one write guarded by `resourceVersion`: the fence
 /// between two processes that both believe they lead. `rearm` carries the generation when an
 /// earlier, refused intent is re-armed (for the log only).
 async fn write_intent<K: InfraKind>(
@@ -307,10 +333,7 @@ async fn write_intent<K: InfraKind>(
     };
     let mut metadata = json!({
         "resourceVersion": tracked.resource_version,
-        "annotations": {
-            which.intent_key(): records::to_value(&intent),
-            which.sent_key(): null,
-        },
+        "annotations": record_patch(tracked, which, records::intent_value(&intent)),
     });
     if !tracked.has_finalizer(K::FINALIZER) {
         let mut finalizers = tracked.finalizers.clone();
@@ -444,10 +467,9 @@ async fn mark_refused<K: InfraKind>(obj: &K, ctx: &Ctx, tracked: &mut Tracked, w
         return;
     };
     intent.state = IntentState::Refused;
-    let value = records::to_value(&intent);
     let metadata = json!({
         "resourceVersion": tracked.resource_version,
-        "annotations": { which.intent_key(): value },
+        "annotations": record_patch(tracked, which, records::intent_value(&intent)),
     });
     if let Err(error) = patch_metadata(obj, ctx, tracked, metadata, "recording the refusal").await {
         debug!(kind = K::KIND, name = %obj.name_any(), %error, "could not record the refusal; the intent stays 'sending'");
@@ -508,9 +530,13 @@ async fn record_sent<K: InfraKind>(
     which: Which,
     sent: &Sent,
 ) -> Result<(), ReconcileError> {
-    // Adding one annotation clobbers nothing, so no resourceVersion precondition: a concurrent
-    // change (Cluster API adding a label, a human fulfilling) must not make us lose the record.
-    let metadata = json!({ "annotations": { which.sent_key(): records::to_value(sent) } });
+    // No resourceVersion precondition: a concurrent change (Cluster API adding a label, a human
+    // fulfilling) must not make us lose the record. Replacing the intent is safe without one:
+    // every record of this mail names the same Message-Id, and that mail was accepted.
+    let message_id = sent.message_id.as_deref().unwrap_or(&sent.backend_id);
+    let metadata = json!({
+        "annotations": record_patch(tracked, which, records::sent_value(message_id, sent)),
+    });
     patch_metadata(obj, ctx, tracked, metadata, "recording the mail as sent").await
 }
 

@@ -3,12 +3,13 @@
 //! The protocol, per mail (the request, and the release sent during deletion):
 //! 1. **Intent.** One metadata write guarded by `resourceVersion` records the Message-Id, who
 //!    writes it (the Lease identity) and when, in state `sending`, and adds our finalizer. It is
-//!    the fence between two processes that both believe they lead: the loser gets 409.
+//!    the fence between two processes that both believe they lead: the loser gets 409. The
+//!    mail's one record annotation ([`records`]) holds it.
 //! 2. **Send**, only if this process renewed its Lease less than the renew deadline ago
 //!    ([`crate::Leadership::may_act`]), with that Message-Id.
-//! 3. **Sent record** in metadata (our Message-Id, the backend's id, the time); then status and an
-//!    event. A refusal before acceptance marks the intent `refused` instead: the mail certainly
-//!    never went out, so deletion owes no release.
+//! 3. **Sent record**: the same annotation rewritten to state `sent` (with the time); then status
+//!    and an event. A refusal before acceptance marks the intent `refused` instead: the mail
+//!    certainly never went out, so deletion owes no release.
 //!
 //! An intent in state `sending` without a sent record means an attempt may be in flight
 //! elsewhere or its outcome is unknown. If another holder wrote it less than lease duration +
@@ -44,12 +45,21 @@ pub enum Which {
 }
 
 impl Which {
+    /// The annotation holding this mail's one record.
+    pub fn record_key(self) -> &'static str {
+        match self {
+            Self::Request => names::MAIL_ANNOTATION,
+            Self::Deletion => names::DELETION_MAIL_ANNOTATION,
+        }
+    }
+    /// Release 0.1's intent annotation (read, removed on our next write).
     pub(crate) fn intent_key(self) -> &'static str {
         match self {
             Self::Request => names::MAIL_INTENT_ANNOTATION,
             Self::Deletion => names::DELETION_MAIL_INTENT_ANNOTATION,
         }
     }
+    /// Release 0.1's sent annotation (read, removed on our next write).
     pub(crate) fn sent_key(self) -> &'static str {
         match self {
             Self::Request => names::MAIL_SENT_ANNOTATION,

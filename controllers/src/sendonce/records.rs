@@ -1,13 +1,20 @@
 //! The durable records of the send-once protocol, kept in our annotations.
 //!
 //! Metadata survives `clusterctl move` and backups (status does not), so everything the protocol
-//! must remember lives here:
-//! - the **intent** (`mail-intent`, `deletion-mail-intent`), written before any send:
-//!   `{"messageId":"<…>","writer":"<Lease identity>","at":"<RFC 3339>","state":"sending"|"refused"}`;
-//! - the **sent record** (`mail-sent`, `deletion-mail-sent`), written after the backend accepted:
-//!   `{"messageId":"<…>","backendId":"<…>","at":"<RFC 3339>"}`.
+//! must remember lives here, in **one annotation per mail** (`mail`, `deletion-mail`) that goes
+//! through the mail's life:
+//! - written before any send: `{"messageId":"<…>","state":"sending","writer":"<Lease identity>","at":"<RFC 3339>"}`
+//!   (`refused` instead of `sending` once an attempt was refused before anything was accepted);
+//! - rewritten once the backend accepted it: `{"messageId":"<…>","state":"sent","at":"<RFC 3339>"}`,
+//!   with `"backendId"` only when the backend's id is not our Message-Id.
 //!
-//! Values written by earlier versions (the bare Message-Id / backend id) are still read.
+//! Times are kept to the second: an intent's rounded up (it looks younger, so a successor waits
+//! a little longer, never less), an acceptance's rounded down (as `status.mail.sentAt` shows it).
+//!
+//! Release 0.1 kept two annotations per mail, the **intent** (`mail-intent`) and the **sent
+//! record** (`mail-sent`), in the same JSON shapes or as bare ids. They are still read (an object
+//! mailed by 0.1 is not mailed again) and never written; the next write of a mail's record
+//! removes them.
 //!
 //! # Trust
 //! These annotations are on an object users may write. The chart's admission policy keeps users
@@ -74,13 +81,129 @@ pub struct Sent {
     pub at: Option<Timestamp>,
 }
 
+/// What the one record of a mail says (the format written since release 0.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum RecordState {
+    /// An attempt may be in flight, or its outcome is unknown.
+    Sending,
+    /// Every attempt so far was refused before anything was accepted.
+    Refused,
+    /// The backend accepted the mail.
+    Sent,
+}
+
+/// The one record of a mail, as written to its annotation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Record {
+    message_id: String,
+    state: RecordState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    writer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    at: Option<Timestamp>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    backend_id: Option<String>,
+}
+
+/// `at` to the whole second, up (`up`) or down.
+fn to_second(at: Timestamp, up: bool) -> Timestamp {
+    let whole = at.as_second();
+    let second = if up && at.subsec_nanosecond() > 0 {
+        whole.saturating_add(1)
+    } else {
+        whole
+    };
+    Timestamp::from_second(second).unwrap_or(at)
+}
+
+/// The record value of an intent not (yet) known to be accepted.
+pub fn intent_value(intent: &Intent) -> String {
+    to_value(&Record {
+        message_id: intent.message_id.clone(),
+        state: match intent.state {
+            IntentState::Sending => RecordState::Sending,
+            IntentState::Refused => RecordState::Refused,
+        },
+        writer: intent.writer.clone(),
+        at: intent.at.map(|at| to_second(at, true)),
+        backend_id: None,
+    })
+}
+
+/// The record value of an accepted mail (`message_id`: ours; the backend's id is kept only when
+/// it differs).
+pub fn sent_value(message_id: &str, sent: &Sent) -> String {
+    to_value(&Record {
+        message_id: message_id.to_owned(),
+        state: RecordState::Sent,
+        writer: None,
+        at: sent.at.map(|at| to_second(at, false)),
+        backend_id: (sent.backend_id != message_id).then(|| sent.backend_id.clone()),
+    })
+}
+
+/// Reads a mail's record: the intent it implies, and the sent record when it says `sent`.
+///
+/// # Errors
+/// A [`RecordError`] when the value is not one this provider writes for `kind` and `which`.
+pub fn parse_record(
+    value: &str,
+    kind: &str,
+    which: Which,
+) -> Result<(Intent, Option<Sent>), RecordError> {
+    if value.len() > MAX_RECORD_BYTES {
+        return Err(RecordError::TooLong);
+    }
+    let record: Record = serde_json::from_str(value).map_err(|_| RecordError::Malformed)?;
+    if !is_our_message_id(&record.message_id, kind, which) {
+        return Err(RecordError::ForeignMessageId);
+    }
+    if record
+        .writer
+        .as_deref()
+        .is_some_and(|w| !plausible_writer(w))
+    {
+        return Err(RecordError::BadWriter);
+    }
+    if record
+        .backend_id
+        .as_deref()
+        .is_some_and(|id| MessageId::parse(id).is_err() || id.len() > 256)
+    {
+        return Err(RecordError::BadBackendId);
+    }
+    let (state, sent) = match record.state {
+        RecordState::Sending => (IntentState::Sending, None),
+        RecordState::Refused => (IntentState::Refused, None),
+        RecordState::Sent => (
+            IntentState::Sending,
+            Some(Sent {
+                message_id: Some(record.message_id.clone()),
+                backend_id: record
+                    .backend_id
+                    .unwrap_or_else(|| record.message_id.clone()),
+                at: record.at,
+            }),
+        ),
+    };
+    let intent = Intent {
+        message_id: record.message_id,
+        writer: record.writer,
+        at: if sent.is_some() { None } else { record.at },
+        state,
+    };
+    Ok((intent, sent))
+}
+
 /// Why a value found in one of our annotations is not believed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RecordError {
     /// Longer than [`MAX_RECORD_BYTES`].
     #[error("longer than {MAX_RECORD_BYTES} bytes")]
     TooLong,
-    /// Not JSON of the record's shape nor a bare Message-Id.
+    /// Not JSON of the record's shape (nor, in 0.1's annotations, a bare Message-Id).
     #[error("not a record this provider writes")]
     Malformed,
     /// The Message-Id is not of the shape this provider generates for this kind and mail.
@@ -271,6 +394,100 @@ mod tests {
             (legacy.writer, legacy.at, legacy.state),
             (None, None, IntentState::Sending)
         );
+    }
+
+    #[test]
+    fn one_record_goes_through_the_mail_s_life() {
+        let (k, r) = ("MailgunCluster", Which::Request);
+        let intent = Intent {
+            message_id: id(r),
+            writer: Some("capm-7d9f-abc_k2j4h5g6f7".into()),
+            at: Some("2026-11-23T10:00:00.25Z".parse().unwrap()),
+            state: IntentState::Sending,
+        };
+        let value = intent_value(&intent);
+        let (read, sent) = parse_record(&value, k, r).unwrap();
+        assert_eq!(sent, None);
+        assert_eq!(
+            read.at,
+            Some("2026-11-23T10:00:01Z".parse().unwrap()),
+            "an intent's time is rounded up: it looks younger, never older"
+        );
+        assert_eq!(
+            (read.writer, read.state),
+            (intent.writer, IntentState::Sending)
+        );
+
+        let accepted = Sent {
+            message_id: Some(id(r)),
+            backend_id: id(r),
+            at: Some("2026-11-23T10:00:02.9Z".parse().unwrap()),
+        };
+        let value = sent_value(&id(r), &accepted);
+        assert_eq!(
+            value,
+            format!(
+                r#"{{"messageId":"{}","state":"sent","at":"2026-11-23T10:00:02Z"}}"#,
+                id(r)
+            ),
+            "no writer, no backend id equal to ours, a time to the second"
+        );
+        let (_, sent) = parse_record(&value, k, r).unwrap();
+        let sent = sent.unwrap();
+        assert_eq!(
+            (sent.backend_id.as_str(), sent.message_id.as_deref()),
+            (id(r).as_str(), Some(id(r).as_str()))
+        );
+        let other = Sent {
+            backend_id: "<20261123.1@mg.example.com>".into(),
+            ..accepted
+        };
+        let (_, sent) = parse_record(&sent_value(&id(r), &other), k, r).unwrap();
+        assert_eq!(sent.unwrap().backend_id, "<20261123.1@mg.example.com>");
+    }
+
+    #[test]
+    fn records_we_did_not_write_are_refused() {
+        let (k, r) = ("MailgunCluster", Which::Request);
+        for (value, error) in [
+            ("x".repeat(1500), RecordError::TooLong),
+            (id(r), RecordError::Malformed),
+            (
+                format!(r#"{{"messageId":"{}","state":"delivered"}}"#, id(r)),
+                RecordError::Malformed,
+            ),
+            (
+                format!(r#"{{"messageId":"{}","state":"sent","extra":1}}"#, id(r)),
+                RecordError::Malformed,
+            ),
+            (
+                r#"{"messageId":"<forged@evil.example>","state":"sent"}"#.to_owned(),
+                RecordError::ForeignMessageId,
+            ),
+            (
+                format!(
+                    r#"{{"messageId":"{}","state":"sent"}}"#,
+                    id(Which::Deletion)
+                ),
+                RecordError::ForeignMessageId,
+            ),
+            (
+                format!(
+                    r#"{{"messageId":"{}","state":"sending","writer":"a\r\nb"}}"#,
+                    id(r)
+                ),
+                RecordError::BadWriter,
+            ),
+            (
+                format!(
+                    r#"{{"messageId":"{}","state":"sent","backendId":"not an id"}}"#,
+                    id(r)
+                ),
+                RecordError::BadBackendId,
+            ),
+        ] {
+            assert_eq!(parse_record(&value, k, r), Err(error), "{value}");
+        }
     }
 
     #[test]

@@ -146,7 +146,7 @@ impl Subject {
     fn done(self, o: &DynamicObject) -> bool {
         match self {
             Self::Peer(_) => o.data["status"]["messageID"].is_string(),
-            Self::Provider => o.annotations().contains_key(names::MAIL_SENT_ANNOTATION),
+            Self::Provider => names::request_recorded_sent(o.annotations()),
         }
     }
 }

@@ -762,7 +762,7 @@ fn rows() -> Vec<Row> {
             let deadline = Instant::now() + Duration::from_secs(60);
             loop {
                 let obj = api.get("managed-later").await?;
-                if obj.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(names::MAIL_SENT_ANNOTATION)) {
+                if obj.metadata.annotations.as_ref().is_some_and(names::request_recorded_sent) {
                     break;
                 }
                 ensure!(Instant::now() < deadline, "never mailed");

@@ -1025,8 +1025,7 @@ impl Lane {
         // timeout and lookup end and it records the send (then shows it in status, its last
         // write of the pass). Until then the object is still being worked on.
         let recorded = |o: &DynamicObject| {
-            o.annotations()
-                .contains_key(capm_api::names::MAIL_SENT_ANNOTATION)
+            capm_api::names::request_recorded_sent(o.annotations())
                 && o.data["status"]["mail"]["messageID"].is_string()
         };
         let cluster_of = |m: &DynamicObject| {
