@@ -14,6 +14,7 @@ use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
 use kube::{Client, runtime::reflector::Store};
 use tokio::sync::watch;
 
+use crate::statuses::StatusCache;
 use crate::{
     Config, Metrics,
     capi::{Cluster, Machine},
@@ -160,6 +161,10 @@ pub struct Ctx {
     pub machines: Store<Machine>,
     /// The process's one delivery poller (its task is started by the runner).
     pub poller: Arc<Poller>,
+    /// The statuses of the cached `MailgunCluster`s, packed ([`crate::statuses`]).
+    pub(crate) cluster_statuses: StatusCache,
+    /// The statuses of the cached `MailgunMachine`s, packed.
+    pub(crate) machine_statuses: StatusCache,
     failures: Mutex<HashMap<String, (u32, Instant)>>,
     expected_versions: Mutex<HashMap<String, u64>>,
     mails: Mutex<HashMap<String, MailMemory>>,
@@ -216,6 +221,8 @@ impl Ctx {
             client,
             mailer,
             poller,
+            cluster_statuses: StatusCache::default(),
+            machine_statuses: StatusCache::default(),
             events,
             config,
             metrics,

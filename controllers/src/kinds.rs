@@ -15,6 +15,7 @@ use crate::{
     capi::{Cluster, ContractRef, Machine},
     context::Ctx,
     status::Status,
+    statuses::StatusCache,
 };
 
 /// Why a request cannot be mailed yet.
@@ -60,6 +61,12 @@ pub trait InfraKind:
 
     /// The current status, as the shared [`Status`].
     fn current_status(&self) -> Status;
+    /// Whether the object carries its status (the cached ones do not).
+    fn has_status(&self) -> bool;
+    /// Moves the status out of the object (the cache keeps it packed, see [`crate::statuses`]).
+    fn take_status(&mut self) -> Option<Status>;
+    /// This kind's packed statuses in `ctx`.
+    fn statuses(ctx: &Ctx) -> &StatusCache;
     /// `spec.priority`.
     fn priority(&self) -> Priority;
     /// `spec.requester`.
@@ -114,6 +121,21 @@ impl InfraKind for MailgunCluster {
     const CACHED_LABELS: &'static [&'static str] = &[];
     type Owner = Cluster;
 
+    fn has_status(&self) -> bool {
+        self.status.is_some()
+    }
+    fn take_status(&mut self) -> Option<Status> {
+        self.status.take().map(|s| Status {
+            initialization: s.initialization,
+            conditions: s.conditions,
+            observed_generation: s.observed_generation,
+            addresses: None,
+            mail: s.mail,
+        })
+    }
+    fn statuses(ctx: &Ctx) -> &StatusCache {
+        &ctx.cluster_statuses
+    }
     fn current_status(&self) -> Status {
         // Field by field, not through JSON: this runs in every reconcile, and a resync of N
         // objects is N of them.
@@ -188,6 +210,21 @@ impl InfraKind for MailgunMachine {
     const CACHED_LABELS: &'static [&'static str] = &[names::CLUSTER_NAME_LABEL];
     type Owner = Machine;
 
+    fn has_status(&self) -> bool {
+        self.status.is_some()
+    }
+    fn take_status(&mut self) -> Option<Status> {
+        self.status.take().map(|s| Status {
+            initialization: s.initialization,
+            conditions: s.conditions,
+            observed_generation: s.observed_generation,
+            addresses: s.addresses,
+            mail: s.mail,
+        })
+    }
+    fn statuses(ctx: &Ctx) -> &StatusCache {
+        &ctx.machine_statuses
+    }
     fn current_status(&self) -> Status {
         self.status
             .as_ref()

@@ -23,8 +23,10 @@ mod reconcile;
 mod runner;
 pub mod sendonce;
 mod status;
+mod statuses;
 
 pub use config::{Config, Error};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
 pub use runner::run;
+pub use statuses::{StatusCache, cache_mailgun_cluster};

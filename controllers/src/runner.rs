@@ -7,7 +7,7 @@ use capm_api::{
     v1beta1::{MailgunCluster, MailgunMachine},
 };
 use capm_mailer::Mailer;
-use futures::{FutureExt, StreamExt, future};
+use futures::{FutureExt, StreamExt, TryStreamExt, future};
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::ListParams,
@@ -123,6 +123,7 @@ pub async fn run(
     let adds = metrics.queue_adds.clone();
     let mgc_stream = watcher(scoped::<MailgunCluster>(&client, &config), wc.clone())
         .default_backoff()
+        .map_ok(stash_statuses::<MailgunCluster>(ctx.clone()))
         .modify(cache::trim_ours)
         .reflect(mgc_writer)
         .applied_objects()
@@ -161,6 +162,7 @@ pub async fn run(
     let adds = metrics.queue_adds.clone();
     let mgm_stream = watcher(scoped::<MailgunMachine>(&client, &config), wc)
         .default_backoff()
+        .map_ok(stash_statuses::<MailgunMachine>(ctx.clone()))
         .modify(cache::trim_ours)
         .reflect(mgm_writer)
         .applied_objects()
@@ -240,6 +242,30 @@ pub async fn run(
     );
     info!("controllers stopped");
     Ok(())
+}
+
+/// Moves each object's status out of the watch's events into the kind's packed status cache
+/// ([`crate::statuses`]) before the object enters the reflector store, and keeps that cache in
+/// step with the watch: deletions remove, a completed (re-)list drops what it no longer has.
+fn stash_statuses<K: InfraKind>(
+    ctx: Arc<Ctx>,
+) -> impl FnMut(watcher::Event<K>) -> watcher::Event<K> {
+    move |mut event| {
+        let statuses = K::statuses(&ctx);
+        match &mut event {
+            watcher::Event::Apply(obj) | watcher::Event::InitApply(obj) => {
+                let status = obj.take_status().unwrap_or_default();
+                statuses.put(&obj.uid().unwrap_or_default(), status);
+            }
+            watcher::Event::Delete(obj) => {
+                obj.take_status();
+                statuses.remove(&obj.uid().unwrap_or_default());
+            }
+            watcher::Event::Init => statuses.begin_list(),
+            watcher::Event::InitDone => statuses.end_list(),
+        }
+        event
+    }
 }
 
 /// `ObjectRef` of our object named by a Cluster API object's `spec.infrastructureRef`.

@@ -31,8 +31,9 @@ pub struct Floor {
     /// Resident bytes per pair for the two stores, objects with names only.
     pub bytes_per_pair: f64,
     /// The same with objects as the provider caches a finished pair (its trimmed
-    /// `MailgunCluster`: records, finalizer, owner, spec, five conditions, `status.mail`; its
-    /// partial `Cluster` type with the infrastructure reference).
+    /// `MailgunCluster`: record, finalizer, owner, spec; its status packed beside the store,
+    /// five conditions and `status.mail`; its partial `Cluster` type with the infrastructure
+    /// reference).
     pub finished_bytes_per_pair: f64,
 }
 
@@ -126,9 +127,16 @@ pub fn measure(pairs: usize) -> anyhow::Result<Floor> {
 type Kept = (Box<dyn std::any::Any>, Box<dyn std::any::Any>);
 
 fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
-    fill(
+    // The provider keeps statuses packed beside the store; they count too.
+    let statuses = std::sync::Arc::new(capm_controllers::StatusCache::default());
+    let kept = statuses.clone();
+    let (bytes, stores) = fill(
         pairs,
-        |i| Ok(serde_json::from_value(finished(i))?),
+        move |i| {
+            let mut mgc: MailgunCluster = serde_json::from_value(finished(i))?;
+            capm_controllers::cache_mailgun_cluster(&mut mgc, &statuses);
+            Ok(mgc)
+        },
         |i| {
             let mut cluster = Cluster::new(
                 &object_name(i),
@@ -145,7 +153,8 @@ fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
             cluster.metadata.generation = Some(1);
             cluster
         },
-    )
+    )?;
+    Ok((bytes, (Box::new((stores.0, kept)), stores.1)))
 }
 
 fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
