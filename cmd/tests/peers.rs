@@ -152,7 +152,9 @@ async fn wait_conditions(
 fn mail_sent_is(conds: &BTreeMap<String, (String, String, String)>, status: &str) -> bool {
     conds
         .get(names::conditions::MAIL_SENT)
-        .is_some_and(|(s, _, m)| s == status && !m.is_empty())
+        // A refusal says why; an accepted mail's condition has nothing to add (its id is in
+        // status.mail).
+        .is_some_and(|(s, _, m)| s == status && (status == "True" || !m.is_empty()))
 }
 
 /// Every condition message of every MailgunCluster and every Event note in the namespace, and
