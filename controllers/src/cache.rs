@@ -6,9 +6,9 @@
 //! labels and annotations of other controllers. What stays:
 //!
 //! - our objects: name, namespace, UID, `resourceVersion`, generation, deletion timestamp,
-//!   finalizers (written back whole when ours is removed), owner references, spec, status, the
-//!   annotations in [`READ_ANNOTATIONS`] and the labels their kind names
-//!   ([`InfraKind::CACHED_LABELS`]);
+//!   finalizers (written back whole when ours is removed), owner references, spec, and the
+//!   labels their kind names ([`InfraKind::CACHED_LABELS`]); their status and the annotations in
+//!   [`READ_ANNOTATIONS`] are kept packed beside the store by the runner ([`crate::statuses`]);
 //! - Cluster API `Cluster`s and `Machine`s (never written): name, namespace, UID,
 //!   `resourceVersion`, generation, the partial spec and status of [`crate::capi`], and for
 //!   Machines the `cluster.x-k8s.io/cluster-name` label.

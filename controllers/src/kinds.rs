@@ -61,8 +61,6 @@ pub trait InfraKind:
 
     /// The current status, as the shared [`Status`].
     fn current_status(&self) -> Status;
-    /// Whether the object carries its status (the cached ones do not).
-    fn has_status(&self) -> bool;
     /// Moves the status out of the object (the cache keeps it packed, see [`crate::statuses`]).
     fn take_status(&mut self) -> Option<Status>;
     /// This kind's packed statuses in `ctx`.
@@ -121,9 +119,6 @@ impl InfraKind for MailgunCluster {
     const CACHED_LABELS: &'static [&'static str] = &[];
     type Owner = Cluster;
 
-    fn has_status(&self) -> bool {
-        self.status.is_some()
-    }
     fn take_status(&mut self) -> Option<Status> {
         self.status.take().map(|s| Status {
             initialization: s.initialization,
@@ -210,9 +205,6 @@ impl InfraKind for MailgunMachine {
     const CACHED_LABELS: &'static [&'static str] = &[names::CLUSTER_NAME_LABEL];
     type Owner = Machine;
 
-    fn has_status(&self) -> bool {
-        self.status.is_some()
-    }
     fn take_status(&mut self) -> Option<Status> {
         self.status.take().map(|s| Status {
             initialization: s.initialization,

@@ -30,6 +30,7 @@ use crate::{
         records::IntentState,
     },
     status::{Readiness, Status},
+    statuses::Kept,
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
@@ -39,6 +40,8 @@ const OWNER_RECHECK: std::time::Duration = std::time::Duration::from_secs(2);
 struct Report {
     status: Status,
     ready: Readiness,
+    /// The object's annotations a reconcile reads, as the pass found them.
+    annotations: std::collections::BTreeMap<String, String>,
 }
 
 impl Report {
@@ -144,21 +147,25 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();
     let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
-    let managed_elsewhere = obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION);
+    // The runner's cache keeps statuses and our annotations packed, beside the objects
+    // (`crate::statuses`); an object that never went through it speaks for itself.
+    let kept = K::statuses(ctx).get(&uid).unwrap_or_else(|| Kept {
+        status: obj.current_status(),
+        annotations: obj.annotations().clone(),
+    });
+    let managed_elsewhere = kept.annotations.contains_key(names::MANAGED_BY_ANNOTATION);
     if managed_elsewhere && !(deleting && has_finalizer) {
         // Someone else manages it; but our own finalizer, if we ever set it, is ours to release.
         return Ok(Action::await_change());
     }
-    // The runner's caches keep statuses packed, beside the objects; an object handed over with
-    // its status (tests, a direct call) speaks for itself.
-    let original = if obj.has_status() {
-        obj.current_status()
-    } else {
-        K::statuses(ctx).get(&uid)
-    };
+    let Kept {
+        status: original,
+        annotations,
+    } = kept;
     let mut report = Report {
         status: original.clone(),
         ready: Readiness::Unchanged,
+        annotations,
     };
     report.status.observed_generation = obj.meta().generation;
     let outcome = if managed_elsewhere {
@@ -175,7 +182,9 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         ctx.gone(&uid);
         return Ok(Action::await_change());
     }
-    let Report { mut status, ready } = report;
+    let Report {
+        mut status, ready, ..
+    } = report;
     status.set_ready(ready);
     status.drop_condition_generations();
     if status.differs_on_the_wire(&original) {
@@ -287,7 +296,7 @@ async fn steps<K: InfraKind>(
     };
 
     let cluster = K::cluster_in_cache(ctx, obj, &owner);
-    let paused = obj.annotations().contains_key(names::PAUSED_ANNOTATION)
+    let paused = report.annotations.contains_key(names::PAUSED_ANNOTATION)
         || cluster.as_deref().is_some_and(capi::Cluster::paused);
     if paused {
         report.status.set_condition(
@@ -388,7 +397,7 @@ async fn reconcile_normal<K: InfraKind>(
         }
     };
 
-    let mut tracked = Tracked::of(obj);
+    let mut tracked = Tracked::of(obj, report.annotations.clone());
     strip_foreign_release_records(obj, ctx, &mut tracked).await?;
     let found = read_records(&tracked.annotations, K::KIND, Which::Request);
     for (key, why) in &found.ignored {
@@ -510,7 +519,7 @@ async fn reconcile_delete<K: InfraKind>(
     ctx: &Ctx,
     report: &mut Report,
 ) -> Result<Pass, ReconcileError> {
-    let mut tracked = Tracked::of(obj);
+    let mut tracked = Tracked::of(obj, report.annotations.clone());
     // A request that went out, or may have (outcome unknown), is released. One that was never
     // attempted, or whose every attempt was refused (recorded durably in the intent), is not:
     // nothing reached the human.

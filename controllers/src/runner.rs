@@ -244,7 +244,7 @@ pub async fn run(
     Ok(())
 }
 
-/// Moves each object's status out of the watch's events into the kind's packed status cache
+/// Moves each object's status and annotations out of the watch's events into the kind's packed cache
 /// ([`crate::statuses`]) before the object enters the reflector store, and keeps that cache in
 /// step with the watch: deletions remove, a completed (re-)list drops what it no longer has.
 fn stash_statuses<K: InfraKind>(
@@ -253,12 +253,10 @@ fn stash_statuses<K: InfraKind>(
     move |mut event| {
         let statuses = K::statuses(&ctx);
         match &mut event {
-            watcher::Event::Apply(obj) | watcher::Event::InitApply(obj) => {
-                let status = obj.take_status().unwrap_or_default();
-                statuses.put(&obj.uid().unwrap_or_default(), status);
-            }
+            watcher::Event::Apply(obj) | watcher::Event::InitApply(obj) => statuses.keep(obj),
             watcher::Event::Delete(obj) => {
                 obj.take_status();
+                obj.meta_mut().annotations = None;
                 statuses.remove(&obj.uid().unwrap_or_default());
             }
             watcher::Event::Init => statuses.begin_list(),

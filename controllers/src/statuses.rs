@@ -5,12 +5,15 @@
 //! Inside the cached typed objects it was the largest part of a finished object in memory: five
 //! conditions of four `String`s, each a heap allocation. Here the status leaves the object on its
 //! way into the cache (the objects in the reflector stores carry none) and is kept packed, by
-//! UID: every string this provider writes (condition types, statuses, reasons, the empty message)
+//! UID, with the few annotations a reconcile reads: every string this provider writes (condition types, statuses, reasons, the empty message)
 //! is a two-byte index into one static table, and any other text (a message with a peer's words,
 //! an older release's wording, a hostile writer's) is kept whole beside it. Unpacking gives back
 //! the same status, so a reconcile decides exactly as it did on the typed copy.
 
-use std::{collections::HashMap, sync::Mutex};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Mutex,
+};
 
 use capm_api::{
     names::{conditions, reasons},
@@ -24,7 +27,7 @@ use k8s_openapi::{
 use capm_api::v1beta1::MailgunCluster;
 use kube::ResourceExt;
 
-use crate::{kinds::InfraKind, status::Status};
+use crate::{cache::READ_ANNOTATIONS, kinds::InfraKind, status::Status};
 
 /// The strings a status of ours is made of.
 const KNOWN: &[&str] = &[
@@ -161,6 +164,18 @@ struct Entry {
     /// The list round that last saw the object.
     round: u32,
     status: Packed,
+    /// The annotations a reconcile reads ([`READ_ANNOTATIONS`]), by index into that list. A
+    /// one-entry `BTreeMap` in the cached object took a whole B-tree leaf (over 500 bytes).
+    annotations: Box<[(u8, Box<str>)]>,
+}
+
+/// What the cache keeps of an object beside the reflector store.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Kept {
+    /// Its status, as the API server holds it.
+    pub(crate) status: Status,
+    /// Its annotations of [`READ_ANNOTATIONS`].
+    pub(crate) annotations: BTreeMap<String, String>,
 }
 
 /// The packed statuses of one kind's cached objects, by UID, kept in step with its watch: set
@@ -182,22 +197,38 @@ impl StatusCache {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The object `uid` now has `status`.
-    pub(crate) fn put(&self, uid: &str, status: Status) {
-        let packed = Packed::pack(status);
+    /// The object `uid` now has `status` and `annotations` (of which only those a reconcile
+    /// reads are kept).
+    pub(crate) fn put(
+        &self,
+        uid: &str,
+        status: Status,
+        annotations: Option<BTreeMap<String, String>>,
+    ) {
+        let status = Packed::pack(status);
+        let annotations: Box<[(u8, Box<str>)]> = annotations
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, v)| {
+                let i = READ_ANNOTATIONS.iter().position(|r| *r == k)?;
+                Some((i as u8, v.into_boxed_str()))
+            })
+            .collect();
         let mut inner = self.lock();
         let round = inner.round;
         match inner.entries.get_mut(uid) {
             Some(entry) => {
                 entry.round = round;
-                entry.status = packed;
+                entry.status = status;
+                entry.annotations = annotations;
             }
             None => {
                 inner.entries.insert(
                     uid.into(),
                     Entry {
                         round,
-                        status: packed,
+                        status,
+                        annotations,
                     },
                 );
             }
@@ -223,13 +254,16 @@ impl StatusCache {
         inner.entries.shrink_to_fit();
     }
 
-    /// The status the API server last sent for `uid` (empty when none was seen).
-    pub(crate) fn get(&self, uid: &str) -> Status {
-        self.lock()
-            .entries
-            .get(uid)
-            .map(|e| e.status.unpack())
-            .unwrap_or_default()
+    /// What the API server last sent for `uid`, if the watch brought it here.
+    pub(crate) fn get(&self, uid: &str) -> Option<Kept> {
+        self.lock().entries.get(uid).map(|e| Kept {
+            status: e.status.unpack(),
+            annotations: e
+                .annotations
+                .iter()
+                .map(|(i, v)| (READ_ANNOTATIONS[usize::from(*i)].to_owned(), v.to_string()))
+                .collect(),
+        })
     }
 
     /// How many objects it holds.
@@ -246,9 +280,17 @@ impl StatusCache {
 /// What the provider's cache does to a `MailgunCluster` on its way in (its status packed into
 /// `statuses`, the rest trimmed as [`crate::cache`] says), for measurements of the cache.
 pub fn cache_mailgun_cluster(obj: &mut MailgunCluster, statuses: &StatusCache) {
-    let status = obj.take_status().unwrap_or_default();
-    statuses.put(&obj.uid().unwrap_or_default(), status);
+    statuses.keep(obj);
     crate::cache::trim_ours(obj);
+}
+
+impl StatusCache {
+    /// Moves `obj`'s status and annotations here (the object keeps neither).
+    pub(crate) fn keep<K: InfraKind>(&self, obj: &mut K) {
+        let status = obj.take_status().unwrap_or_default();
+        let annotations = obj.meta_mut().annotations.take();
+        self.put(&obj.uid().unwrap_or_default(), status, annotations);
+    }
 }
 
 #[cfg(test)]
@@ -306,16 +348,28 @@ mod tests {
     #[test]
     fn a_new_list_drops_what_it_did_not_see() {
         let cache = StatusCache::default();
-        cache.put("a", status("", reasons::MAIL_PENDING));
-        cache.put("b", Status::default());
+        cache.put("a", status("", reasons::MAIL_PENDING), None);
+        cache.put("b", Status::default(), None);
         cache.begin_list();
         let b = status("x", reasons::MAIL_PENDING);
-        cache.put("b", b.clone());
+        let annotations: BTreeMap<String, String> = [
+            (capm_api::names::MAIL_ANNOTATION, "{}"),
+            (capm_api::names::PAUSED_ANNOTATION, ""),
+            ("kubectl.kubernetes.io/last-applied-configuration", "{...}"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        cache.put("b", b.clone(), Some(annotations.clone()));
         cache.end_list();
         assert_eq!(cache.len(), 1);
-        assert_eq!(cache.get("a"), Status::default());
-        assert_eq!(cache.get("b"), b);
+        assert_eq!(cache.get("a"), None);
+        let kept = cache.get("b").unwrap();
+        assert_eq!(kept.status, b);
+        let mut read = annotations;
+        read.remove("kubectl.kubernetes.io/last-applied-configuration");
+        assert_eq!(kept.annotations, read, "only what a reconcile reads");
         cache.remove("b");
-        assert_eq!(cache.len(), 0);
+        assert!(cache.is_empty());
     }
 }

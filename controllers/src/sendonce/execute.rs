@@ -31,10 +31,14 @@ pub(crate) struct Tracked {
 }
 
 impl Tracked {
-    pub(crate) fn of(obj: &impl ResourceExt) -> Self {
+    /// `obj` as the pass found it, with its `annotations` (the cache keeps them beside it).
+    pub(crate) fn of(
+        obj: &impl ResourceExt,
+        annotations: std::collections::BTreeMap<String, String>,
+    ) -> Self {
         Self {
             resource_version: obj.resource_version(),
-            annotations: obj.annotations().clone(),
+            annotations,
             finalizers: obj.finalizers().to_vec(),
         }
     }
