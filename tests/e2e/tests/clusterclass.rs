@@ -480,8 +480,25 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
         window.iter().filter(|r| r.dry_run).count(),
         writes.len()
     );
+    // Nothing changes, and neither the provider nor the topology controller writes. Elsewhere in
+    // Cluster API, the MachineSet controller's metadata propagation (field manager
+    // `capi-machineset-metadata`) may send a server-side apply that changes nothing (the versions
+    // stay the same) when its cache of applied requests has no entry for the object; reported,
+    // not failed.
+    let ours_or_topology: Vec<_> = writes
+        .iter()
+        .filter(|r| {
+            ["cluster-api-provider-mailgun", "capi-topology"].contains(&r.field_manager.as_str())
+        })
+        .collect();
+    for other in writes.iter().filter(|r| !ours_or_topology.contains(r)) {
+        println!(
+            "  a write that changed nothing: {} {} {} by {}",
+            other.verb, other.resource, other.name, other.field_manager
+        );
+    }
     ensure!(
-        before == after && writes.is_empty(),
+        before == after && ours_or_topology.is_empty(),
         "writes to our objects once settled: {writes:#?}\nbefore: {before:?}\nafter: {after:?}"
     );
 
