@@ -6,8 +6,8 @@
 //! # Workflow
 //! 1. Someone creates a `MailgunCluster` (usually through a Cluster API `Cluster` whose
 //!    `spec.infrastructureRef` names it) with `priority`, `request` and `requester`.
-//! 2. The controller mails the request once (see [`crate::names::MAIL_INTENT_ANNOTATION`] for
-//!    how "once" survives crashes) and records the outcome in `status.mail`.
+//! 2. The controller mails the request once (see [`crate::names::MAIL_ANNOTATION`] for how
+//!    "once" survives crashes) and records the outcome in `status.mail`.
 //! 3. A human fulfils it by setting `spec.controlPlaneEndpoint` (cluster) or `spec.providerID`
 //!    and optionally `spec.addresses` (machine). The controller then copies the addresses to
 //!    `status.addresses` and sets `status.initialization.provisioned: true`.
@@ -149,8 +149,8 @@ pub enum MailState {
 }
 
 /// What happened to the request mail. Mirrors, for humans and `kubectl get`, what the
-/// annotations [`crate::names::MAIL_INTENT_ANNOTATION`] / [`crate::names::MAIL_SENT_ANNOTATION`]
-/// record for the controller: those, not this, are the source of truth.
+/// annotation [`crate::names::MAIL_ANNOTATION`] records for the controller: that, not this, is
+/// the source of truth.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MailStatus {
