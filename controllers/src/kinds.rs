@@ -59,9 +59,8 @@ pub trait InfraKind:
     /// The labels the controllers read on this kind; the cache drops the others.
     const CACHED_LABELS: &'static [&'static str];
 
-    /// The current status, as the shared [`Status`].
-    fn current_status(&self) -> Status;
-    /// Moves the status out of the object (the cache keeps it packed, see [`crate::statuses`]).
+    /// Moves the status out of the object, as the shared [`Status`] (the cache keeps it packed,
+    /// see [`crate::statuses`]).
     fn take_status(&mut self) -> Option<Status>;
     /// This kind's packed statuses in `ctx`.
     fn statuses(ctx: &Ctx) -> &StatusCache;
@@ -130,18 +129,6 @@ impl InfraKind for MailgunCluster {
     }
     fn statuses(ctx: &Ctx) -> &StatusCache {
         &ctx.cluster_statuses
-    }
-    fn current_status(&self) -> Status {
-        // Field by field, not through JSON: this runs in every reconcile, and a resync of N
-        // objects is N of them.
-        self.status.as_ref().map_or_else(Status::default, |s| {
-            Status::of_fields(
-                &s.initialization,
-                &s.conditions,
-                s.observed_generation,
-                &s.mail,
-            )
-        })
     }
     fn priority(&self) -> Priority {
         self.spec.priority
@@ -216,19 +203,6 @@ impl InfraKind for MailgunMachine {
     }
     fn statuses(ctx: &Ctx) -> &StatusCache {
         &ctx.machine_statuses
-    }
-    fn current_status(&self) -> Status {
-        self.status
-            .as_ref()
-            .map_or_else(Status::default, |s| Status {
-                addresses: s.addresses.clone(),
-                ..Status::of_fields(
-                    &s.initialization,
-                    &s.conditions,
-                    s.observed_generation,
-                    &s.mail,
-                )
-            })
     }
     fn priority(&self) -> Priority {
         self.spec.priority
@@ -334,7 +308,7 @@ mod tests {
     use capm_api::v1beta1::{MailgunClusterStatus, MailgunMachineStatus};
 
     /// A status with every field the typed statuses have today set (a field added to them
-    /// belongs here too, and then to `Status` and `current_status`).
+    /// belongs here too, and then to `Status` and `take_status`).
     fn full<T: DeserializeOwned>(addresses: bool) -> T {
         let mut status = serde_json::json!({
             "initialization": { "provisioned": true },
@@ -354,7 +328,7 @@ mod tests {
     }
 
     #[test]
-    fn current_status_is_the_typed_status_field_by_field() {
+    fn take_status_is_the_typed_status_field_by_field() {
         let mut mgc = MailgunCluster::new(
             "a",
             serde_json::from_value(serde_json::json!({
@@ -362,13 +336,13 @@ mod tests {
             }))
             .expect("a valid spec"),
         );
-        assert_eq!(mgc.current_status(), Status::default());
+        assert_eq!(mgc.take_status(), None);
         mgc.status = Some(full::<MailgunClusterStatus>(false));
-        assert_eq!(
-            mgc.current_status(),
-            Status::from_typed(mgc.status.as_ref())
-        );
-        assert!(mgc.current_status().mail.is_some());
+        let typed = Status::from_typed(mgc.status.as_ref());
+        let taken = mgc.take_status().unwrap_or_default();
+        assert_eq!(taken, typed);
+        assert!(taken.mail.is_some());
+        assert!(mgc.status.is_none(), "moved out");
 
         let mut mgm = MailgunMachine::new(
             "m",
@@ -378,10 +352,9 @@ mod tests {
             .expect("a valid spec"),
         );
         mgm.status = Some(full::<MailgunMachineStatus>(true));
-        assert_eq!(
-            mgm.current_status(),
-            Status::from_typed(mgm.status.as_ref())
-        );
-        assert!(mgm.current_status().addresses.is_some());
+        let typed = Status::from_typed(mgm.status.as_ref());
+        let taken = mgm.take_status().unwrap_or_default();
+        assert_eq!(taken, typed);
+        assert!(taken.addresses.is_some());
     }
 }

@@ -150,7 +150,7 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     // The runner's cache keeps statuses and our annotations packed, beside the objects
     // (`crate::statuses`); an object that never went through it speaks for itself.
     let kept = K::statuses(ctx).get(&uid).unwrap_or_else(|| Kept {
-        status: obj.current_status(),
+        status: obj.clone().take_status().unwrap_or_default(),
         annotations: obj.annotations().clone(),
     });
     let managed_elsewhere = kept.annotations.contains_key(names::MANAGED_BY_ANNOTATION);

@@ -254,11 +254,7 @@ fn stash_statuses<K: InfraKind>(
         let statuses = K::statuses(&ctx);
         match &mut event {
             watcher::Event::Apply(obj) | watcher::Event::InitApply(obj) => statuses.keep(obj),
-            watcher::Event::Delete(obj) => {
-                obj.take_status();
-                obj.meta_mut().annotations = None;
-                statuses.remove(&obj.uid().unwrap_or_default());
-            }
+            watcher::Event::Delete(obj) => statuses.remove(&obj.uid().unwrap_or_default()),
             watcher::Event::Init => statuses.begin_list(),
             watcher::Event::InitDone => statuses.end_list(),
         }

@@ -37,24 +37,8 @@ pub struct Status {
 }
 
 impl Status {
-    /// The fields both typed statuses have, copied (`addresses` left `None`).
-    pub fn of_fields(
-        initialization: &Option<Initialization>,
-        conditions: &Option<Vec<Condition>>,
-        observed_generation: Option<i64>,
-        mail: &Option<MailStatus>,
-    ) -> Self {
-        Self {
-            initialization: initialization.clone(),
-            conditions: conditions.clone(),
-            observed_generation,
-            addresses: None,
-            mail: mail.clone(),
-        }
-    }
-
     /// Reads a typed status through JSON (the field names are the same): what each kind's
-    /// field-by-field `current_status` must agree with.
+    /// field-by-field `take_status` must agree with.
     #[cfg(test)]
     pub fn from_typed<T: Serialize>(status: Option<&T>) -> Self {
         status

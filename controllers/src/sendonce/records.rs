@@ -160,19 +160,9 @@ pub fn parse_record(
     if !is_our_message_id(&record.message_id, kind, which) {
         return Err(RecordError::ForeignMessageId);
     }
-    if record
-        .writer
-        .as_deref()
-        .is_some_and(|w| !plausible_writer(w))
-    {
-        return Err(RecordError::BadWriter);
-    }
-    if record
-        .backend_id
-        .as_deref()
-        .is_some_and(|id| MessageId::parse(id).is_err() || id.len() > 256)
-    {
-        return Err(RecordError::BadBackendId);
+    check_writer(record.writer.as_deref())?;
+    if let Some(id) = record.backend_id.as_deref() {
+        check_backend_id(id)?;
     }
     let (state, sent) = match record.state {
         RecordState::Sending => (IntentState::Sending, None),
@@ -249,6 +239,22 @@ pub fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
     uid_ok && domain_ok && MessageId::parse(id).is_ok()
 }
 
+/// A writer identity, when there is one, must be a plausible Lease holder identity.
+fn check_writer(writer: Option<&str>) -> Result<(), RecordError> {
+    match writer {
+        Some(w) if !plausible_writer(w) => Err(RecordError::BadWriter),
+        _ => Ok(()),
+    }
+}
+
+/// A backend id must be a valid Message-Id of at most 256 bytes.
+fn check_backend_id(id: &str) -> Result<(), RecordError> {
+    if MessageId::parse(id).is_err() || id.len() > 256 {
+        return Err(RecordError::BadBackendId);
+    }
+    Ok(())
+}
+
 fn plausible_writer(writer: &str) -> bool {
     (1..=MAX_WRITER_BYTES).contains(&writer.len())
         && writer
@@ -277,13 +283,7 @@ pub fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, Rec
     if !is_our_message_id(&intent.message_id, kind, which) {
         return Err(RecordError::ForeignMessageId);
     }
-    if intent
-        .writer
-        .as_deref()
-        .is_some_and(|w| !plausible_writer(w))
-    {
-        return Err(RecordError::BadWriter);
-    }
+    check_writer(intent.writer.as_deref())?;
     Ok(intent)
 }
 
@@ -305,9 +305,7 @@ pub fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordEr
             at: None,
         }
     };
-    if MessageId::parse(&sent.backend_id).is_err() || sent.backend_id.len() > 256 {
-        return Err(RecordError::BadBackendId);
-    }
+    check_backend_id(&sent.backend_id)?;
     let Some(intent) = intent else {
         return Err(RecordError::Unmatched);
     };
