@@ -133,20 +133,14 @@ async fn wait_conditions(
     what: &str,
     check: impl Fn(&BTreeMap<String, (String, String, String)>) -> bool,
 ) -> MailgunCluster {
-    let api = ns.api::<MailgunCluster>();
-    let deadline = Instant::now() + within;
-    loop {
-        let obj = api.get(name).await.unwrap();
-        let conds = conditions(&obj);
-        if check(&conds) {
-            return obj;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{name}: {what} within {within:?}; conditions: {conds:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    common::poll_object(ns, name, within, |obj| check(&conditions(obj)))
+        .await
+        .unwrap_or_else(|last| {
+            panic!(
+                "{name}: {what} within {within:?}; conditions: {:#?}",
+                conditions(&last)
+            )
+        })
 }
 
 fn mail_sent_is(conds: &BTreeMap<String, (String, String, String)>, status: &str) -> bool {

@@ -17,7 +17,9 @@ use capm_api::{names, v1beta1::MailgunCluster};
 use capm_controllers::sendonce::{Which, records};
 use capm_mail_servers::MailgunServer;
 use capm_mailer::{Mailer, MailgunConfig, MailgunMailer, Message, SecretSource};
-use common::{Backend, DOMAIN, KEY, Provider, create_pair, delivered, namespace, wait_recorded};
+use common::{
+    Backend, DOMAIN, KEY, Provider, create_pair, delivered, namespace, poll_object, wait_recorded,
+};
 use kube::{
     Api, ResourceExt,
     api::{DeleteParams, Patch, PatchParams},
@@ -133,20 +135,16 @@ async fn objects_mailed_by_0_1_are_not_mailed_again_and_released_once() {
     }
     // The mailed object: its status is rewritten once (no per-condition generations), its
     // records are left as they are (nothing about the mail changed).
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mailed = loop {
-        let obj = api.get("mailed").await.unwrap();
+    let mailed = poll_object(&ns, "mailed", Duration::from_secs(60), |obj| {
         let conditions = obj
             .status
             .as_ref()
-            .and_then(|s| s.conditions.clone())
+            .and_then(|s| s.conditions.as_deref())
             .unwrap_or_default();
-        if !conditions.is_empty() && conditions.iter().all(|c| c.observed_generation.is_none()) {
-            break obj;
-        }
-        assert!(Instant::now() < deadline, "the status was not rewritten");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+        !conditions.is_empty() && conditions.iter().all(|c| c.observed_generation.is_none())
+    })
+    .await
+    .expect("the status was rewritten within 60 s");
     assert_eq!(mailed.annotations(), before.annotations());
     let status = mailed.status.clone().unwrap();
     assert_eq!(

@@ -292,17 +292,31 @@ pub async fn wait_recorded_within(
     name: &str,
     within: Duration,
 ) -> MailgunCluster {
+    poll_object(ns, name, within, |obj| {
+        names::request_recorded_sent(obj.annotations())
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{name} was not recorded as sent within {within:?}"))
+}
+
+/// Reads `name` every 100 ms until `check` accepts it: `Ok` with that object, or `Err` with the
+/// last one read once `within` has passed (for the caller's message).
+pub async fn poll_object(
+    ns: &TestNamespace,
+    name: &str,
+    within: Duration,
+    check: impl Fn(&MailgunCluster) -> bool,
+) -> Result<MailgunCluster, Box<MailgunCluster>> {
     let api = ns.api::<MailgunCluster>();
     let deadline = Instant::now() + within;
     loop {
         let obj = api.get(name).await.unwrap();
-        if names::request_recorded_sent(obj.annotations()) {
-            return obj;
+        if check(&obj) {
+            return Ok(obj);
         }
-        assert!(
-            Instant::now() < deadline,
-            "{name} was not recorded as sent within {within:?}"
-        );
+        if Instant::now() >= deadline {
+            return Err(Box::new(obj));
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
