@@ -1,5 +1,5 @@
 //! The real binary as a child process of a test, and what the tests of this folder ask of it
-//! (its metrics, probes, memory, logs), shared by `exactly_once.rs` and `peers.rs`.
+//! (its metrics, probes, memory, logs), shared by `exactly_once.rs`, `peers.rs` and `upgrade.rs`.
 // Each test crate uses its own part of this module.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
