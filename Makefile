@@ -51,9 +51,14 @@ fmt: ## Format the code
 	$(CARGO) fmt --all
 
 .PHONY: lint
-lint: ## cargo fmt --check and clippy with warnings denied
+lint: ## cargo fmt --check, clippy with warnings denied, no import circle in controllers/src
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(PYTHON) hack/module-cycles.py controllers/src
+
+.PHONY: unit
+unit: ## The logic alone, fast: every crate's unit tests (no root, no Go tools, no control plane)
+	$(CARGO) test --workspace --lib --bins
 
 .PHONY: deny
 deny: ## Licences (permissive only), bans and sources (crates.io only) of dependencies, by deny.toml

@@ -144,7 +144,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         ));
     }
     if let (Some(hook), Some(tls)) = (&settings.webhook, webhook_tls) {
-        let listener = http::bind("conversion webhook", hook.bind).await?;
+        let listener = http::bind("webhooks (conversion, admission)", hook.bind).await?;
         servers.push(http::serve(
             server("webhook", listener, Some(tls), http::Limits::webhooks(cap)),
             http::webhook_handler,
@@ -155,9 +155,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let mut config = settings.controllers.clone();
     config.instance = instance;
-    config.leadership = leadership.clone();
     let controllers = Controllers {
         client: client.clone(),
+        leadership: leadership.clone(),
         mailer,
         config,
         metrics: controller_metrics,
@@ -260,6 +260,7 @@ fn random_suffix() -> String {
 
 struct Controllers {
     client: kube::Client,
+    leadership: Leadership,
     mailer: Arc<dyn Mailer>,
     config: capm_controllers::Config,
     metrics: capm_controllers::Metrics,
@@ -294,6 +295,7 @@ impl Controllers {
             self.client,
             self.mailer,
             self.config,
+            self.leadership,
             self.metrics,
             stop,
         ));

@@ -5,11 +5,20 @@
 //! Unknown fields are ignored; the types are never written back.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::CustomResource;
+use kube::{CustomResource, runtime::reflector::Store};
 use serde::{Deserialize, Serialize};
 
 /// The Cluster API core group.
 pub const GROUP: &str = "cluster.x-k8s.io";
+
+/// The caches of the Cluster API objects the reconciles read (never written).
+#[derive(Clone)]
+pub struct Owners {
+    /// Cached `Cluster`s.
+    pub clusters: Store<Cluster>,
+    /// Cached `Machine`s.
+    pub machines: Store<Machine>,
+}
 
 /// A contract-versioned reference (`spec.infrastructureRef` in v1beta2).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use crate::Leadership;
-
 /// What the controllers need to know besides the cluster and the mailer.
 ///
 /// There is no `Default`: the defaults are the binary's (its flags), declared once there.
@@ -23,7 +21,8 @@ pub struct Config {
     pub concurrency: u16,
     /// First retry delay after an error; doubles per consecutive failure of one object.
     pub backoff_base: Duration,
-    /// Ceiling of the per-object retry delay, also the delay after a permanent error.
+    /// Ceiling of the per-object retry delay. Permanent errors are not retried on a timer: the
+    /// object's next change (or the next sync period) reconciles it again.
     pub backoff_max: Duration,
     /// `reportingInstance` of the events this process records (for example the pod name).
     pub instance: String,
@@ -38,9 +37,9 @@ pub struct Config {
     /// How long the backend keeps its delivery events (Mailgun: by plan); after that the
     /// provider stops asking and reports the outcome as unknown.
     pub delivery_retention: Duration,
-    /// This process's standing as leader, consulted right before every send; its identity is
-    /// recorded with every mail intent.
-    pub leadership: Leadership,
+    /// Every object is reconciled at least once per period even when nothing triggers it
+    /// (controller-runtime's `SyncPeriod`), spread evenly over the period.
+    pub sync_period: Duration,
 }
 
 impl Config {
@@ -74,6 +73,9 @@ impl Config {
             return Err(Error::Config(
                 "delivery_poll_base: must be positive and at most delivery_poll_max".into(),
             ));
+        }
+        if self.sync_period.is_zero() {
+            return Err(Error::Config("sync_period: must be positive".into()));
         }
         Ok(())
     }

@@ -1,24 +1,17 @@
-//! Shared state of the controllers: clients, caches, and the per-object memory that keeps
-//! retries slow and writes few.
-//!
-//! Long because each piece of per-object memory (backoff, expected versions, mail state,
-//! tombstones) keeps its rules beside it; a third of the file is their tests.
+//! What every reconcile shares: the clients, the owner caches, the leadership, the per-object
+//! memory ([`crate::memory`]) and why a reconcile failed.
 
-use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::{sync::Arc, time::Duration};
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
-use kube::{Client, runtime::reflector::Store};
+use kube::Client;
 use tokio::sync::watch;
 
-use crate::statuses::StatusCache;
 use crate::{
-    Config, Metrics,
-    capi::{Cluster, Machine},
+    Config, Leadership, Metrics,
+    capi::Owners,
     events::Events,
+    memory::Memory,
     poller::{Poller, Timings},
     sendonce::decide::Withheld,
 };
@@ -128,21 +121,6 @@ impl ReconcileError {
     }
 }
 
-/// What this process remembers about one mail of one object (never durable: only what makes
-/// retries slower or lookups patient).
-#[derive(Debug, Clone, Copy, Default)]
-struct MailMemory {
-    /// When this process first saw the mail's intent.
-    first_seen: Option<Instant>,
-    /// Since when lookups have answered "not found".
-    not_found_since: Option<Instant>,
-    /// The generation at which the backend refused this mail permanently.
-    refused_at_generation: Option<i64>,
-}
-
-/// How long a deleted object's UID is remembered, so stale cached copies of it are ignored.
-const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
-
 /// Everything a reconcile needs.
 pub struct Ctx {
     /// API client.
@@ -155,20 +133,15 @@ pub struct Ctx {
     pub config: Config,
     /// Metrics.
     pub metrics: Metrics,
-    /// Cached Cluster API `Cluster`s.
-    pub clusters: Store<Cluster>,
-    /// Cached Cluster API `Machine`s.
-    pub machines: Store<Machine>,
+    /// The Cluster API caches.
+    pub owners: Owners,
+    /// This process's standing as leader, consulted right before every write and send; its
+    /// identity is recorded with every mail intent.
+    pub leadership: Leadership,
     /// The process's one delivery poller (its task is started by the runner).
     pub poller: Arc<Poller>,
-    /// The statuses of the cached `MailgunCluster`s, packed ([`crate::statuses`]).
-    pub(crate) cluster_statuses: StatusCache,
-    /// The statuses of the cached `MailgunMachine`s, packed.
-    pub(crate) machine_statuses: StatusCache,
-    failures: Mutex<HashMap<String, (u32, Instant)>>,
-    expected_versions: Mutex<HashMap<String, u64>>,
-    mails: Mutex<HashMap<String, MailMemory>>,
-    tombstones: Mutex<HashMap<String, Instant>>,
+    /// What this process remembers about each object, by UID.
+    pub(crate) memory: Memory,
     /// True once the `Cluster` and `Machine` caches have finished their first list
     /// ([`Self::watch_owner_caches`]). A `watch` channel and not `Store::wait_until_ready` in
     /// each reconcile: kube-runtime's delayed init wakes only the last of several concurrent
@@ -179,10 +152,6 @@ pub struct Ctx {
 /// The longest a reconcile waits for the owner caches' first list before judging owners anyway.
 const OWNER_CACHES_WAIT: Duration = Duration::from_secs(30);
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Ctx {
     /// Checked right before every write and every send: a replica that cannot prove it still
     /// leads (monotonic clock, see [`crate::Leadership::may_act`]) writes nothing at all. A
@@ -191,7 +160,7 @@ impl Ctx {
     /// # Errors
     /// [`Withheld::NotLeading`].
     pub fn ensure_leading(&self) -> Result<(), ReconcileError> {
-        if self.config.leadership.may_act() {
+        if self.leadership.may_act() {
             Ok(())
         } else {
             Err(ReconcileError::Withheld(Withheld::NotLeading))
@@ -204,13 +173,13 @@ impl Ctx {
         mailer: Arc<dyn Mailer>,
         events: Events,
         config: Config,
+        leadership: Leadership,
         metrics: Metrics,
-        clusters: Store<Cluster>,
-        machines: Store<Machine>,
+        owners: Owners,
     ) -> Self {
         let poller = Arc::new(Poller::new(
             mailer.clone(),
-            config.leadership.clone(),
+            leadership.clone(),
             Timings {
                 base: config.delivery_poll_base,
                 max: config.delivery_poll_max,
@@ -221,17 +190,12 @@ impl Ctx {
             client,
             mailer,
             poller,
-            cluster_statuses: StatusCache::default(),
-            machine_statuses: StatusCache::default(),
+            leadership,
+            memory: Memory::default(),
             events,
             config,
             metrics,
-            clusters,
-            machines,
-            failures: Mutex::default(),
-            expected_versions: Mutex::default(),
-            mails: Mutex::default(),
-            tombstones: Mutex::default(),
+            owners,
             owner_caches: watch::Sender::new(false),
         }
     }
@@ -243,8 +207,8 @@ impl Ctx {
         let ctx = Arc::clone(self);
         tokio::spawn(async move {
             let listed = async {
-                ctx.clusters.wait_until_ready().await.is_ok()
-                    && ctx.machines.wait_until_ready().await.is_ok()
+                ctx.owners.clusters.wait_until_ready().await.is_ok()
+                    && ctx.owners.machines.wait_until_ready().await.is_ok()
             };
             // Past the bound, reconciles go on as before this wait existed (a missing owner is
             // rechecked, never acted on destructively), rather than each waiting the bound.
@@ -274,128 +238,38 @@ impl Ctx {
         }
     }
 
-    /// The delay before retrying `key` after `error`: exponential per object
+    /// The delay before retrying the object `uid` after `error`: exponential per object
     /// (`backoff_base` doubling up to `backoff_max`), never less than a backend's `Retry-After`.
     /// Waits return their own delay and leave the count alone. The delay also gates sends:
     /// a reconcile triggered earlier by a watch event does not send before it ran out
-    /// ([`Self::backoff_left`]).
-    pub fn retry_delay(&self, key: &str, error: &ReconcileError) -> Duration {
-        let max = self.config.backoff_max;
+    /// ([`Memory::backoff_left`]).
+    pub fn retry_delay(&self, uid: &str, error: &ReconcileError) -> Duration {
+        let (base, max) = (self.config.backoff_base, self.config.backoff_max);
         match error {
             ReconcileError::AwaitingLookup(wait)
             | ReconcileError::AwaitingHandover(wait)
             | ReconcileError::Withheld(Withheld::Backoff(wait)) => return *wait,
-            ReconcileError::Withheld(Withheld::NotLeading) => return self.config.backoff_base,
-            ReconcileError::Conflict(_) => return self.config.backoff_base.min(max),
+            ReconcileError::Withheld(Withheld::NotLeading) => return base,
+            ReconcileError::Conflict(_) => return base.min(max),
             _ => {}
         }
-        let mut map = lock(&self.failures);
-        let entry = map.entry(key.to_owned()).or_insert((0, Instant::now()));
-        entry.0 = entry.0.saturating_add(1);
-        let exponential = self
-            .config
-            .backoff_base
-            .saturating_mul(1u32 << (entry.0 - 1).min(20))
-            .min(max);
-        let delay = match error {
-            ReconcileError::Mail(e) => exponential.max(e.retry_after().unwrap_or_default()),
-            _ => exponential,
-        };
-        entry.1 = Instant::now() + delay;
-        delay
-    }
-
-    /// How long sends for `key` must still wait after its last failure (zero: none).
-    pub fn backoff_left(&self, key: &str) -> Duration {
-        lock(&self.failures)
-            .get(key)
-            .map_or(Duration::ZERO, |(_, not_before)| {
-                not_before.saturating_duration_since(Instant::now())
-            })
-    }
-
-    /// Forgets `key`'s failures after a successful reconcile.
-    pub fn succeeded(&self, key: &str) {
-        lock(&self.failures).remove(key);
-    }
-
-    /// Remembers the `resourceVersion` our own write produced, so a reconcile that starts from an
-    /// older cached copy waits for the cache instead of acting on stale data.
-    pub fn expect_version(&self, uid: &str, resource_version: Option<&str>) {
-        if let Some(rv) = resource_version.and_then(|v| v.parse::<u64>().ok()) {
-            lock(&self.expected_versions).insert(uid.to_owned(), rv);
-        }
-    }
-
-    /// True when the cached copy predates our own last write, or the object is known gone.
-    pub fn is_stale(&self, uid: &str, resource_version: Option<&str>) -> bool {
-        if lock(&self.tombstones).contains_key(uid) {
-            return true;
-        }
-        let mut map = lock(&self.expected_versions);
-        let Some(&expected) = map.get(uid) else {
-            return false;
-        };
-        match resource_version.and_then(|v| v.parse::<u64>().ok()) {
-            Some(seen) if seen < expected => true,
-            _ => {
-                map.remove(uid);
-                false
+        self.memory.failed(uid, |failures| {
+            let exponential = base
+                .saturating_mul(1u32 << (failures.max(1) - 1).min(20))
+                .min(max);
+            match error {
+                ReconcileError::Mail(e) => exponential.max(e.retry_after().unwrap_or_default()),
+                _ => exponential,
             }
-        }
-    }
-
-    fn with_mail<T>(&self, mail_key: &str, f: impl FnOnce(&mut MailMemory) -> T) -> T {
-        f(lock(&self.mails).entry(mail_key.to_owned()).or_default())
-    }
-
-    /// How long ago this process first saw the intent of `mail_key` (now, the first time).
-    pub fn first_seen_ago(&self, mail_key: &str) -> Duration {
-        self.with_mail(mail_key, |m| {
-            m.first_seen.get_or_insert_with(Instant::now).elapsed()
         })
     }
 
-    /// Since how long lookups answer "not found" for `mail_key`, if they do.
-    pub fn not_found_for(&self, mail_key: &str) -> Option<Duration> {
-        lock(&self.mails)
-            .get(mail_key)
-            .and_then(|m| m.not_found_since)
-            .map(|at| at.elapsed())
-    }
-
-    /// A lookup answered "not found" for the first time.
-    pub fn start_not_found(&self, mail_key: &str) {
-        self.with_mail(mail_key, |m| m.not_found_since = Some(Instant::now()));
-    }
-
-    /// The backend refused `mail_key` permanently at `generation`.
-    pub fn mark_permanently_refused(&self, mail_key: &str, generation: i64) {
-        self.with_mail(mail_key, |m| m.refused_at_generation = Some(generation));
-    }
-
-    /// True when the backend refused `mail_key` permanently at this `generation`.
-    pub fn permanently_refused(&self, mail_key: &str, generation: i64) -> bool {
-        lock(&self.mails)
-            .get(mail_key)
-            .is_some_and(|m| m.refused_at_generation == Some(generation))
-    }
-
-    /// The mail went out or was found: forget the attempts.
-    pub fn clear_mail(&self, mail_key: &str) {
-        lock(&self.mails).remove(mail_key);
-    }
-
-    /// The object with this UID is gone (its finalizer removed, or the API server says so):
-    /// every cached copy of it is stale from now on. Remembered for [`TOMBSTONE_TTL`].
-    pub fn gone(&self, uid: &str) {
-        lock(&self.expected_versions).remove(uid);
+    /// The object with this UID is gone (its finalizer removed, the watch or a list says so):
+    /// everything remembered about it is forgotten, in one place, and every cached copy of it
+    /// is stale from now on.
+    pub fn forget(&self, uid: &str) {
+        self.memory.forget(uid);
         self.poller.forget(uid);
-        lock(&self.mails).retain(|k, _| !k.starts_with(uid));
-        let mut tombstones = lock(&self.tombstones);
-        let now = Instant::now();
-        tombstones.retain(|_, at| now.duration_since(*at) < TOMBSTONE_TTL);
-        tombstones.insert(uid.to_owned(), now);
     }
 }
 
@@ -410,6 +284,9 @@ mod tests {
             kube::runtime::reflector::store().0,
         )
     }
+
+    use crate::capi::{Cluster, Machine};
+    use kube::runtime::reflector::Store;
 
     fn ctx_over(clusters: Store<Cluster>, machines: Store<Machine>) -> Ctx {
         let client =
@@ -428,7 +305,7 @@ mod tests {
             delivery_poll_base: Duration::from_secs(30),
             delivery_poll_max: Duration::from_secs(30 * 60),
             delivery_retention: Duration::from_secs(72 * 3600),
-            leadership: crate::Leadership::default(),
+            sync_period: Duration::from_secs(10 * 3600),
         };
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         Ctx::new(
@@ -436,9 +313,9 @@ mod tests {
             Arc::new(MockMailer::new()),
             events,
             config,
+            Leadership::unelected("t"),
             metrics,
-            clusters,
-            machines,
+            Owners { clusters, machines },
         )
     }
 
@@ -497,7 +374,7 @@ mod tests {
     async fn backoff_doubles_per_object_caps_and_resets() {
         let ctx = ctx();
         let delays: Vec<_> = (0..10)
-            .map(|_| ctx.retry_delay("ns/a", &transient()))
+            .map(|_| ctx.retry_delay("a", &transient()))
             .collect();
         assert_eq!(delays[0], Duration::from_millis(100));
         assert_eq!(delays[1], Duration::from_millis(200));
@@ -505,12 +382,12 @@ mod tests {
         assert_eq!(delays[9], Duration::from_secs(10));
         // Another object has its own count.
         assert_eq!(
-            ctx.retry_delay("ns/b", &transient()),
+            ctx.retry_delay("b", &transient()),
             Duration::from_millis(100)
         );
-        ctx.succeeded("ns/a");
+        ctx.memory.succeeded("a");
         assert_eq!(
-            ctx.retry_delay("ns/a", &transient()),
+            ctx.retry_delay("a", &transient()),
             Duration::from_millis(100)
         );
     }
@@ -525,8 +402,8 @@ mod tests {
             retry_after: Some(Duration::from_secs(7)),
             source: None,
         });
-        assert_eq!(ctx.retry_delay("ns/c", &limited), Duration::from_secs(7));
-        let left = ctx.backoff_left("ns/c");
+        assert_eq!(ctx.retry_delay("c", &limited), Duration::from_secs(7));
+        let left = ctx.memory.backoff_left("c");
         assert!(
             left > Duration::from_secs(6) && left <= Duration::from_secs(7),
             "{left:?}"
@@ -534,55 +411,34 @@ mod tests {
         // A wait does not move the count or the gate.
         let wait = Duration::from_secs(3);
         assert_eq!(
-            ctx.retry_delay("ns/c", &ReconcileError::AwaitingLookup(wait)),
+            ctx.retry_delay("c", &ReconcileError::AwaitingLookup(wait)),
             wait
         );
         assert_eq!(
-            ctx.retry_delay("ns/c", &ReconcileError::Withheld(Withheld::Backoff(wait))),
+            ctx.retry_delay("c", &ReconcileError::Withheld(Withheld::Backoff(wait))),
             wait
         );
         assert_eq!(
-            ctx.retry_delay("ns/c", &transient()),
+            ctx.retry_delay("c", &transient()),
             Duration::from_millis(200)
         );
         assert_eq!(
-            ctx.retry_delay("ns/d", &ReconcileError::Conflict("x")),
+            ctx.retry_delay("d", &ReconcileError::Conflict("x")),
             Duration::from_millis(100)
         );
-        assert_eq!(ctx.backoff_left("ns/d"), Duration::ZERO);
-        ctx.succeeded("ns/c");
-        assert_eq!(ctx.backoff_left("ns/c"), Duration::ZERO);
+        assert_eq!(ctx.memory.backoff_left("d"), Duration::ZERO);
+        ctx.memory.succeeded("c");
+        assert_eq!(ctx.memory.backoff_left("c"), Duration::ZERO);
     }
 
     #[tokio::test]
-    async fn a_gone_object_stays_stale_whatever_copy_arrives() {
+    async fn forgetting_an_object_clears_its_backoff_and_its_delivery_tracking() {
         let ctx = ctx();
-        ctx.expect_version("u1", Some("120"));
-        ctx.gone("u1");
-        assert!(ctx.is_stale("u1", Some("100")));
-        assert!(ctx.is_stale("u1", Some("121")));
-        assert!(!ctx.is_stale("u2", Some("1")));
-    }
-
-    #[tokio::test]
-    async fn permanent_refusals_are_remembered_per_generation() {
-        let ctx = ctx();
-        ctx.mark_permanently_refused("u/request", 3);
-        assert!(ctx.permanently_refused("u/request", 3));
-        assert!(!ctx.permanently_refused("u/request", 4));
-        assert!(!ctx.permanently_refused("u/deletion", 3));
-        ctx.gone("u");
-        assert!(!ctx.permanently_refused("u/request", 3));
-    }
-
-    #[tokio::test]
-    async fn cache_older_than_our_write_is_stale() {
-        let ctx = ctx();
-        ctx.expect_version("u1", Some("120"));
-        assert!(ctx.is_stale("u1", Some("100")));
-        assert!(!ctx.is_stale("u1", Some("120")));
-        // Once caught up, the expectation is gone.
-        assert!(!ctx.is_stale("u1", Some("100")));
-        assert!(!ctx.is_stale("u2", Some("1")));
+        ctx.retry_delay("u", &transient());
+        assert!(ctx.memory.backoff_left("u") > Duration::ZERO);
+        ctx.forget("u");
+        assert_eq!(ctx.memory.backoff_left("u"), Duration::ZERO);
+        assert_eq!(ctx.memory.len(), 0);
+        assert!(ctx.memory.is_stale("u", Some("1")));
     }
 }

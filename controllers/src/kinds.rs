@@ -12,10 +12,8 @@ use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    capi::{Cluster, ContractRef, Machine},
-    context::Ctx,
+    capi::{Cluster, ContractRef, Machine, Owners},
     status::Status,
-    statuses::StatusCache,
 };
 
 /// Why a request cannot be mailed yet.
@@ -59,11 +57,8 @@ pub trait InfraKind:
     /// The labels the controllers read on this kind; the cache drops the others.
     const CACHED_LABELS: &'static [&'static str];
 
-    /// Moves the status out of the object, as the shared [`Status`] (the cache keeps it packed,
-    /// see [`crate::statuses`]).
-    fn take_status(&mut self) -> Option<Status>;
-    /// This kind's packed statuses in `ctx`.
-    fn statuses(ctx: &Ctx) -> &StatusCache;
+    /// The object's status, as the shared [`Status`].
+    fn shared_status(&self) -> Status;
     /// `spec.priority`.
     fn priority(&self) -> Priority;
     /// `spec.requester`.
@@ -86,11 +81,11 @@ pub trait InfraKind:
     /// guarantees for the objects it owns).
     fn owner_refers_to(owner: &Self::Owner, obj: &Self) -> bool;
     /// The owner object from the caches.
-    fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Self::Owner>>;
+    fn owner_in_cache(owners: &Owners, namespace: &str, name: &str) -> Option<Arc<Self::Owner>>;
     /// The `Cluster` that pauses this object.
-    fn cluster_in_cache(ctx: &Ctx, obj: &Self, owner: &Self::Owner) -> Option<Arc<Cluster>>;
+    fn cluster_in_cache(owners: &Owners, obj: &Self, owner: &Self::Owner) -> Option<Arc<Cluster>>;
     /// What must hold before the request is mailed; `Ok` carries the request mail.
-    fn request_mail(&self, ctx: &Ctx, owner: &Self::Owner) -> Result<MailText, Wait>;
+    fn request_mail(&self, owners: &Owners, owner: &Self::Owner) -> Result<MailText, Wait>;
     /// The "no longer needed" mail.
     fn deletion_mail(&self) -> MailText;
 }
@@ -118,17 +113,17 @@ impl InfraKind for MailgunCluster {
     const CACHED_LABELS: &'static [&'static str] = &[];
     type Owner = Cluster;
 
-    fn take_status(&mut self) -> Option<Status> {
-        self.status.take().map(|s| Status {
-            initialization: s.initialization,
-            conditions: s.conditions,
-            observed_generation: s.observed_generation,
-            addresses: None,
-            mail: s.mail,
-        })
-    }
-    fn statuses(ctx: &Ctx) -> &StatusCache {
-        &ctx.cluster_statuses
+    fn shared_status(&self) -> Status {
+        self.status
+            .as_ref()
+            .map(|s| Status {
+                initialization: s.initialization.clone(),
+                conditions: s.conditions.clone(),
+                observed_generation: s.observed_generation,
+                addresses: None,
+                mail: s.mail.clone(),
+            })
+            .unwrap_or_default()
     }
     fn priority(&self) -> Priority {
         self.spec.priority
@@ -145,13 +140,17 @@ impl InfraKind for MailgunCluster {
     fn owner_refers_to(owner: &Cluster, obj: &Self) -> bool {
         refers_to(owner.spec.infrastructure_ref.as_ref(), Self::KIND, obj)
     }
-    fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Cluster>> {
-        ctx.clusters.get(&ObjectRef::new(name).within(namespace))
+    fn owner_in_cache(owners: &Owners, namespace: &str, name: &str) -> Option<Arc<Cluster>> {
+        owners.clusters.get(&ObjectRef::new(name).within(namespace))
     }
-    fn cluster_in_cache(ctx: &Ctx, obj: &Self, owner: &Cluster) -> Option<Arc<Cluster>> {
-        Self::owner_in_cache(ctx, &obj.namespace().unwrap_or_default(), &owner.name_any())
+    fn cluster_in_cache(owners: &Owners, obj: &Self, owner: &Cluster) -> Option<Arc<Cluster>> {
+        Self::owner_in_cache(
+            owners,
+            &obj.namespace().unwrap_or_default(),
+            &owner.name_any(),
+        )
     }
-    fn request_mail(&self, _: &Ctx, _: &Cluster) -> Result<MailText, Wait> {
+    fn request_mail(&self, _: &Owners, _: &Cluster) -> Result<MailText, Wait> {
         let name = self.name_any();
         Ok(MailText {
             subject: format!("[{}] New Cluster {name} requested", self.spec.priority),
@@ -192,17 +191,17 @@ impl InfraKind for MailgunMachine {
     const CACHED_LABELS: &'static [&'static str] = &[names::CLUSTER_NAME_LABEL];
     type Owner = Machine;
 
-    fn take_status(&mut self) -> Option<Status> {
-        self.status.take().map(|s| Status {
-            initialization: s.initialization,
-            conditions: s.conditions,
-            observed_generation: s.observed_generation,
-            addresses: s.addresses,
-            mail: s.mail,
-        })
-    }
-    fn statuses(ctx: &Ctx) -> &StatusCache {
-        &ctx.machine_statuses
+    fn shared_status(&self) -> Status {
+        self.status
+            .as_ref()
+            .map(|s| Status {
+                initialization: s.initialization.clone(),
+                conditions: s.conditions.clone(),
+                observed_generation: s.observed_generation,
+                addresses: s.addresses.clone(),
+                mail: s.mail.clone(),
+            })
+            .unwrap_or_default()
     }
     fn priority(&self) -> Priority {
         self.spec.priority
@@ -222,21 +221,21 @@ impl InfraKind for MailgunMachine {
     fn owner_refers_to(owner: &Machine, obj: &Self) -> bool {
         refers_to(owner.spec.infrastructure_ref.as_ref(), Self::KIND, obj)
     }
-    fn owner_in_cache(ctx: &Ctx, namespace: &str, name: &str) -> Option<Arc<Machine>> {
-        ctx.machines.get(&ObjectRef::new(name).within(namespace))
+    fn owner_in_cache(owners: &Owners, namespace: &str, name: &str) -> Option<Arc<Machine>> {
+        owners.machines.get(&ObjectRef::new(name).within(namespace))
     }
-    fn cluster_in_cache(ctx: &Ctx, obj: &Self, owner: &Machine) -> Option<Arc<Cluster>> {
+    fn cluster_in_cache(owners: &Owners, obj: &Self, owner: &Machine) -> Option<Arc<Cluster>> {
         let cluster = owner.cluster_name()?;
-        MailgunCluster::owner_in_cache(ctx, &obj.namespace().unwrap_or_default(), &cluster)
+        MailgunCluster::owner_in_cache(owners, &obj.namespace().unwrap_or_default(), &cluster)
     }
-    fn request_mail(&self, ctx: &Ctx, machine: &Machine) -> Result<MailText, Wait> {
+    fn request_mail(&self, owners: &Owners, machine: &Machine) -> Result<MailText, Wait> {
         let Some(cluster_name) = machine.cluster_name() else {
             return Err(Wait {
                 reason: names::reasons::WAITING_FOR_CLUSTER_INFRASTRUCTURE,
                 message: "the owner Machine names no Cluster".into(),
             });
         };
-        let provisioned = Self::cluster_in_cache(ctx, self, machine)
+        let provisioned = Self::cluster_in_cache(owners, self, machine)
             .is_some_and(|c| c.infrastructure_provisioned());
         if !provisioned {
             return Err(Wait {
@@ -328,7 +327,7 @@ mod tests {
     }
 
     #[test]
-    fn take_status_is_the_typed_status_field_by_field() {
+    fn shared_status_is_the_typed_status_field_by_field() {
         let mut mgc = MailgunCluster::new(
             "a",
             serde_json::from_value(serde_json::json!({
@@ -336,13 +335,12 @@ mod tests {
             }))
             .expect("a valid spec"),
         );
-        assert_eq!(mgc.take_status(), None);
+        assert_eq!(mgc.shared_status(), Status::default());
         mgc.status = Some(full::<MailgunClusterStatus>(false));
         let typed = Status::from_typed(mgc.status.as_ref());
-        let taken = mgc.take_status().unwrap_or_default();
+        let taken = mgc.shared_status();
         assert_eq!(taken, typed);
         assert!(taken.mail.is_some());
-        assert!(mgc.status.is_none(), "moved out");
 
         let mut mgm = MailgunMachine::new(
             "m",
@@ -353,7 +351,7 @@ mod tests {
         );
         mgm.status = Some(full::<MailgunMachineStatus>(true));
         let typed = Status::from_typed(mgm.status.as_ref());
-        let taken = mgm.take_status().unwrap_or_default();
+        let taken = mgm.shared_status();
         assert_eq!(taken, typed);
         assert!(taken.addresses.is_some());
     }

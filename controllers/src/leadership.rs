@@ -57,12 +57,6 @@ impl fmt::Debug for Leadership {
     }
 }
 
-impl Default for Leadership {
-    fn default() -> Self {
-        Self::unelected("cluster-api-provider-mailgun")
-    }
-}
-
 impl Leadership {
     /// No leader election: this process is the only replica and always acts.
     pub fn unelected(identity: impl Into<String>) -> Self {

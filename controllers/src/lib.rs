@@ -8,7 +8,16 @@
 //! What it is not for: configuration parsing, leader election, HTTP serving and process
 //! lifecycle live in the `cluster-api-provider-mailgun` binary (`cmd/`).
 
-mod cache;
+//!
+//! The modules, each importing only those listed before it (`make lint` checks it):
+//! - what the provider reads and how it reports: [`capi`] (Cluster API's objects), `kinds` (what
+//!   differs between our two kinds), `status`, `events`, [`Metrics`], [`Config`];
+//! - process state: [`Leadership`] (may this replica act), `memory` (per-object memory, by UID),
+//!   `poller` (delivery questions), `context` (what every reconcile shares);
+//! - the work: [`sendonce`] (one mail, crash-safely), `delivery`, `reconcile` (one pass, in Cluster
+//!   API's step order);
+//! - the wiring: `pipeline` (watch → cache → triggers → controller, one per kind): [`run`].
+
 pub mod capi;
 mod config;
 mod context;
@@ -17,16 +26,15 @@ mod events;
 pub mod failpoint;
 mod kinds;
 mod leadership;
+mod memory;
 mod metrics;
+mod pipeline;
 mod poller;
 mod reconcile;
-mod runner;
 pub mod sendonce;
 mod status;
-mod statuses;
 
 pub use config::{Config, Error};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
-pub use runner::run;
-pub use statuses::{StatusCache, cache_mailgun_cluster};
+pub use pipeline::{run, trim};

@@ -21,6 +21,10 @@ const RECONCILE_BUCKETS: &[f64] = &[
 /// - `capm_reconcile_triggers_total{name}`: watch events that asked for a reconcile. Not
 ///   `workqueue_adds_total`: kube-runtime does not expose its queue, and its scheduler folds
 ///   requests for an object already waiting, which this count includes.
+/// - `capm_watch_lists_total{name}`: completed lists of the kind's watch: the first, and one
+///   per re-list (a watch that could not resume: `410 Gone`, a restarted API server).
+/// - `capm_reconcile_triggers_total` counts, besides watch events, the reconciles a completed
+///   list asks for and those of the sync period.
 /// - `capm_mail_resends_total{controller}`: mails sent again with the same Message-Id because
 ///   an earlier attempt's outcome could not be established.
 /// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
@@ -44,6 +48,7 @@ pub struct Metrics {
     pub(crate) max_concurrent: IntGaugeVec,
     pub(crate) queue_adds: IntCounterVec,
     pub(crate) queue_retries: IntCounterVec,
+    pub(crate) lists: IntCounterVec,
     pub(crate) resends: IntCounterVec,
     pub(crate) withheld: IntCounterVec,
     pub(crate) orphan_releases: IntCounterVec,
@@ -105,6 +110,11 @@ impl Metrics {
             queue_retries: counter(
                 "workqueue_retries_total",
                 "Total number of retries handled by workqueue",
+                &["name"],
+            )?,
+            lists: counter(
+                "capm_watch_lists_total",
+                "Completed lists of the kind's watch: the first, and each re-list after a watch could not resume",
                 &["name"],
             )?,
             resends: counter(

@@ -444,7 +444,7 @@ mod tests {
                 })
                 .collect())
         });
-        let poller = Poller::new(Arc::new(mock), Leadership::default(), timings());
+        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings());
         let mut wakes = poller.take_wakes::<MailgunCluster>().unwrap();
         assert!(poller.take_wakes::<MailgunCluster>().is_none());
         for n in 0..250 {
@@ -500,7 +500,7 @@ mod tests {
                 Ok(vec![Delivery::Delivered; mails.len()])
             }
         });
-        let poller = Poller::new(Arc::new(mock), Leadership::default(), timings());
+        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings());
         for n in 0..3 {
             let obj = cluster(&format!("c{n}"));
             poller.track(
@@ -529,7 +529,7 @@ mod tests {
         mock.expect_delivery_batch_size().return_const(100usize);
         let poller = Poller::new(
             Arc::new(mock),
-            Leadership::default(),
+            Leadership::unelected("test"),
             Timings {
                 retention: Duration::from_millis(100),
                 base: Duration::from_secs(30),
@@ -556,7 +556,7 @@ mod tests {
     fn backoff_doubles_to_the_max() {
         let poller = Poller::new(
             Arc::new(MockMailer::new()),
-            Leadership::default(),
+            Leadership::unelected("test"),
             timings(),
         );
         let waits: Vec<_> = (1..8).map(|p| poller.backoff(p)).collect();

@@ -30,7 +30,6 @@ use crate::{
         records::IntentState,
     },
     status::{Readiness, Status},
-    statuses::Kept,
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
@@ -120,23 +119,16 @@ pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Actio
         Ok(_) => "success",
         Err(e) => e.metric_label(),
     };
-    match &result {
-        Ok(_) => ctx.succeeded(&key(&*obj)),
-        Err(e) if e.is_wait() => {}
-        Err(_) => {}
+    if result.is_ok() {
+        ctx.memory.succeeded(&obj.uid().unwrap_or_default());
     }
     drop(guard);
     result
 }
 
-/// Per-object key for backoff bookkeeping.
-pub fn key(obj: &impl ResourceExt) -> String {
-    format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
-}
-
 async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    if ctx.is_stale(&uid, obj.resource_version().as_deref()) {
+    if ctx.memory.is_stale(&uid, obj.resource_version().as_deref()) {
         // Our own newer write is on its way to the cache (or the object is gone); its event
         // triggers the next pass.
         return Ok(Action::await_change());
@@ -147,25 +139,17 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();
     let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
-    // The runner's cache keeps statuses and our annotations packed, beside the objects
-    // (`crate::statuses`); an object that never went through it speaks for itself.
-    let kept = K::statuses(ctx).get(&uid).unwrap_or_else(|| Kept {
-        status: obj.clone().take_status().unwrap_or_default(),
-        annotations: obj.annotations().clone(),
-    });
-    let managed_elsewhere = kept.annotations.contains_key(names::MANAGED_BY_ANNOTATION);
+    // One snapshot: spec, metadata, annotations and status all come from the same cached copy.
+    let managed_elsewhere = obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION);
     if managed_elsewhere && !(deleting && has_finalizer) {
         // Someone else manages it; but our own finalizer, if we ever set it, is ours to release.
         return Ok(Action::await_change());
     }
-    let Kept {
-        status: original,
-        annotations,
-    } = kept;
+    let original = obj.shared_status();
     let mut report = Report {
         status: original.clone(),
         ready: Readiness::Unchanged,
-        annotations,
+        annotations: obj.annotations().clone(),
     };
     report.status.observed_generation = obj.meta().generation;
     let outcome = if managed_elsewhere {
@@ -179,7 +163,7 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         Err(_) => false,
     };
     if gone {
-        ctx.gone(&uid);
+        ctx.forget(&uid);
         return Ok(Action::await_change());
     }
     let Report {
@@ -208,7 +192,7 @@ async fn write_status<K: InfraKind>(
         )
         .await
         .map_err(ReconcileError::kube("writing status"))?;
-    ctx.expect_version(
+    ctx.memory.expect_version(
         &obj.uid().unwrap_or_default(),
         written.resource_version().as_deref(),
     );
@@ -237,7 +221,7 @@ fn owner_of<K: InfraKind>(obj: &K, ctx: &Ctx) -> Owner<K::Owner> {
             K::OWNER_KIND
         ));
     };
-    let Some(owner) = K::owner_in_cache(ctx, &namespace, &reference.name) else {
+    let Some(owner) = K::owner_in_cache(&ctx.owners, &namespace, &reference.name) else {
         return Owner::NotSeen(format!(
             "waiting for the owner {} {} to be seen",
             K::OWNER_KIND,
@@ -295,7 +279,7 @@ async fn steps<K: InfraKind>(
         }
     };
 
-    let cluster = K::cluster_in_cache(ctx, obj, &owner);
+    let cluster = K::cluster_in_cache(&ctx.owners, obj, &owner);
     let paused = report.annotations.contains_key(names::PAUSED_ANNOTATION)
         || cluster.as_deref().is_some_and(capi::Cluster::paused);
     if paused {
@@ -305,6 +289,9 @@ async fn steps<K: InfraKind>(
             reasons::PAUSED,
             "reconciliation is paused",
         );
+        // `Ready` says why nothing moves: a blocker of an earlier pass (the owner, say) is
+        // not what holds the object now. A ready object stays ready: pausing unprovisions nothing.
+        report.ready = Readiness::Paused;
         return Ok(Pass::wait());
     }
     report
@@ -389,7 +376,7 @@ async fn reconcile_normal<K: InfraKind>(
         report.block(reasons::INVALID_SPEC, message.clone());
         return Err(ReconcileError::InvalidSpec(message));
     }
-    let text = match obj.request_mail(ctx, owner) {
+    let text = match obj.request_mail(&ctx.owners, owner) {
         Ok(text) => text,
         Err(wait) => {
             report.block(wait.reason, wait.message);

@@ -125,6 +125,9 @@ pub enum Readiness {
     },
     /// The mail step ran: `Ready` summarizes `MailSent` and `Provisioned`.
     Summary,
+    /// Reconciliation is paused: a ready object stays ready; any other is not ready because it
+    /// is paused (not for whatever an earlier pass found).
+    Paused,
 }
 
 impl Status {
@@ -134,6 +137,19 @@ impl Status {
     pub fn set_ready(&mut self, readiness: Readiness) {
         let (ready, reason, message) = match readiness {
             Readiness::Unchanged => return,
+            Readiness::Paused => {
+                if self
+                    .condition(conditions::READY)
+                    .is_some_and(|c| c.status == "True")
+                {
+                    return;
+                }
+                (
+                    false,
+                    capm_api::names::reasons::PAUSED.to_owned(),
+                    "reconciliation is paused".to_owned(),
+                )
+            }
             Readiness::Blocked { reason, message } => (false, reason.to_owned(), message),
             Readiness::Summary => {
                 let parts = [conditions::MAIL_SENT, conditions::PROVISIONED]
@@ -180,6 +196,26 @@ mod tests {
         );
         s.set_condition("Ready", true, "Done", "done");
         assert_ne!(s.condition("Ready").unwrap().last_transition_time, first);
+    }
+
+    #[test]
+    fn a_paused_object_is_not_ready_for_being_paused_unless_it_was_ready() {
+        let mut s = Status::default();
+        s.set_ready(Readiness::Blocked {
+            reason: "WaitingForOwner",
+            message: "waiting for Cluster API to set an owner Cluster".into(),
+        });
+        s.set_ready(Readiness::Paused);
+        let c = s.condition(conditions::READY).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
+            ("False", "Paused", "reconciliation is paused")
+        );
+        let mut ready = Status::default();
+        ready.set_condition(conditions::READY, true, "Provisioned", "");
+        let before = ready.clone();
+        ready.set_ready(Readiness::Paused);
+        assert_eq!(ready, before, "pausing unprovisions nothing");
     }
 
     #[test]

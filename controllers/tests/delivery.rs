@@ -338,11 +338,8 @@ async fn only_a_leading_process_asks() {
         Duration::from_secs(10),
     );
     leadership.renewed(std::time::Instant::now());
-    let cfg = capm_controllers::Config {
-        leadership: leadership.clone(),
-        ..config(&env)
-    };
-    env.start_with(cfg).await;
+    env.leadership = leadership.clone();
+    env.start_with(config(&env)).await;
     env.create_mailgun_cluster("l1").await;
     env.create_owner_cluster("l1", false).await;
     wait_for_reason(&env, "l1", reasons::DELIVERY_PENDING).await;

@@ -157,9 +157,16 @@ pub struct Args {
     #[arg(long, env = "BACKOFF_BASE", value_name = "DURATION", default_value = "500ms", value_parser = duration)]
     pub backoff_base: Duration,
 
-    /// Longest retry delay of an object, also the delay after a permanent error.
+    /// Longest retry delay of an object after errors. Permanent errors are not retried on a
+    /// timer: the object's next change, or the sync period, reconciles it again.
     #[arg(long, env = "BACKOFF_MAX", value_name = "DURATION", default_value = "5m", value_parser = duration)]
     pub backoff_max: Duration,
+
+    /// Every object is reconciled at least once per this period even when no event asks for it
+    /// (controller-runtime's SyncPeriod), spread evenly over the period; a reconcile that finds
+    /// nothing changed writes nothing.
+    #[arg(long, env = "SYNC_PERIOD", value_name = "DURATION", default_value = "10h", value_parser = duration)]
+    pub sync_period: Duration,
 
     /// How long the mail backend must keep answering "not found" for a mail whose outcome was
     /// unknown before it is sent again (event stores lag behind sends).
@@ -259,7 +266,8 @@ pub struct Args {
     #[arg(long, env = "LEADER_ELECT_RETRY_PERIOD", value_name = "DURATION", default_value = "2s", value_parser = duration)]
     pub leader_elect_retry_period: Duration,
 
-    /// Port of the conversion webhook (HTTPS, all interfaces); `0` disables it.
+    /// Port of the webhooks (HTTPS, all interfaces): CRD conversion and the admission checks;
+    /// `0` disables it.
     #[arg(
         long,
         env = "WEBHOOK_PORT",
@@ -572,6 +580,9 @@ impl Settings {
         if args.lookup_grace.is_zero() {
             return Err(invalid(field!(lookup_grace), "must be positive"));
         }
+        if args.sync_period.is_zero() {
+            return Err(invalid(field!(sync_period), "must be positive"));
+        }
         if args.delivery_poll_base.is_zero() || args.delivery_poll_base > args.delivery_poll_max {
             return Err(invalid(
                 field!(delivery_poll_base),
@@ -663,9 +674,9 @@ impl Settings {
                 delivery_poll_base: args.delivery_poll_base,
                 delivery_poll_max: args.delivery_poll_max,
                 delivery_retention: args.mailgun_events_retention,
-                // Both are known only once the process runs (see `app::run`).
+                sync_period: args.sync_period,
+                // Known only once the process runs (see `app::run`).
                 instance: String::new(),
-                leadership: capm_controllers::Leadership::default(),
             },
             diagnostics,
             deprecations,

@@ -150,10 +150,8 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
     owner: Option<&OwnerCheck>,
 ) -> Result<Outcome, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    let mail_key = format!("{uid}/{}", which.label());
-    let object_key = crate::reconcile::key(obj);
     let generation = obj.meta().generation.unwrap_or_default();
-    let leadership = &ctx.config.leadership;
+    let leadership = &ctx.leadership;
     let mut lookup = None;
     // Each step either returns or changes the facts; a few rounds always suffice.
     for _ in 0..6 {
@@ -173,7 +171,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                     i.writer.as_deref(),
                     leadership.identity(),
                     i.at.map(|at| age(now, at)),
-                    ctx.first_seen_ago(&mail_key),
+                    ctx.memory.first_seen_ago(&uid, which),
                     leadership.handover(),
                 )
             },
@@ -184,10 +182,10 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             leading: leadership.may_act(),
             owner_deleting: owner.is_some_and(|o| o.deleting_in_cache),
             has_finalizer: tracked.has_finalizer(K::FINALIZER),
-            permanently_refused: ctx.permanently_refused(&mail_key, generation),
-            backoff_left: ctx.backoff_left(&object_key),
+            permanently_refused: ctx.memory.permanently_refused(&uid, which, generation),
+            backoff_left: ctx.memory.backoff_left(&uid),
             lookup: lookup.clone(),
-            not_found_for: ctx.not_found_for(&mail_key),
+            not_found_for: ctx.memory.not_found_for(&uid, which),
             lookup_grace: ctx.config.lookup_grace,
         };
         let id = found
@@ -254,7 +252,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             }
             Step::RecordFound => {
                 info!(kind = K::KIND, name = %obj.name_any(), %id, "the backend already accepted the pending mail");
-                ctx.clear_mail(&mail_key);
+                ctx.memory.clear_mail(&uid, which);
                 let sent = Sent {
                     message_id: Some(id.clone()),
                     backend_id: id.clone(),
@@ -267,7 +265,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 });
             }
             Step::StartLookupGrace(wait) => {
-                ctx.start_not_found(&mail_key);
+                ctx.memory.start_not_found(&uid, which);
                 return Err(ReconcileError::AwaitingLookup(wait));
             }
             Step::AwaitLookupGrace(wait) => return Err(ReconcileError::AwaitingLookup(wait)),
@@ -331,7 +329,7 @@ async fn write_intent<K: InfraKind>(
 ) -> Result<(), ReconcileError> {
     let intent = Intent {
         message_id: id.to_owned(),
-        writer: Some(ctx.config.leadership.identity().to_owned()),
+        writer: Some(ctx.leadership.identity().to_owned()),
         at: Some(Timestamp::now()),
         state: IntentState::Sending,
     };
@@ -386,14 +384,13 @@ async fn send<K: InfraKind>(
     fresh: bool,
 ) -> Result<Outcome, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    let mail_key = format!("{uid}/{}", which.label());
     let message = build_message(obj, ctx, text, id, which)?;
-    if !ctx.config.leadership.may_act() {
+    if !ctx.leadership.may_act() {
         return Err(withheld::<K>(ctx, Withheld::NotLeading));
     }
     match ctx.mailer.send(&message).await {
         Ok(receipt) => {
-            ctx.clear_mail(&mail_key);
+            ctx.memory.clear_mail(&uid, which);
             crate::failpoint::hit("after-send");
             let sent = Sent {
                 message_id: Some(id.to_owned()),
@@ -443,8 +440,9 @@ async fn send<K: InfraKind>(
                         mark_refused(obj, ctx, tracked, which).await;
                     }
                     if error.kind() == ErrorKind::Permanent {
-                        ctx.mark_permanently_refused(
-                            &mail_key,
+                        ctx.memory.mark_permanently_refused(
+                            &uid,
+                            which,
                             obj.meta().generation.unwrap_or_default(),
                         );
                     }
@@ -493,7 +491,7 @@ async fn vanished_after_send<K: InfraKind>(obj: &K, ctx: &Ctx, which: Which) -> 
         info!(kind = K::KIND, name = %obj.name_any(), "the object vanished right after its request went out; sending its release");
         let mut delay = Duration::from_millis(500);
         for attempt in 1..=4 {
-            if !ctx.config.leadership.may_act() {
+            if !ctx.leadership.may_act() {
                 break;
             }
             let result = match build_message(obj, ctx, &text, &id, Which::Deletion) {
@@ -548,7 +546,7 @@ pub(crate) fn adopt<K: InfraKind>(ctx: &Ctx, tracked: &mut Tracked, written: &K)
     tracked.resource_version = written.resource_version();
     tracked.annotations = written.annotations().clone();
     tracked.finalizers = written.finalizers().to_vec();
-    ctx.expect_version(
+    ctx.memory.expect_version(
         &written.uid().unwrap_or_default(),
         written.resource_version().as_deref(),
     );

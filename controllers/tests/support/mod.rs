@@ -30,6 +30,8 @@ pub struct Env {
     pub ns: TestNamespace,
     pub mailgun: MailgunServer,
     pub registry: prometheus::Registry,
+    /// The controllers' leadership at their next start (unelected: they always act).
+    pub leadership: capm_controllers::Leadership,
     key_file: tempfile::NamedTempFile,
     running: Option<Running>,
 }
@@ -46,6 +48,7 @@ impl Env {
             ns,
             mailgun,
             registry: prometheus::Registry::new(),
+            leadership: capm_controllers::Leadership::unelected("test"),
             key_file,
             running: None,
         }
@@ -65,7 +68,7 @@ impl Env {
             delivery_poll_max: Duration::from_secs(30 * 60),
             delivery_retention: Duration::from_secs(72 * 3600),
             instance: "test".into(),
-            leadership: capm_controllers::Leadership::unelected("test"),
+            sync_period: Duration::from_secs(10 * 3600),
         }
     }
 
@@ -108,6 +111,7 @@ impl Env {
             self.ns.client.clone(),
             mailer,
             config,
+            self.leadership.clone(),
             metrics,
             async move {
                 let _ = rx.await;

@@ -127,14 +127,11 @@ pub fn measure(pairs: usize) -> anyhow::Result<Floor> {
 type Kept = (Box<dyn std::any::Any>, Box<dyn std::any::Any>);
 
 fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
-    // The provider keeps statuses packed beside the store; they count too.
-    let statuses = std::sync::Arc::new(capm_controllers::StatusCache::default());
-    let kept = statuses.clone();
     let (bytes, stores) = fill(
         pairs,
         move |i| {
             let mut mgc: MailgunCluster = serde_json::from_value(finished(i))?;
-            capm_controllers::cache_mailgun_cluster(&mut mgc, &statuses);
+            capm_controllers::trim::ours(&mut mgc);
             Ok(mgc)
         },
         |i| {
@@ -154,7 +151,7 @@ fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
             cluster
         },
     )?;
-    Ok((bytes, (Box::new((stores.0, kept)), stores.1)))
+    Ok((bytes, stores))
 }
 
 fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {

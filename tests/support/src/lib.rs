@@ -31,6 +31,7 @@ mod namespace;
 pub mod node;
 pub mod pki;
 pub mod process;
+pub mod proxy;
 
 pub use control_plane::{
     ControlPlane, KUBERNETES_VERSION, Options, client_from_kubeconfig, config_from_kubeconfig,

@@ -18,7 +18,10 @@
 //! seconds strikes mid-send when it can: the leader stops itself at its next commit point, with
 //! the request on the wire, through the `before-commit` failpoint armed by file; if no send
 //! reaches it within 3 s, an outside SIGSTOP as for the others); and, for both lanes at once,
-//! a kube-apiserver restart (SIGKILL, same flags, etcd data kept). A human plays along: every
+//! a kube-apiserver restart (SIGKILL, same flags, etcd data kept: the watches cannot resume and
+//! re-list); and a network partition of the leading replica for 3-20 s (each replica reaches the
+//! API server only through a TCP proxy of its own, which closes every connection while cut;
+//! beyond the 10 s renew deadline the standby takes over). A human plays along: every
 //! request mail of a `MailgunCluster` is fulfilled with the command it gives
 //! (`spec.controlPlaneEndpoint`), which lets Cluster API provision the cluster and the machines
 //! be requested. After the last round every `Cluster` is unpaused and deleted and the checks run

@@ -110,15 +110,43 @@ enum Fault {
 /// One planned operation of a lane.
 #[derive(Debug, Clone)]
 enum Op {
-    Create { cluster: String, replicas: u32 },
-    Delete { cluster: String, unpause: bool },
-    Scale { cluster: String, replicas: u32 },
-    Burst { cluster: String, up: u32, down: u32 },
-    Pause { cluster: String },
-    Unpause { cluster: String },
-    Fault { fault: Fault, lasts: Duration },
-    KillLeader { restart_after: Duration },
-    FreezeLeader { lasts: Duration },
+    Create {
+        cluster: String,
+        replicas: u32,
+    },
+    Delete {
+        cluster: String,
+        unpause: bool,
+    },
+    Scale {
+        cluster: String,
+        replicas: u32,
+    },
+    Burst {
+        cluster: String,
+        up: u32,
+        down: u32,
+    },
+    Pause {
+        cluster: String,
+    },
+    Unpause {
+        cluster: String,
+    },
+    Fault {
+        fault: Fault,
+        lasts: Duration,
+    },
+    KillLeader {
+        restart_after: Duration,
+    },
+    FreezeLeader {
+        lasts: Duration,
+    },
+    /// Cuts the leader off the API server (its proxy closes every connection) for a while.
+    PartitionLeader {
+        lasts: Duration,
+    },
     Sleep(Duration),
 }
 
@@ -131,6 +159,8 @@ pub struct Plan {
 /// One provider process.
 struct Replica {
     proc: Proc,
+    /// The only way it reaches the API server.
+    proxy: capm_test_support::proxy::TcpProxy,
     metrics: String,
     name: String,
     frozen: bool,
@@ -403,6 +433,18 @@ impl Lane {
         };
         let name = format!("{}-{n}", self.backend);
         let metrics = format!("127.0.0.1:{}", free_port()?);
+        let server = self.cp.server().to_owned();
+        let upstream: std::net::SocketAddr = server
+            .trim_start_matches("https://")
+            .parse()
+            .context("the API server's address")?;
+        let proxy = capm_test_support::proxy::TcpProxy::start(upstream)?;
+        let kubeconfig = self.logs.join(format!("{name}.kubeconfig"));
+        std::fs::write(
+            &kubeconfig,
+            std::fs::read_to_string(&self.kubeconfig)?
+                .replace(&server, &format!("https://{}", proxy.addr())),
+        )?;
         let mut cmd = Command::new(provider_binary()?);
         cmd.env_clear()
             .env("RUST_LOG", "info")
@@ -410,7 +452,7 @@ impl Lane {
             .env("MAIL_RECIPIENT", RECIPIENT)
             .env("MAILGUN_API_KEY", API_KEY)
             .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
+            .arg(&kubeconfig)
             .args([
                 "--namespace",
                 &self.ns,
@@ -432,6 +474,7 @@ impl Lane {
         self.cp.adopt(proc.pid())?;
         Ok(Replica {
             proc,
+            proxy,
             metrics,
             name,
             frozen: false,
@@ -540,6 +583,14 @@ impl Lane {
                 }
             };
             ops.push(op);
+            if chaos_at == i && (24..34).contains(&chaos) {
+                // A partition: the leader's watches end, its writes and Lease renewals fail;
+                // longer than the renew deadline, the standby takes over.
+                ops.push(Op::Sleep(Duration::from_millis(rng.random_range(0..400))));
+                ops.push(Op::PartitionLeader {
+                    lasts: Duration::from_secs(rng.random_range(3..=20)),
+                });
+            }
             if chaos_at == i && chaos < 24 {
                 // Strike while the operation's mails are in flight; a freeze often comes with
                 // a slow backend, so that sends are still waiting for their answer.
@@ -727,6 +778,29 @@ impl Lane {
         Ok(())
     }
 
+    async fn partition_leader(&self, lasts: Duration) -> Result<()> {
+        let Some(i) = self.leader().await else {
+            self.note("partition: no replica leads; skipped");
+            return Ok(());
+        };
+        let name = {
+            let replicas = lock(&self.replicas);
+            replicas[i].proxy.cut();
+            replicas[i].name.clone()
+        };
+        self.note(format!(
+            "partition: {name} cut off the API server for {lasts:?}"
+        ));
+        tokio::time::sleep(lasts).await;
+        // The replica may have exited (a lost Lease) and been replaced meanwhile: its proxy
+        // went with it.
+        if let Some(r) = lock(&self.replicas).iter().find(|r| r.name == name) {
+            r.proxy.restore();
+        }
+        self.note(format!("partition: {name} reconnected"));
+        Ok(())
+    }
+
     async fn freeze_leader(&self, lasts: Duration) -> Result<()> {
         let Some(i) = self.leader().await else {
             self.note("freeze: no replica leads; skipped");
@@ -883,6 +957,9 @@ impl Lane {
                     }
                     Op::FreezeLeader { lasts } => {
                         background.push(Box::pin(self.freeze_leader(lasts)))
+                    }
+                    Op::PartitionLeader { lasts } => {
+                        background.push(Box::pin(self.partition_leader(lasts)))
                     }
                 }
             }

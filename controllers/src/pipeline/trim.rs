@@ -6,9 +6,10 @@
 //! labels and annotations of other controllers. What stays:
 //!
 //! - our objects: name, namespace, UID, `resourceVersion`, generation, deletion timestamp,
-//!   finalizers (written back whole when ours is removed), owner references, spec, and the
-//!   labels their kind names ([`InfraKind::CACHED_LABELS`]); their status and the annotations in
-//!   [`READ_ANNOTATIONS`] are kept packed beside the store by the runner ([`crate::statuses`]);
+//!   finalizers (written back whole when ours is removed), owner references, spec, status, the
+//!   annotations in [`READ_ANNOTATIONS`] and the labels their kind names
+//!   ([`InfraKind::CACHED_LABELS`]): one cached copy is one consistent snapshot of everything a
+//!   reconcile reads;
 //! - Cluster API `Cluster`s and `Machine`s (never written): name, namespace, UID,
 //!   `resourceVersion`, generation, the partial spec and status of [`crate::capi`], and for
 //!   Machines the `cluster.x-k8s.io/cluster-name` label.
@@ -48,7 +49,7 @@ fn retain_keys(map: &mut Option<BTreeMap<String, String>>, keep: &[&str]) {
 }
 
 /// Trims one of our objects before it enters the cache.
-pub fn trim_ours<K: InfraKind>(obj: &mut K) {
+pub fn ours<K: InfraKind>(obj: &mut K) {
     let meta = obj.meta_mut();
     meta.managed_fields = None;
     retain_keys(&mut meta.annotations, &READ_ANNOTATIONS);
@@ -67,12 +68,12 @@ fn trim_capi_meta(
 }
 
 /// Trims a Cluster API `Cluster` before it enters the cache.
-pub fn trim_cluster(cluster: &mut Cluster) {
+pub fn cluster(cluster: &mut Cluster) {
     trim_capi_meta(cluster.meta_mut(), &[]);
 }
 
 /// Trims a Cluster API `Machine` before it enters the cache.
-pub fn trim_machine(machine: &mut Machine) {
+pub fn machine(machine: &mut Machine) {
     trim_capi_meta(machine.meta_mut(), &MACHINE_LABELS);
 }
 
@@ -121,6 +122,7 @@ mod tests {
             "kind": kind,
             "metadata": meta(),
             "spec": { "priority": "Urgent", "request": "r", "requester": "a@example.com" },
+            "status": { "mail": { "messageID": "<a@b>", "state": "Sent" } },
         }))
         .expect("valid object")
     }
@@ -129,7 +131,9 @@ mod tests {
     fn our_objects_keep_what_a_reconcile_reads() {
         let mut mgc: MailgunCluster = json("MailgunCluster");
         let spec = mgc.spec.clone();
-        trim_ours(&mut mgc);
+        let status = mgc.status.clone();
+        ours(&mut mgc);
+        assert_eq!(mgc.status, status, "the status stays with its object");
         let m = &mgc.metadata;
         assert_eq!(m.managed_fields, None);
         let annotations: Vec<_> = m.annotations.iter().flatten().map(|(k, _)| k).collect();
@@ -158,7 +162,7 @@ mod tests {
         assert_eq!(mgc.spec, spec);
 
         let mut mgm: MailgunMachine = json("MailgunMachine");
-        trim_ours(&mut mgm);
+        ours(&mut mgm);
         let labels: Vec<_> = mgm.metadata.labels.iter().flatten().collect();
         assert_eq!(
             labels,
@@ -170,7 +174,7 @@ mod tests {
     fn cluster_api_objects_keep_names_and_the_cluster_label() {
         let mut cluster = Cluster::new("a", Default::default());
         cluster.metadata = meta();
-        trim_cluster(&mut cluster);
+        super::cluster(&mut cluster);
         let m = &cluster.metadata;
         assert_eq!(
             (&m.annotations, &m.labels, &m.finalizers, &m.managed_fields),
@@ -180,7 +184,7 @@ mod tests {
 
         let mut machine = Machine::new("m", Default::default());
         machine.metadata = meta();
-        trim_machine(&mut machine);
+        super::machine(&mut machine);
         assert_eq!(machine.cluster_name().as_deref(), Some("c"));
         assert_eq!(machine.metadata.labels.as_ref().map(BTreeMap::len), Some(1));
     }

@@ -1,0 +1,300 @@
+//! What this process remembers about each object, in one place, by UID.
+//!
+//! Nothing here is durable: it only makes retries slower, lookups patient and writes fewer. It
+//! is forgotten in one call ([`Memory::forget`]) when the object is gone (its finalizer removed,
+//! a watch's deletion, a list that no longer has it), and a forgotten UID is never remembered
+//! again (for [`TOMBSTONE_TTL`], far longer than any cached copy of it can linger), so what a
+//! reconcile still in flight for a gone object records is dropped, not leaked.
+
+use std::{
+    collections::HashMap,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use crate::sendonce::Which;
+
+/// How long a gone object's UID is remembered, so stale cached copies of it are ignored.
+pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
+
+/// What this process remembers about one mail of one object.
+#[derive(Debug, Clone, Copy, Default)]
+struct MailMemory {
+    /// When this process first saw the mail's intent.
+    first_seen: Option<Instant>,
+    /// Since when lookups have answered "not found".
+    not_found_since: Option<Instant>,
+    /// The generation at which the backend refused this mail permanently.
+    refused_at_generation: Option<i64>,
+}
+
+impl MailMemory {
+    fn is_empty(&self) -> bool {
+        self.first_seen.is_none()
+            && self.not_found_since.is_none()
+            && self.refused_at_generation.is_none()
+    }
+}
+
+/// Everything remembered about one object.
+#[derive(Debug, Clone, Default)]
+struct Object {
+    /// Consecutive failed reconciles.
+    failures: u32,
+    /// No send before this instant (the last failure's retry delay).
+    not_before: Option<Instant>,
+    /// The `resourceVersion` our own last write produced.
+    expected_version: Option<u64>,
+    /// The request mail and the release mail.
+    mails: [MailMemory; 2],
+}
+
+impl Object {
+    fn is_empty(&self) -> bool {
+        self.failures == 0
+            && self.not_before.is_none()
+            && self.expected_version.is_none()
+            && self.mails.iter().all(MailMemory::is_empty)
+    }
+}
+
+fn slot(which: Which) -> usize {
+    match which {
+        Which::Request => 0,
+        Which::Deletion => 1,
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    objects: HashMap<Box<str>, Object>,
+    /// UIDs of gone objects, with when they went.
+    tombstones: HashMap<Box<str>, Instant>,
+}
+
+/// The per-object memory of the controllers, keyed by UID.
+#[derive(Default)]
+pub struct Memory {
+    inner: Mutex<Inner>,
+}
+
+impl Memory {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads `uid`'s memory (a default one when there is none).
+    fn read<T>(&self, uid: &str, f: impl FnOnce(&Object) -> T) -> T {
+        let inner = self.lock();
+        f(inner.objects.get(uid).unwrap_or(&Object::default()))
+    }
+
+    /// Changes `uid`'s memory; nothing for a gone object; an entry left empty is removed.
+    fn change<T>(&self, uid: &str, f: impl FnOnce(&mut Object) -> T) -> Option<T> {
+        let mut inner = self.lock();
+        if inner.tombstones.contains_key(uid) {
+            return None;
+        }
+        let object = inner.objects.entry(uid.into()).or_default();
+        let out = f(object);
+        if object.is_empty() {
+            inner.objects.remove(uid);
+        }
+        Some(out)
+    }
+
+    /// Counts one more failure of `uid`; `delay(count)` gives its retry delay, which also
+    /// gates its sends. Returns the delay.
+    pub fn failed(&self, uid: &str, delay: impl FnOnce(u32) -> Duration) -> Duration {
+        let mut inner = self.lock();
+        if inner.tombstones.contains_key(uid) {
+            return delay(1);
+        }
+        let object = inner.objects.entry(uid.into()).or_default();
+        object.failures = object.failures.saturating_add(1);
+        let d = delay(object.failures);
+        object.not_before = Some(Instant::now() + d);
+        d
+    }
+
+    /// How long sends of `uid` must still wait after its last failure (zero: none).
+    pub fn backoff_left(&self, uid: &str) -> Duration {
+        self.read(uid, |o| {
+            o.not_before.map_or(Duration::ZERO, |at| {
+                at.saturating_duration_since(Instant::now())
+            })
+        })
+    }
+
+    /// `uid` reconciled successfully: its failures are forgotten.
+    pub fn succeeded(&self, uid: &str) {
+        self.change(uid, |o| {
+            o.failures = 0;
+            o.not_before = None;
+        });
+    }
+
+    /// Remembers the `resourceVersion` our own write produced, so a reconcile that starts from
+    /// an older cached copy waits for the cache instead of acting on stale data.
+    pub fn expect_version(&self, uid: &str, resource_version: Option<&str>) {
+        if let Some(rv) = resource_version.and_then(|v| v.parse::<u64>().ok()) {
+            self.change(uid, |o| o.expected_version = Some(rv));
+        }
+    }
+
+    /// True when the cached copy predates our own last write, or the object is gone.
+    pub fn is_stale(&self, uid: &str, resource_version: Option<&str>) -> bool {
+        let mut inner = self.lock();
+        if inner.tombstones.contains_key(uid) {
+            return true;
+        }
+        let Some(object) = inner.objects.get_mut(uid) else {
+            return false;
+        };
+        let Some(expected) = object.expected_version else {
+            return false;
+        };
+        match resource_version.and_then(|v| v.parse::<u64>().ok()) {
+            Some(seen) if seen < expected => true,
+            _ => {
+                object.expected_version = None;
+                if object.is_empty() {
+                    inner.objects.remove(uid);
+                }
+                false
+            }
+        }
+    }
+
+    /// How long ago this process first saw the intent of `uid`'s mail (now, the first time).
+    pub fn first_seen_ago(&self, uid: &str, which: Which) -> Duration {
+        self.change(uid, |o| {
+            o.mails[slot(which)]
+                .first_seen
+                .get_or_insert_with(Instant::now)
+                .elapsed()
+        })
+        .unwrap_or(Duration::ZERO)
+    }
+
+    /// Since how long lookups answer "not found" for `uid`'s mail, if they do.
+    pub fn not_found_for(&self, uid: &str, which: Which) -> Option<Duration> {
+        self.read(uid, |o| o.mails[slot(which)].not_found_since)
+            .map(|at| at.elapsed())
+    }
+
+    /// A lookup answered "not found" for the first time.
+    pub fn start_not_found(&self, uid: &str, which: Which) {
+        self.change(uid, |o| {
+            o.mails[slot(which)].not_found_since = Some(Instant::now());
+        });
+    }
+
+    /// The backend refused `uid`'s mail permanently at `generation`.
+    pub fn mark_permanently_refused(&self, uid: &str, which: Which, generation: i64) {
+        self.change(uid, |o| {
+            o.mails[slot(which)].refused_at_generation = Some(generation);
+        });
+    }
+
+    /// True when the backend refused `uid`'s mail permanently at this `generation`.
+    pub fn permanently_refused(&self, uid: &str, which: Which, generation: i64) -> bool {
+        self.read(uid, |o| {
+            o.mails[slot(which)].refused_at_generation == Some(generation)
+        })
+    }
+
+    /// The mail went out or was found: forget its attempts.
+    pub fn clear_mail(&self, uid: &str, which: Which) {
+        self.change(uid, |o| o.mails[slot(which)] = MailMemory::default());
+    }
+
+    /// The object `uid` is gone: everything about it is forgotten, and every cached copy of it
+    /// is stale from now on (for [`TOMBSTONE_TTL`]).
+    pub fn forget(&self, uid: &str) {
+        let mut inner = self.lock();
+        inner.objects.remove(uid);
+        let now = Instant::now();
+        inner
+            .tombstones
+            .retain(|_, at| now.duration_since(*at) < TOMBSTONE_TTL);
+        inner.tombstones.insert(uid.into(), now);
+        if inner.objects.is_empty() {
+            inner.objects.shrink_to_fit();
+        }
+    }
+
+    /// How many objects are remembered (gone ones not counted).
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.lock().objects.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gone_object_stays_stale_whatever_copy_arrives_and_is_not_remembered_again() {
+        let memory = Memory::default();
+        memory.expect_version("u1", Some("120"));
+        memory.mark_permanently_refused("u1", Which::Request, 3);
+        memory.forget("u1");
+        assert_eq!(memory.len(), 0);
+        assert!(memory.is_stale("u1", Some("100")));
+        assert!(memory.is_stale("u1", Some("121")));
+        assert!(!memory.is_stale("u2", Some("1")));
+        // A reconcile still in flight records nothing for it.
+        memory.failed("u1", |_| Duration::from_secs(1));
+        memory.start_not_found("u1", Which::Deletion);
+        assert_eq!(memory.len(), 0);
+        assert!(!memory.permanently_refused("u1", Which::Request, 3));
+    }
+
+    #[test]
+    fn permanent_refusals_are_remembered_per_generation_and_mail() {
+        let memory = Memory::default();
+        memory.mark_permanently_refused("u", Which::Request, 3);
+        assert!(memory.permanently_refused("u", Which::Request, 3));
+        assert!(!memory.permanently_refused("u", Which::Request, 4));
+        assert!(!memory.permanently_refused("u", Which::Deletion, 3));
+        memory.clear_mail("u", Which::Request);
+        assert!(!memory.permanently_refused("u", Which::Request, 3));
+        assert_eq!(memory.len(), 0, "an entry left empty is removed");
+    }
+
+    #[test]
+    fn a_cache_older_than_our_write_is_stale_until_it_caught_up() {
+        let memory = Memory::default();
+        memory.expect_version("u1", Some("120"));
+        assert!(memory.is_stale("u1", Some("100")));
+        assert!(!memory.is_stale("u1", Some("120")));
+        assert!(
+            !memory.is_stale("u1", Some("100")),
+            "the expectation is gone"
+        );
+        assert_eq!(memory.len(), 0);
+    }
+
+    #[test]
+    fn failures_count_per_object_and_gate_sends() {
+        let memory = Memory::default();
+        let counts: Vec<u32> = (0..3)
+            .map(|_| {
+                let mut seen = 0;
+                memory.failed("a", |n| {
+                    seen = n;
+                    Duration::from_secs(5)
+                });
+                seen
+            })
+            .collect();
+        assert_eq!(counts, [1, 2, 3]);
+        assert!(memory.backoff_left("a") > Duration::from_secs(4));
+        assert_eq!(memory.backoff_left("b"), Duration::ZERO);
+        memory.succeeded("a");
+        assert_eq!(memory.backoff_left("a"), Duration::ZERO);
+        assert_eq!(memory.len(), 0);
+    }
+}

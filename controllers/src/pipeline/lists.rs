@@ -1,0 +1,313 @@
+//! Reconciles that follow each list of a kind's watch, against the list's snapshot.
+//!
+//! kube-runtime's reflector keeps a store's old contents until a list (the first, or a re-list
+//! after a watch could not resume: `410 Gone`, a restarted API server) is complete, and swaps
+//! the new contents in at its end (`InitDone`); but it passes every listed object downstream as
+//! it arrives (`InitApply`). A controller fed by those objects (`Controller::new`, or
+//! `for_stream` over `applied_objects()`) looks each of them up in the store at once: an object
+//! created while the watch was down is not there yet, so its reconcile is dropped
+//! (`ObjectNotFound`); one deleted meanwhile is reconciled against its old copy, which is not
+//! being deleted, so nothing happens. After the swap nothing triggers either again (see
+//! `docs/kube-runtime-relist.md` for a minimal reproduction).
+//!
+//! [`AfterLists`] sits after the reflector and holds back what a list brings: it notes each
+//! listed object whose `resourceVersion` differs from the copy in the store before the list
+//! (new or changed), and when the list is complete (the store swapped) asks for exactly those
+//! reconciles, which then read the new snapshot. Objects the list no longer has are forgotten.
+//! Watch events after the list pass straight through: the reflector has applied them to the
+//! store before they arrive here.
+
+use std::collections::{HashMap, HashSet};
+
+use futures::channel::mpsc;
+use kube::{
+    Resource, ResourceExt,
+    runtime::{
+        reflector::{ObjectRef, Store},
+        watcher,
+    },
+};
+
+/// What the store held when a list began, and what the list brought so far.
+struct Listing<K: Resource<DynamicType = ()> + 'static> {
+    /// Each object of the old snapshot: its UID and `resourceVersion`.
+    before: HashMap<ObjectRef<K>, (String, Option<String>)>,
+    /// Listed objects that are new or changed since the old snapshot.
+    changed: Vec<ObjectRef<K>>,
+    /// UIDs of every listed object.
+    seen: HashSet<String>,
+}
+
+/// Turns a reflected watch stream's events into the objects to reconcile (see the module docs).
+pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
+    store: Store<K>,
+    listing: Option<Listing<K>>,
+    /// Where the reconciles a completed list asks for go (`Controller::reconcile_on`).
+    relisted: mpsc::UnboundedSender<ObjectRef<K>>,
+    /// Called with the UID of each object that is gone (a deletion, or absent from a list).
+    forget: Box<dyn Fn(&str) + Send + Sync>,
+}
+
+impl<K> AfterLists<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+{
+    /// An adapter over the reflector store `store`; the reconciles it asks for after each list
+    /// are sent to `relisted`.
+    pub(crate) fn new(
+        store: Store<K>,
+        relisted: mpsc::UnboundedSender<ObjectRef<K>>,
+        forget: impl Fn(&str) + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            store,
+            listing: None,
+            relisted,
+            forget: Box::new(forget),
+        }
+    }
+
+    /// One event, already applied by the reflector. Returns the object to reconcile now, if any.
+    pub(crate) fn on_event(&mut self, event: watcher::Event<K>) -> Option<K> {
+        match event {
+            watcher::Event::Apply(obj) => Some(obj),
+            watcher::Event::Delete(obj) => {
+                (self.forget)(&obj.uid().unwrap_or_default());
+                None
+            }
+            watcher::Event::Init => {
+                // The reflector has only cleared its buffer: the store still shows the old
+                // snapshot.
+                let before = self
+                    .store
+                    .state()
+                    .iter()
+                    .map(|o| {
+                        (
+                            ObjectRef::from_obj(&**o),
+                            (o.uid().unwrap_or_default(), o.resource_version()),
+                        )
+                    })
+                    .collect();
+                self.listing = Some(Listing {
+                    before,
+                    changed: Vec::new(),
+                    seen: HashSet::new(),
+                });
+                None
+            }
+            watcher::Event::InitApply(obj) => {
+                let listing = self.listing.get_or_insert_with(|| Listing {
+                    before: HashMap::new(),
+                    changed: Vec::new(),
+                    seen: HashSet::new(),
+                });
+                let uid = obj.uid().unwrap_or_default();
+                let reference = ObjectRef::from_obj(&obj);
+                let unchanged = listing
+                    .before
+                    .get(&reference)
+                    .is_some_and(|(u, rv)| *u == uid && *rv == obj.resource_version());
+                if !unchanged {
+                    listing.changed.push(reference);
+                }
+                listing.seen.insert(uid);
+                None
+            }
+            watcher::Event::InitDone => {
+                // The store now holds the list's snapshot.
+                if let Some(listing) = self.listing.take() {
+                    for (uid, _) in listing.before.values() {
+                        if !listing.seen.contains(uid) {
+                            (self.forget)(uid);
+                        }
+                    }
+                    for reference in listing.changed {
+                        // The receiver lives as long as the controller; a closed one means
+                        // it stopped.
+                        let _ = self.relisted.unbounded_send(reference);
+                    }
+                }
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use capm_api::v1beta1::MailgunCluster;
+    use futures::StreamExt;
+    use kube::runtime::reflector;
+
+    use super::*;
+
+    fn object(name: &str, uid: &str, rv: &str) -> MailgunCluster {
+        let mut o = MailgunCluster::new(
+            name,
+            serde_json::from_value(serde_json::json!({
+                "priority": "Urgent", "request": "r", "requester": "a@example.com",
+            }))
+            .expect("a valid spec"),
+        );
+        o.metadata.namespace = Some("ns".into());
+        o.metadata.uid = Some(uid.into());
+        o.metadata.resource_version = Some(rv.into());
+        o
+    }
+
+    /// Feeds `events` through a reflector writer and the adapter, as the pipeline does; returns
+    /// what passed straight through, what the lists asked for (with what the store held for
+    /// each when asked) and what was forgotten.
+    struct Rig {
+        writer: reflector::store::Writer<MailgunCluster>,
+        store: Store<MailgunCluster>,
+        adapter: AfterLists<MailgunCluster>,
+        relisted: mpsc::UnboundedReceiver<ObjectRef<MailgunCluster>>,
+        forgotten: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Rig {
+        fn new() -> Self {
+            let (store, writer) = reflector::store();
+            let (tx, relisted) = mpsc::unbounded();
+            let forgotten = Arc::new(Mutex::new(Vec::new()));
+            let f = forgotten.clone();
+            let adapter = AfterLists::new(store.clone(), tx, move |uid| {
+                f.lock().unwrap().push(uid.to_owned());
+            });
+            Self {
+                writer,
+                store,
+                adapter,
+                relisted,
+                forgotten,
+            }
+        }
+
+        fn feed(&mut self, event: watcher::Event<MailgunCluster>) -> Option<String> {
+            self.writer.apply_watcher_event(&event);
+            self.adapter.on_event(event).map(|o| o.name_any())
+        }
+
+        /// The reconciles asked for so far, each with the `resourceVersion` the store gives
+        /// for it now (what the reconcile would read).
+        fn asked(&mut self) -> Vec<(String, Option<String>)> {
+            let mut out = Vec::new();
+            while let Ok(r) = self.relisted.try_recv() {
+                let rv = self.store.get(&r).and_then(|o| o.resource_version());
+                out.push((r.name.clone(), rv));
+            }
+            out
+        }
+    }
+
+    fn list(rig: &mut Rig, objects: &[MailgunCluster]) {
+        use watcher::Event::*;
+        rig.feed(Init);
+        for o in objects {
+            assert_eq!(rig.feed(InitApply(o.clone())), None, "held back");
+        }
+        assert!(
+            rig.asked().is_empty(),
+            "nothing before the list is complete"
+        );
+        rig.feed(InitDone);
+    }
+
+    #[test]
+    fn the_first_list_asks_for_every_object_once_the_store_has_it() {
+        let mut rig = Rig::new();
+        list(&mut rig, &[object("a", "ua", "1"), object("b", "ub", "2")]);
+        assert_eq!(
+            rig.asked(),
+            [
+                ("a".into(), Some("1".into())),
+                ("b".into(), Some("2".into()))
+            ]
+        );
+    }
+
+    #[test]
+    fn a_relist_asks_for_new_and_changed_objects_against_the_new_snapshot_and_forgets_the_gone() {
+        use watcher::Event::*;
+        let mut rig = Rig::new();
+        list(
+            &mut rig,
+            &[
+                object("same", "u1", "1"),
+                object("changed", "u2", "2"),
+                object("deleted", "u3", "3"),
+                object("recreated", "u5", "5"),
+            ],
+        );
+        rig.asked();
+        assert_eq!(
+            rig.feed(Apply(object("same", "u1", "1"))),
+            Some("same".into())
+        );
+        // The watch could not resume; the re-list brings one unchanged object, one changed
+        // (now being deleted, say), one new, none of the deleted one, and another object
+        // under an old name with the same version number (a new UID).
+        list(
+            &mut rig,
+            &[
+                object("same", "u1", "1"),
+                object("changed", "u2", "20"),
+                object("new", "u4", "21"),
+                object("recreated", "u6", "5"),
+            ],
+        );
+        let mut asked = rig.asked();
+        asked.sort();
+        assert_eq!(
+            asked,
+            [
+                ("changed".into(), Some("20".into())),
+                ("new".into(), Some("21".into())),
+                ("recreated".into(), Some("5".into())),
+            ],
+            "only new or changed objects, each read from the new snapshot"
+        );
+        let mut forgotten = rig.forgotten.lock().unwrap().clone();
+        forgotten.sort();
+        assert_eq!(forgotten, ["u3", "u5"]);
+    }
+
+    #[test]
+    fn a_deletion_event_forgets_the_object() {
+        use watcher::Event::*;
+        let mut rig = Rig::new();
+        list(&mut rig, &[object("a", "ua", "1")]);
+        assert_eq!(rig.feed(Delete(object("a", "ua", "2"))), None);
+        assert_eq!(*rig.forgotten.lock().unwrap(), ["ua"]);
+    }
+
+    /// The behaviour this adapter works around, as kube-runtime 5.0 has it: a listed object
+    /// reaches the stream before the store has it (`docs/kube-runtime-relist.md`). When this
+    /// fails, kube-runtime changed: read the doc again.
+    #[tokio::test]
+    async fn kube_runtime_passes_a_listed_object_on_before_its_store_has_it() {
+        use kube::runtime::WatchStreamExt;
+        let (store, writer) = reflector::store::<MailgunCluster>();
+        let events = futures::stream::iter([
+            Ok(watcher::Event::Init),
+            Ok(watcher::Event::InitApply(object("a", "ua", "1"))),
+            Ok(watcher::Event::InitDone),
+        ]);
+        let mut applied = events.reflect(writer).applied_objects().boxed();
+        let first = applied.next().await.expect("an object").expect("no error");
+        assert_eq!(first.name_any(), "a");
+        assert!(
+            store.get(&ObjectRef::from_obj(&first)).is_none(),
+            "the store does not have the object its reconcile would look up"
+        );
+        assert!(applied.next().await.is_none());
+        assert!(
+            store.get(&ObjectRef::from_obj(&first)).is_some(),
+            "only after InitDone"
+        );
+    }
+}

@@ -1,0 +1,440 @@
+//! The watch/cache pipeline: one per kind, the same for both.
+//!
+//! For each of our kinds: watch (quick reconnects, [`watch_backoff`]) → trim ([`trim`]) →
+//! reflector store (one snapshot per object) → [`lists::AfterLists`] (a list's objects are
+//! reconciled once the store holds the list) → kube-runtime's `Controller`, which also takes the
+//! reconciles the Cluster API objects ask for ([`Pipelined::owner_triggers`]), the delivery
+//! poller's wake-ups and the sync period's ([`resync`]). The Cluster API caches are shared by
+//! both kinds and listed before any reconcile judges an owner ([`OwnerCaches`]).
+
+mod lists;
+mod resync;
+pub mod trim;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use capm_api::{
+    names,
+    v1beta1::{MailgunCluster, MailgunMachine},
+};
+use capm_mailer::Mailer;
+use futures::{FutureExt, StreamExt, future, stream::BoxStream};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::ListParams,
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::{self, Action},
+        reflector::{self, ObjectRef, Store, store::Writer},
+        utils::{Backoff, ResetTimerBackoff},
+        watcher::{self, ExponentialBackoff},
+    },
+};
+use tracing::{debug, info, warn};
+
+use crate::{
+    Config, Error, Leadership, Metrics,
+    capi::{Cluster, ContractRef, Machine, Owners},
+    context::{Ctx, ReconcileError},
+    events::Events,
+    kinds::InfraKind,
+    reconcile::reconcile,
+};
+
+/// Page size of lists: small pages keep the peak memory of a large list low.
+const PAGE_SIZE: u32 = 50;
+
+/// How a watch that failed tries again: from a quarter second, doubling to two seconds (plus up
+/// to as much jitter), so that watches are back within a few seconds of the API server
+/// answering again. kube-runtime's default climbs to 30 s, which after a partition of a minute
+/// left new objects unmailed for half a minute more. Four watches at one request per two
+/// seconds at most are no load for an API server that is coming back.
+fn watch_backoff() -> impl Backoff {
+    let exponential = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(250))
+        .with_max_delay(Duration::from_secs(2))
+        .with_factor(2.0)
+        .with_jitter()
+        .without_max_times();
+    ResetTimerBackoff::new(
+        ExponentialBackoff::from(exponential),
+        Duration::from_secs(60),
+    )
+}
+
+fn scoped<K>(client: &Client, config: &Config) -> Api<K>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match &config.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// The Cluster API caches, shared by both kinds: their writers until [`Self::drive`] runs them.
+struct OwnerCaches {
+    clusters: Writer<Cluster>,
+    machines: Writer<Machine>,
+    owners: Owners,
+}
+
+impl OwnerCaches {
+    fn new() -> Self {
+        let clusters = Writer::<Cluster>::new_shared(1024, ());
+        let machines = Writer::<Machine>::new_shared(1024, ());
+        let owners = Owners {
+            clusters: clusters.as_reader(),
+            machines: machines.as_reader(),
+        };
+        Self {
+            clusters,
+            machines,
+            owners,
+        }
+    }
+
+    fn no_subscription() -> Error {
+        Error::Config("the Cluster API cache refused a subscriber".into())
+    }
+
+    /// The `Cluster`s as they change, and all of them after each list (kube-runtime's shared
+    /// stores publish a list once it is complete).
+    fn clusters(&self) -> Result<BoxStream<'static, Arc<Cluster>>, Error> {
+        Ok(self
+            .clusters
+            .subscribe()
+            .ok_or_else(Self::no_subscription)?
+            .boxed())
+    }
+
+    /// The `Machine`s, as [`Self::clusters`].
+    fn machines(&self) -> Result<BoxStream<'static, Arc<Machine>>, Error> {
+        Ok(self
+            .machines
+            .subscribe()
+            .ok_or_else(Self::no_subscription)?
+            .boxed())
+    }
+
+    /// Runs both watches into their stores until `shutdown`. The Cluster API objects are not
+    /// filtered by `--watch-filter`: our objects decide what is reconciled.
+    async fn drive(
+        self,
+        client: Client,
+        config: Config,
+        shutdown: impl Future<Output = ()> + Send,
+    ) {
+        let wc = watcher::Config::default().page_size(PAGE_SIZE);
+        let clusters = watcher::watcher(scoped::<Cluster>(&client, &config), wc.clone())
+            .backoff(watch_backoff())
+            .modify(trim::cluster)
+            .reflect_shared(self.clusters)
+            .map(|_| ());
+        let machines = watcher::watcher(scoped::<Machine>(&client, &config), wc)
+            .backoff(watch_backoff())
+            .modify(trim::machine)
+            .reflect_shared(self.machines)
+            .map(|_| ());
+        let both = futures::stream::select(clusters, machines);
+        futures::pin_mut!(both);
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                next = both.next() => if next.is_none() { break },
+            }
+        }
+    }
+}
+
+/// What differs between the kinds' pipelines: which Cluster API objects ask for their
+/// reconciles.
+trait Pipelined: InfraKind {
+    /// Streams of this kind's objects to reconcile, mapped from Cluster API objects' changes.
+    fn owner_triggers(
+        caches: &OwnerCaches,
+        own: &Store<Self>,
+    ) -> Result<Vec<BoxStream<'static, ObjectRef<Self>>>, Error>;
+}
+
+/// `ObjectRef` of our object named by a Cluster API object's `spec.infrastructureRef`.
+fn infra_target<K: InfraKind>(
+    reference: Option<&ContractRef>,
+    namespace: Option<String>,
+) -> Option<ObjectRef<K>> {
+    let r = reference?;
+    (r.api_group == capm_api::GROUP && r.kind == K::KIND)
+        .then(|| ObjectRef::new(&r.name).within(&namespace.unwrap_or_default()))
+}
+
+impl Pipelined for MailgunCluster {
+    /// A `Cluster` asks for the `MailgunCluster` its `spec.infrastructureRef` names.
+    fn owner_triggers(
+        caches: &OwnerCaches,
+        _: &Store<Self>,
+    ) -> Result<Vec<BoxStream<'static, ObjectRef<Self>>>, Error> {
+        let by_cluster = caches
+            .clusters()?
+            .filter_map(|c| {
+                future::ready(infra_target(
+                    c.spec.infrastructure_ref.as_ref(),
+                    c.namespace(),
+                ))
+            })
+            .boxed();
+        Ok(vec![by_cluster])
+    }
+}
+
+impl Pipelined for MailgunMachine {
+    /// A `Machine` asks for the `MailgunMachine` its `spec.infrastructureRef` names; a `Cluster`
+    /// (its infrastructure's readiness, its pause) for every `MailgunMachine` labelled with its
+    /// name.
+    fn owner_triggers(
+        caches: &OwnerCaches,
+        own: &Store<Self>,
+    ) -> Result<Vec<BoxStream<'static, ObjectRef<Self>>>, Error> {
+        let by_machine = caches
+            .machines()?
+            .filter_map(|m| {
+                future::ready(infra_target(
+                    m.spec.infrastructure_ref.as_ref(),
+                    m.namespace(),
+                ))
+            })
+            .boxed();
+        let own = own.clone();
+        let by_cluster = caches
+            .clusters()?
+            .flat_map(move |cluster| {
+                let namespace = cluster.namespace().unwrap_or_default();
+                let name = cluster.name_any();
+                let targets: Vec<ObjectRef<Self>> = own
+                    .state()
+                    .iter()
+                    .filter(|m| {
+                        m.namespace().as_deref() == Some(namespace.as_str())
+                            && m.labels().get(names::CLUSTER_NAME_LABEL) == Some(&name)
+                    })
+                    .map(|m| ObjectRef::from_obj(&**m))
+                    .collect();
+                futures::stream::iter(targets)
+            })
+            .boxed();
+        Ok(vec![by_machine, by_cluster])
+    }
+}
+
+/// Runs both controllers until `shutdown` resolves. `leadership` is consulted before every
+/// write and send (an unelected process is its own leader: [`Leadership::unelected`]).
+pub async fn run(
+    client: Client,
+    mailer: Arc<dyn Mailer>,
+    config: Config,
+    leadership: Leadership,
+    metrics: Metrics,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    config.validate()?;
+    preflight(&client, &config).await?;
+    let shutdown = shutdown.shared();
+
+    let caches = OwnerCaches::new();
+    let events = Events::new(
+        client.clone(),
+        "cluster-api-provider-mailgun",
+        config.instance.clone(),
+    );
+    let ctx = Arc::new(Ctx::new(
+        client.clone(),
+        mailer,
+        events,
+        config.clone(),
+        leadership,
+        metrics,
+        caches.owners.clone(),
+    ));
+    ctx.watch_owner_caches();
+    let clusters = controller::<MailgunCluster>(&ctx, &caches, shutdown.clone())?;
+    let machines = controller::<MailgunMachine>(&ctx, &caches, shutdown.clone())?;
+    let owners = caches.drive(client, config.clone(), shutdown.clone());
+    let poller = ctx.poller.clone().run(shutdown.clone());
+    info!(namespace = ?config.namespace, watch_filter = ?config.watch_filter,
+        concurrency = config.concurrency, sync_period = ?config.sync_period, "controllers started");
+    tokio::join!(clusters, machines, owners, poller);
+    info!("controllers stopped");
+    Ok(())
+}
+
+/// One kind's pipeline (see the module docs), as a future that runs until `shutdown`.
+fn controller<K: Pipelined>(
+    ctx: &Arc<Ctx>,
+    caches: &OwnerCaches,
+    shutdown: impl Future<Output = ()> + Send + Sync + Clone + 'static,
+) -> Result<impl Future<Output = ()> + Send + 'static, Error> {
+    let config = &ctx.config;
+    let metrics = &ctx.metrics;
+    let name = K::CONTROLLER;
+    metrics
+        .max_concurrent
+        .with_label_values(&[name])
+        .set(i64::from(config.concurrency));
+    let count = |counter: &prometheus::IntCounterVec| counter.with_label_values(&[name]);
+
+    let mut wc = watcher::Config::default().page_size(PAGE_SIZE);
+    if let Some(filter) = &config.watch_filter {
+        wc = wc.labels(&format!("{}={filter}", names::WATCH_FILTER_LABEL));
+    }
+    let (store, writer) = reflector::store::<K>();
+    let (relisted_tx, relisted) = futures::channel::mpsc::unbounded();
+    let forgetting = Arc::clone(ctx);
+    let mut after_lists = lists::AfterLists::new(store.clone(), relisted_tx, move |uid| {
+        forgetting.forget(uid)
+    });
+    let (adds, lists_done) = (count(&metrics.queue_adds), count(&metrics.lists));
+    let own = watcher::watcher(scoped::<K>(&ctx.client, config), wc)
+        .backoff(watch_backoff())
+        .modify(trim::ours::<K>)
+        .reflect(writer)
+        .filter_map(move |event| {
+            future::ready(match event {
+                Ok(event) => {
+                    if matches!(event, watcher::Event::InitDone) {
+                        lists_done.inc();
+                    }
+                    after_lists.on_event(event).map(|obj| {
+                        adds.inc();
+                        Ok(obj)
+                    })
+                }
+                Err(error) => Some(Err(error)),
+            })
+        });
+
+    let mut triggers = K::owner_triggers(caches, &store)?;
+    triggers.push(relisted.boxed());
+    triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
+    let wakes = ctx
+        .poller
+        .take_wakes::<K>()
+        .ok_or_else(|| Error::Config("the delivery poller's wake-ups were taken twice".into()))?;
+    triggers.push(wakes.boxed());
+    let adds = count(&metrics.queue_adds);
+    let triggers = futures::stream::select_all(triggers).inspect(move |_| adds.inc());
+
+    let abort = abort_if_never_ready(shutdown.clone(), store.clone());
+    Ok(Controller::for_stream(own, store)
+        .with_config(controller::Config::default().concurrency(config.concurrency))
+        .reconcile_on(triggers)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile::<K>, error_policy::<K>, Arc::clone(ctx))
+        .take_until(abort)
+        .for_each(|result| {
+            log_result(K::CONTROLLER, result);
+            future::ready(())
+        }))
+}
+
+fn log_result<K: InfraKind>(
+    controller: &str,
+    result: Result<(ObjectRef<K>, Action), controller::Error<ReconcileError, watcher::Error>>,
+) {
+    match result {
+        Ok(_) => {}
+        Err(controller::Error::ReconcilerFailed(error, obj)) => {
+            if error.is_wait() || error.is_not_found() {
+                debug!(controller, object = %obj, %error, "reconcile waits");
+            } else {
+                warn!(controller, object = %obj, %error, "reconcile failed");
+            }
+        }
+        // Deleted (or moved) between its trigger and its turn; or, during a re-list, not in
+        // the store yet: the list's end asks for it again (`lists`).
+        Err(controller::Error::ObjectNotFound(obj)) => {
+            debug!(controller, object = %obj, "object not in the cache at its reconcile");
+        }
+        Err(error) => warn!(controller, %error, "controller error"),
+    }
+}
+
+fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>) -> Action {
+    if error.is_permanent() || matches!(error, ReconcileError::Gone) {
+        // Retrying cannot help: the next change to the object (or the sync period) will.
+        return Action::await_change();
+    }
+    let delay = ctx.retry_delay(&obj.uid().unwrap_or_default(), error);
+    ctx.metrics
+        .queue_retries
+        .with_label_values(&[K::CONTROLLER])
+        .inc();
+    Action::requeue(delay)
+}
+
+/// Resolves when `shutdown` has resolved while `store` never became ready: kube's applier holds
+/// its runner until the store is ready, so a shutdown that cuts the watch before the first list
+/// completed would otherwise wait forever. With a ready store it never resolves and the graceful
+/// path (let in-flight reconciles finish) applies.
+fn abort_if_never_ready<K>(
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    store: Store<K>,
+) -> impl Future<Output = ()> + Send + Sync + 'static
+where
+    K: kube::runtime::reflector::Lookup + Clone + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        shutdown.await;
+        if store.wait_until_ready().now_or_never().is_none() {
+            let _ = tx.send(());
+        }
+    });
+    async move {
+        if rx.await.is_err() {
+            // Ready when shutdown came: never force.
+            future::pending::<()>().await;
+        }
+    }
+}
+
+/// Fails start-up with a clear message when the CRDs are missing or not readable.
+async fn preflight(client: &Client, config: &Config) -> Result<(), Error> {
+    let lp = ListParams::default().limit(1);
+    let check = |what: &'static str, result: Result<(), kube::Error>| {
+        result.map_err(|source| Error::Kube {
+            context: what,
+            source,
+        })
+    };
+    check(
+        "listing MailgunClusters (are the provider's CRDs installed and is listing allowed?)",
+        scoped::<MailgunCluster>(client, config)
+            .list_metadata(&lp)
+            .await
+            .map(drop),
+    )?;
+    check(
+        "listing MailgunMachines (are the provider's CRDs installed and is listing allowed?)",
+        scoped::<MailgunMachine>(client, config)
+            .list_metadata(&lp)
+            .await
+            .map(drop),
+    )?;
+    check(
+        "listing cluster.x-k8s.io/v1beta2 Clusters (are the Cluster API CRDs installed?)",
+        scoped::<Cluster>(client, config)
+            .list_metadata(&lp)
+            .await
+            .map(drop),
+    )?;
+    check(
+        "listing cluster.x-k8s.io/v1beta2 Machines (are the Cluster API CRDs installed?)",
+        scoped::<Machine>(client, config)
+            .list_metadata(&lp)
+            .await
+            .map(drop),
+    )?;
+    Ok(())
+}

@@ -1,0 +1,113 @@
+//! The safety net: every object reconciled at least once per sync period, even with no event.
+//!
+//! controller-runtime re-queues every cached object each `SyncPeriod` (10 hours by default) so
+//! that a trigger lost anywhere (a bug, a watch gap nobody noticed) costs at most one period.
+//! kube-runtime has no such thing. This stream walks the store's objects one at a time, spaced
+//! evenly so that one walk takes one period: no burst, a steady trickle of reconciles that
+//! write nothing when nothing changed.
+
+use std::{collections::VecDeque, time::Duration};
+
+use futures::Stream;
+use kube::{
+    Resource,
+    runtime::reflector::{ObjectRef, Store},
+};
+
+/// How long an empty store is waited on before it is looked at again.
+const EMPTY_RECHECK: Duration = Duration::from_secs(60);
+
+/// The objects of `store` in turn, one every `period / n` (`n`: the objects when the walk
+/// began), starting once the store is ready.
+pub(crate) fn every_object<K>(
+    store: Store<K>,
+    period: Duration,
+) -> impl Stream<Item = ObjectRef<K>> + Send + 'static
+where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+{
+    let walk: (VecDeque<ObjectRef<K>>, Duration) = (VecDeque::new(), period);
+    futures::stream::unfold(
+        (store, walk),
+        move |(store, (mut queue, mut gap))| async move {
+            if store.wait_until_ready().await.is_err() {
+                return None;
+            }
+            loop {
+                if queue.is_empty() {
+                    queue = store
+                        .state()
+                        .iter()
+                        .map(|o| ObjectRef::from_obj(&**o))
+                        .collect();
+                    if queue.is_empty() {
+                        tokio::time::sleep(period.min(EMPTY_RECHECK)).await;
+                        continue;
+                    }
+                    gap = gap_for(period, queue.len());
+                }
+                tokio::time::sleep(gap).await;
+                if let Some(next) = queue.pop_front() {
+                    return Some((next, (store, (queue, gap))));
+                }
+            }
+        },
+    )
+}
+
+/// The spacing of a walk over `n` objects that lasts `period`.
+fn gap_for(period: Duration, n: usize) -> Duration {
+    period / u32::try_from(n.max(1)).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use capm_api::v1beta1::MailgunCluster;
+    use futures::StreamExt;
+    use kube::runtime::{reflector, watcher};
+
+    fn object(name: &str) -> MailgunCluster {
+        let mut o = MailgunCluster::new(
+            name,
+            serde_json::from_value(serde_json::json!({
+                "priority": "Urgent", "request": "r", "requester": "a@example.com",
+            }))
+            .expect("a valid spec"),
+        );
+        o.metadata.namespace = Some("ns".into());
+        o
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_object_once_per_period_spread_evenly() {
+        let (store, mut writer) = reflector::store::<MailgunCluster>();
+        writer.apply_watcher_event(&watcher::Event::Init);
+        for name in ["a", "b", "c", "d"] {
+            writer.apply_watcher_event(&watcher::Event::InitApply(object(name)));
+        }
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        let period = Duration::from_secs(40);
+        let started = tokio::time::Instant::now();
+        let mut walk = every_object(store, period).boxed();
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            let r = walk.next().await.expect("an object");
+            seen.push((r.name, started.elapsed().as_secs()));
+        }
+        let mut first: Vec<_> = seen[..4].iter().map(|(n, _)| n.clone()).collect();
+        first.sort();
+        assert_eq!(first, ["a", "b", "c", "d"], "every object in one period");
+        let times: Vec<u64> = seen.iter().map(|(_, t)| *t).collect();
+        assert_eq!(times, [10, 20, 30, 40, 50, 60, 70, 80], "evenly spread");
+    }
+
+    #[test]
+    fn the_gap_of_a_large_store_is_small_and_never_zero_objects() {
+        assert_eq!(
+            gap_for(Duration::from_secs(36_000), 1000),
+            Duration::from_secs(36)
+        );
+        assert_eq!(gap_for(Duration::from_secs(10), 0), Duration::from_secs(10));
+    }
+}

@@ -1,0 +1,634 @@
+//! Network partitions and re-lists (issue 37): the provider binary reaches the real API server
+//! only through a TCP proxy ([`capm_test_support::proxy`]); a cycle cuts it, changes the world
+//! through another connection, restarts kube-apiserver so that the provider's watches cannot
+//! resume (`410 Gone`: the restarted server's watch cache begins after their resource version),
+//! and restores the proxy. The real Cluster API core manager runs beside it, outside the cut.
+//!
+//! In each cycle, while the provider is cut off: new `Cluster` + `MailgunCluster` pairs are
+//! created; mailed pairs are deleted (their `Cluster`, which Cluster API cascades to the
+//! `MailgunCluster`, held by our finalizer); pairs are created and deleted again; new pairs are
+//! paused once Cluster API has adopted them. After the restore, judged from what the Mailgun
+//! contract server stored:
+//! - every new pair is mailed exactly once (its request Message-Id once);
+//! - every deleted pair is released exactly once and gone;
+//! - no created-and-deleted pair is mailed;
+//! - paused pairs are not mailed, show `Paused=True` and `Ready=False` for that reason (not a
+//!   leftover of an earlier pass), and are mailed once after they are unpaused (next cycle);
+//! - the re-list happened: the leading process's `capm_watch_lists_total` of both kinds grew in
+//!   the cycle (a list after the first one happens only when a watch cannot resume), and its
+//!   log shows the API server's `410`/`Expired` answer.
+//!
+//! With two replicas (each behind its own proxy, leader election on), the leader is cut and the
+//! standby is not; some cycles cut it for longer than the renew deadline, so the standby takes
+//! the Lease over (the API server is then restarted after the hand-over, so the new leader's
+//! watches meet the 410), and the cut process, which exits on losing its Lease, is started again
+//! as its Deployment would.
+//!
+//! Seeded: `PARTITION_SEED=<n>` replays a plan (default: a fixed seed); `PARTITION_CYCLES`
+//! (default 10) sets the cycles. The recovery time (restore → every new pair mailed) is
+//! printed for each cycle; it is a figure, not a pass/fail bound.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail, ensure};
+use capm_e2e::{
+    Proc, create_cluster_pair, dynamic_api, eventually, free_port, http_get, provider_binary,
+    start_capi_manager,
+};
+use capm_mail_servers::MailgunServer;
+use capm_test_support::{ControlPlane, Options, install_crds, proxy::TcpProxy};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{DeleteParams, DynamicObject, Patch, PatchParams},
+};
+use rand::{RngExt as _, SeedableRng, rngs::StdRng};
+use serde_json::{Value, json};
+
+const DOMAIN: &str = "mg.partition.example.com";
+const API_KEY: &str = "key-partition-test";
+const RECIPIENT: &str = "ops@example.com";
+const INFRA: &str = "infrastructure.cluster.x-k8s.io";
+const CAPI: &str = "cluster.x-k8s.io";
+/// How long a cycle may take to settle after the restore before that is a failure.
+const SETTLE: Duration = Duration::from_secs(120);
+
+fn env_u64(name: &str) -> Result<Option<u64>> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => {
+            Ok(Some(v.trim().parse().with_context(|| {
+                format!("{name}={v:?} is not a number")
+            })?))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// One provider process and the proxy it reaches the API server through.
+struct Replica {
+    name: String,
+    proxy: TcpProxy,
+    kubeconfig: PathBuf,
+    metrics: String,
+    proc: Option<Proc>,
+    /// Processes started so far (their logs are kept apart).
+    generation: u32,
+}
+
+struct World {
+    cp: Arc<ControlPlane>,
+    client: Client,
+    ns: String,
+    dir: PathBuf,
+    mailgun: MailgunServer,
+    config: PathBuf,
+    replicas: Vec<Replica>,
+    _capi: Proc,
+}
+
+/// A kubeconfig like `source` whose server is `proxy`.
+fn proxied_kubeconfig(source: &Path, server: &str, proxy: &TcpProxy, to: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(source)?;
+    ensure!(text.contains(server), "the kubeconfig names {server}");
+    std::fs::write(
+        to,
+        text.replace(server, &format!("https://{}", proxy.addr())),
+    )?;
+    Ok(())
+}
+
+impl World {
+    async fn start(replicas: usize, tag: &str) -> Result<Self> {
+        let cp = ControlPlane::start(Options::default()).await?;
+        let dir = cp
+            .dir()
+            .context("a started control plane has a directory")?
+            .join(tag);
+        std::fs::create_dir_all(&dir)?;
+        cp.install_capi_crds().await?;
+        let client = cp.client().await?;
+        install_crds(&client, &capm_api::crd::crds()?).await?;
+        let capi = start_capi_manager(cp.kubeconfig(), &dir)?;
+        cp.adopt(capi.pid())?;
+        let ns = "partition".to_owned();
+        capm_e2e::create_namespace(&client, &ns, false).await?;
+        let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
+        let config = dir.join("config.json");
+        std::fs::write(
+            &config,
+            json!({"mailer": {"mailgun": {
+                "domain": DOMAIN, "baseUrl": mailgun.base_url(), "apiKey": {"env": "MAILGUN_API_KEY"},
+                "connectTimeoutSeconds": 2, "requestTimeoutSeconds": 5,
+            }}})
+            .to_string(),
+        )?;
+        let upstream: std::net::SocketAddr = cp
+            .server()
+            .trim_start_matches("https://")
+            .parse()
+            .context("the API server's address")?;
+        let mut world = Self {
+            cp: Arc::new(cp),
+            client,
+            ns,
+            dir,
+            mailgun,
+            config,
+            replicas: Vec::new(),
+            _capi: capi,
+        };
+        for i in 0..replicas {
+            let proxy = TcpProxy::start(upstream)?;
+            let kubeconfig = world.dir.join(format!("kubeconfig-{i}"));
+            proxied_kubeconfig(
+                world.cp.kubeconfig(),
+                world.cp.server(),
+                &proxy,
+                &kubeconfig,
+            )?;
+            world.replicas.push(Replica {
+                name: format!("replica-{i}"),
+                proxy,
+                kubeconfig,
+                metrics: format!("127.0.0.1:{}", free_port()?),
+                proc: None,
+                generation: 0,
+            });
+        }
+        for i in 0..replicas {
+            world.spawn(i)?;
+        }
+        Ok(world)
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<()> {
+        let elect = self.replicas.len() > 1;
+        let r = &mut self.replicas[i];
+        r.generation += 1;
+        let mut cmd = Command::new(provider_binary()?);
+        cmd.env_clear()
+            .env("RUST_LOG", "info,capm_controllers=debug")
+            .env("NO_COLOR", "1")
+            .env("POD_NAME", &r.name)
+            .env("MAIL_RECIPIENT", RECIPIENT)
+            .env("MAILGUN_API_KEY", API_KEY)
+            .arg("--kubeconfig")
+            .arg(&r.kubeconfig)
+            .args(["--namespace", &self.ns])
+            .args(["--metrics-bind-address", &r.metrics])
+            .args([
+                "--health-probe-bind-address",
+                &format!("127.0.0.1:{}", free_port()?),
+            ])
+            .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
+            .args(["--message-id-domain", DOMAIN])
+            .arg("--config")
+            .arg(&self.config);
+        if elect {
+            // A renew deadline longer than a short cut (the API server's restart included), so
+            // that only the cycles meant to hand over do.
+            cmd.args([
+                "--leader-elect=true",
+                "--leader-election-namespace",
+                &self.ns,
+            ])
+            .args([
+                "--leader-elect-lease-duration=40s",
+                "--leader-elect-renew-deadline=30s",
+            ]);
+        }
+        let log = self.dir.join(format!("{}-{}.log", r.name, r.generation));
+        let proc = Proc::spawn(&r.name, cmd, log)?;
+        self.cp.adopt(proc.pid())?;
+        r.proc = Some(proc);
+        Ok(())
+    }
+
+    /// Plays the Deployment: replicas that exited (a lost Lease) are started again.
+    fn restart_exited(&mut self) -> Result<()> {
+        for i in 0..self.replicas.len() {
+            let exited = self.replicas[i]
+                .proc
+                .as_ref()
+                .is_none_or(|p| p.exit_status().is_some());
+            if exited {
+                println!("  {} exited; started again", self.replicas[i].name);
+                self.spawn(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A metric of replica `i` (summed over its series matching `filter`), `None` when its
+    /// endpoint does not answer.
+    fn metric(&self, i: usize, name: &str, filter: &str) -> Option<f64> {
+        let (code, body) = http_get(&self.replicas[i].metrics, "/metrics").ok()?;
+        (code == 200).then(|| {
+            body.lines()
+                .filter(|l| l.starts_with(name) && l.contains(filter))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        })
+    }
+
+    /// The replica that leads now (the only one, without election).
+    async fn leader(&self) -> Result<usize> {
+        if self.replicas.len() == 1 {
+            return Ok(0);
+        }
+        eventually(Duration::from_secs(60), "a leader", || async {
+            Ok((0..self.replicas.len())
+                .find(|&i| self.metric(i, "leader_election_master_status", "") == Some(1.0)))
+        })
+        .await
+    }
+
+    /// Completed lists of both kinds' watches in replica `i`.
+    fn lists(&self, i: usize) -> (f64, f64) {
+        let of = |kind: &str| {
+            self.metric(i, "capm_watch_lists_total", &format!("name=\"{kind}\""))
+                .unwrap_or(0.0)
+        };
+        (of("mailguncluster"), of("mailgunmachine"))
+    }
+
+    fn log(&self, i: usize) -> String {
+        self.replicas[i]
+            .proc
+            .as_ref()
+            .map(Proc::log)
+            .unwrap_or_default()
+    }
+
+    fn infra(&self) -> Api<DynamicObject> {
+        dynamic_api(&self.client, &self.ns, INFRA, "v1beta1", "MailgunCluster")
+    }
+
+    fn clusters(&self) -> Api<DynamicObject> {
+        dynamic_api(&self.client, &self.ns, CAPI, "v1beta2", "Cluster")
+    }
+
+    /// Request and release mails stored so far, by object UID.
+    fn mails(&self) -> Result<BTreeMap<String, (u32, u32)>> {
+        let mut out: BTreeMap<String, (u32, u32)> = BTreeMap::new();
+        for m in self.mailgun.messages()? {
+            let id = m.id.trim_matches(['<', '>']);
+            let Some((kind_uid, _)) = id.split_once('@') else {
+                continue;
+            };
+            if let Some(uid) = kind_uid.strip_prefix("mailguncluster-deleted.") {
+                out.entry(uid.to_owned()).or_default().1 += 1;
+            } else if let Some(uid) = kind_uid.strip_prefix("mailguncluster.") {
+                out.entry(uid.to_owned()).or_default().0 += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn uid(&self, name: &str) -> Result<String> {
+        Ok(self.infra().get(name).await?.uid().unwrap_or_default())
+    }
+
+    /// Waits until Cluster API made `name`'s Cluster the owner of its MailgunCluster.
+    async fn adopted(&self, name: &str) -> Result<()> {
+        eventually(
+            Duration::from_secs(60),
+            &format!("{name} adopted"),
+            || async {
+                let obj = self.infra().get(name).await?;
+                Ok(obj
+                    .owner_references()
+                    .iter()
+                    .any(|o| o.kind == "Cluster")
+                    .then_some(()))
+            },
+        )
+        .await
+    }
+
+    async fn pause(&self, name: &str, paused: bool) -> Result<()> {
+        self.clusters()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"paused": paused}})),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn delete_pair(&self, name: &str) -> Result<()> {
+        let dp = DeleteParams::default();
+        let _ = self.clusters().delete(name, &dp).await?;
+        Ok(())
+    }
+}
+
+/// The condition `type_` of `obj`: (status, reason).
+fn condition(obj: &DynamicObject, type_: &str) -> Option<(String, String)> {
+    obj.data["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or_default().to_owned(),
+                c["reason"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+}
+
+/// What a cycle expects.
+#[derive(Default)]
+struct Expect {
+    /// Names of pairs that must be mailed exactly once (new, or unpaused).
+    mailed: BTreeSet<String>,
+    /// Pairs deleted: name → UID; released exactly once, gone.
+    released: BTreeMap<String, String>,
+    /// UIDs of pairs created and deleted during the cut: never mailed.
+    ghosts: BTreeSet<String>,
+    /// Names of paused pairs: not mailed.
+    paused: BTreeSet<String>,
+}
+
+async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
+    let seed = env_u64("PARTITION_SEED")?.unwrap_or(default_seed);
+    let cycles = env_u64("PARTITION_CYCLES")?.unwrap_or(10);
+    println!(
+        "partition ({replicas} replica(s)): seed {seed} (replay with PARTITION_SEED={seed}), {cycles} cycles"
+    );
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut world = World::start(replicas, tag).await?;
+    let mut next = 0u32;
+    let mut new_name = || {
+        next += 1;
+        format!("p{next}")
+    };
+    // Mailed pairs that may be deleted later, and paused ones to unpause.
+    let mut live: Vec<String> = Vec::new();
+    let mut paused: Vec<String> = Vec::new();
+    // A few pairs mailed before the first cut.
+    let mut expect = Expect::default();
+    for _ in 0..3 {
+        let name = new_name();
+        create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com").await?;
+        expect.mailed.insert(name);
+    }
+    settle(&world, &expect).await?;
+    live.extend(std::mem::take(&mut expect.mailed));
+
+    let mut recoveries = Vec::new();
+    for cycle in 1..=cycles {
+        let mut expect = Expect::default();
+        // Unpause last cycle's paused pairs before the cut: mailed once, now.
+        for name in paused.drain(..) {
+            world.pause(&name, false).await?;
+            expect.mailed.insert(name);
+        }
+        world.restart_exited()?;
+        let leader = world.leader().await?;
+        let takeover = replicas > 1 && rng.random_bool(0.5);
+        let before = world.lists(leader);
+        let cut_at = Instant::now();
+        world.replicas[leader].proxy.cut();
+        println!(
+            "cycle {cycle}: {} cut{}",
+            world.replicas[leader].name,
+            if takeover {
+                " (the standby takes over)"
+            } else {
+                ""
+            }
+        );
+
+        let n_new = rng.random_range(2..=5);
+        let n_delete = rng.random_range(1..=3).min(live.len());
+        let n_ghost = rng.random_range(1..=2);
+        let n_pause = rng.random_range(1..=2);
+        let mut after_restart: Vec<String> = Vec::new();
+        for _ in 0..n_new {
+            let name = new_name();
+            create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com").await?;
+            expect.mailed.insert(name);
+        }
+        for _ in 0..n_delete {
+            let i = rng.random_range(0..live.len());
+            let name = live.swap_remove(i);
+            let uid = world.uid(&name).await?;
+            world.delete_pair(&name).await?;
+            expect.released.insert(name, uid);
+        }
+        for _ in 0..n_ghost {
+            let name = new_name();
+            create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com").await?;
+            let uid = world.uid(&name).await?;
+            world.delete_pair(&name).await?;
+            let _ = world.infra().delete(&name, &DeleteParams::default()).await;
+            expect.ghosts.insert(uid);
+        }
+        for _ in 0..n_pause {
+            let name = new_name();
+            create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com").await?;
+            after_restart.push(name);
+        }
+        if takeover {
+            // The standby takes the Lease once the cut leader's has expired.
+            let standby = eventually(Duration::from_secs(60), "the standby leading", || async {
+                Ok((0..world.replicas.len()).find(|&i| {
+                    i != leader && world.metric(i, "leader_election_master_status", "") == Some(1.0)
+                }))
+            })
+            .await?;
+            // Its controllers list before the API server restarts.
+            eventually(
+                Duration::from_secs(60),
+                "the new leader's first lists",
+                || async {
+                    let (a, b) = world.lists(standby);
+                    Ok((a >= 1.0 && b >= 1.0).then_some(()))
+                },
+            )
+            .await?;
+        }
+        // The watches' resume point goes away: a restarted API server's watch cache starts now.
+        let lists_before_restart: Vec<(f64, f64)> =
+            (0..world.replicas.len()).map(|i| world.lists(i)).collect();
+        let took = world.cp.restart_apiserver(Duration::from_secs(90)).await?;
+        // Changes after the restart too: paused once adopted (Cluster API reconciles them).
+        for name in &after_restart {
+            world.adopted(name).await?;
+            world.pause(name, true).await?;
+            expect.paused.insert(name.clone());
+        }
+        let cut_for = cut_at.elapsed();
+        world.replicas[leader].proxy.restore();
+        let restored = Instant::now();
+        println!(
+            "  cut for {:.1} s (API server restarted in {:.1} s): {} new, {} deleted, {} \
+             created and deleted, {} paused",
+            cut_for.as_secs_f64(),
+            took.as_secs_f64(),
+            expect.mailed.len(),
+            expect.released.len(),
+            expect.ghosts.len(),
+            expect.paused.len()
+        );
+
+        let mailed_in = settle(&world, &expect).await;
+        if let Err(e) = &mailed_in {
+            for i in 0..world.replicas.len() {
+                let log = world.log(i);
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                println!(
+                    "--- {} log (last lines, newest first):",
+                    world.replicas[i].name
+                );
+                for l in tail {
+                    println!("{l}");
+                }
+            }
+            bail!("cycle {cycle} (seed {seed}): {e:#}");
+        }
+        let recovery = restored.elapsed();
+        recoveries.push(recovery);
+
+        // The re-list happened in the process that leads now.
+        world.restart_exited()?;
+        let now_leader = world.leader().await?;
+        let after = world.lists(now_leader);
+        let base = if now_leader == leader && !takeover {
+            before
+        } else {
+            lists_before_restart[now_leader]
+        };
+        ensure!(
+            after.0 > base.0 && after.1 > base.1,
+            "cycle {cycle}: no re-list seen in {} (completed lists of MailgunCluster/MailgunMachine \
+             {base:?} -> {after:?})",
+            world.replicas[now_leader].name
+        );
+        let log = world.log(now_leader);
+        ensure!(
+            log.contains("410") || log.contains("Expired") || log.contains("too old"),
+            "cycle {cycle}: the leader's log shows no 410 answer"
+        );
+        println!(
+            "  re-listed ({base:?} -> {after:?} completed lists), settled {:.1} s after the restore",
+            recovery.as_secs_f64()
+        );
+        live.extend(expect.mailed.iter().cloned());
+        paused.extend(expect.paused.iter().cloned());
+    }
+    // Unpaused at the end, mailed once.
+    let mut last = Expect::default();
+    for name in paused.drain(..) {
+        world.pause(&name, false).await?;
+        last.mailed.insert(name);
+    }
+    settle(&world, &last).await?;
+    let mut sorted = recoveries.clone();
+    sorted.sort();
+    println!(
+        "partition ({replicas} replica(s)): seed {seed}: {cycles} cycles passed; settled after the \
+         restore in {:.1} s median, {:.1} s at most; {} mails",
+        sorted[sorted.len() / 2].as_secs_f64(),
+        sorted.last().map_or(0.0, Duration::as_secs_f64),
+        world.mailgun.messages()?.len()
+    );
+    for r in &world.replicas {
+        r.proxy.restore();
+    }
+    Ok(())
+}
+
+/// Waits until what `expect` says holds (at most [`SETTLE`]), then checks that no mail is
+/// doubled anywhere.
+async fn settle(world: &World, expect: &Expect) -> Result<Duration> {
+    let start = Instant::now();
+    eventually(SETTLE, "the cycle's intent", || async {
+        let mails = world.mails()?;
+        let count = |uid: &str| mails.get(uid).copied().unwrap_or_default();
+        for name in &expect.mailed {
+            let uid = world.uid(name).await?;
+            if count(&uid).0 == 0 {
+                return Ok(None);
+            }
+        }
+        for (name, uid) in &expect.released {
+            if count(uid).1 == 0 || world.infra().get_opt(name).await?.is_some() {
+                return Ok(None);
+            }
+        }
+        for name in &expect.paused {
+            let obj = world.infra().get(name).await?;
+            let paused = condition(&obj, "Paused");
+            let ready = condition(&obj, "Ready");
+            if paused.as_ref().map(|p| p.0.as_str()) != Some("True")
+                || ready.as_ref().map(|r| (r.0.as_str(), r.1.as_str())) != Some(("False", "Paused"))
+            {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .await?;
+    let took = start.elapsed();
+    // A second look a little later: nothing arrives late, nothing is doubled.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mails = world.mails()?;
+    let count = |uid: &str| mails.get(uid).copied().unwrap_or_default();
+    for (uid, (requests, releases)) in &mails {
+        ensure!(
+            *requests <= 1 && *releases <= 1,
+            "object {uid}: {requests} request and {releases} release mails"
+        );
+    }
+    for name in &expect.mailed {
+        let uid = world.uid(name).await?;
+        ensure!(count(&uid) == (1, 0), "{name}: mails {:?}", count(&uid));
+    }
+    for (name, uid) in &expect.released {
+        ensure!(
+            count(uid) == (1, 1),
+            "{name} (deleted): mails {:?}",
+            count(uid)
+        );
+    }
+    for uid in &expect.ghosts {
+        ensure!(
+            count(uid) == (0, 0),
+            "created and deleted {uid}: mails {:?}",
+            count(uid)
+        );
+    }
+    for name in &expect.paused {
+        let uid = world.uid(name).await?;
+        ensure!(
+            count(&uid) == (0, 0),
+            "{name} (paused): mails {:?}",
+            count(&uid)
+        );
+        let obj = world.infra().get(name).await?;
+        let status: &Value = &obj.data["status"];
+        ensure!(
+            condition(&obj, "Ready") == Some(("False".into(), "Paused".into())),
+            "{name} (paused): Ready is not consistent with Paused: {status}"
+        );
+    }
+    Ok(took)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_replica_behind_a_partition_loses_no_mail() -> Result<()> {
+    run(1, "one", 20261125).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_the_leader_cut_lose_and_double_no_mail() -> Result<()> {
+    run(2, "two", 20261126).await
+}
