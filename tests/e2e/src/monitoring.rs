@@ -235,36 +235,6 @@ pub fn shipped_series_names() -> Result<BTreeSet<(String, String)>> {
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn series_names_skip_functions_labels_strings_and_durations() {
-        let names = series_names(
-            r#"sum by (job, le) (rate(a_total{code!~"2..", x='y'}[5m])) / on (uid) group_left (name) b:rec offset 1h > 0.5 and c"#,
-        );
-        assert_eq!(
-            names.into_iter().collect::<Vec<_>>(),
-            ["a_total", "b:rec", "c"]
-        );
-        let names =
-            series_names("histogram_quantile(0.99, sum by (le) (rate(x_bucket[1m]))) - time()");
-        assert_eq!(names.into_iter().collect::<Vec<_>>(), ["x_bucket"]);
-    }
-
-    #[test]
-    fn exposition_names_are_the_sample_names() {
-        let names = exposition_names(
-            "# HELP a A.\n# TYPE a counter\na{x=\"1\"} 1\nb_bucket{le=\"+Inf\"} 2\nc 3\n",
-        );
-        assert_eq!(
-            names.into_iter().collect::<Vec<_>>(),
-            ["a", "b_bucket", "c"]
-        );
-    }
-}
-
 /// One series kube-state-metrics would export: name, labels, value.
 pub type Sample = (String, std::collections::BTreeMap<String, String>, f64);
 
@@ -401,4 +371,103 @@ pub fn sample_value(samples: &[Sample], name: &str, with: &[(&str, &str)]) -> Op
     });
     let (_, _, value) = matching.next()?;
     matching.next().is_none().then_some(*value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_names_skip_functions_labels_strings_and_durations() {
+        let names = series_names(
+            r#"sum by (job, le) (rate(a_total{code!~"2..", x='y'}[5m])) / on (uid) group_left (name) b:rec offset 1h > 0.5 and c"#,
+        );
+        assert_eq!(
+            names.into_iter().collect::<Vec<_>>(),
+            ["a_total", "b:rec", "c"]
+        );
+        let names =
+            series_names("histogram_quantile(0.99, sum by (le) (rate(x_bucket[1m]))) - time()");
+        assert_eq!(names.into_iter().collect::<Vec<_>>(), ["x_bucket"]);
+    }
+
+    #[test]
+    fn exposition_names_are_the_sample_names() {
+        let names = exposition_names(
+            "# HELP a A.\n# TYPE a counter\na{x=\"1\"} 1\nb_bucket{le=\"+Inf\"} 2\nc 3\n",
+        );
+        assert_eq!(
+            names.into_iter().collect::<Vec<_>>(),
+            ["a", "b_bucket", "c"]
+        );
+    }
+
+    #[test]
+    fn crd_metrics_follow_the_configuration() {
+        let config: serde_json::Value = serde_yaml_ng::from_str(
+            &fs::read_to_string(config_dir().join("metrics/crd-metrics-config.yaml")).unwrap(),
+        )
+        .unwrap();
+        let object = serde_json::json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+            "kind": "MailgunMachine",
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "labels": {"cluster.x-k8s.io/cluster-name": "c"},
+                         "annotations": {"cluster.x-k8s.io/paused": ""}},
+            "spec": {"priority": "Urgent"},
+            "status": {"mail": {"state": "Sent", "sentAt": "2026-01-01T00:01:00Z"},
+                       "conditions": [{"type": "Provisioned", "status": "False", "lastTransitionTime": "2026-01-01T00:01:00Z"}]},
+        });
+        let samples = crd_metric_samples(&config, &object).unwrap();
+        let value = |name: &str, with: &[(&str, &str)]| sample_value(&samples, name, with);
+        assert_eq!(
+            value("capi_mailgunmachine_created", &[("cluster_name", "c")]),
+            Some(1_767_225_600.0)
+        );
+        assert_eq!(
+            value("capi_mailgunmachine_status_mail_sent_at", &[]),
+            Some(1_767_225_660.0)
+        );
+        assert_eq!(
+            value(
+                "capi_mailgunmachine_status_mail_state",
+                &[("state", "Sent")]
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(
+                "capi_mailgunmachine_status_mail_state",
+                &[("state", "Pending")]
+            ),
+            Some(0.0)
+        );
+        assert_eq!(
+            value("capi_mailgunmachine_status_provisioned", &[]),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(
+                "capi_mailgunmachine_status_condition",
+                &[("type", "Provisioned"), ("status", "False")]
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(
+                "capi_mailgunmachine_annotation_paused",
+                &[("paused_value", "")]
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value("capi_mailgunmachine_info", &[("priority", "Urgent")]),
+            Some(1.0)
+        );
+        assert!(
+            !samples
+                .iter()
+                .any(|(n, _, _)| n.starts_with("capi_mailguncluster") || n.ends_with("_owner"))
+        );
+    }
 }

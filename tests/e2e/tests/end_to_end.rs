@@ -58,8 +58,11 @@ fn crd_series(object: &DynamicObject) -> Result<Vec<Sample>> {
     Ok(samples)
 }
 
-/// Checks `object`'s series: each (name, labels, value) given is there with that value.
-fn expect_series(object: &DynamicObject, expected: &[(&str, &[(&str, &str)], f64)]) -> Result<()> {
+/// A series expected: its name, some of its labels, its value.
+type Expected<'a> = (&'a str, &'a [(&'a str, &'a str)], f64);
+
+/// Checks `object`'s series: each one expected is there with that value.
+fn expect_series(object: &DynamicObject, expected: &[Expected<'_>]) -> Result<()> {
     let samples = crd_series(object)?;
     for (name, labels, value) in expected {
         let got = sample_value(&samples, name, labels);
