@@ -14,9 +14,10 @@ chart=$root/charts/cluster-api-provider-mailgun
 out=${1:?usage: render-observability.sh <out dir>}
 helm=${HELM:-$root/bin/helm}
 mkdir -p "$out/metrics" "$out/prometheus" "$out/grafana"
+# Helm ends a document with blank lines; the files end with their last line.
 render() {
   "$helm" template capm "$chart" --namespace capm-system -f "$chart/ci/mailgun-values.yaml" \
-    --set fullnameOverride=capm-controller-manager "$@"
+    --set fullnameOverride=capm-controller-manager "$@" | sed -e :a -e '/^\n*$/{$d;N;ba' -e '}'
 }
 cp "$chart/files/metrics/crd-metrics-config.yaml" "$out/metrics/crd-metrics-config.yaml"
 cp "$chart/files/grafana/cluster-api-provider-mailgun.json" "$out/grafana/cluster-api-provider-mailgun.json"
