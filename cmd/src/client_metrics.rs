@@ -5,7 +5,9 @@
 //! A tower layer on the client's service stack: it sees each request's method and the status of
 //! its answer (for a watch, the answer's headers: the watch is counted once, when it starts).
 //! A request that got no answer (connection refused, TLS, timeout) is counted with code
-//! `<error>`, as client-go does.
+//! `<error>`, as client-go does. One difference: the layer wraps kube's whole stack, so a request
+//! kube's own retry repeats (429, 503, 504) counts once, with its last answer; client-go counts
+//! each attempt.
 
 use std::{
     future::Future,
