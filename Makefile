@@ -68,9 +68,10 @@ CHART := charts/cluster-api-provider-mailgun
 CRD_DIRS := config/crd $(CHART)/files/crds
 
 .PHONY: generate
-generate: tools ## Regenerate committed files: CRD YAML (config/, the chart) from the Rust types, config/rbac from the chart
+generate: tools ## Regenerate committed files: CRD YAML (config/, the chart) from the Rust types, config/rbac and the monitoring files (config/metrics, prometheus, grafana) from the chart
 	@for dir in $(CRD_DIRS); do $(CARGO) run -q -p capm-api --bin crdgen -- $$dir; done
 	hack/render-rbac.sh > config/rbac/rbac.yaml
+	hack/render-observability.sh config
 
 .PHONY: verify-generated
 verify-generated: tools ## Fail when committed generated files are stale
@@ -78,6 +79,10 @@ verify-generated: tools ## Fail when committed generated files are stale
 	@hack/render-rbac.sh | diff -u config/rbac/rbac.yaml - \
 	  || { echo "config/rbac/rbac.yaml is stale: run make generate" >&2; exit 1; }
 	@echo "config/rbac/rbac.yaml is up to date"
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && hack/render-observability.sh "$$tmp" \
+	  && for f in metrics/crd-metrics-config.yaml metrics/kube-state-metrics.yaml prometheus/rules.yaml grafana/cluster-api-provider-mailgun.json; do \
+	    diff -u config/$$f "$$tmp/$$f" || { echo "config/$$f is stale: run make generate" >&2; exit 1; }; done
+	@echo "config/metrics, config/prometheus/rules.yaml and config/grafana are up to date"
 
 # The soak plan `make test` replays (20 rounds): a seed validated on the current code, so CI
 # checks a known plan. `make soak` draws a new seed each run (the exploring side); a seed that

@@ -20,7 +20,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{error, info, warn};
 
 use crate::{
-    diagnostics, http,
+    client_metrics, diagnostics, http,
     leader::Elector,
     settings::{DiagnosticsSecurity, Settings, field, mailer_error},
     shutdown::Shutdown,
@@ -92,7 +92,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     };
     let diagnostics_tls = diagnostics_tls(&settings)?;
 
-    let client = kube_client(settings.kubeconfig.as_deref()).await?;
+    let client = kube_client(settings.kubeconfig.as_deref(), &registry).await?;
 
     let (open_files, raise_error) = http::raise_open_files_limit();
     if let Some(e) = raise_error {
@@ -145,9 +145,11 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     }
     if let (Some(hook), Some(tls)) = (&settings.webhook, webhook_tls) {
         let listener = http::bind("webhooks (conversion, admission)", hook.bind).await?;
+        let webhook_metrics =
+            http::WebhookMetrics::register(&registry).context("registering webhook metrics")?;
         servers.push(http::serve(
             server("webhook", listener, Some(tls), http::Limits::webhooks(cap)),
-            http::webhook_handler,
+            http::instrumented_webhooks(webhook_metrics),
             shutdown.clone(),
         ));
     }
@@ -203,7 +205,11 @@ fn diagnostics_tls(settings: &Settings) -> anyhow::Result<Option<TlsAcceptor>> {
     Ok(Some(TlsAcceptor::from(Arc::new(config))))
 }
 
-async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+/// The client, its requests counted in `rest_client_requests_total`.
+async fn kube_client(
+    kubeconfig: Option<&Path>,
+    registry: &Registry,
+) -> anyhow::Result<kube::Client> {
     let config = match kubeconfig {
         Some(path) => {
             let file = kube::config::Kubeconfig::read_from(path)
@@ -216,7 +222,15 @@ async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> 
             "finding the cluster: no --kubeconfig, $KUBECONFIG, in-cluster service account or ~/.kube/config",
         )?,
     };
-    kube::Client::try_from(config).context("building the Kubernetes client")
+    let counted = client_metrics::RequestCountLayer::register(
+        registry,
+        client_metrics::host_label(&config.cluster_url),
+    )
+    .context("registering rest_client_requests_total")?;
+    Ok(kube::client::ClientBuilder::try_from(config)
+        .context("building the Kubernetes client")?
+        .with_layer(&counted)
+        .build())
 }
 
 async fn watch_api_server(client: kube::Client, reachable: Arc<AtomicBool>) {

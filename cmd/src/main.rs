@@ -9,6 +9,7 @@
 //! fatal error or a lost leader Lease; 2 for unparsable command lines (clap).
 
 mod app;
+mod client_metrics;
 mod diagnostics;
 mod http;
 mod leader;

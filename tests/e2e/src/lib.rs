@@ -19,6 +19,7 @@ use anyhow::{Context, Result, bail, ensure};
 use capm_test_support::{ControlPlane, Options, process};
 
 pub mod ledger;
+pub mod monitoring;
 pub mod pods;
 mod provider;
 pub mod topology;
@@ -795,6 +796,22 @@ pub fn promtool_check_metrics(exposition: &str) -> Result<String> {
             text.trim()
         ))
     }
+}
+
+/// Runs `promtool <args>`: whether it succeeded, and its output (stdout then stderr).
+///
+/// # Errors
+/// When promtool is not installed or cannot start.
+pub fn promtool(args: &[&str]) -> Result<(bool, String)> {
+    let bin = which("promtool")
+        .context("promtool not found: install Debian's prometheus package (`make deps` does)")?;
+    let out = Command::new(bin)
+        .args(args)
+        .output()
+        .context("running promtool")?;
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    Ok((out.status.success(), text))
 }
 
 fn which(name: &str) -> Option<PathBuf> {

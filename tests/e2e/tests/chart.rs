@@ -188,8 +188,34 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
             ensure!(
                 kinds.contains(&"Certificate")
                     && kinds.contains(&"Issuer")
-                    && kinds.contains(&"ServiceMonitor"),
-                "cert-manager and ServiceMonitor objects expected, got {kinds:?}"
+                    && kinds.contains(&"ServiceMonitor")
+                    && kinds.contains(&"PrometheusRule"),
+                "cert-manager, ServiceMonitor and PrometheusRule objects expected, got {kinds:?}"
+            );
+            // The monitoring objects (accepted by the API server above): kube-state-metrics's
+            // configuration and role, the dashboard for Grafana's sidecar, the alerts with the
+            // configured wait.
+            let named = |kind: &str, label: &str| {
+                ours.iter()
+                    .any(|o| o["kind"] == kind && o["metadata"]["labels"][label].is_string())
+            };
+            ensure!(named("ConfigMap", "kube-state-metrics/custom-resource"));
+            ensure!(named(
+                "ClusterRole",
+                "kube-state-metrics/aggregate-to-manager"
+            ));
+            ensure!(named("ConfigMap", "grafana_dashboard"));
+            let rule = foreign
+                .iter()
+                .find(|o| o["kind"] == "PrometheusRule")
+                .context("PrometheusRule")?;
+            ensure!(
+                rule["spec"]["groups"][0]["rules"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|r| r["expr"].as_str().is_some_and(|e| e.contains("> 3600"))),
+                "{rule}"
             );
             let cert = foreign
                 .iter()
