@@ -44,7 +44,8 @@ echo "SMTP server listening on $smtp_addr"
 
 say "starting the provider (SMTP backend)"
 cat > "$work/provider.json" <<JSON
-{ "mailer": { "smtp": { "url": "smtp://$smtp_addr", "starttls": "never" } } }
+{ "mailer": { "smtp": { "url": "smtp://$smtp_addr", "starttls": "never" } },
+  "mailFrom": "cluster-api-provider-mailgun@capm.example.com" }
 JSON
 MAIL_RECIPIENT=infrastructure-team@example.com "$provider" --config "$work/provider.json" \
   --message-id-domain capm.example.com --kubeconfig "$KUBECONFIG" --leader-elect=false --webhook-port 0 \
@@ -62,7 +63,7 @@ mail=$(ls "$work"/mail/*.eml | head -1)
 python3 - "$mail" > "$work/mail.txt" <<'PY'
 import email, sys
 msg = email.message_from_binary_file(open(sys.argv[1], "rb"))
-for name in ("From", "To", "Subject", "Message-ID", "Date"):
+for name in ("From", "Reply-To", "To", "Subject", "Message-ID", "Date"):
     print(f"{name}: {msg[name]}")
 print()
 print(msg.get_payload(decode=True).decode(msg.get_content_charset() or "utf-8"))

@@ -170,6 +170,7 @@ fn help_documents_every_variable() {
     let help = String::from_utf8_lossy(&out.stdout);
     for var in [
         "MAIL_RECIPIENT",
+        "MAIL_FROM",
         "MAILGUN_DOMAIN",
         "MAILGUN_API_KEY",
         "SMTP_URL",

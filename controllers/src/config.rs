@@ -9,6 +9,9 @@ use std::time::Duration;
 pub struct Config {
     /// Who receives the request mails (`MAIL_RECIPIENT`); at least one address.
     pub recipients: Vec<String>,
+    /// The mails' `From` (`--mail-from`): an address of the sending side, on the domain the
+    /// backend sends for, so that receivers' DMARC checks pass. The requester is `Reply-To`.
+    pub mail_from: String,
     /// The domain of the deterministic Message-Ids (`<kind.uid@domain>`), usually the Mailgun
     /// sending domain.
     pub message_id_domain: String,
@@ -51,6 +54,11 @@ impl Config {
         if self.recipients.is_empty() {
             return Err(Error::Config(
                 "recipients: at least one recipient is required".into(),
+            ));
+        }
+        if self.mail_from.trim().is_empty() {
+            return Err(Error::Config(
+                "mail_from: the sender address is required".into(),
             ));
         }
         if self.message_id_domain.is_empty()

@@ -294,6 +294,7 @@ mod tests {
         let events = Events::new(client.clone(), "t", "t");
         let config = Config {
             recipients: vec!["ops@example.com".into()],
+            mail_from: "capm@example.com".into(),
             message_id_domain: "example.com".into(),
             namespace: None,
             watch_filter: None,

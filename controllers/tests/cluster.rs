@@ -48,7 +48,12 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
     let mail = &mails[0];
     let uid = created.uid().unwrap();
     assert_eq!(mail.subject, "[Urgent] New Cluster alpha requested");
-    assert_eq!(mail.from, "dev@example.com");
+    // DMARC: From is the sending side, the requester gets the replies.
+    assert_eq!(mail.from, format!("capm@{}", support::DOMAIN));
+    assert_eq!(
+        mail.headers.get("Reply-To").map(String::as_str),
+        Some("dev@example.com")
+    );
     assert_eq!(mail.to, vec![support::RECIPIENT.to_string()]);
     assert_eq!(
         mail.id,

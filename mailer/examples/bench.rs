@@ -22,7 +22,7 @@ type BoxResult<T> = Result<T, Box<dyn Error + Send + Sync>>;
 
 fn message(run: &str, i: usize) -> BoxResult<Message> {
     Ok(Message::builder()
-        .from("Bench <bench@example.com>")
+        .from("Bench <bench@mg.bench.test>")
         .to("ops@example.com")
         .subject(format!("[Urgent] New Cluster bench-{i} requested"))
         .text("Hello! One cluster please.\n\nA benchmark message of typical size.")

@@ -333,6 +333,9 @@ impl MailgunMailer {
         fields.push(("subject".into(), message.subject().to_owned()));
         fields.push(("text".into(), message.text().to_owned()));
         fields.push(("h:Message-Id".into(), message.message_id().to_string()));
+        if let Some(reply_to) = message.reply_to() {
+            fields.push(("h:Reply-To".into(), reply_to.to_string()));
+        }
         for tag in message.tags() {
             fields.push(("o:tag".into(), tag.clone()));
         }

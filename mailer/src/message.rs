@@ -181,8 +181,12 @@ pub fn is_plain_address(address: &str) -> bool {
 }
 
 fn parse_sender(value: &str) -> Result<Mailbox, MessageError> {
-    const FIELD: &str = "from";
-    let mailbox = parse_mailbox(FIELD, value)?;
+    parse_plain("from", value)
+}
+
+/// A mailbox whose address is plain and exactly what lettre will send (`from`, `replyTo`).
+fn parse_plain(field: &'static str, value: &str) -> Result<Mailbox, MessageError> {
+    let mailbox = parse_mailbox(field, value)?;
     // The address as written (lettre normalises, e.g. drops the quotes of a quoted local
     // part) must be plain and be exactly what lettre will send.
     let written = match value.strip_suffix('>') {
@@ -191,7 +195,7 @@ fn parse_sender(value: &str) -> Result<Mailbox, MessageError> {
     };
     if !is_plain_address(written) || mailbox.email.to_string() != written {
         return Err(invalid(
-            FIELD,
+            field,
             "not a plain e-mail address (local@domain.tld: no quotes, IP literals, Unicode, \
              spaces or leading, trailing or doubled dots)",
         ));
@@ -241,7 +245,8 @@ fn check_variable(name: &str, value: &str) -> Result<(), MessageError> {
 /// use capm_mailer::Message;
 ///
 /// let message = Message::builder()
-///     .from("Requester <dev@example.com>")
+///     .from("Cluster requests <capm@mg.example.com>")
+///     .reply_to("dev@example.com")
 ///     .to("ops@example.com")
 ///     .subject("[Urgent] New Cluster demo requested")
 ///     .text("Hello! One cluster please.\n\n3 nodes")
@@ -254,6 +259,7 @@ fn check_variable(name: &str, value: &str) -> Result<(), MessageError> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     from: Mailbox,
+    reply_to: Option<Mailbox>,
     to: Vec<Mailbox>,
     subject: String,
     text: String,
@@ -271,6 +277,11 @@ impl Message {
     /// The sender.
     pub fn from(&self) -> &Mailbox {
         &self.from
+    }
+
+    /// Where replies go (the person the mail speaks for), if not to the sender.
+    pub fn reply_to(&self) -> Option<&Mailbox> {
+        self.reply_to.as_ref()
     }
 
     /// The recipients (at least one).
@@ -308,6 +319,7 @@ impl Message {
 #[derive(Debug, Clone, Default)]
 pub struct MessageBuilder {
     from: Option<String>,
+    reply_to: Option<String>,
     to: Vec<String>,
     subject: Option<String>,
     text: Option<String>,
@@ -317,11 +329,19 @@ pub struct MessageBuilder {
 }
 
 impl MessageBuilder {
-    /// Sets the sender: `user@domain` or `Name <user@domain>` (required). The address must be
-    /// plain (see [`is_plain_address`]): the sender is the requester, which the API admits only
-    /// in that form.
+    /// Sets the sender: `user@domain` or `Name <user@domain>` (required), an address of the
+    /// sending side (its domain the one the backend signs for, so the mail passes DMARC). The
+    /// address must be plain (see [`is_plain_address`]).
     pub fn from(mut self, from: impl Into<String>) -> Self {
         self.from = Some(from.into());
+        self
+    }
+
+    /// Sets `Reply-To` (optional): the person the mail speaks for (the requester), whose
+    /// domain's DMARC policy would make receivers refuse the mail if it were in `From`. Plain,
+    /// as `from`.
+    pub fn reply_to(mut self, reply_to: impl Into<String>) -> Self {
+        self.reply_to = Some(reply_to.into());
         self
     }
 
@@ -367,6 +387,11 @@ impl MessageBuilder {
     /// A [`MessageError`] naming the first field that is missing or invalid.
     pub fn build(self) -> Result<Message, MessageError> {
         let from = parse_sender(&self.from.ok_or(MessageError::Missing { field: "from" })?)?;
+        let reply_to = self
+            .reply_to
+            .as_deref()
+            .map(|r| parse_plain("replyTo", r))
+            .transpose()?;
         if self.to.is_empty() {
             return Err(MessageError::Missing { field: "to" });
         }
@@ -427,6 +452,7 @@ impl MessageBuilder {
         }
         Ok(Message {
             from,
+            reply_to,
             to,
             subject,
             text,

@@ -233,6 +233,9 @@ impl SmtpMailer {
         for to in message.to() {
             builder = builder.to(to.clone());
         }
+        if let Some(reply_to) = message.reply_to() {
+            builder = builder.reply_to(reply_to.clone());
+        }
         if !message.variables().is_empty() {
             let json =
                 serde_json::to_string(message.variables()).map_err(|e| MailError::Permanent {

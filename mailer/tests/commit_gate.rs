@@ -41,7 +41,7 @@ impl CommitGate for Switch {
 
 fn message(id: &str) -> Message {
     Message::builder()
-        .from("dev@example.com")
+        .from("capm@mg.capm.test")
         .to("ops@example.com")
         .subject("One cluster please")
         .text(format!(

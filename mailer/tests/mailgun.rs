@@ -64,7 +64,8 @@ impl Fixture {
 
 fn message(id: &str) -> Message {
     Message::builder()
-        .from("Dev <dev@example.com>")
+        .from(format!("Cluster requests <capm@{DOMAIN}>"))
+        .reply_to("dev@example.com")
         .to("ops@example.com")
         .to("audit@example.com")
         .subject("[Urgent] New Cluster demo requested")
@@ -89,7 +90,8 @@ async fn send_posts_every_field_and_returns_our_id() {
     let m = &stored[0];
     assert_eq!(m.id, "<mg-1@capm.test>");
     assert_eq!(m.headers["Message-Id"], "<mg-1@capm.test>");
-    assert_eq!(m.from, "Dev <dev@example.com>");
+    assert_eq!(m.from, format!("Cluster requests <capm@{DOMAIN}>"));
+    assert_eq!(m.headers["Reply-To"], "dev@example.com");
     assert_eq!(m.to, vec!["ops@example.com", "audit@example.com"]);
     assert_eq!(m.subject, "[Urgent] New Cluster demo requested");
     assert_eq!(
@@ -99,6 +101,22 @@ async fn send_posts_every_field_and_returns_our_id() {
     assert_eq!(m.tags, vec!["cluster-request"]);
     assert_eq!(m.variables["cluster"], "default/demo");
     assert_eq!(m.options["testmode"], "yes");
+}
+
+#[tokio::test]
+async fn a_from_off_the_sending_domain_is_refused_by_the_contract_server() {
+    let f = fixture();
+    let off_domain = Message::builder()
+        .from("dev@example.com")
+        .to("ops@example.com")
+        .subject("s")
+        .text("t")
+        .message_id("<mg-dmarc@capm.test>")
+        .build()
+        .unwrap();
+    let err = f.mailer().send(&off_domain).await.unwrap_err();
+    assert!(err.to_string().contains("DMARC"), "{err}");
+    assert!(f.server.messages().unwrap().is_empty());
 }
 
 #[tokio::test]

@@ -109,6 +109,9 @@ clean with its defaults while `helm install` and `helm template` refuse them.
 {{- if not $mail.smtp.url -}}
 {{- $missing = append $missing "mail.smtp.url: smtp://host[:port] or smtps://host[:port] (backend smtp)" -}}
 {{- end -}}
+{{- if not $mail.from -}}
+{{- $missing = append $missing "mail.from: the sender, an address on the domain the relay sends for (backend smtp; DMARC)" -}}
+{{- end -}}
 {{- if and $mail.smtp.username (not $mail.smtp.passwordSecret.name) -}}
 {{- $missing = append $missing "mail.smtp.passwordSecret.name: an existing Secret holding the password (mail.smtp.username is set)" -}}
 {{- end -}}

@@ -95,6 +95,12 @@ pub struct Args {
     )]
     pub mail_recipients: Option<Vec<String>>,
 
+    /// The mails' From: an address of the sending side, on the domain the backend sends and
+    /// signs for, so that receivers' DMARC checks pass (the requester goes into Reply-To)
+    /// [default: cluster-api-provider-mailgun@<the Mailgun domain>; required for SMTP].
+    #[arg(long, env = "MAIL_FROM", value_name = "ADDRESS", value_parser = recipient)]
+    pub mail_from: Option<String>,
+
     /// Mailgun sending domain (required for the mailgun backend).
     #[arg(long, env = "MAILGUN_DOMAIN", value_name = "DOMAIN")]
     pub mailgun_domain: Option<String>,
@@ -549,6 +555,20 @@ impl Settings {
                 )
             })?;
 
+        let mail_from = match (args.mail_from, &mailer) {
+            (Some(from), _) => from,
+            (None, MailerConfig::Mailgun(c)) => {
+                format!("cluster-api-provider-mailgun@{}", c.domain)
+            }
+            (None, MailerConfig::Smtp(_)) => {
+                return Err(invalid(
+                    field!(mail_from),
+                    "required for the SMTP backend: an address on the domain the relay sends \
+                     for (a requester's address in From fails DMARC at the receivers)",
+                ));
+            }
+        };
+
         let message_id_domain = match args.message_id_domain {
             Some(domain) => domain,
             None => default_message_id_domain(&mailer).ok_or_else(|| {
@@ -664,6 +684,7 @@ impl Settings {
             mailer,
             controllers: capm_controllers::Config {
                 recipients,
+                mail_from,
                 message_id_domain,
                 namespace: args.namespace,
                 watch_filter: args.watch_filter,

@@ -72,6 +72,11 @@ fn walkthrough_variables_alone_give_the_mailgun_defaults() {
     assert_eq!(m.region, MailgunRegion::Us);
     assert_eq!(s.controllers.recipients, ["ops@example.com"]);
     assert_eq!(s.controllers.message_id_domain, "mg.example.com");
+    // From: on the sending domain by default (DMARC), not the requester.
+    assert_eq!(
+        s.controllers.mail_from,
+        "cluster-api-provider-mailgun@mg.example.com"
+    );
     assert_eq!(s.controllers.concurrency, 10);
     assert_eq!(
         s.diagnostics,
@@ -234,17 +239,20 @@ fn smtp_from_flags_and_json_file() {
             "/run/pw",
             "--mail-recipient",
             "ops@example.com",
+            "--mail-from",
+            "capm@relay.example.com",
         ],
         &no_env,
     )
     .unwrap();
+    assert_eq!(s.controllers.mail_from, "capm@relay.example.com");
     let MailerConfig::Smtp(c) = &s.mailer else {
         panic!()
     };
     assert_eq!(c.password, Some(SecretSource::File("/run/pw".into())));
     assert_eq!(s.controllers.message_id_domain, "relay.example.com");
     let f = file(
-        r#"{"mailer": {"smtp": {"url": "smtp://relay.example.com:2525", "pool": {"enabled": false}}}, "mailRecipients": ["x@example.com"], "messageIdDomain": "capm.example.com"}"#,
+        r#"{"mailer": {"smtp": {"url": "smtp://relay.example.com:2525", "pool": {"enabled": false}}}, "mailRecipients": ["x@example.com"], "mailFrom": "capm@capm.example.com", "messageIdDomain": "capm.example.com"}"#,
     );
     let s = resolve(&["--config", f.path().to_str().unwrap()], &|n| {
         (n == SMTP_PASSWORD_ENV).then(|| "pw".to_owned())
@@ -352,8 +360,33 @@ fn every_invalid_field_is_named() {
             "--smtp-url (SMTP_URL): scheme must be smtp or smtps",
         ),
         (
-            &["--smtp-url", "smtp://[::1]:25", "--mail-backend", "smtp"],
+            &[
+                "--smtp-url",
+                "smtp://relay.example.com",
+                "--mail-backend",
+                "smtp",
+            ],
+            "--mail-from (MAIL_FROM): required for the SMTP backend",
+        ),
+        (
+            &[
+                "--smtp-url",
+                "smtp://[::1]:25",
+                "--mail-backend",
+                "smtp",
+                "--mail-from",
+                "capm@example.com",
+            ],
             "--message-id-domain (MESSAGE_ID_DOMAIN): required",
+        ),
+        (
+            &[
+                "--mail-from",
+                "not an address",
+                "--mailgun-domain",
+                "mg.example.com",
+            ],
+            "--mail-from (MAIL_FROM): \"not an address\" is not an e-mail address",
         ),
         (
             &["--message-id-domain", "a b"],

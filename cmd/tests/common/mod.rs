@@ -129,7 +129,10 @@ impl Provider {
         if let Some(url) = smtp_url {
             // The test relay speaks plain SMTP; the binary's default is STARTTLS required.
             let file = tempfile::Builder::new().suffix(".json").tempfile().unwrap();
-            let config = json!({ "mailer": { "smtp": { "url": url, "starttls": "never" } } });
+            let config = json!({
+                "mailer": { "smtp": { "url": url, "starttls": "never" } },
+                "mailFrom": format!("capm@{DOMAIN}"),
+            });
             std::fs::write(file.path(), config.to_string()).unwrap();
             cmd.arg("--config")
                 .arg(file.path())

@@ -559,8 +559,11 @@ fn build_message<K: InfraKind>(
     id: &str,
     which: Which,
 ) -> Result<Message, ReconcileError> {
+    // From: the sending side (its domain is the one the backend signs for, so the mail passes
+    // DMARC); the requester, whose domain would not, gets the replies.
     let mut builder = Message::builder()
-        .from(obj.requester())
+        .from(&ctx.config.mail_from)
+        .reply_to(obj.requester())
         .subject(&text.subject)
         .text(&text.body)
         .message_id(id)

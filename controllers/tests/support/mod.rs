@@ -57,6 +57,7 @@ impl Env {
     pub fn config(&self) -> Config {
         Config {
             recipients: vec![RECIPIENT.into()],
+            mail_from: format!("capm@{DOMAIN}"),
             message_id_domain: DOMAIN.into(),
             namespace: Some(self.ns.name.clone()),
             watch_filter: None,

@@ -94,6 +94,10 @@ fn bad_values_are_refused_with_the_field_named() {
     assert!(err.contains("recipient"), "unknown top-level key: {err}");
     let err = with(&["mail.backend=smtp"]);
     assert!(err.contains("- mail.smtp.url:"), "{err}");
+    assert!(
+        err.contains("- mail.from:"),
+        "SMTP needs a sender on its domain: {err}"
+    );
     assert!(!err.contains("- mail.mailgun"), "{err}");
     let err = with(&[
         "mail.backend=smtp",

@@ -168,7 +168,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     fs::write(
         &values,
         format!(
-            "mail:\n  recipient: {RECIPIENT}\n  backend: smtp\n  messageIdDomain: capm.e2e.example.com\n  \
+            "mail:\n  recipient: {RECIPIENT}\n  from: capm@capm.e2e.example.com\n  backend: smtp\n  messageIdDomain: capm.e2e.example.com\n  \
              smtp:\n    url: {}\n    username: capm\n    passwordSecret: {{name: smtp-credentials}}\n    \
              caSecret: {{name: smtp-ca}}\n\
              metrics:\n  certSecret: diagnostics-cert\n  \

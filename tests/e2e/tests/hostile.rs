@@ -143,6 +143,8 @@ async fn setup() -> Result<Env> {
             "mail.backend=smtp",
             "--set",
             "mail.smtp.url=smtp://127.0.0.1:25",
+            "--set",
+            "mail.from=capm@hostile.example.com",
         ],
     )?;
     let secret = Api::<Secret>::namespaced(admin.clone(), NS)
@@ -164,7 +166,7 @@ async fn setup() -> Result<Env> {
     let config = dir.join("provider.json");
     fs::write(
         &config,
-        json!({"mailer": {"smtp": {"url": smtp.url(), "starttls": "never"}}}).to_string(),
+        json!({"mailer": {"smtp": {"url": smtp.url(), "starttls": "never"}}, "mailFrom": "capm@hostile.example.com"}).to_string(),
     )?;
     let mut cmd = Command::new(provider_binary()?);
     cmd.env_clear()
@@ -852,10 +854,16 @@ fn check_mail(
     requester: &str,
     request: &str,
 ) -> Result<()> {
+    // DMARC: the envelope and From are the sending side; the requester is Reply-To.
     ensure!(
-        mail.mail_from == requester,
+        mail.mail_from == "capm@hostile.example.com",
         "envelope sender {:?}",
         mail.mail_from
+    );
+    ensure!(
+        mail.header("Reply-To") == Some(requester),
+        "Reply-To {:?}, expected the requester {requester:?}",
+        mail.header("Reply-To")
     );
     ensure!(
         mail.rcpt_tos == [RECIPIENT],

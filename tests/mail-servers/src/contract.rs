@@ -480,6 +480,18 @@ async fn fail(
 /// client hangs up right after the last byte, as a real server does (hyper drops the handler of
 /// a connection whose client went away, so the handling runs in a task of its own); a request
 /// whose body never completes is never handled.
+/// The lower-cased domain of a `From` value (`Name <a@b>` or `a@b`).
+fn address_domain(from: &str) -> String {
+    let address = match from.trim().strip_suffix('>') {
+        Some(rest) => rest.rsplit_once('<').map_or(rest, |(_, a)| a),
+        None => from.trim(),
+    };
+    address
+        .rsplit_once('@')
+        .map(|(_, d)| d.to_ascii_lowercase())
+        .unwrap_or_default()
+}
+
 async fn send_message(
     State(state): State<Shared>,
     Path(domain): Path<String>,
@@ -527,6 +539,21 @@ async fn receive_message(
     let Some(from) = one("from") else {
         return error(StatusCode::BAD_REQUEST, "from parameter is missing");
     };
+    // Mailgun accepts any From, and receivers then judge it: a From outside the domain the mail
+    // is sent (and DKIM-signed) for fails DMARC alignment, and a domain with `p=reject` has it
+    // refused. The contract server refuses it outright, so a test sees it.
+    let from_domain = address_domain(&from);
+    if from_domain != domain.to_ascii_lowercase()
+        && !from_domain.ends_with(&format!(".{}", domain.to_ascii_lowercase()))
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!(
+                "from: {from_domain:?} is not the sending domain {domain:?} (a From on another \
+                 domain fails DMARC at the receivers)"
+            ),
+        );
+    }
     let to: Vec<String> = fields
         .iter()
         .filter(|(n, _)| n == "to")

@@ -77,7 +77,7 @@ fn post(server: &MailgunServer, id: &str) -> BufReader<TcpStream> {
     let boundary = "hostile-boundary";
     let mut body = String::new();
     for (name, value) in [
-        ("from", "capm@example.test"),
+        ("from", "capm@mg.example.test"),
         ("to", "ops@example.com"),
         ("subject", "hostile"),
         ("text", "body"),

@@ -392,7 +392,10 @@ impl Lane {
                 (Server::Smtp(Mutex::new(server)), mailer)
             }
         };
-        std::fs::write(&config, json!({ "mailer": mailer }).to_string())?;
+        std::fs::write(
+            &config,
+            json!({ "mailer": mailer, "mailFrom": format!("capm@{DOMAIN}") }).to_string(),
+        )?;
         let mut cfg = world.cp.config().await?;
         cfg.default_namespace = ns.clone();
         let client = Client::try_from(cfg)?;
