@@ -425,3 +425,53 @@ async fn a_request_refused_for_good_does_not_block_deletion() {
     assert!(env.mails().is_empty());
     env.stop().await;
 }
+
+/// The sync period's safety net (issue 37): with nothing changing, every object is reconciled
+/// again each period, and such a reconcile writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sync_period_reconciles_every_object_and_writes_nothing() {
+    let mut env = Env::new("mgc-resync").await;
+    let mut config = env.config();
+    config.sync_period = std::time::Duration::from_secs(2);
+    env.start_with(config).await;
+    for name in ["r1", "r2", "r3"] {
+        env.create_mailgun_cluster(name).await;
+        env.create_owner_cluster(name, false).await;
+    }
+    for name in ["r1", "r2", "r3"] {
+        eventually("the request mail", || async {
+            sent_status(&env, name).await
+        })
+        .await;
+    }
+    // Settled: what each object is now.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let versions = |env: &Env| {
+        let api = env.clusters();
+        async move {
+            let mut out = Vec::new();
+            for name in ["r1", "r2", "r3"] {
+                out.push(api.get(name).await.unwrap().resource_version());
+            }
+            out
+        }
+    };
+    let before = versions(&env).await;
+    let reconciles = env.metric(
+        "controller_runtime_reconcile_total",
+        Some(("controller", "mailguncluster")),
+    );
+    // Three periods: each of the three objects about three times more.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let more = env.metric(
+        "controller_runtime_reconcile_total",
+        Some(("controller", "mailguncluster")),
+    ) - reconciles;
+    assert!(
+        more >= 6.0,
+        "{more} reconciles in three sync periods of three objects"
+    );
+    assert_eq!(versions(&env).await, before, "a resync wrote to an object");
+    assert_eq!(env.mails().len(), 3, "one mail each");
+    env.stop().await;
+}

@@ -18,7 +18,7 @@ use kube::{
 const EMPTY_RECHECK: Duration = Duration::from_secs(60);
 
 /// The objects of `store` in turn, one every `period / n` (`n`: the objects when the walk
-/// began), starting once the store is ready.
+/// began); an empty store is looked at again after `period` or a minute, whichever is shorter.
 pub(crate) fn every_object<K>(
     store: Store<K>,
     period: Duration,
@@ -27,12 +27,12 @@ where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
     let walk: (VecDeque<ObjectRef<K>>, Duration) = (VecDeque::new(), period);
+    // Not `Store::wait_until_ready`: kube-runtime's delayed init wakes only the last of several
+    // concurrent waiters (the controller's applier waits on it too). Before the first list the
+    // store is empty, which waits the same way.
     futures::stream::unfold(
         (store, walk),
         move |(store, (mut queue, mut gap))| async move {
-            if store.wait_until_ready().await.is_err() {
-                return None;
-            }
             loop {
                 if queue.is_empty() {
                     queue = store

@@ -20,9 +20,9 @@
 //!
 //! With two replicas (each behind its own proxy, leader election on), the leader is cut and the
 //! standby is not; some cycles cut it for longer than the renew deadline, so the standby takes
-//! the Lease over (the API server is then restarted after the hand-over, so the new leader's
-//! watches meet the 410), and the cut process, which exits on losing its Lease, is started again
-//! as its Deployment would.
+//! the Lease over and handles what changed, and the cut process, which exits on losing its
+//! Lease, is started again as its Deployment would. The new leader is then cut as well while
+//! more pairs come and the API server restarts, so that its watches meet the 410 too.
 //!
 //! Seeded: `PARTITION_SEED=<n>` replays a plan (default: a fixed seed); `PARTITION_CYCLES`
 //! (default 10) sets the cycles. The recovery time (restore → every new pair mailed) is
@@ -459,6 +459,15 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
                 },
             )
             .await?;
+            // Then it is cut too, and more pairs come: its watches have something to resume
+            // past when the API server restarts, so they meet the 410 and re-list.
+            world.replicas[standby].proxy.cut();
+            for _ in 0..rng.random_range(1..=3) {
+                let name = new_name();
+                create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com")
+                    .await?;
+                expect.mailed.insert(name);
+            }
         }
         // The watches' resume point goes away: a restarted API server's watch cache starts now.
         let lists_before_restart: Vec<(f64, f64)> =
@@ -471,7 +480,9 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
             expect.paused.insert(name.clone());
         }
         let cut_for = cut_at.elapsed();
-        world.replicas[leader].proxy.restore();
+        for r in &world.replicas {
+            r.proxy.restore();
+        }
         let restored = Instant::now();
         println!(
             "  cut for {:.1} s (API server restarted in {:.1} s): {} new, {} deleted, {} \
