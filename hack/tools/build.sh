@@ -2,7 +2,8 @@
 # Builds the Go tools the local control plane, the tests and the demo use, from the Go module proxy,
 # and caches them.
 #
-#   hack/tools/build.sh [kubernetes|kubernetes-node|etcd|helm|cluster-api|runc|containerd|cni ...]
+#   hack/tools/build.sh [kubernetes|kubernetes-node|etcd|helm|cluster-api|runc|containerd|cni|
+#                        registry|crane|cosign ...]
 #   (default: all)
 #
 # Each tool module under hack/tools/<name>/ is built into
@@ -18,7 +19,7 @@ cache=${CAPM_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cluster-api-provider-m
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
 tools=("$@")
-[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni)
+[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni registry crane cosign)
 
 key() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
 
@@ -47,7 +48,12 @@ binaries() {
       "bridge github.com/containernetworking/plugins/plugins/main/bridge" \
       "loopback github.com/containernetworking/plugins/plugins/main/loopback" \
       "host-local github.com/containernetworking/plugins/plugins/ipam/host-local" ;;
-    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni)" >&2; return 1 ;;
+    # The release: an OCI registry for the tests (CNCF distribution, TLS), a registry client that
+    # pushes the image archive by digest, and the signer.
+    registry) echo "registry github.com/distribution/distribution/v3/cmd/registry" ;;
+    crane) echo "crane github.com/google/go-containerregistry/cmd/crane" ;;
+    cosign) echo "cosign github.com/sigstore/cosign/v2/cmd/cosign" ;;
+    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni registry crane cosign)" >&2; return 1 ;;
   esac
 }
 
@@ -75,6 +81,15 @@ ldflags() {
     containerd)
       local v; v=$(module_version containerd github.com/containerd/containerd/v2)
       echo "-s -w -X github.com/containerd/containerd/v2/version.Version=$v" ;;
+    registry)
+      local v; v=$(module_version registry github.com/distribution/distribution/v3)
+      echo "-s -w -X github.com/distribution/distribution/v3/version.version=$v" ;;
+    crane)
+      local v; v=$(module_version crane github.com/google/go-containerregistry)
+      echo "-s -w -X github.com/google/go-containerregistry/cmd/crane/cmd.Version=$v" ;;
+    cosign)
+      local v; v=$(module_version cosign github.com/sigstore/cosign/v2)
+      echo "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$v -X sigs.k8s.io/release-utils/version.gitTreeState=clean" ;;
     *) echo "-s -w" ;;
   esac
 }
