@@ -441,6 +441,9 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
     // Settled: the topology controller reconciles the Cluster again (each change of the Cluster
     // triggers it) and writes nothing to our objects, nor does the provider.
     let before = world.versions().await?;
+    let mailgun_cluster_api = infra(&admin, "MailgunCluster");
+    let meta_before =
+        serde_json::to_value(&mailgun_cluster_api.get(&mc.name_any()).await?.metadata)?;
     let audit_before = world.audit()?.len();
     let merge = PatchParams::default();
     for i in 0..3 {
@@ -483,9 +486,12 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
             other.verb, other.resource, other.name, other.field_manager
         );
     }
+    let meta_after =
+        serde_json::to_value(&mailgun_cluster_api.get(&mc.name_any()).await?.metadata)?;
     ensure!(
         before == after && ours_or_topology.is_empty(),
-        "writes to our objects once settled: {writes:#?}\nbefore: {before:?}\nafter: {after:?}"
+        "writes to our objects once settled: {writes:#?}\nbefore: {before:?}\nafter: {after:?}\n\
+         the MailgunCluster's metadata before: {meta_before:#}\nafter: {meta_after:#}"
     );
 
     // A rollout: the Cluster changes a variable, the patched MailgunMachineTemplate differs, and
