@@ -107,7 +107,8 @@ pause_version() {
 
 elapsed() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 
-# build_one <tool> <name> <package> <dir>: go build, with a line every 30 s (CAPM_BUILD_TICK) so a cold build
+# build_one <tool> <name> <package> <dir>: go build into <name>.tmp.<pid> (two checkouts sharing
+# the cache may build the same tool at once; each renames its own file), with a line every 30 s (CAPM_BUILD_TICK) so a cold build
 # (modules downloaded, then compiled; up to several minutes per binary on 2 cores) shows progress.
 build_one() {
   local tool=$1 name=$2 pkg=$3 dir=$4 t0 ticker status=0
@@ -127,15 +128,15 @@ build_one() {
     # builds the pause image (static, so the image holds this one file).
     local src; src="$(cd "$here/$tool" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/${pkg#c:}"
     kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
-    gcc -Os -Wall -Werror -static -DVERSION="$(pause_version "$src")" -o "$dir/$name.tmp" "$src"
-    mv "$dir/$name.tmp" "$dir/$name"
+    gcc -Os -Wall -Werror -static -DVERSION="$(pause_version "$src")" -o "$dir/$name.tmp.$$" "$src"
+    mv "$dir/$name.tmp.$$" "$dir/$name"
     echo "    $name: built in $(elapsed "$t0")"
     return
   fi
-  (cd "$here/$tool" && CGO_ENABLED=$(cgo "$tool") go build -trimpath -tags "$(tags "$tool")" -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp" "$pkg") || status=$?
+  (cd "$here/$tool" && CGO_ENABLED=$(cgo "$tool") go build -trimpath -tags "$(tags "$tool")" -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp.$$" "$pkg") || status=$?
   kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
   [ "$status" -eq 0 ] || { echo "    $name: go build failed after $(elapsed "$t0")" >&2; return "$status"; }
-  mv "$dir/$name.tmp" "$dir/$name"
+  mv "$dir/$name.tmp.$$" "$dir/$name"
   echo "    $name: built in $(elapsed "$t0")"
 }
 
