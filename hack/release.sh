@@ -65,7 +65,8 @@ fi
 mkdir "$work/layout"
 tar -xf "$archive" -C "$work/layout"
 digest=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]))["manifests"]; assert len(m)==1, m; print(m[0]["digest"])' "$work/layout/index.json")
-"$bin/crane" push "$work/layout" "$image_repo:$version" >/dev/null
+"$bin/crane" push "$work/layout" "$image_repo:$version" >"$work/crane.log" 2>&1 \
+  || { cat "$work/crane.log" >&2; die "crane push failed"; }
 pushed=$("$bin/crane" digest "$image_repo:$version")
 [ "$pushed" = "$digest" ] || die "the registry has $pushed for $image_repo:$version, the archive $digest"
 "$bin/crane" manifest "$image_repo@$digest" >/dev/null
@@ -151,6 +152,7 @@ if [ -n "$cosign_key" ]; then
   cosign sign-blob --key "$cosign_key" --tlog-upload=false --yes \
     --output-signature "$out/SHA256SUMS.sig" "$out/SHA256SUMS"
   "$bin/cosign" public-key --key "$cosign_key" > "$out/cosign.pub"
+  chmod 644 "$out/SHA256SUMS.sig" "$out/cosign.pub"
   cosign verify --key "$out/cosign.pub" --insecure-ignore-tlog=true "$image_repo@$digest"
   echo "    signed: image, chart, SBOM attestation, SHA256SUMS (public key: $out/cosign.pub)"
 fi
