@@ -35,6 +35,7 @@ step() { echo "==> $*"; }
 [[ $registry =~ ^[A-Za-z0-9.-]+(:[0-9]+)?(/[a-z0-9._/-]+)?$ ]] || die "REGISTRY=host[:port][/path], got '$registry'"
 for tool in helm crane; do [ -x "$bin/$tool" ] || die "bin/$tool missing: run \`hack/tools/build.sh helm crane cosign\`"; done
 [ -z "$cosign_key" ] || [ -x "$bin/cosign" ] || die "bin/cosign missing: run \`hack/tools/build.sh cosign\`"
+cargo cyclonedx --version >/dev/null 2>&1 || die "cargo-cyclonedx missing (the SBOM): run \`make deps-release\`"
 [ -z "$cosign_key" ] || [ -f "$cosign_key" ] || die "COSIGN_KEY=$cosign_key: no such file"
 workspace_version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"/\1/p' "$root/Cargo.toml")
 [ "$version" = "$workspace_version" ] \

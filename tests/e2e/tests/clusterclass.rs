@@ -15,9 +15,9 @@
 //! our objects while the topology controller reconciles a settled Cluster again; a changed
 //! variable (the machines' request) rotates the MailgunMachineTemplate and rolls the machines
 //! (new ones request with the new text, old ones release); scaling through `spec.topology`;
-//! deleting the Cluster. The mail ledger then
-//! shows exactly one request and one release per object, and the API server's audit log what the
-//! topology controller sent our CRDs (dry-runs and applies).
+//! deleting the Cluster. The mail ledger then shows exactly one request and one release per
+//! object, and the API server's audit log what the topology controller sent our CRDs (dry-runs
+//! and applies).
 //!
 //! Long because it is one story with a check at every step.
 
