@@ -268,6 +268,28 @@ impl World {
         Ok(out)
     }
 
+    /// Objects of our kinds that still name a Secret among their owners (Cluster API's shim).
+    async fn shim_references(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for kind in [
+            "MailgunCluster",
+            "MailgunMachine",
+            "MailgunClusterTemplate",
+            "MailgunMachineTemplate",
+        ] {
+            for o in infra(&self.admin, kind)
+                .list(&ListParams::default())
+                .await?
+                .items
+            {
+                if o.owner_references().iter().any(|r| r.kind == "Secret") {
+                    out.push(format!("{kind}/{}", o.name_any()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The requests to our kinds the audit log holds so far.
     fn audit(&self) -> Result<Vec<AuditedRequest>> {
         all_audited_requests(&self.audit_log)
@@ -437,6 +459,23 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
     for uid in &first {
         expect_request_mail(world, &ledger, Kind::Machine, uid, MACHINE_REQUEST)?;
     }
+
+    // The topology controller creates our objects owned by a temporary "shim" Secret and deletes
+    // it once the Cluster owns them; the garbage collector then removes the dangling reference
+    // (a patch by kube-controller-manager, up to its next resource discovery, 30 s, after the CRDs
+    // appeared). Wait for that before watching for writes.
+    let t = Instant::now();
+    let w = &*world;
+    eventually(
+        Duration::from_secs(90),
+        "the shim Secret's owner references removed by the garbage collector",
+        || async { Ok(w.shim_references().await?.is_empty().then_some(())) },
+    )
+    .await?;
+    println!(
+        "shim owner references gone {:.1?} after provisioning",
+        t.elapsed()
+    );
 
     // Settled: the topology controller reconciles the Cluster again (each change of the Cluster
     // triggers it) and writes nothing to our objects, nor does the provider.
