@@ -201,3 +201,29 @@ pub fn release(
     );
     Ok(release)
 }
+
+/// `cosign generate-key-pair` (empty password) in `dir`: the private and the public key's paths.
+///
+/// # Errors
+/// When cosign is missing or fails.
+pub fn key_pair(registry: &Registry, dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    fs::create_dir_all(dir)?;
+    let mut cmd = registry.client("cosign", dir)?;
+    cmd.current_dir(dir).arg("generate-key-pair");
+    run(&mut cmd, "cosign generate-key-pair")?;
+    Ok((dir.join("cosign.key"), dir.join("cosign.pub")))
+}
+
+/// `cosign verify` of `reference` with the public key `public` (no transparency log, as the
+/// release signs).
+///
+/// # Errors
+/// When the signature does not verify.
+pub fn verify_signature(registry: &Registry, public: &Path, reference: &str) -> Result<()> {
+    let mut cmd = registry.client("cosign", &std::env::temp_dir().join("capm-e2e-cosign"))?;
+    cmd.arg("verify")
+        .arg("--key")
+        .arg(public)
+        .args(["--insecure-ignore-tlog=true", reference]);
+    run(&mut cmd, &format!("cosign verify {reference}")).map(drop)
+}

@@ -26,7 +26,7 @@ use capm_e2e::{
     helm,
     pods::{check_no_restarts, leader, on_a_node, provider_pods, ready},
     provider_binary,
-    release::{Registry, Release, release},
+    release::{Registry, Release, key_pair, release, verify_signature},
     start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
@@ -139,8 +139,16 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         std::env::var_os("CAPM_IMAGE_BINARY").map_or_else(provider_binary, |p| Ok(p.into()))?;
     let t = Instant::now();
     let registry = Registry::start(dir).await?;
-    let released = release(&registry, "capm", &binary, &dir.join("release"), None)?;
+    let (key, _) = key_pair(&registry, &dir.join("keys"))?;
+    let released = release(&registry, "capm", &binary, &dir.join("release"), Some(&key))?;
     cp.trust_registry(&registry.host, &registry.ca_pem)?;
+    // What a user checks before installing: the image's signature, the SBOM beside the assets.
+    verify_signature(&registry, &released.out.join("cosign.pub"), &released.image)?;
+    let sbom = released.out.join(format!(
+        "cluster-api-provider-mailgun-{}.cdx.json",
+        released.version
+    ));
+    ensure!(sbom.is_file(), "no SBOM at {}", sbom.display());
     let image = released.image.clone();
     println!(
         "released {image} and {} {} in {:.1?}",

@@ -13,7 +13,7 @@ use anyhow::{Context, Result, ensure};
 use base64::Engine as _;
 use capm_e2e::{
     provider_binary,
-    release::{CHART, Registry, release},
+    release::{CHART, Registry, key_pair, release},
     run,
 };
 
@@ -28,15 +28,6 @@ fn outcome(cmd: &mut Command) -> Result<(bool, String)> {
             String::from_utf8_lossy(&out.stderr)
         ),
     ))
-}
-
-/// `cosign generate-key-pair` (empty password) in `dir`: the private and public key's paths.
-fn key_pair(registry: &Registry, dir: &Path) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
-    fs::create_dir_all(dir)?;
-    let mut cmd = registry.client("cosign", dir)?;
-    cmd.current_dir(dir).arg("generate-key-pair");
-    run(&mut cmd, "cosign generate-key-pair")?;
-    Ok((dir.join("cosign.key"), dir.join("cosign.pub")))
 }
 
 #[tokio::test(flavor = "multi_thread")]
