@@ -391,6 +391,60 @@ async fn installs_into_a_restricted_namespace_upgrades_and_uninstalls() -> Resul
     Ok(())
 }
 
+/// `hack/check-clusterclass.sh` (`make lint-clusterctl`) passes the shipped ClusterClass file and
+/// refuses one with a placeholder, one with a namespace and one without variables or patches.
+#[test]
+fn the_clusterclass_contract_check_refuses_placeholders_namespaces_and_missing_patches()
+-> Result<()> {
+    let script = chart_dir().join("../../hack/check-clusterclass.sh");
+    let shipped = chart_dir().join("../../config/clusterctl/clusterclass-mailgun.yaml");
+    let check = |file: &std::path::Path| {
+        std::process::Command::new(&script)
+            .arg(file)
+            .output()
+            .map(|o| {
+                (
+                    o.status.success(),
+                    String::from_utf8_lossy(&o.stderr).into_owned(),
+                )
+            })
+    };
+    let (ok, err) = check(&shipped)?;
+    ensure!(ok, "the shipped ClusterClass file fails the check:\n{err}");
+    let text = std::fs::read_to_string(&shipped)?;
+    let work = tempfile::tempdir()?;
+    for (what, bad, expected) in [
+        (
+            "a placeholder",
+            text.replace("name: mailgun\n", "name: ${CLASS_NAME}\n"),
+            "${CLASS_NAME}",
+        ),
+        (
+            "a namespace",
+            text.replace(
+                "  name: mailgun\n",
+                "  name: mailgun\n  namespace: default\n",
+            ),
+            "namespace: default",
+        ),
+        (
+            "no patches",
+            text.replace("  patches:\n", "  unpatched:\n"),
+            "no spec.patches",
+        ),
+    ] {
+        ensure!(bad != text, "the edit for {what} changed nothing");
+        let file = work.path().join("clusterclass-bad.yaml");
+        std::fs::write(&file, &bad)?;
+        let (ok, err) = check(&file)?;
+        ensure!(
+            !ok && err.contains(expected),
+            "a file with {what} passes or is not named: {err}"
+        );
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<()> {
     let work = tempfile::tempdir()?;
