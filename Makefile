@@ -5,6 +5,7 @@ SHELL := /usr/bin/env bash
 CARGO ?= cargo
 PYTHON ?= python3
 CARGO_DENY_VERSION := 0.20.2
+CARGO_CYCLONEDX_VERSION := 0.5.9
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CAPM_ENV := $(CARGO) run -q -p capm-test-support --bin capm-env --
 
@@ -19,21 +20,34 @@ deps-demo: ## Install only what the demo needs (the SMTP server's Python package
 	$(PIP_INSTALL) -r tests/mail-servers/requirements.txt
 
 .PHONY: deps
-deps: deps-demo ## Install what the tests need too (the release script's Python packages, Debian's Prometheus, libseccomp-dev/pkg-config/iptables for the node, cargo-deny)
-	$(PIP_INSTALL) -r hack/requirements.txt
+deps: deps-demo deps-node deps-release ## Install what the tests need too (deps-node, deps-release, Debian's Prometheus, cargo-deny)
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing Debian's prometheus (prometheus + promtool for the end-to-end tests)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; fi
-	@missing=$$(for p in libseccomp-dev pkg-config iproute2 iptables; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	  if [ -n "$$missing" ]; then \
-	  echo "installing Debian's $$missing (runc with seccomp; the local node's bridge and Service route)"; \
-	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; fi
 	@if ! $(CARGO) deny --version >/dev/null 2>&1; then \
 	  echo "installing cargo-deny $(CARGO_DENY_VERSION) from crates.io (make deny)"; \
 	  $(CARGO) install --locked cargo-deny --version $(CARGO_DENY_VERSION); fi
 
+# runc (built by `make tools`) links libseccomp through cgo; the node needs ip and iptables.
+.PHONY: deps-node
+deps-node: ## Install Debian's libseccomp-dev, pkg-config, iproute2, iptables (runc with seccomp; the local node's bridge and Service route)
+	@missing=$$(for p in libseccomp-dev pkg-config iproute2 iptables; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	  echo "installing Debian's $$missing (runc with seccomp; the local node's bridge and Service route)"; \
+	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; fi
+
+.PHONY: deps-py
+deps-py: ## Install the release scripts' Python packages (PyYAML)
+	$(PIP_INSTALL) -r hack/requirements.txt
+
+.PHONY: deps-release
+deps-release: deps-py ## Install what `make release` needs: deps-py, cargo-cyclonedx (the SBOM)
+	@if ! $(CARGO) cyclonedx --version >/dev/null 2>&1; then \
+	  echo "installing cargo-cyclonedx $(CARGO_CYCLONEDX_VERSION) from crates.io (the release's SBOM)"; \
+	  $(CARGO) install --locked cargo-cyclonedx --version $(CARGO_CYCLONEDX_VERSION); fi
+
 .PHONY: tools
-tools: ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause), cached by go.sum hash
+tools: deps-node ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause; the release: registry, crane, cosign), cached by go.sum hash
 	hack/tools/build.sh
 
 # The demo needs no node: without runc (cgo, libseccomp-dev from `make deps`) and containerd it
@@ -68,13 +82,13 @@ CHART := charts/cluster-api-provider-mailgun
 CRD_DIRS := config/crd $(CHART)/files/crds
 
 .PHONY: generate
-generate: tools ## Regenerate committed files: CRD YAML (config/, the chart) from the Rust types, config/rbac and the monitoring files (config/metrics, prometheus, grafana) from the chart
+generate: tools-helm ## Regenerate committed files: CRD YAML (config/, the chart) from the Rust types, config/rbac and the monitoring files (config/metrics, prometheus, grafana) from the chart
 	@for dir in $(CRD_DIRS); do $(CARGO) run -q -p capm-api --bin crdgen -- $$dir; done
 	hack/render-rbac.sh > config/rbac/rbac.yaml
 	hack/render-observability.sh config
 
 .PHONY: verify-generated
-verify-generated: tools ## Fail when committed generated files are stale
+verify-generated: tools-helm ## Fail when committed generated files are stale
 	@for dir in $(CRD_DIRS); do $(CARGO) run -q -p capm-api --bin crdgen -- --check $$dir; done
 	@hack/render-rbac.sh | diff -u config/rbac/rbac.yaml - \
 	  || { echo "config/rbac/rbac.yaml is stale: run make generate" >&2; exit 1; }
@@ -89,8 +103,12 @@ verify-generated: tools ## Fail when committed generated files are stale
 # finds a violation there is fixed and may become this one.
 TEST_SOAK_SEED ?= 4
 
+.PHONY: lint-clusterctl
+lint-clusterctl: ## Check the ClusterClass files against clusterctl's contract (no ${VAR}, no namespace:, variables and patches)
+	hack/check-clusterclass.sh
+
 .PHONY: test
-test: deps tools lint deny verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
+test: deps tools lint lint-clusterctl deny verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
 	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server \
 	  SOAK_SEED=$${SOAK_SEED:-$(TEST_SOAK_SEED)} $(CARGO) test --workspace --no-fail-fast
@@ -101,7 +119,7 @@ PEER_DIR ?= $(abspath ../shared/peer/goref)
 SEED ?=
 
 .PHONY: soak
-soak: tools ## The adversarial soak test alone (issue 13): ROUNDS=200 for a long run (default 20), SEED=<n> replays a run
+soak: deps-demo tools ## The adversarial soak test alone (issue 13): ROUNDS=200 for a long run (default 20), SEED=<n> replays a run
 	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server \
 	  SOAK_ROUNDS=$(ROUNDS) SOAK_SEED=$(SEED) $(CARGO) test -p capm-e2e --test soak -- --nocapture
@@ -121,13 +139,26 @@ bench-mailer: ## Mail backend throughput (not a test): Mailgun with 16 senders, 
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/release/mailgun-contract-server $(CARGO) run --release -p capm-mailer --example bench
 
 .PHONY: chart-lint
-chart-lint: tools ## helm lint the chart with its defaults and with each of its ci/*-values.yaml
+chart-lint: tools-helm ## helm lint the chart with its defaults and with each of its ci/*-values.yaml
 	bin/helm lint --strict $(CHART)
 	@for values in $(CHART)/ci/*-values.yaml; do bin/helm lint --strict $(CHART) -f $$values; done
 
 .PHONY: release-manifests
-release-manifests: tools ## Render the clusterctl assets (infrastructure-components.yaml, metadata.yaml, cluster-template.yaml) into out/
+release-manifests: deps-py tools-helm ## Render the clusterctl assets (infrastructure-components.yaml, metadata.yaml, cluster-template*.yaml, clusterclass-mailgun.yaml) into out/
 	hack/release-manifests.sh out
+
+.PHONY: tools-helm
+tools-helm: ## Build only Helm (what chart-lint, release-manifests and the generated-file checks use)
+	hack/tools/build.sh helm
+
+VERSION ?=
+REGISTRY ?=
+COSIGN_KEY ?=
+
+.PHONY: release
+release: deps-release ## VERSION=x.y.z REGISTRY=host/path [COSIGN_KEY=cosign.key]: push the image (by digest) and the chart (OCI), write out/ (clusterctl assets, SBOM, SHA256SUMS, signatures)
+	hack/tools/build.sh helm crane cosign
+	VERSION=$(VERSION) REGISTRY=$(REGISTRY) COSIGN_KEY=$(COSIGN_KEY) hack/release.sh
 
 .PHONY: up
 up: tools ## Start a detached local control plane (with the Cluster API CRDs); `eval $$(make -s env)` to use it

@@ -1,7 +1,7 @@
 """Turns `helm template` output (stdin) into clusterctl's infrastructure-components.yaml (stdout).
 
 clusterctl wants one Namespace, every object labelled cluster.x-k8s.io/provider, and ${VAR}
-placeholders for what the user supplies. Helm's own bookkeeping labels are dropped: clusterctl,
+placeholders for what the user supplies (the Mailgun region among them, default us). Helm's own bookkeeping labels are dropped: clusterctl,
 not Helm, manages these objects.
 """
 import sys
@@ -9,6 +9,10 @@ import sys
 import yaml
 
 PROVIDER_LABEL = ("cluster.x-k8s.io/provider", "infrastructure-mailgun")
+# The chart's schema allows only `us` or `eu`, so the chart is rendered with `us` and the flag
+# becomes a clusterctl variable here: `MAILGUN_REGION=eu clusterctl init` for an EU account.
+REGION_ARG = "--mailgun-region=us"
+REGION_VAR = "--mailgun-region=${MAILGUN_REGION:=us}"
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 
 
@@ -41,6 +45,13 @@ def main() -> None:
         if doc["kind"] == "Deployment" and tmpl:
             for key in HELM_LABELS:
                 tmpl.get("labels", {}).pop(key, None)
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                if container["name"] != "manager":
+                    continue
+                args = container.get("args", [])
+                if REGION_ARG not in args:
+                    sys.exit(f"the manager's arguments have no {REGION_ARG}: {args}")
+                container["args"] = [REGION_VAR if a == REGION_ARG else a for a in args]
         out.append(doc)
     for doc in out:
         doc["metadata"].setdefault("labels", {})[PROVIDER_LABEL[0]] = PROVIDER_LABEL[1]

@@ -3,13 +3,17 @@
 #   infrastructure-components.yaml  the chart rendered for clusterctl: one Namespace (capm-system),
 #                                   cert-manager for the webhook certificate, the Mailgun backend
 #                                   configured by the walkthrough's variables ${MAIL_RECIPIENT},
-#                                   ${MAILGUN_DOMAIN} and ${MAILGUN_API_KEY}
+#                                   ${MAILGUN_DOMAIN} and ${MAILGUN_API_KEY}, and the account's
+#                                   region ${MAILGUN_REGION} (us, the default, or eu)
 #   metadata.yaml                   release series -> Cluster API contract
 #   cluster-template.yaml           for `clusterctl generate cluster`
 #   cluster-template-clusterclass.yaml
 #                                   for `clusterctl generate cluster --flavor clusterclass`
-#   clusterclass-mailgun.yaml       the ClusterClass that flavor names (clusterctl adds it)
+#   clusterclass-mailgun.yaml       the ClusterClass that flavor names (clusterctl adds it); no
+#                                   placeholders, no namespace (checked: hack/check-clusterclass.sh)
 # Usage: hack/release-manifests.sh [out-dir]
+# CAPM_IMAGE_REPOSITORY and CAPM_IMAGE_DIGEST (sha256:...) pin the components' image (`make
+# release` sets them to what it pushed); unset, the chart's default image.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$root/out}
@@ -17,18 +21,24 @@ helm=${HELM:-$root/bin/helm}
 [ -x "$helm" ] || { echo "helm not found at $helm: run \`make tools\`" >&2; exit 1; }
 mkdir -p "$out"
 namespace=capm-system
+image=()
+[ -z "${CAPM_IMAGE_REPOSITORY:-}" ] || image+=(--set "image.repository=$CAPM_IMAGE_REPOSITORY")
+[ -z "${CAPM_IMAGE_DIGEST:-}" ] || image+=(--set "image.digest=$CAPM_IMAGE_DIGEST")
 "$helm" template capm "$root/charts/cluster-api-provider-mailgun" \
   --namespace "$namespace" \
   --set fullnameOverride=capm-controller-manager \
   --set 'mail.recipient=${MAIL_RECIPIENT}' \
   --set mail.backend=mailgun \
   --set 'mail.mailgun.domain=${MAILGUN_DOMAIN}' \
+  --set mail.mailgun.region=us \
   --set mail.mailgun.apiKeySecret.name=capm-mailgun-api-key \
   --set webhook.certManager.enabled=true \
   --set crds.keep=false \
+  ${image[@]+"${image[@]}"} \
   | python3 "$root/hack/clusterctl_components.py" "$namespace" > "$out/infrastructure-components.yaml"
 cp "$root/metadata.yaml" "$out/metadata.yaml"
 cp "$root/config/clusterctl/cluster-template.yaml" "$out/cluster-template.yaml"
 cp "$root/config/clusterctl/cluster-template-clusterclass.yaml" "$out/cluster-template-clusterclass.yaml"
+"$root/hack/check-clusterclass.sh" "$root/config/clusterctl/clusterclass-mailgun.yaml" >/dev/null
 cp "$root/config/clusterctl/clusterclass-mailgun.yaml" "$out/clusterclass-mailgun.yaml"
 echo "wrote $out/infrastructure-components.yaml, metadata.yaml, cluster-template.yaml, cluster-template-clusterclass.yaml, clusterclass-mailgun.yaml"

@@ -2,7 +2,8 @@
 # Builds the Go tools the local control plane, the tests and the demo use, from the Go module proxy,
 # and caches them.
 #
-#   hack/tools/build.sh [kubernetes|kubernetes-node|etcd|helm|cluster-api|runc|containerd|cni ...]
+#   hack/tools/build.sh [kubernetes|kubernetes-node|etcd|helm|cluster-api|runc|containerd|cni|
+#                        registry|crane|cosign ...]
 #   (default: all)
 #
 # Each tool module under hack/tools/<name>/ is built into
@@ -18,7 +19,7 @@ cache=${CAPM_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cluster-api-provider-m
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
 tools=("$@")
-[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni)
+[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni registry crane cosign)
 
 key() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
 
@@ -47,7 +48,12 @@ binaries() {
       "bridge github.com/containernetworking/plugins/plugins/main/bridge" \
       "loopback github.com/containernetworking/plugins/plugins/main/loopback" \
       "host-local github.com/containernetworking/plugins/plugins/ipam/host-local" ;;
-    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni)" >&2; return 1 ;;
+    # The release: an OCI registry for the tests (CNCF distribution, TLS), a registry client that
+    # pushes the image archive by digest, and the signer.
+    registry) echo "registry github.com/distribution/distribution/v3/cmd/registry" ;;
+    crane) echo "crane github.com/google/go-containerregistry/cmd/crane" ;;
+    cosign) echo "cosign github.com/sigstore/cosign/v2/cmd/cosign" ;;
+    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni registry crane cosign)" >&2; return 1 ;;
   esac
 }
 
@@ -75,6 +81,15 @@ ldflags() {
     containerd)
       local v; v=$(module_version containerd github.com/containerd/containerd/v2)
       echo "-s -w -X github.com/containerd/containerd/v2/version.Version=$v" ;;
+    registry)
+      local v; v=$(module_version registry github.com/distribution/distribution/v3)
+      echo "-s -w -X github.com/distribution/distribution/v3/version.version=$v" ;;
+    crane)
+      local v; v=$(module_version crane github.com/google/go-containerregistry)
+      echo "-s -w -X github.com/google/go-containerregistry/cmd/crane/cmd.Version=$v" ;;
+    cosign)
+      local v; v=$(module_version cosign github.com/sigstore/cosign/v2)
+      echo "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$v -X sigs.k8s.io/release-utils/version.gitTreeState=clean" ;;
     *) echo "-s -w" ;;
   esac
 }
@@ -92,7 +107,8 @@ pause_version() {
 
 elapsed() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 
-# build_one <tool> <name> <package> <dir>: go build, with a line every 30 s (CAPM_BUILD_TICK) so a cold build
+# build_one <tool> <name> <package> <dir>: go build into <name>.tmp.<pid> (two checkouts sharing
+# the cache may build the same tool at once; each renames its own file), with a line every 30 s (CAPM_BUILD_TICK) so a cold build
 # (modules downloaded, then compiled; up to several minutes per binary on 2 cores) shows progress.
 build_one() {
   local tool=$1 name=$2 pkg=$3 dir=$4 t0 ticker status=0
@@ -112,15 +128,15 @@ build_one() {
     # builds the pause image (static, so the image holds this one file).
     local src; src="$(cd "$here/$tool" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/${pkg#c:}"
     kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
-    gcc -Os -Wall -Werror -static -DVERSION="$(pause_version "$src")" -o "$dir/$name.tmp" "$src"
-    mv "$dir/$name.tmp" "$dir/$name"
+    gcc -Os -Wall -Werror -static -DVERSION="$(pause_version "$src")" -o "$dir/$name.tmp.$$" "$src"
+    mv "$dir/$name.tmp.$$" "$dir/$name"
     echo "    $name: built in $(elapsed "$t0")"
     return
   fi
-  (cd "$here/$tool" && CGO_ENABLED=$(cgo "$tool") go build -trimpath -tags "$(tags "$tool")" -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp" "$pkg") || status=$?
+  (cd "$here/$tool" && CGO_ENABLED=$(cgo "$tool") go build -trimpath -tags "$(tags "$tool")" -ldflags "$(ldflags "$tool")" -o "$dir/$name.tmp.$$" "$pkg") || status=$?
   kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
   [ "$status" -eq 0 ] || { echo "    $name: go build failed after $(elapsed "$t0")" >&2; return "$status"; }
-  mv "$dir/$name.tmp" "$dir/$name"
+  mv "$dir/$name.tmp.$$" "$dir/$name"
   echo "    $name: built in $(elapsed "$t0")"
 }
 

@@ -18,10 +18,12 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_test_support::{ControlPlane, Options, process};
 
+pub mod clusterctl;
 pub mod ledger;
 pub mod monitoring;
 pub mod pods;
 mod provider;
+pub mod release;
 pub mod topology;
 
 pub use provider::{ChartProvider, fulfil_command, route_webhook_service, start_chart_provider};

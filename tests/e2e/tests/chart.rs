@@ -5,10 +5,14 @@
 //! Long because each chart behaviour (lint, schema errors, dry run, restricted install, upgrade,
 //! uninstall) needs its own setup.
 
-use std::{path::Path, process::Command, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use capm_e2e::{chart_dir, eventually, helm, run_with_input};
+use capm_e2e::{
+    chart_dir,
+    clusterctl::{LocalRepository, yaml_docs},
+    eventually, helm, run_with_input,
+};
 use capm_test_support::{ControlPlane, Options};
 use k8s_openapi::{
     api::{
@@ -417,42 +421,67 @@ async fn installs_into_a_restricted_namespace_upgrades_and_uninstalls() -> Resul
     Ok(())
 }
 
-/// Runs `bin/clusterctl` offline (no version check, config under `home`).
-fn clusterctl(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String> {
-    let mut cmd = Command::new(capm_test_support::process::binary("clusterctl")?);
-    cmd.args(args)
-        .env("CLUSTERCTL_DISABLE_VERSIONCHECK", "true")
-        .env("XDG_CONFIG_HOME", home)
-        .env("HOME", home)
-        .envs(env.iter().copied());
-    capm_e2e::run(&mut cmd, &format!("clusterctl {}", args.join(" ")))
-}
-
-fn yaml_docs(text: &str) -> Result<Vec<serde_json::Value>> {
-    let mut out = Vec::new();
-    for doc in serde_yaml_ng::Deserializer::from_str(text) {
-        let v = serde_json::Value::deserialize(doc)?;
-        if !v.is_null() {
-            out.push(v);
-        }
+/// `hack/check-clusterclass.sh` (`make lint-clusterctl`) passes the shipped ClusterClass file and
+/// refuses one with a placeholder, one with a namespace and one without variables or patches.
+#[test]
+fn the_clusterclass_contract_check_refuses_placeholders_namespaces_and_missing_patches()
+-> Result<()> {
+    let script = chart_dir().join("../../hack/check-clusterclass.sh");
+    let shipped = chart_dir().join("../../config/clusterctl/clusterclass-mailgun.yaml");
+    let check = |file: &std::path::Path| {
+        std::process::Command::new(&script)
+            .arg(file)
+            .output()
+            .map(|o| {
+                (
+                    o.status.success(),
+                    String::from_utf8_lossy(&o.stderr).into_owned(),
+                )
+            })
+    };
+    let (ok, err) = check(&shipped)?;
+    ensure!(ok, "the shipped ClusterClass file fails the check:\n{err}");
+    let text = std::fs::read_to_string(&shipped)?;
+    let work = tempfile::tempdir()?;
+    for (what, bad, expected) in [
+        (
+            "a placeholder",
+            text.replace("name: mailgun\n", "name: ${CLASS_NAME}\n"),
+            "${CLASS_NAME}",
+        ),
+        (
+            "a namespace",
+            text.replace(
+                "  name: mailgun\n",
+                "  name: mailgun\n  namespace: default\n",
+            ),
+            "namespace: default",
+        ),
+        (
+            "no patches",
+            text.replace("  patches:\n", "  unpatched:\n"),
+            "no spec.patches",
+        ),
+    ] {
+        ensure!(bad != text, "the edit for {what} changed nothing");
+        let file = work.path().join("clusterclass-bad.yaml");
+        std::fs::write(&file, &bad)?;
+        let (ok, err) = check(&file)?;
+        ensure!(
+            !ok && err.contains(expected),
+            "a file with {what} passes or is not named: {err}"
+        );
     }
-    Ok(out)
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<()> {
     let work = tempfile::tempdir()?;
     // A clusterctl local repository: <base>/infrastructure-mailgun/<version>/<assets>.
+    let repo = LocalRepository::new(work.path())?;
+    let release = &repo.release;
     let version = format!("v{}", env!("CARGO_PKG_VERSION"));
-    let release = work
-        .path()
-        .join("repo/infrastructure-mailgun")
-        .join(&version);
-    let script = chart_dir().join("../../hack/release-manifests.sh");
-    capm_e2e::run(
-        Command::new(&script).arg(&release),
-        "hack/release-manifests.sh",
-    )?;
     let metadata: serde_json::Value =
         serde_yaml_ng::from_str(&std::fs::read_to_string(release.join("metadata.yaml"))?)?;
     let series = metadata["releaseSeries"]
@@ -468,21 +497,16 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
             .any(|s| s["major"] == major && s["minor"] == minor && s["contract"] == "v1beta2"),
         "metadata.yaml has no v1beta2 series for {version}: {metadata}"
     );
-    let config = work.path().join("clusterctl.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "providers:\n  - name: mailgun\n    type: InfrastructureProvider\n    url: {}\n",
-            release.join("infrastructure-components.yaml").display()
-        ),
-    )?;
-    let config = config.to_string_lossy().into_owned();
-    let home = work.path().join("home");
-    let provider = format!("mailgun:{version}");
+    // clusterctl's contract for ClusterClass files: no variables, no namespace.
+    let class_file = std::fs::read_to_string(release.join("clusterclass-mailgun.yaml"))?;
+    ensure!(
+        !class_file.contains("${") && !class_file.contains("namespace:"),
+        "clusterclass-mailgun.yaml uses a variable or sets a namespace"
+    );
+    let (config, provider) = (repo.config.clone(), repo.provider.clone());
 
     // clusterctl reads it: target namespace, the walkthrough's variables, our image.
-    let describe = clusterctl(
-        &home,
+    let describe = repo.clusterctl(
         &[
             "generate",
             "provider",
@@ -498,7 +522,12 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         describe.contains("TargetNamespace:    capm-system"),
         "{describe}"
     );
-    for var in ["MAILGUN_API_KEY", "MAILGUN_DOMAIN", "MAIL_RECIPIENT"] {
+    for var in [
+        "MAILGUN_API_KEY",
+        "MAILGUN_DOMAIN",
+        "MAILGUN_REGION",
+        "MAIL_RECIPIENT",
+    ] {
         ensure!(
             describe.contains(&format!("  - {var}\n")),
             "variable {var}: {describe}"
@@ -509,8 +538,7 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         ("MAILGUN_DOMAIN", "mg.example.com"),
         ("MAILGUN_API_KEY", "key-from-clusterctl"),
     ];
-    let components = clusterctl(
-        &home,
+    let components = repo.clusterctl(
         &[
             "generate",
             "provider",
@@ -551,8 +579,30 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         .collect();
     ensure!(
         args.contains(&"--mail-recipient=ops@example.com")
-            && args.contains(&"--mailgun-domain=mg.example.com"),
-        "{args:?}"
+            && args.contains(&"--mailgun-domain=mg.example.com")
+            && args.contains(&"--mailgun-region=us"),
+        "{args:?} (MAILGUN_REGION unset: us)"
+    );
+    // An EU account: MAILGUN_REGION=eu reaches the provider's flag.
+    let vars_eu: Vec<_> = vars
+        .iter()
+        .copied()
+        .chain([("MAILGUN_REGION", "eu")])
+        .collect();
+    let eu = repo.clusterctl(
+        &[
+            "generate",
+            "provider",
+            "--infrastructure",
+            &provider,
+            "--config",
+            &config,
+        ],
+        &vars_eu,
+    )?;
+    ensure!(
+        eu.contains("- --mailgun-region=eu") && !eu.contains("--mailgun-region=us"),
+        "MAILGUN_REGION=eu is not the provider's region"
     );
     ensure!(
         components.contains("api-key: key-from-clusterctl"),
@@ -590,19 +640,11 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
     ensure!(accepted.lines().count() == ours.len(), "{accepted}");
 
     // `clusterctl generate cluster` renders a Cluster + MailgunCluster the API server accepts.
-    let template = clusterctl(
-        &home,
-        &[
-            "generate",
-            "cluster",
-            "hello",
-            "--infrastructure",
-            &provider,
-            "--config",
-            &config,
-            "--target-namespace",
-            "default",
-        ],
+    let template = repo.generate_cluster(
+        "hello",
+        "",
+        "default",
+        &[],
         &[("MAILGUN_CLUSTER_REQUESTER", "me@example.com")],
     )?;
     let crds = chart_dir().join("files/crds");
@@ -625,25 +667,68 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
 
     // `--flavor clusterclass`: a ClusterClass of our templates and the kubeadm providers', and
     // a topology Cluster, which the API server accepts (with the kubeadm template CRDs).
-    let template = clusterctl(
-        &home,
-        &[
-            "generate",
-            "cluster",
+    let flavor = |env: &[(&str, &str)]| {
+        repo.generate_cluster(
             "hello-class",
-            "--infrastructure",
-            &provider,
-            "--flavor",
             "clusterclass",
-            "--kubernetes-version",
-            "v1.34.2",
-            "--config",
-            &config,
-            "--target-namespace",
             "default",
-        ],
-        &[("MAILGUN_CLUSTER_REQUESTER", "me@example.com")],
-    )?;
+            &["--kubernetes-version", "v1.34.2"],
+            env,
+        )
+    };
+    let missing = flavor(&[]).expect_err("the requester is required");
+    ensure!(
+        format!("{missing:#}").contains("MAILGUN_CLUSTER_REQUESTER"),
+        "{missing:#}"
+    );
+    let template = flavor(&[
+        ("MAILGUN_CLUSTER_REQUESTER", "me@example.com"),
+        ("MAILGUN_CLUSTER_PRIORITY", "BusinessCritical"),
+        ("MAILGUN_CLUSTER_REQUEST", "Two racks, please"),
+    ])?;
+    let docs = yaml_docs(&template)?;
+    let cluster = docs
+        .iter()
+        .find(|d| d["kind"] == "Cluster")
+        .context("no Cluster")?;
+    let variables: std::collections::BTreeMap<&str, &serde_json::Value> =
+        cluster["spec"]["topology"]["variables"]
+            .as_array()
+            .context("the Cluster sets no topology variables")?
+            .iter()
+            .filter_map(|v| Some((v["name"].as_str()?, &v["value"])))
+            .collect();
+    let expected = serde_json::json!({
+        "mailgunRequester": "me@example.com",
+        "mailgunPriority": "BusinessCritical",
+        "mailgunRequest": "Two racks, please",
+        "mailgunMachineRequest": "One machine please",
+    });
+    ensure!(
+        serde_json::to_value(&variables)? == expected,
+        "the Cluster's variables: {variables:?}"
+    );
+    let class = docs
+        .iter()
+        .find(|d| d["kind"] == "ClusterClass")
+        .context("clusterctl did not add the ClusterClass")?;
+    ensure!(
+        class["metadata"]["namespace"] == "default",
+        "clusterctl puts the ClusterClass into the Cluster's namespace: {}",
+        class["metadata"]
+    );
+    let declared: Vec<&str> = class["spec"]["variables"]
+        .as_array()
+        .context("the ClusterClass declares no variables")?
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    for name in variables.keys() {
+        ensure!(
+            declared.contains(name),
+            "{name} is not a ClusterClass variable"
+        );
+    }
     let kubeadm = capm_test_support::process::bin_dir().join("capi-kubeadm-crds");
     cp.kubectl_output(&["apply", "--server-side", "-f", &kubeadm.to_string_lossy()])?;
     cp.kubectl_output(&[

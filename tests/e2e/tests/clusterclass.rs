@@ -4,14 +4,20 @@
 //! `capm_e2e::topology`), and a topology Cluster with one MachineDeployment of 2 replicas. The
 //! provider runs from this build as the chart's Deployment would (its arguments, its
 //! ServiceAccount's token, the chart's CRDs and admission policies), against the Mailgun contract
-//! server; a human fulfils each request with the command from its mail.
+//! server; a human fulfils each request with the command from its mail. The ClusterClass, its
+//! Mailgun templates, variables and patches, and the Cluster come from the real `clusterctl
+//! generate cluster --flavor clusterclass` of this build's release assets with clusterctl
+//! variables set (only the kubeadm control plane and bootstrap templates are swapped for the
+//! test providers'), so the shipped patches carry the Cluster's choices into our objects.
 //!
-//! The story: request mails once each, the Cluster `Provisioned` and the Machines' infrastructure
-//! ready; no writes to our objects while the topology controller reconciles a settled Cluster
-//! again; a new MailgunMachineTemplate in the ClusterClass rolls the machines (new ones request,
-//! old ones release); scaling through `spec.topology`; deleting the Cluster. The mail ledger then
-//! shows exactly one request and one release per object, and the API server's audit log what the
-//! topology controller sent our CRDs (dry-runs and applies).
+//! The story: request mails once each, with the request, priority and requester the Cluster's
+//! variables chose; the Cluster `Provisioned` and the Machines' infrastructure ready; no writes to
+//! our objects while the topology controller reconciles a settled Cluster again; a changed
+//! variable (the machines' request) rotates the MailgunMachineTemplate and rolls the machines
+//! (new ones request with the new text, old ones release); scaling through `spec.topology`;
+//! deleting the Cluster. The mail ledger then shows exactly one request and one release per
+//! object, and the API server's audit log what the topology controller sent our CRDs (dry-runs
+//! and applies).
 //!
 //! Long because it is one story with a check at every step.
 
@@ -24,8 +30,9 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    AuditedRequest, all_audited_requests, create_namespace, create_secret, dynamic_api,
-    dynamic_object, eventually, fulfil_command, helm_chart,
+    AuditedRequest, all_audited_requests,
+    clusterctl::{LocalRepository, yaml_docs},
+    create_namespace, create_secret, dynamic_api, eventually, fulfil_command, helm_chart,
     ledger::{Kind, Ledger, Object, Received, Which, parse_message_id},
     mailgun_ledger, mailgun_mails, route_webhook_service, service_account_kubeconfig,
     start_capi_manager_with, start_chart_provider,
@@ -35,7 +42,7 @@ use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, KUBERNETES_VERSION};
 use kube::{
     Api, Client, ResourceExt,
-    api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams},
+    api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams},
 };
 use serde_json::{Value, json};
 
@@ -48,8 +55,14 @@ const RECIPIENT: &str = "infrastructure-team@example.com";
 const INFRA: &str = "infrastructure.cluster.x-k8s.io";
 const CAPI: &str = "cluster.x-k8s.io";
 const CLUSTER: &str = "topo";
-const CLASS: &str = "mailgun";
 const MD: &str = "md-0";
+/// What the Cluster's variables choose (through clusterctl's variables), none of it the
+/// templates' own values.
+const REQUESTER: &str = "capacity-planning@example.com";
+const PRIORITY: &str = "ExtremelyUrgent";
+const CLUSTER_REQUEST: &str = "One topology cluster, as the Cluster's variables say";
+const MACHINE_REQUEST: &str = "A worker please";
+const MACHINE_REQUEST_2: &str = "A bigger worker please";
 
 /// Every request to our API group, whoever makes it, at level Metadata (with the request URI,
 /// which carries `dryRun` and `fieldManager`).
@@ -106,17 +119,6 @@ fn topology_workers(replicas: usize) -> Value {
         "replicas": replicas,
         "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 2}}},
     }]})
-}
-
-/// A MailgunMachineTemplate whose machines are requested with `request`.
-fn machine_template(name: &str, request: &str) -> Result<DynamicObject> {
-    dynamic_object(
-        &format!("{INFRA}/v1beta1"),
-        "MailgunMachineTemplate",
-        USER_NS,
-        name,
-        json!({"template": {"spec": {"priority": "Urgent", "request": request, "requester": "topology@example.com"}}}),
-    )
 }
 
 impl World {
@@ -266,6 +268,28 @@ impl World {
         Ok(out)
     }
 
+    /// Objects of our kinds that still name a Secret among their owners (Cluster API's shim).
+    async fn shim_references(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for kind in [
+            "MailgunCluster",
+            "MailgunMachine",
+            "MailgunClusterTemplate",
+            "MailgunMachineTemplate",
+        ] {
+            for o in infra(&self.admin, kind)
+                .list(&ListParams::default())
+                .await?
+                .items
+            {
+                if o.owner_references().iter().any(|r| r.kind == "Secret") {
+                    out.push(format!("{kind}/{}", o.name_any()));
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The requests to our kinds the audit log holds so far.
     fn audit(&self) -> Result<Vec<AuditedRequest>> {
         all_audited_requests(&self.audit_log)
@@ -371,64 +395,33 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
         start_capi_manager_with(&kubeconfig, dir, &["--feature-gates=ClusterTopology=true"])?;
     let _providers = TestProviders::start(&admin, USER_NS);
 
-    // The ClusterClass: our templates, the test control plane and bootstrap templates.
-    let post = PostParams::default();
+    // The ClusterClass and the Cluster, as `clusterctl generate cluster --flavor clusterclass`
+    // renders them from the release assets with the clusterctl variables a user sets.
     topology::create_templates(&admin, USER_NS, "test").await?;
-    infra(&admin, "MailgunClusterTemplate")
-        .create(
-            &post,
-            &dynamic_object(
-                &format!("{INFRA}/v1beta1"),
-                "MailgunClusterTemplate",
-                USER_NS,
-                "mailgun-cluster",
-                json!({"template": {"spec": {"priority": "Urgent", "request": "One topology cluster please", "requester": "topology@example.com"}}}),
-            )?,
-        )
-        .await?;
-    let machine_templates = infra(&admin, "MailgunMachineTemplate");
-    machine_templates
-        .create(
-            &post,
-            &machine_template("mailgun-worker-v1", "A worker please")?,
-        )
-        .await?;
-    let classes = api(&admin, CAPI, "v1beta2", "ClusterClass");
-    classes
-        .create(
-            &post,
-            &dynamic_object(
-                &format!("{CAPI}/v1beta2"),
-                "ClusterClass",
-                USER_NS,
-                CLASS,
-                json!({
-                    "controlPlane": template_ref(&format!("{CONTROL_PLANE_GROUP}/{}", topology::VERSION), "TestControlPlaneTemplate", "test"),
-                    "infrastructure": template_ref(&format!("{INFRA}/v1beta1"), "MailgunClusterTemplate", "mailgun-cluster"),
-                    "workers": class_workers("mailgun-worker-v1"),
-                }),
-            )?,
-        )
-        .await?;
-
-    // The topology Cluster.
+    let repo = LocalRepository::new(&dir.join("clusterctl"))?;
+    let generated = repo.generate_cluster(
+        CLUSTER,
+        "clusterclass",
+        USER_NS,
+        &["--kubernetes-version", KUBERNETES_VERSION],
+        &[
+            ("MAILGUN_CLUSTER_REQUESTER", REQUESTER),
+            ("MAILGUN_CLUSTER_PRIORITY", PRIORITY),
+            ("MAILGUN_CLUSTER_REQUEST", CLUSTER_REQUEST),
+            ("MAILGUN_MACHINE_REQUEST", MACHINE_REQUEST),
+        ],
+    )?;
+    let objects = clusterclass_objects(&generated)?;
+    let mut kubectl = world.cp.kubectl()?;
+    kubectl.args(["apply", "--server-side", "-o", "name", "-f", "-"]);
+    let applied = capm_e2e::run_with_input(
+        &mut kubectl,
+        &json!({"apiVersion": "v1", "kind": "List", "items": objects}).to_string(),
+        "applying clusterctl's Cluster and ClusterClass",
+    )?;
+    println!("from clusterctl generate cluster --flavor clusterclass:\n{applied}");
     let clusters = api(&admin, CAPI, "v1beta2", "Cluster");
-    clusters
-        .create(
-            &post,
-            &dynamic_object(
-                &format!("{CAPI}/v1beta2"),
-                "Cluster",
-                USER_NS,
-                CLUSTER,
-                json!({"topology": {
-                    "classRef": {"name": CLASS},
-                    "version": KUBERNETES_VERSION,
-                    "workers": topology_workers(2),
-                }}),
-            )?,
-        )
-        .await?;
+    let machine_templates = infra(&admin, "MailgunMachineTemplate");
     let t = Instant::now();
     let first = world
         .settle(2, Duration::from_secs(180))
@@ -451,10 +444,45 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
         "the MailgunCluster was made by the topology controller: {:?}",
         mc.labels()
     );
+    // The Cluster's variables reached the MailgunCluster through the ClusterClass's patches,
+    // and from there the mails: the cluster's and the first two machines'.
+    let spec = &mc.data["spec"];
+    ensure!(
+        spec["request"] == CLUSTER_REQUEST
+            && spec["priority"] == PRIORITY
+            && spec["requester"] == REQUESTER,
+        "the MailgunCluster's spec is not what the Cluster's variables chose: {spec}"
+    );
+    let ledger = world.ledger()?;
+    let cluster_uid = mc.uid().context("no UID")?;
+    expect_request_mail(world, &ledger, Kind::Cluster, &cluster_uid, CLUSTER_REQUEST)?;
+    for uid in &first {
+        expect_request_mail(world, &ledger, Kind::Machine, uid, MACHINE_REQUEST)?;
+    }
+
+    // The topology controller creates our objects owned by a temporary "shim" Secret and deletes
+    // it once the Cluster owns them; the garbage collector then removes the dangling reference
+    // (a patch by kube-controller-manager, up to its next resource discovery, 30 s, after the CRDs
+    // appeared). Wait for that before watching for writes.
+    let t = Instant::now();
+    let w = &*world;
+    eventually(
+        Duration::from_secs(90),
+        "the shim Secret's owner references removed by the garbage collector",
+        || async { Ok(w.shim_references().await?.is_empty().then_some(())) },
+    )
+    .await?;
+    println!(
+        "shim owner references gone {:.1?} after provisioning",
+        t.elapsed()
+    );
 
     // Settled: the topology controller reconciles the Cluster again (each change of the Cluster
     // triggers it) and writes nothing to our objects, nor does the provider.
     let before = world.versions().await?;
+    let mailgun_cluster_api = infra(&admin, "MailgunCluster");
+    let meta_before =
+        serde_json::to_value(&mailgun_cluster_api.get(&mc.name_any()).await?.metadata)?;
     let audit_before = world.audit()?.len();
     let merge = PatchParams::default();
     for i in 0..3 {
@@ -497,25 +525,32 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
             other.verb, other.resource, other.name, other.field_manager
         );
     }
+    let meta_after =
+        serde_json::to_value(&mailgun_cluster_api.get(&mc.name_any()).await?.metadata)?;
     ensure!(
         before == after && ours_or_topology.is_empty(),
-        "writes to our objects once settled: {writes:#?}\nbefore: {before:?}\nafter: {after:?}"
+        "writes to our objects once settled: {writes:#?}\nbefore: {before:?}\nafter: {after:?}\n\
+         the MailgunCluster's metadata before: {meta_before:#}\nafter: {meta_after:#}"
     );
 
-    // A rollout: the ClusterClass names a new MailgunMachineTemplate. The topology controller
-    // clones it (template rotation) and the MachineDeployment replaces both machines.
-    machine_templates
-        .create(
-            &post,
-            &machine_template("mailgun-worker-v2", "A bigger worker please")?,
-        )
-        .await?;
+    // A rollout: the Cluster changes a variable, the patched MailgunMachineTemplate differs, and
+    // the topology controller rotates it (a new clone); the MachineDeployment replaces both
+    // machines.
     let t = Instant::now();
-    classes
+    let cluster = clusters.get(CLUSTER).await?;
+    let mut variables = cluster.data["spec"]["topology"]["variables"].clone();
+    let changed = variables
+        .as_array_mut()
+        .context("the Cluster has no variables")?
+        .iter_mut()
+        .find(|v| v["name"] == "mailgunMachineRequest")
+        .context("no mailgunMachineRequest variable")?;
+    changed["value"] = json!(MACHINE_REQUEST_2);
+    clusters
         .patch(
-            CLASS,
+            CLUSTER,
             &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"workers": class_workers("mailgun-worker-v2")}})),
+            &Patch::Merge(json!({"spec": {"topology": {"variables": variables}}})),
         )
         .await?;
     let rolled = loop {
@@ -552,16 +587,7 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
             entry.is_some_and(|e| e.requests.len() == 1 && e.releases.is_empty()),
             "a new machine {uid}: {entry:?}"
         );
-        let body = world
-            .mails()?
-            .into_iter()
-            .find(|(r, _)| entry.is_some_and(|e| e.requests[0] == r.seq))
-            .map(|(_, b)| b)
-            .unwrap_or_default();
-        ensure!(
-            body.contains("A bigger worker please"),
-            "a new machine's mail carries the new template's request:\n{body}"
-        );
+        expect_request_mail(world, &ledger, Kind::Machine, uid, MACHINE_REQUEST_2)?;
     }
 
     // Scaling through the topology: up to 3, down to 1.
@@ -610,7 +636,7 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
     .await?;
     println!("Cluster deleted in {:.1?}", t.elapsed());
     // The clones the topology controller made are the Cluster's, collected with it; the
-    // ClusterClass's own templates stay.
+    // ClusterClass's own templates (clusterctl's) stay.
     eventually(
         Duration::from_secs(60),
         "the cloned templates collected",
@@ -630,10 +656,9 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
                         .map(ResourceExt::name_any),
                 )
                 .collect();
-            let expected: BTreeSet<String> =
-                ["mailgun-worker-v1", "mailgun-worker-v2", "mailgun-cluster"]
-                    .map(str::to_owned)
-                    .into();
+            let expected: BTreeSet<String> = ["mailgun-machines", "mailgun-cluster"]
+                .map(str::to_owned)
+                .into();
             Ok((left == expected).then_some(()))
         },
     )
@@ -707,4 +732,80 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
 
 fn api_key(world: &World) -> &str {
     world.mailgun.api_key()
+}
+
+/// The objects of clusterctl's `clusterclass` flavor, made runnable here: the kubeadm control
+/// plane and bootstrap templates (whose managers this test does not run) are left out and the
+/// ClusterClass names the test providers' instead; the topology's MachineDeployment gets 2
+/// replicas and a rollout that does not wait for Nodes. Everything of ours (the Mailgun
+/// templates, the variables, the patches, the Cluster's variable values) is as rendered.
+fn clusterclass_objects(generated: &str) -> Result<Vec<Value>> {
+    let mut out = Vec::new();
+    for mut doc in yaml_docs(generated)? {
+        let kind = doc["kind"].as_str().unwrap_or_default().to_owned();
+        match kind.as_str() {
+            "KubeadmControlPlaneTemplate" | "KubeadmConfigTemplate" => continue,
+            "ClusterClass" => {
+                ensure!(
+                    doc["spec"]["variables"].is_array() && doc["spec"]["patches"].is_array(),
+                    "the ClusterClass has no variables or patches"
+                );
+                doc["spec"]["controlPlane"] = template_ref(
+                    &format!("{CONTROL_PLANE_GROUP}/{}", topology::VERSION),
+                    "TestControlPlaneTemplate",
+                    "test",
+                );
+                doc["spec"]["workers"] = class_workers("mailgun-machines");
+            }
+            "Cluster" => {
+                doc["spec"]["topology"]["workers"] = topology_workers(2);
+            }
+            "MailgunClusterTemplate" | "MailgunMachineTemplate" => {}
+            other => bail!("an unexpected {other} in clusterctl's output"),
+        }
+        ensure!(
+            doc["metadata"]["namespace"] == USER_NS,
+            "clusterctl puts every object into the target namespace: {}",
+            doc["metadata"]
+        );
+        out.push(doc);
+    }
+    Ok(out)
+}
+
+/// Checks the one request mail of `uid`: the Cluster's priority in its subject, `request` in its
+/// body, sent for the Cluster's requester.
+fn expect_request_mail(
+    world: &World,
+    ledger: &Ledger,
+    kind: Kind,
+    uid: &str,
+    request: &str,
+) -> Result<()> {
+    let entry = ledger
+        .entries
+        .get(&Object {
+            kind,
+            uid: uid.to_owned(),
+        })
+        .with_context(|| format!("no mail for {kind:?} {uid}"))?;
+    ensure!(entry.requests.len() == 1, "{kind:?} {uid}: {entry:?}");
+    let messages = world.mailgun.messages()?;
+    let mail = messages
+        .get(entry.requests[0] - 1)
+        .context("the ledger's mail is not in the server's store")?;
+    let text = mail.text.as_deref().unwrap_or_default();
+    let for_requester = mail.from.contains(REQUESTER)
+        || mail
+            .headers
+            .get("Reply-To")
+            .is_some_and(|h| h.contains(REQUESTER));
+    ensure!(
+        mail.subject.contains(&format!("[{PRIORITY}]")) && text.contains(request) && for_requester,
+        "{kind:?} {uid}: the mail does not carry the Cluster's variables (priority {PRIORITY}, \
+         request {request:?}, requester {REQUESTER}): from {:?}, subject {:?}, body:\n{text}",
+        mail.from,
+        mail.subject
+    );
+    Ok(())
 }

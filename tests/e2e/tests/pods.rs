@@ -1,6 +1,9 @@
 //! The chart's Deployment as real Pods (issue 15): a local node (containerd, runc, CNI bridge,
-//! kubelet, kube-scheduler), the provider's image built by this project and imported without a
-//! registry, `helm install` with 2 replicas into a namespace enforcing Pod Security "restricted".
+//! kubelet, kube-scheduler) and a release installed the way users install it (issue 36):
+//! `hack/release.sh` pushes this build's image and the chart (the image pinned by digest) to a
+//! real registry on loopback with TLS, `helm install oci://...` with 2 replicas into a namespace
+//! enforcing Pod Security "restricted", and containerd pulls the image by digest through the
+//! kubelet, trusting the registry's CA through its `hosts.toml`.
 //! Then: both Pods become Ready through the chart's probes; exactly one holds the Lease; the API
 //! server converts through the chart's webhook Service; Prometheus scrapes the Pods found through
 //! the metrics Service; Clusters get exactly one mail each from the Mailgun contract server on
@@ -20,9 +23,11 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     Prometheus, create_cluster_pair, create_namespace, create_secret, dynamic_api, eventually,
-    helm, helm_chart,
+    helm,
     pods::{check_no_restarts, leader, on_a_node, provider_pods, ready},
-    provider_binary, start_capi_manager,
+    provider_binary,
+    release::{Registry, Release, key_pair, release, verify_signature},
+    start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::ControlPlane;
@@ -37,8 +42,6 @@ const USER_NS: &str = "team-a";
 const REQUESTER: &str = "pods@example.com";
 const RELEASE: &str = "capm";
 const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
-const IMAGE_REPOSITORY: &str = "capm.local/cluster-api-provider-mailgun";
-const IMAGE_TAG: &str = "e2e";
 /// The chart names the Lease after the release.
 const LEASE: &str = "capm-cluster-api-provider-mailgun-leader";
 const DOMAIN: &str = "mg.e2e.example.com";
@@ -91,6 +94,34 @@ fn peak_memory(container_id: &str) -> Option<u64> {
     .and_then(|s| s.trim().parse().ok())
 }
 
+/// `helm <verb> capm oci://<registry>/.../cluster-api-provider-mailgun --version <version>`: the
+/// released chart, fetched from the registry (trusting its CA).
+fn helm_release(
+    registry: &Registry,
+    released: &Release,
+    kubeconfig: &std::path::Path,
+    verb: &str,
+    values: &std::path::Path,
+    extra: &[&str],
+) -> Result<String> {
+    let mut cmd = registry.client("helm", &released.out.join(".home"))?;
+    cmd.env("KUBECONFIG", kubeconfig)
+        .args([
+            verb,
+            RELEASE,
+            &released.chart,
+            "--version",
+            &released.version,
+        ])
+        .args(["-n", NS, "-f"])
+        .arg(values)
+        .args(extra);
+    capm_e2e::run(
+        &mut cmd,
+        &format!("helm {verb} {RELEASE} {}", released.chart),
+    )
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_chart_runs_as_pods_from_the_projects_image() -> Result<()> {
     on_a_node(NS, run).await
@@ -101,14 +132,28 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     let admin = cp.client().await?;
     let net = cp.network().context("the node's network")?.clone();
 
-    // The image: this build's provider binary, built into an OCI archive and imported.
+    // The release: this build's provider as an image and the chart pinning its digest, pushed
+    // to a registry on loopback (TLS) by the release script; the node's containerd trusts the
+    // registry's CA (hosts.toml) and nothing is imported by hand.
     let binary =
         std::env::var_os("CAPM_IMAGE_BINARY").map_or_else(provider_binary, |p| Ok(p.into()))?;
     let t = Instant::now();
-    let image = format!("{IMAGE_REPOSITORY}:{IMAGE_TAG}");
-    let digest = cp.load_provider_image(&binary, &image)?;
+    let registry = Registry::start(dir).await?;
+    let (key, _) = key_pair(&registry, &dir.join("keys"))?;
+    let released = release(&registry, "capm", &binary, &dir.join("release"), Some(&key))?;
+    cp.trust_registry(&registry.host, &registry.ca_pem)?;
+    // What a user checks before installing: the image's signature, the SBOM beside the assets.
+    verify_signature(&registry, &released.out.join("cosign.pub"), &released.image)?;
+    let sbom = released.out.join(format!(
+        "cluster-api-provider-mailgun-{}.cdx.json",
+        released.version
+    ));
+    ensure!(sbom.is_file(), "no SBOM at {}", sbom.display());
+    let image = released.image.clone();
     println!(
-        "image {image}@{digest} built and imported in {:.1?}",
+        "released {image} and {} {} in {:.1?}",
+        released.chart,
+        released.version,
         t.elapsed()
     );
 
@@ -124,7 +169,6 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         &values,
         format!(
             "replicaCount: 2\n\
-             image:\n  repository: {IMAGE_REPOSITORY}\n  tag: {IMAGE_TAG}\n  pullPolicy: Never\n\
              mail:\n  recipient: {RECIPIENT}\n  backend: mailgun\n  mailgun:\n    domain: {DOMAIN}\n    \
              baseURL: {}\n    apiKeySecret: {{name: mailgun-credentials}}\n\
              metrics:\n  insecure: true\n",
@@ -134,7 +178,14 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     // Cluster API's core manager, on the host (it is not what this test is about).
     let _capi = start_capi_manager(cp.kubeconfig(), dir)?;
     let t = Instant::now();
-    helm_chart(cp.kubeconfig(), "install", RELEASE, NS, &values, &[])?;
+    helm_release(
+        &registry,
+        &released,
+        cp.kubeconfig(),
+        "install",
+        &values,
+        &[],
+    )?;
 
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
     let running = eventually(
@@ -156,6 +207,18 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
             "image {:?}",
             c.image
         );
+        let image_id = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|s| s.first())
+            .map(|s| s.image_id.clone())
+            .unwrap_or_default();
+        ensure!(
+            image_id.ends_with(&released.image_digest),
+            "the container runs {image_id}, not {}",
+            released.image_digest
+        );
         let ip = pod
             .status
             .as_ref()
@@ -163,6 +226,23 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
             .context("pod IP")?;
         println!("  {} on {ip}", pod.metadata.name.as_deref().unwrap_or("?"));
     }
+
+    // containerd pulled it from the registry: the manifest by its digest, in the access log.
+    let pulled = registry
+        .log()
+        .lines()
+        .filter(|l| {
+            l.contains(&format!(
+                "/v2/capm/cluster-api-provider-mailgun/manifests/{}",
+                released.image_digest
+            )) && l.contains("containerd")
+        })
+        .count();
+    ensure!(
+        pulled > 0,
+        "the registry served no manifest to containerd:\n{}",
+        registry.log()
+    );
 
     // Exactly one holds the Lease.
     let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
@@ -302,11 +382,11 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
     // A rolling upgrade changing a value: the Deployment never has fewer Ready Pods than the
     // PDB's minAvailable (1), and no mail is lost or doubled.
     let t = Instant::now();
-    helm_chart(
+    helm_release(
+        &registry,
+        &released,
         cp.kubeconfig(),
         "upgrade",
-        RELEASE,
-        NS,
         &values,
         &["--set", "logging.level=debug"],
     )?;

@@ -539,6 +539,18 @@ impl ControlPlane {
         node::load_provider_image(dir, &dir.join("bin"), binary, name)
     }
 
+    /// Lets the node's containerd pull from the HTTPS registry at `host` (`<ip>:<port>`),
+    /// trusting `ca_pem` (a `hosts.toml` of containerd's registry configuration).
+    ///
+    /// # Errors
+    /// [`Error::Node`] when no node runs here; write failures.
+    pub fn trust_registry(&self, host: &str, ca_pem: &str) -> Result<(), Error> {
+        let (Some(dir), Some(_)) = (&self.dir, &self.network) else {
+            return Err(Error::Node("this control plane has no node".into()));
+        };
+        node::trust_registry(dir, host, ca_pem)
+    }
+
     /// The admin kubeconfig file.
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig

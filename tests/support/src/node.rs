@@ -238,6 +238,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.nri.v1.nri",
 
 [plugins."io.containerd.cri.v1.images"]
   snapshotter = "native"
+  # Registries the containerd way: <config_path>/<host:port>/hosts.toml (see trust_registry).
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "{d}/certs.d"
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "{pause}"
 
@@ -462,6 +465,27 @@ pub fn load_provider_image(
     image::import(&ctr, &dir.join("containerd.sock"), &archive, name)?;
     let _ = std::fs::remove_file(&archive);
     Ok(written.manifest_digest)
+}
+
+/// Lets the node's containerd pull from the registry at `host` (`<ip>:<port>`) over HTTPS,
+/// trusting `ca_pem`: writes `<state>/certs.d/<host>/hosts.toml` and the CA beside it, which
+/// containerd reads at each pull (no restart).
+///
+/// # Errors
+/// When the files cannot be written.
+pub fn trust_registry(dir: &Path, host: &str, ca_pem: &str) -> Result<(), Error> {
+    let hosts = dir.join("certs.d").join(host);
+    std::fs::create_dir_all(&hosts)
+        .map_err(Error::io("creating the registry's hosts directory"))?;
+    let ca = hosts.join("ca.crt");
+    write(&ca, ca_pem)?;
+    write(
+        &hosts.join("hosts.toml"),
+        &format!(
+            "server = \"https://{host}\"\n\n[host.\"https://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n  ca = \"{}\"\n",
+            ca.display()
+        ),
+    )
 }
 
 /// `PathBuf` of the state directory's containerd socket.
