@@ -456,6 +456,21 @@ pub async fn create_secret(
     Ok(())
 }
 
+/// The number in the environment variable `name` (a seed, a count), if it is set.
+///
+/// # Errors
+/// When it is set but not a number.
+pub fn env_u64(name: &str) -> Result<Option<u64>> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => {
+            Ok(Some(v.trim().parse().with_context(|| {
+                format!("{name}={v:?} is not a number")
+            })?))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// A free loopback port.
 ///
 /// # Errors

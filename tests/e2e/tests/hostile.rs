@@ -886,6 +886,7 @@ fn check_mail(
     }
     let allowed = [
         "From",
+        "Reply-To",
         "To",
         "Subject",
         "Message-ID",
@@ -909,8 +910,8 @@ fn check_mail(
         "a header repeated: {seen:?}"
     );
     ensure!(
-        mail.header("From") == Some(requester),
-        "From {:?}",
+        mail.header("From") == Some("capm@hostile.example.com"),
+        "From {:?}: not the sending side",
         mail.header("From")
     );
     ensure!(

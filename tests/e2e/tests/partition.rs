@@ -38,8 +38,8 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    Proc, create_cluster_pair, dynamic_api, eventually, free_port, http_get, provider_binary,
-    start_capi_manager,
+    Proc, create_cluster_pair, dynamic_api, env_u64, eventually, free_port, http_get,
+    provider_binary, start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options, install_crds, proxy::TcpProxy};
@@ -57,17 +57,6 @@ const INFRA: &str = "infrastructure.cluster.x-k8s.io";
 const CAPI: &str = "cluster.x-k8s.io";
 /// How long a cycle may take to settle after the restore before that is a failure.
 const SETTLE: Duration = Duration::from_secs(120);
-
-fn env_u64(name: &str) -> Result<Option<u64>> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => {
-            Ok(Some(v.trim().parse().with_context(|| {
-                format!("{name}={v:?} is not a number")
-            })?))
-        }
-        _ => Ok(None),
-    }
-}
 
 /// One provider process and the proxy it reaches the API server through.
 struct Replica {

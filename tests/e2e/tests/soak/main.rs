@@ -80,22 +80,11 @@ mod world;
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
-use capm_e2e::ledger;
+use anyhow::{Result, bail};
+use capm_e2e::{env_u64, ledger};
 use rand::{Rng as _, RngExt as _, SeedableRng, rngs::StdRng};
 
 use world::{Lane, Plan, Round, World};
-
-fn env_u64(name: &str) -> Result<Option<u64>> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => {
-            Ok(Some(v.trim().parse().with_context(|| {
-                format!("{name}={v:?} is not a number")
-            })?))
-        }
-        _ => Ok(None),
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak() -> Result<()> {

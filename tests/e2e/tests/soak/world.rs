@@ -190,6 +190,8 @@ pub struct Lane {
     started: Mutex<usize>,
     /// Resends counted by processes that were killed (read right before).
     retired_resends: Mutex<BTreeMap<Kind, u64>>,
+    /// Partitions played so far (a leader cut off the API server).
+    partitions: Mutex<u32>,
     intent: BTreeMap<String, ClusterIntent>,
     deleted: BTreeSet<String>,
     next_cluster: usize,
@@ -412,6 +414,7 @@ impl Lane {
             replicas: Mutex::new(Vec::new()),
             started: Mutex::new(0),
             retired_resends: Mutex::new(BTreeMap::new()),
+            partitions: Mutex::new(0),
             intent: BTreeMap::new(),
             deleted: BTreeSet::new(),
             next_cluster: 0,
@@ -794,6 +797,7 @@ impl Lane {
         self.note(format!(
             "partition: {name} cut off the API server for {lasts:?}"
         ));
+        *lock(&self.partitions) += 1;
         tokio::time::sleep(lasts).await;
         // The replica may have exited (a lost Lease) and been replaced meanwhile: its proxy
         // went with it.
@@ -1314,11 +1318,12 @@ impl Lane {
     pub fn summary(&self) -> String {
         match self.ledger() {
             Ok(l) => format!(
-                "{}: {} mails for {} objects, {:?} resends counted",
+                "{}: {} mails for {} objects, {:?} resends counted, {} partitions",
                 self.backend,
                 self.mail_count(),
                 l.entries.len(),
-                self.resends()
+                self.resends(),
+                *lock(&self.partitions)
             ),
             Err(e) => format!("{}: {e}", self.backend),
         }
