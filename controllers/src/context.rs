@@ -240,9 +240,9 @@ impl Ctx {
 
     /// The delay before retrying the object `uid` after `error`: exponential per object
     /// (`backoff_base` doubling up to `backoff_max`), never less than a backend's `Retry-After`.
-    /// Waits return their own delay and leave the count alone. The delay also gates sends:
-    /// a reconcile triggered earlier by a watch event does not send before it ran out
-    /// ([`Memory::backoff_left`]).
+    /// Waits return their own delay and leave the count alone. After a mail backend's failure
+    /// the delay also gates sends: a reconcile triggered earlier by a watch event does not send
+    /// before it ran out ([`Memory::backoff_left`]).
     pub fn retry_delay(&self, uid: &str, error: &ReconcileError) -> Duration {
         let (base, max) = (self.config.backoff_base, self.config.backoff_max);
         match error {
@@ -253,7 +253,11 @@ impl Ctx {
             ReconcileError::Conflict(_) => return base.min(max),
             _ => {}
         }
-        self.memory.failed(uid, |failures| {
+        // Only a mail backend's failure holds back the next send: after the API server failed
+        // (a partition, a restart) the next trigger may send at once, or a cut of a minute
+        // would delay every mail by the backoff it built up.
+        let gate_sends = matches!(error, ReconcileError::Mail(_));
+        self.memory.failed(uid, gate_sends, |failures| {
             let exponential = base
                 .saturating_mul(1u32 << (failures.max(1) - 1).min(20))
                 .min(max);
@@ -430,6 +434,22 @@ mod tests {
         assert_eq!(ctx.memory.backoff_left("d"), Duration::ZERO);
         ctx.memory.succeeded("c");
         assert_eq!(ctx.memory.backoff_left("c"), Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn an_api_server_failure_backs_off_the_retry_but_not_the_next_send() {
+        let ctx = ctx();
+        let cut_off = ReconcileError::Kube {
+            context: "writing status",
+            source: kube::Error::Api(Box::new(
+                kube::core::Status::failure("unavailable", "ServiceUnavailable").with_code(503),
+            )),
+        };
+        assert_eq!(ctx.retry_delay("p", &cut_off), Duration::from_millis(100));
+        assert_eq!(ctx.retry_delay("p", &cut_off), Duration::from_millis(200));
+        assert_eq!(ctx.memory.backoff_left("p"), Duration::ZERO);
+        ctx.retry_delay("p", &transient());
+        assert!(ctx.memory.backoff_left("p") > Duration::ZERO);
     }
 
     #[tokio::test]

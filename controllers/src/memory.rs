@@ -104,8 +104,14 @@ impl Memory {
     }
 
     /// Counts one more failure of `uid`; `delay(count)` gives its retry delay, which also
-    /// gates its sends. Returns the delay.
-    pub fn failed(&self, uid: &str, delay: impl FnOnce(u32) -> Duration) -> Duration {
+    /// gates its sends when `gate_sends` (a mail backend's failure: another trigger must not
+    /// send sooner). Returns the delay.
+    pub fn failed(
+        &self,
+        uid: &str,
+        gate_sends: bool,
+        delay: impl FnOnce(u32) -> Duration,
+    ) -> Duration {
         let mut inner = self.lock();
         if inner.tombstones.contains_key(uid) {
             return delay(1);
@@ -113,7 +119,9 @@ impl Memory {
         let object = inner.objects.entry(uid.into()).or_default();
         object.failures = object.failures.saturating_add(1);
         let d = delay(object.failures);
-        object.not_before = Some(Instant::now() + d);
+        if gate_sends {
+            object.not_before = Some(Instant::now() + d);
+        }
         d
     }
 
@@ -246,7 +254,7 @@ mod tests {
         assert!(memory.is_stale("u1", Some("121")));
         assert!(!memory.is_stale("u2", Some("1")));
         // A reconcile still in flight records nothing for it.
-        memory.failed("u1", |_| Duration::from_secs(1));
+        memory.failed("u1", true, |_| Duration::from_secs(1));
         memory.start_not_found("u1", Which::Deletion);
         assert_eq!(memory.len(), 0);
         assert!(!memory.permanently_refused("u1", Which::Request, 3));
@@ -283,7 +291,7 @@ mod tests {
         let counts: Vec<u32> = (0..3)
             .map(|_| {
                 let mut seen = 0;
-                memory.failed("a", |n| {
+                memory.failed("a", true, |n| {
                     seen = n;
                     Duration::from_secs(5)
                 });
@@ -296,5 +304,8 @@ mod tests {
         memory.succeeded("a");
         assert_eq!(memory.backoff_left("a"), Duration::ZERO);
         assert_eq!(memory.len(), 0);
+        // Counted, but no gate: the API server, not the mail backend, failed.
+        memory.failed("c", false, |_| Duration::from_secs(5));
+        assert_eq!(memory.backoff_left("c"), Duration::ZERO);
     }
 }
