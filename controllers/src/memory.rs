@@ -125,6 +125,11 @@ impl Memory {
         d
     }
 
+    /// Whether `uid`'s last reconciles failed (it waits out a retry delay).
+    pub fn has_failures(&self, uid: &str) -> bool {
+        self.read(uid, |o| o.failures > 0)
+    }
+
     /// How long sends of `uid` must still wait after its last failure (zero: none).
     pub fn backoff_left(&self, uid: &str) -> Duration {
         self.read(uid, |o| {

@@ -46,6 +46,9 @@ pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
     relisted: mpsc::UnboundedSender<ObjectRef<K>>,
     /// Called with the UID of each object that is gone (a deletion, or absent from a list).
     forget: Box<dyn Fn(&str) + Send + Sync>,
+    /// Whether an unchanged object is asked for too after a list: one waiting out a retry
+    /// delay built up while the API server was away.
+    retry: Option<Box<dyn Fn(&str) -> bool + Send + Sync>>,
 }
 
 impl<K> AfterLists<K>
@@ -64,7 +67,14 @@ where
             listing: None,
             relisted,
             forget: Box::new(forget),
+            retry: None,
         }
+    }
+
+    /// After each list, also asks for the unchanged objects `retry` names (by UID).
+    pub(crate) fn retrying(mut self, retry: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        self.retry = Some(Box::new(retry));
+        self
     }
 
     /// One event, already applied by the reflector. Returns the object to reconcile now, if any.
@@ -122,7 +132,19 @@ where
                             (self.forget)(uid);
                         }
                     }
-                    for reference in listing.changed {
+                    let changed: HashSet<ObjectRef<K>> = listing.changed.iter().cloned().collect();
+                    let waiting: Vec<ObjectRef<K>> = match &self.retry {
+                        Some(retry) => self
+                            .store
+                            .state()
+                            .iter()
+                            .filter(|o| retry(&o.uid().unwrap_or_default()))
+                            .map(|o| ObjectRef::from_obj(&**o))
+                            .filter(|r| !changed.contains(r))
+                            .collect(),
+                        None => Vec::new(),
+                    };
+                    for reference in listing.changed.into_iter().chain(waiting) {
                         // The receiver lives as long as the controller; a closed one means
                         // it stopped.
                         let _ = self.relisted.unbounded_send(reference);
@@ -274,6 +296,17 @@ mod tests {
         let mut forgotten = rig.forgotten.lock().unwrap().clone();
         forgotten.sort();
         assert_eq!(forgotten, ["u3", "u5"]);
+    }
+
+    #[test]
+    fn a_relist_also_asks_for_unchanged_objects_waiting_out_a_retry() {
+        let mut rig = Rig::new();
+        rig.adapter = AfterLists::new(rig.store.clone(), rig.adapter.relisted.clone(), |_| {})
+            .retrying(|uid| uid == "u2");
+        list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);
+        rig.asked();
+        list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);
+        assert_eq!(rig.asked(), [("b".into(), Some("2".into()))]);
     }
 
     #[test]

@@ -290,9 +290,13 @@ fn controller<K: Pipelined>(
     let (store, writer) = reflector::store::<K>();
     let (relisted_tx, relisted) = futures::channel::mpsc::unbounded();
     let forgetting = Arc::clone(ctx);
+    let retrying = Arc::clone(ctx);
     let mut after_lists = lists::AfterLists::new(store.clone(), relisted_tx, move |uid| {
         forgetting.forget(uid)
-    });
+    })
+    // An object whose reconciles failed while the API server was away (a partition, a restart)
+    // would otherwise wait out the retry delay it built up, unchanged and so not asked for.
+    .retrying(move |uid| retrying.memory.has_failures(uid));
     let (adds, lists_done) = (count(&metrics.queue_adds), count(&metrics.lists));
     let own = watcher::watcher(scoped::<K>(&ctx.client, config), wc)
         .backoff(watch_backoff())
