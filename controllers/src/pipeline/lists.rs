@@ -38,6 +38,9 @@ struct Listing<K: Resource<DynamicType = ()> + 'static> {
     seen: HashSet<String>,
 }
 
+/// A predicate on objects' UIDs.
+type UidFilter = Box<dyn Fn(&str) -> bool + Send + Sync>;
+
 /// Turns a reflected watch stream's events into the objects to reconcile (see the module docs).
 pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
     store: Store<K>,
@@ -48,7 +51,7 @@ pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
     forget: Box<dyn Fn(&str) + Send + Sync>,
     /// Whether an unchanged object is asked for too after a list: one waiting out a retry
     /// delay built up while the API server was away.
-    retry: Option<Box<dyn Fn(&str) -> bool + Send + Sync>>,
+    retry: Option<UidFilter>,
 }
 
 impl<K> AfterLists<K>
