@@ -169,19 +169,7 @@ mod tests {
 
     use super::*;
 
-    fn object(name: &str, uid: &str, rv: &str) -> MailgunCluster {
-        let mut o = MailgunCluster::new(
-            name,
-            serde_json::from_value(serde_json::json!({
-                "priority": "Urgent", "request": "r", "requester": "a@example.com",
-            }))
-            .expect("a valid spec"),
-        );
-        o.metadata.namespace = Some("ns".into());
-        o.metadata.uid = Some(uid.into());
-        o.metadata.resource_version = Some(rv.into());
-        o
-    }
+    use super::super::test_object as object;
 
     /// Feeds `events` through a reflector writer and the adapter, as the pipeline does; returns
     /// what passed straight through, what the lists asked for (with what the store held for

@@ -68,15 +68,7 @@ mod tests {
     use kube::runtime::{reflector, watcher};
 
     fn object(name: &str) -> MailgunCluster {
-        let mut o = MailgunCluster::new(
-            name,
-            serde_json::from_value(serde_json::json!({
-                "priority": "Urgent", "request": "r", "requester": "a@example.com",
-            }))
-            .expect("a valid spec"),
-        );
-        o.metadata.namespace = Some("ns".into());
-        o
+        super::super::test_object(name, name, "1")
     }
 
     #[tokio::test(start_paused = true)]

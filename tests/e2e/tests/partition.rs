@@ -30,7 +30,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::Command,
     sync::Arc,
     time::{Duration, Instant},
@@ -42,7 +42,10 @@ use capm_e2e::{
     provider_binary, start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
-use capm_test_support::{ControlPlane, Options, install_crds, proxy::TcpProxy};
+use capm_test_support::{
+    ControlPlane, Options, install_crds,
+    proxy::{TcpProxy, in_front_of_api_server},
+};
 use kube::{
     Api, Client, ResourceExt,
     api::{DeleteParams, DynamicObject, Patch, PatchParams},
@@ -84,17 +87,6 @@ struct World {
     _capi: Proc,
 }
 
-/// A kubeconfig like `source` whose server is `proxy`.
-fn proxied_kubeconfig(source: &Path, server: &str, proxy: &TcpProxy, to: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(source)?;
-    ensure!(text.contains(server), "the kubeconfig names {server}");
-    std::fs::write(
-        to,
-        text.replace(server, &format!("https://{}", proxy.addr())),
-    )?;
-    Ok(())
-}
-
 impl World {
     async fn start(replicas: usize, tag: &str) -> Result<Self> {
         let cp = ControlPlane::start(Options::default()).await?;
@@ -120,11 +112,6 @@ impl World {
             }}})
             .to_string(),
         )?;
-        let upstream: std::net::SocketAddr = cp
-            .server()
-            .trim_start_matches("https://")
-            .parse()
-            .context("the API server's address")?;
         let mut world = Self {
             cp: Arc::new(cp),
             client,
@@ -136,14 +123,8 @@ impl World {
             _capi: capi,
         };
         for i in 0..replicas {
-            let proxy = TcpProxy::start(upstream)?;
             let kubeconfig = world.dir.join(format!("kubeconfig-{i}"));
-            proxied_kubeconfig(
-                world.cp.kubeconfig(),
-                world.cp.server(),
-                &proxy,
-                &kubeconfig,
-            )?;
+            let proxy = in_front_of_api_server(&world.cp, &kubeconfig)?;
             world.replicas.push(Replica {
                 name: format!("replica-{i}"),
                 proxy,

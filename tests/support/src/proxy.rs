@@ -110,6 +110,34 @@ impl TcpProxy {
     }
 }
 
+/// A proxy in front of `cp`'s API server, and a copy of `cp`'s kubeconfig at `kubeconfig` that
+/// reaches the API server only through it. Called within a Tokio runtime.
+///
+/// # Errors
+/// When the server address cannot be read, the kubeconfig does not name it, or a file or port
+/// cannot be had.
+pub fn in_front_of_api_server(
+    cp: &crate::ControlPlane,
+    kubeconfig: &std::path::Path,
+) -> std::io::Result<TcpProxy> {
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+    let server = cp.server();
+    let upstream: SocketAddr = server
+        .trim_start_matches("https://")
+        .parse()
+        .map_err(|e| invalid(format!("the API server's address {server:?}: {e}")))?;
+    let text = std::fs::read_to_string(cp.kubeconfig())?;
+    if !text.contains(server) {
+        return Err(invalid(format!("the kubeconfig does not name {server}")));
+    }
+    let proxy = TcpProxy::start(upstream)?;
+    std::fs::write(
+        kubeconfig,
+        text.replace(server, &format!("https://{}", proxy.addr())),
+    )?;
+    Ok(proxy)
+}
+
 impl Drop for TcpProxy {
     fn drop(&mut self) {
         self.cut();

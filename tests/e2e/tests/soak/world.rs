@@ -183,7 +183,6 @@ pub struct Lane {
     server: Server,
     config: PathBuf,
     logs: PathBuf,
-    kubeconfig: PathBuf,
     /// The control plane: its reaper also stops the providers if this test dies.
     cp: Arc<ControlPlane>,
     replicas: Mutex<Vec<Replica>>,
@@ -409,7 +408,6 @@ impl Lane {
             server,
             config,
             logs,
-            kubeconfig: world.cp.kubeconfig().to_owned(),
             cp: Arc::clone(&world.cp),
             replicas: Mutex::new(Vec::new()),
             started: Mutex::new(0),
@@ -439,18 +437,8 @@ impl Lane {
         };
         let name = format!("{}-{n}", self.backend);
         let metrics = format!("127.0.0.1:{}", free_port()?);
-        let server = self.cp.server().to_owned();
-        let upstream: std::net::SocketAddr = server
-            .trim_start_matches("https://")
-            .parse()
-            .context("the API server's address")?;
-        let proxy = capm_test_support::proxy::TcpProxy::start(upstream)?;
         let kubeconfig = self.logs.join(format!("{name}.kubeconfig"));
-        std::fs::write(
-            &kubeconfig,
-            std::fs::read_to_string(&self.kubeconfig)?
-                .replace(&server, &format!("https://{}", proxy.addr())),
-        )?;
+        let proxy = capm_test_support::proxy::in_front_of_api_server(&self.cp, &kubeconfig)?;
         let mut cmd = Command::new(provider_binary()?);
         cmd.env_clear()
             .env("RUST_LOG", "info")
