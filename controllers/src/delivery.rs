@@ -25,7 +25,7 @@ use capm_api::{
     names::{conditions, reasons},
     v1beta1::MailState,
 };
-use capm_mailer::{Delivery, MessageId};
+use capm_mailer::{Delivery, MessageId, Tracking};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use tracing::warn;
@@ -84,8 +84,9 @@ pub(crate) async fn track<K: InfraKind>(
         return;
     }
     let backend = ctx.mailer.backend();
-    if !ctx.mailer.tracks_delivery() {
-        show(obj, ctx, status, &not_trackable(backend)).await;
+    if let Tracking::Untracked(why) = ctx.mailer.tracking() {
+        ctx.poller.forget(&uid);
+        show(obj, ctx, status, &not_trackable(backend, why.as_deref())).await;
         return;
     }
     // The send time is in the durable record; without it (found by lookup after a crash), the
@@ -150,7 +151,7 @@ pub(crate) async fn track<K: InfraKind>(
 /// What status shows for what the backend said.
 fn shown(backend: &str, delivery: Delivery) -> Shown {
     match delivery {
-        Delivery::NotTrackable => not_trackable(backend),
+        Delivery::NotTrackable => not_trackable(backend, None),
         Delivery::Delivered => Shown {
             status: "True",
             reason: reasons::DELIVERED,
@@ -191,11 +192,15 @@ fn shown(backend: &str, delivery: Delivery) -> Shown {
     }
 }
 
-fn not_trackable(backend: &str) -> Shown {
+fn not_trackable(backend: &str, why: Option<&str>) -> Shown {
+    let message = format!("{backend} cannot tell whether the mail reached the recipients");
     Shown {
         status: "Unknown",
         reason: reasons::NOT_TRACKABLE,
-        message: format!("{backend} cannot tell whether the mail reached the recipients"),
+        message: match why {
+            Some(why) => format!("{message}: {why}"),
+            None => message,
+        },
         outcome: "not_trackable",
     }
 }

@@ -131,6 +131,8 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     if ctx.memory.is_stale(&uid, obj.resource_version().as_deref()) {
         // Our own newer write is on its way to the cache (or the object is gone); its event
         // triggers the next pass.
+        debug!(kind = K::KIND, name = %obj.name_any(), resource_version = ?obj.resource_version(),
+            "the cached copy predates this process's last write (or the object is gone): waiting for the newer one");
         return Ok(Action::await_change());
     }
     // An owner missing from a cache that has not finished its first list is not missing.
@@ -143,6 +145,7 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     let managed_elsewhere = obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION);
     if managed_elsewhere && !(deleting && has_finalizer) {
         // Someone else manages it; but our own finalizer, if we ever set it, is ours to release.
+        debug!(kind = K::KIND, name = %obj.name_any(), "managed by another controller: nothing to do");
         return Ok(Action::await_change());
     }
     let original = obj.shared_status();

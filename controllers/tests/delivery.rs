@@ -483,3 +483,74 @@ async fn a_hundred_open_mails_cost_a_handful_of_requests() {
     assert_eq!(env.mails().len(), N);
     env.stop().await;
 }
+
+/// A Mailgun mailer with only the contract server's domain sending key (no read key).
+fn sending_key_only(env: &Env) -> std::sync::Arc<dyn capm_mailer::Mailer> {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("sending-key");
+    std::fs::write(&key, env.mailgun.sending_key()).unwrap();
+    let mut cfg =
+        capm_mailer::MailgunConfig::new(env.mailgun.domain(), capm_mailer::SecretSource::File(key));
+    cfg.base_url = Some(env.mailgun.base_url());
+    cfg.request_timeout_seconds = 2.0;
+    // Keys are read when the mailer is built: the file may go.
+    capm_mailer::build(&MailerConfig::Mailgun(cfg)).unwrap()
+}
+
+/// With a domain sending key only: every mail goes out once, the first read is refused and
+/// none follows, `MailDelivered` says why once; a send whose outcome was unknown is resent
+/// with the same Message-Id after the backoff (the SMTP way), counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sending_key_alone_sends_once_and_says_it_cannot_track() {
+    let mut env = Env::new("mgc-sending-key").await;
+    let mailer = sending_key_only(&env);
+    env.start_with_mailer(config(&env), mailer).await;
+    env.create_mailgun_cluster("k1").await;
+    env.create_owner_cluster("k1", false).await;
+    wait_for_reason(&env, "k1", reasons::NOT_TRACKABLE).await;
+    let (c, state) = delivery(&env, "k1").await;
+    let (status, _, message) = c.unwrap();
+    assert_eq!(status, "Unknown");
+    assert!(
+        message.contains("mailgun cannot tell whether") && message.contains("read role"),
+        "{message}"
+    );
+    assert!(!message.contains(&env.mailgun.sending_key()));
+    assert_eq!(state, Some(MailState::Sent));
+    assert_eq!(env.mails().len(), 1);
+    // One refused read at most (the poller's first question), then none: no retry loop.
+    let refused = asked(&env);
+    assert!(refused <= 1, "{refused} questions");
+    assert_settled(&env, "k1").await;
+
+    // An unknown outcome: stored, then a 500. No lookup can tell, so after the backoff it is
+    // sent again with the same Message-Id: the receivers' copy to drop, counted.
+    env.mailgun
+        .set_failure(FailureRule {
+            mode: FailureMode::AcceptThenServerError,
+            count: Some(1),
+            retry_after: None,
+            target: FailureTarget::Messages,
+            body_bytes: None,
+            drip_ms: None,
+        })
+        .unwrap();
+    env.create_mailgun_cluster("k2").await;
+    env.create_owner_cluster("k2", false).await;
+    wait_for_reason(&env, "k2", reasons::NOT_TRACKABLE).await;
+    let ids: Vec<String> = env
+        .mails()
+        .iter()
+        .filter(|m| m.variables.get("name").is_some_and(|n| n == "k2"))
+        .map(|m| m.id.clone())
+        .collect();
+    assert_eq!(
+        ids.len(),
+        2,
+        "one resend after the unknown outcome: {ids:?}"
+    );
+    assert_eq!(ids[0], ids[1], "the resend keeps the Message-Id");
+    assert_eq!(env.metric("capm_mail_resends_total", None), 1.0);
+    assert_eq!(asked(&env), refused, "nothing read after the refusal");
+    env.stop().await;
+}

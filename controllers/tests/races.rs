@@ -134,8 +134,8 @@ impl Mailer for DeletesDuringSend {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
-    fn tracks_delivery(&self) -> bool {
-        self.inner.tracks_delivery()
+    fn tracking(&self) -> capm_mailer::Tracking {
+        self.inner.tracking()
     }
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
         if !message.message_id().as_str().contains("-deleted.") {

@@ -9,7 +9,8 @@
 //! mailgun:
 //!   domain: mg.example.com
 //!   region: eu                 # us (default) or eu; or baseUrl: http://127.0.0.1:8025
-//!   apiKey: {file: /etc/capm/mailgun/api-key}
+//!   apiKey: {file: /etc/capm/mailgun/api-key}      # a domain sending key will do
+//!   readApiKey: {file: /etc/capm/mailgun/read-key} # optional: a read-only account key
 //! ```
 //! ```yaml
 //! smtp:
@@ -192,6 +193,11 @@ pub struct MailgunConfig {
     pub base_url: Option<String>,
     /// `apiKey` (required): where to read the API key (`{file: ...}` or `{env: ...}`).
     pub api_key: SecretSource,
+    /// `readApiKey` (optional): a separate key for the Logs/events APIs (an account key with a
+    /// read-only role). Without it, reads use `apiKey`; when that key may not read (a domain
+    /// sending key: 401), the backend stops asking and says delivery is not tracked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_api_key: Option<SecretSource>,
     /// `testMode` (optional, false): send `o:testmode=yes` (accepted, not delivered, billed).
     #[serde(default)]
     pub test_mode: bool,
@@ -215,6 +221,7 @@ impl MailgunConfig {
             region: MailgunRegion::Us,
             base_url: None,
             api_key,
+            read_api_key: None,
             test_mode: false,
             events_api: MailgunEventsApi::Logs,
             connect_timeout_seconds: default_connect_timeout(),

@@ -98,6 +98,16 @@ pub enum Lookup {
     Unsupported,
 }
 
+/// Whether a backend can tell what became of the mails it accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Tracking {
+    /// It can: ask [`Mailer::delivery_statuses`].
+    Tracked,
+    /// It cannot; the text, if any, says why in words for the human reading status (never a
+    /// secret), e.g. that the key it reads with may not read the event logs.
+    Untracked(Option<String>),
+}
+
 /// What a backend knows about the delivery of a message it accepted.
 ///
 /// Sending is not delivery: a backend that accepted a message may still fail to hand it to the
@@ -173,10 +183,12 @@ pub trait Mailer: Send + Sync {
     /// evidence. Callers should wait a little before trusting it.
     async fn lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError>;
 
-    /// Whether [`Self::delivery_status`] can ever say more than [`Delivery::NotTrackable`].
-    /// Callers do not ask backends that cannot tell (and need not wait to learn that).
-    fn tracks_delivery(&self) -> bool {
-        false
+    /// Whether [`Self::delivery_status`] can say more than [`Delivery::NotTrackable`] now, and
+    /// if not, why. Callers do not ask backends that cannot tell (and need not wait to learn
+    /// that). It may change once, from tracked to untracked: a Mailgun key found unable to read
+    /// the event logs.
+    fn tracking(&self) -> Tracking {
+        Tracking::Untracked(None)
     }
 
     /// Asks the backend what became of a message it accepted at about `sent_at`.

@@ -65,6 +65,12 @@ pub struct MailgunMailer {
     domain: String,
     events_api: MailgunEventsApi,
     api_key: Secret,
+    /// The key reads (lookups, delivery questions) use, when not `api_key`.
+    read_key: Option<Secret>,
+    /// Set, with the reason shown to humans, once Mailgun refused the reading key (401/403):
+    /// from then on nothing is read, lookups answer [`Lookup::Unsupported`] and delivery is
+    /// not tracked. Keys are read once, so this lasts as long as the mailer.
+    read_denied: std::sync::OnceLock<String>,
     test_mode: bool,
     gate: Gate,
 }
@@ -75,6 +81,8 @@ impl fmt::Debug for MailgunMailer {
             .field("messages_url", &self.messages_url)
             .field("events_api", &self.events_api)
             .field("api_key", &self.api_key)
+            .field("read_key", &self.read_key)
+            .field("read_denied", &self.read_denied.get().is_some())
             .field("test_mode", &self.test_mode)
             .finish_non_exhaustive()
     }
@@ -290,6 +298,16 @@ impl MailgunMailer {
                 field: "mailgun.apiKey".into(),
                 source,
             })?;
+        let read_key = config
+            .read_api_key
+            .as_ref()
+            .map(|source| {
+                source.read().map_err(|source| ConfigError::Secret {
+                    field: "mailgun.readApiKey".into(),
+                    source,
+                })
+            })
+            .transpose()?;
         let tls = crate::tls::platform_client_config().map_err(client_error)?;
         let client = reqwest::Client::builder()
             .tls_backend_preconfigured(tls)
@@ -311,6 +329,8 @@ impl MailgunMailer {
             domain: config.domain.clone(),
             events_api: config.events_api,
             api_key,
+            read_key,
+            read_denied: std::sync::OnceLock::new(),
             test_mode: config.test_mode,
             gate: gate::open(),
         })
@@ -577,8 +597,11 @@ impl Mailer for MailgunMailer {
         BACKEND
     }
 
-    fn tracks_delivery(&self) -> bool {
-        true
+    fn tracking(&self) -> crate::Tracking {
+        match self.read_denied.get() {
+            None => crate::Tracking::Tracked,
+            Some(why) => crate::Tracking::Untracked(Some(why.clone())),
+        }
     }
 
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
@@ -647,6 +670,95 @@ impl Mailer for MailgunMailer {
     }
 
     async fn lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError> {
+        if self.read_denied.get().is_some() {
+            return Ok(Lookup::Unsupported);
+        }
+        let found = self.lookup_by_reading(message_id).await;
+        match found {
+            Err(e) if self.read_denied.get().is_some() && e.code().is_some_and(refused) => {
+                Ok(Lookup::Unsupported)
+            }
+            other => other,
+        }
+    }
+
+    async fn delivery_status(
+        &self,
+        message_id: &MessageId,
+        sent_at: SystemTime,
+    ) -> Result<crate::Delivery, MailError> {
+        let mail = OpenMail {
+            message_id: message_id.clone(),
+            sent_at,
+        };
+        let mut answers = self.delivery_statuses(std::slice::from_ref(&mail)).await?;
+        Ok(answers.pop().unwrap_or(crate::Delivery::Pending {
+            temporary_failure: None,
+        }))
+    }
+
+    fn delivery_batch_size(&self) -> usize {
+        match self.events_api {
+            MailgunEventsApi::Logs => LOGS_BATCH,
+            MailgunEventsApi::Events => 1,
+        }
+    }
+
+    async fn delivery_statuses(
+        &self,
+        mails: &[OpenMail],
+    ) -> Result<Vec<crate::Delivery>, MailError> {
+        let untracked = || Ok(vec![crate::Delivery::NotTrackable; mails.len()]);
+        if self.read_denied.get().is_some() {
+            return untracked();
+        }
+        let mut answers = Vec::with_capacity(mails.len());
+        let asked = match self.events_api {
+            MailgunEventsApi::Events => {
+                let mut asked = Ok(());
+                for mail in mails {
+                    match self.events_delivery(&mail.message_id, mail.sent_at).await {
+                        Ok(answer) => answers.push(answer),
+                        Err(e) => {
+                            asked = Err(e);
+                            break;
+                        }
+                    }
+                }
+                asked
+            }
+            MailgunEventsApi::Logs => {
+                let mut asked = Ok(());
+                for batch in mails.chunks(LOGS_BATCH) {
+                    match self.logs_deliveries(batch).await {
+                        Ok(batch) => answers.extend(batch),
+                        Err(e) => {
+                            asked = Err(e);
+                            break;
+                        }
+                    }
+                }
+                asked
+            }
+        };
+        match asked {
+            Ok(()) => Ok(answers),
+            Err(e) if self.read_denied.get().is_some() && e.code().is_some_and(refused) => {
+                untracked()
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Mailgun's answers to a key that may not do what it asked.
+fn refused(code: u16) -> bool {
+    matches!(code, 401 | 403)
+}
+
+impl MailgunMailer {
+    /// The lookup itself, by the configured API.
+    async fn lookup_by_reading(&self, message_id: &MessageId) -> Result<Lookup, MailError> {
         if self.events_api == MailgunEventsApi::Logs {
             return self.logs_lookup(message_id).await;
         }
@@ -666,21 +778,12 @@ impl Mailer for MailgunMailer {
             }))
     }
 
-    async fn delivery_status(
+    /// What the events API says became of one mail.
+    async fn events_delivery(
         &self,
         message_id: &MessageId,
         sent_at: SystemTime,
     ) -> Result<crate::Delivery, MailError> {
-        if self.events_api == MailgunEventsApi::Logs {
-            let mail = OpenMail {
-                message_id: message_id.clone(),
-                sent_at,
-            };
-            let mut answers = self.logs_deliveries(std::slice::from_ref(&mail)).await?;
-            return Ok(answers.pop().unwrap_or(crate::Delivery::Pending {
-                temporary_failure: None,
-            }));
-        }
         let begin = sent_at
             .checked_sub(EVENTS_CLOCK_SLACK)
             .unwrap_or(sent_at)
@@ -726,37 +829,30 @@ impl Mailer for MailgunMailer {
         })
     }
 
-    fn delivery_batch_size(&self) -> usize {
-        match self.events_api {
-            MailgunEventsApi::Logs => LOGS_BATCH,
-            MailgunEventsApi::Events => 1,
-        }
-    }
-
-    async fn delivery_statuses(
-        &self,
-        mails: &[OpenMail],
-    ) -> Result<Vec<crate::Delivery>, MailError> {
-        if self.events_api == MailgunEventsApi::Events {
-            let mut answers = Vec::with_capacity(mails.len());
-            for mail in mails {
-                answers.push(self.delivery_status(&mail.message_id, mail.sent_at).await?);
-            }
-            return Ok(answers);
-        }
-        let mut answers = Vec::with_capacity(mails.len());
-        for batch in mails.chunks(LOGS_BATCH) {
-            answers.extend(self.logs_deliveries(batch).await?);
-        }
-        Ok(answers)
-    }
-}
-
-impl MailgunMailer {
     /// True for the events URL itself and its paging URLs (`<events>/<token>`, `<events>?...`).
     fn is_events_url(&self, url: &str) -> bool {
         url.strip_prefix(&self.events_url)
             .is_some_and(|rest| rest.is_empty() || rest.starts_with(['/', '?']))
+    }
+
+    /// Remembers that Mailgun refused the reading key, and says so once.
+    fn deny_reads(&self, status: StatusCode) {
+        let which = if self.read_key.is_some() {
+            "the read key (mailgun.readApiKey, --mailgun-read-key-file)"
+        } else {
+            "the sending key, which is also the read key"
+        };
+        let why = format!(
+            "Mailgun refused {which} on its logs API ({} {}): a domain sending key may only \
+             send. Delivery is not tracked and a send whose outcome was unknown is resent with \
+             the same Message-Id; give an account key with a read role (Analyst) as \
+             mailgun.readApiKey to track deliveries",
+            status.as_u16(),
+            status.canonical_reason().unwrap_or("")
+        );
+        if self.read_denied.set(why.clone()).is_ok() {
+            tracing::warn!(backend = BACKEND, reason = %why, "Reading Mailgun's logs is refused; delivery tracking is off");
+        }
     }
 
     /// One page of `GET /v3/{domain}/events`.
@@ -772,8 +868,9 @@ impl MailgunMailer {
         request: reqwest::RequestBuilder,
         what: &str,
     ) -> Result<T, MailError> {
+        let key = self.read_key.as_ref().unwrap_or(&self.api_key);
         let mut response = request
-            .basic_auth("api", Some(self.api_key.expose_secret()))
+            .basic_auth("api", Some(key.expose_secret()))
             .send()
             .await
             .map_err(|e| transport_error(e, true))?;
@@ -784,6 +881,9 @@ impl MailgunMailer {
                 .await
                 .map(|(body, _)| body)
                 .unwrap_or_default();
+            if refused(status.as_u16()) {
+                self.deny_reads(status);
+            }
             return Err(status_error(status, &headers, &body, true));
         }
         let (body, complete) = read_at_most(&mut response, MAX_EVENTS_PAGE_BYTES)

@@ -93,8 +93,8 @@ impl Mailer for InstrumentedMailer {
         self.inner.backend()
     }
 
-    fn tracks_delivery(&self) -> bool {
-        self.inner.tracks_delivery()
+    fn tracking(&self) -> crate::Tracking {
+        self.inner.tracking()
     }
 
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {

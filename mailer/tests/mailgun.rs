@@ -16,7 +16,7 @@ use capm_mail_servers::{
 use capm_mailer::{
     Delivery, ErrorKind, InstrumentedMailer, LOGS_BATCH, Lookup, Mailer, MailerConfig,
     MailerMetrics, MailgunConfig, MailgunEventsApi, MailgunMailer, Message, MessageId, OpenMail,
-    SecretSource, build,
+    SecretSource, Tracking, build,
 };
 
 const KEY: &str = "key-contract-test-0123";
@@ -651,10 +651,6 @@ async fn logs_failures_keep_their_classes_and_retry_after() {
     fail(FailureMode::ServerError, None);
     let err = mailer.lookup(&id).await.unwrap_err();
     assert_eq!((err.kind(), err.code()), (ErrorKind::Retryable, Some(500)));
-    fail(FailureMode::Unauthorized, None);
-    let err = mailer.delivery_status(&id, at).await.unwrap_err();
-    assert_eq!((err.kind(), err.code()), (ErrorKind::Permanent, Some(401)));
-    assert!(!format!("{err} {err:?}").contains(KEY));
     // Used up: the Logs API answers again.
     assert_eq!(
         mailer.lookup(&id).await.unwrap(),
@@ -662,6 +658,17 @@ async fn logs_failures_keep_their_classes_and_retry_after() {
             event: "accepted".into()
         }
     );
+    // A refusal of the key is not retried: reading stops, and says why (without the key).
+    fail(FailureMode::Unauthorized, None);
+    assert_eq!(
+        mailer.delivery_status(&id, at).await.unwrap(),
+        Delivery::NotTrackable
+    );
+    let Tracking::Untracked(Some(why)) = mailer.tracking() else {
+        panic!("tracking still on after a 401");
+    };
+    assert!(why.contains("401") && !why.contains(KEY), "{why}");
+    assert_eq!(mailer.lookup(&id).await.unwrap(), Lookup::Unsupported);
 }
 
 #[tokio::test]
@@ -707,4 +714,163 @@ async fn hostile_logs_replies_are_bounded_and_cleaned() {
             .any(|c| c.is_control() || ('\u{2028}'..='\u{202e}').contains(&c)),
         "{reason:?}"
     );
+}
+
+impl Fixture {
+    /// The fixture's configuration with `key` as the (sending) API key and `read_key`, if any,
+    /// as the read key, each from its own file.
+    fn with_keys(&self, key: &str, read_key: Option<&str>, api: MailgunEventsApi) -> MailgunConfig {
+        let write = |name: &str, value: &str| {
+            let path = self._dir.path().join(name);
+            std::fs::write(&path, value).unwrap();
+            SecretSource::File(path)
+        };
+        let mut config = self.config.clone();
+        config.api_key = write("scoped-key", key);
+        config.read_api_key = read_key.map(|k| write("scoped-read-key", k));
+        config.events_api = api;
+        config
+    }
+}
+
+#[tokio::test]
+async fn the_contract_server_gives_keys_mailgun_scopes() {
+    let f = fixture();
+    let sending = f.server.sending_key();
+    let read = f.server.read_key();
+    for api in [MailgunEventsApi::Logs, MailgunEventsApi::Events] {
+        // A read-only key may not send: a permanent refusal, nothing stored.
+        let reader = MailgunMailer::new(&f.with_keys(&read, None, api)).unwrap();
+        let err = reader
+            .send(&message("<scope-read-send@capm.test>"))
+            .await
+            .unwrap_err();
+        assert_eq!((err.kind(), err.code()), (ErrorKind::Permanent, Some(401)));
+        // A sending key sends; reading with it is refused (401, as Mailgun answers).
+        let sender = MailgunMailer::new(&f.with_keys(&sending, None, api)).unwrap();
+        let m = message(&format!("<scope-send-{api:?}@capm.test>"));
+        sender.send(&m).await.unwrap();
+        assert_eq!(
+            f.server.messages().unwrap().len(),
+            if api == MailgunEventsApi::Logs { 1 } else { 2 }
+        );
+        // ... and the read-only key reads what the sending key sent.
+        assert!(matches!(
+            reader.lookup(m.message_id()).await.unwrap(),
+            Lookup::Accepted { .. }
+        ));
+    }
+    // A sending key is its domain's: another domain is refused, not "not found".
+    let mut other = f.with_keys(&sending, None, MailgunEventsApi::Logs);
+    other.domain = "other.capm.test".into();
+    let err = MailgunMailer::new(&other)
+        .unwrap()
+        .send(
+            &Message::builder()
+                .from("capm@other.capm.test")
+                .to("ops@example.com")
+                .subject("s")
+                .text("t")
+                .message_id("<scope-other@capm.test>")
+                .build()
+                .unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(401), "{err}");
+}
+
+#[tokio::test]
+async fn with_only_a_sending_key_reads_stop_after_the_first_refusal_and_say_why() {
+    let f = fixture();
+    for api in [MailgunEventsApi::Logs, MailgunEventsApi::Events] {
+        let mailer = MailgunMailer::new(&f.with_keys(&f.server.sending_key(), None, api)).unwrap();
+        assert_eq!(mailer.tracking(), Tracking::Tracked, "nothing refused yet");
+        let m = message(&format!("<only-sending-{api:?}@capm.test>"));
+        let at = SystemTime::now();
+        mailer.send(&m).await.unwrap();
+        let before = (logs_requests(&f), f.server.stats().unwrap().events_requests);
+        // The first read is refused; the mailer answers as a backend without a log would.
+        assert_eq!(
+            mailer.lookup(m.message_id()).await.unwrap(),
+            Lookup::Unsupported
+        );
+        let Tracking::Untracked(Some(why)) = mailer.tracking() else {
+            panic!("tracking still on after a refusal");
+        };
+        assert!(
+            why.contains("read role") && why.contains("readApiKey"),
+            "{why}"
+        );
+        assert!(
+            !why.contains(&f.server.sending_key()),
+            "the key is never shown"
+        );
+        // From then on nothing is asked: no retry loop against a key that cannot read.
+        let mails = [OpenMail {
+            message_id: m.message_id().clone(),
+            sent_at: at,
+        }];
+        for _ in 0..3 {
+            assert_eq!(
+                mailer.delivery_statuses(&mails).await.unwrap(),
+                vec![Delivery::NotTrackable]
+            );
+            assert_eq!(
+                mailer.lookup(m.message_id()).await.unwrap(),
+                Lookup::Unsupported
+            );
+        }
+        let after = (logs_requests(&f), f.server.stats().unwrap().events_requests);
+        // (The contract server counts refused Logs requests, and answered events requests.)
+        let refused = u64::from(api == MailgunEventsApi::Logs);
+        assert_eq!(
+            after.0 + after.1,
+            before.0 + before.1 + refused,
+            "one refused read, then none"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_sending_key_with_a_read_key_tracks_delivery() {
+    let f = fixture();
+    for api in [MailgunEventsApi::Logs, MailgunEventsApi::Events] {
+        let config = f.with_keys(&f.server.sending_key(), Some(&f.server.read_key()), api);
+        let mailer = MailgunMailer::new(&config).unwrap();
+        let id = format!("<read-key-{api:?}@capm.test>");
+        let m = message(&id);
+        let at = SystemTime::now();
+        mailer.send(&m).await.unwrap();
+        assert!(matches!(
+            mailer.lookup(m.message_id()).await.unwrap(),
+            Lookup::Accepted { .. }
+        ));
+        f.server
+            .add_event(&event(&id, DeliveryEvent::Delivered))
+            .unwrap();
+        assert_eq!(
+            mailer.delivery_status(m.message_id(), at).await.unwrap(),
+            Delivery::Delivered
+        );
+        assert_eq!(mailer.tracking(), Tracking::Tracked);
+    }
+    // A read key that may not read (here: a sending key given as the read key) is named.
+    let config = f.with_keys(
+        &f.server.sending_key(),
+        Some(&f.server.sending_key()),
+        MailgunEventsApi::Logs,
+    );
+    let mailer = MailgunMailer::new(&config).unwrap();
+    assert_eq!(
+        mailer
+            .lookup(&MessageId::parse("<nobody@capm.test>").unwrap())
+            .await
+            .unwrap(),
+        Lookup::Unsupported
+    );
+    let Tracking::Untracked(Some(why)) = mailer.tracking() else {
+        panic!("tracking still on after a refusal");
+    };
+    assert!(why.contains("the read key"), "{why}");
 }

@@ -16,6 +16,7 @@ pub(super) const FLAG_ONLY: &[&str] = &[
     "mail_backend",
     "mailgun_domain",
     "mailgun_api_key_file",
+    "mailgun_read_key_file",
     "mailgun_region",
     "mailgun_base_url",
     "smtp_url",

@@ -15,6 +15,7 @@ pub fn mailer_error(error: ConfigError) -> SettingsError {
     let flag = |name: &str| match name {
         "mailgun.domain" => Some(field!(mailgun_domain)),
         "mailgun.apiKey" => Some(field!(mailgun_api_key_file).or_env(MAILGUN_API_KEY_ENV)),
+        "mailgun.readApiKey" => Some(field!(mailgun_read_key_file)),
         "mailgun.baseUrl" => Some(field!(mailgun_base_url)),
         "smtp.url" => Some(field!(smtp_url)),
         "smtp.username" => Some(field!(smtp_username)),
@@ -93,6 +94,9 @@ pub(super) fn resolve_mailer(
             let mut config = base.unwrap_or_else(|| MailgunConfig::new(&domain, api_key.clone()));
             config.domain = domain;
             config.api_key = api_key;
+            if let Some(path) = &args.mailgun_read_key_file {
+                config.read_api_key = Some(SecretSource::File(path.clone()));
+            }
             if let Some(region) = args.mailgun_region {
                 config.region = match region {
                     Region::Us => MailgunRegion::Us,

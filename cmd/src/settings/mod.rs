@@ -109,6 +109,12 @@ pub struct Args {
     #[arg(long, env = "MAILGUN_API_KEY_FILE", value_name = "FILE")]
     pub mailgun_api_key_file: Option<PathBuf>,
 
+    /// File holding a separate Mailgun key for reading the Logs/events APIs (an account key with
+    /// a read-only role, e.g. `Analyst`), so the sending key may be a domain sending key
+    /// [default: read with the sending key; without read access, delivery is not tracked].
+    #[arg(long, env = "MAILGUN_READ_KEY_FILE", value_name = "FILE")]
+    pub mailgun_read_key_file: Option<PathBuf>,
+
     /// Mailgun API region [default: us].
     #[arg(long, env = "MAILGUN_REGION", value_enum)]
     pub mailgun_region: Option<Region>,

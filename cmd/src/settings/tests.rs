@@ -123,6 +123,10 @@ fn the_example_config_files_in_config_manager_are_valid() {
         SecretSource::File("/etc/capm/mailgun/api-key".into())
     );
     assert_eq!(
+        m.read_api_key,
+        Some(SecretSource::File("/etc/capm/mailgun-read/read-key".into()))
+    );
+    assert_eq!(
         s.diagnostics,
         Some(Diagnostics {
             bind: "0.0.0.0:8443".parse().unwrap(),
@@ -690,4 +694,41 @@ fn the_mailgun_events_api_is_logs_unless_a_flag_variable_or_file_says_events() {
         err.starts_with("--config (CAPM_CONFIG): ") && err.contains("--mailgun-events-api"),
         "{err}"
     );
+}
+
+#[test]
+fn a_read_key_file_is_the_mailgun_read_key_and_a_bad_one_names_the_flag() {
+    let s = resolve(MAILGUN, &with_key).unwrap();
+    let MailerConfig::Mailgun(m) = &s.mailer else {
+        panic!("{:?}", s.mailer)
+    };
+    assert_eq!(m.read_api_key, None, "reads use the API key by default");
+    let key = file("key-topsecret");
+    let key_path = key.path().to_str().unwrap();
+    let flags = [
+        MAILGUN,
+        &[
+            "--mailgun-api-key-file",
+            key_path,
+            "--mailgun-read-key-file",
+            "/nonexistent/read-key",
+        ],
+    ]
+    .concat();
+    let s = resolve(&flags, &with_key).unwrap();
+    let MailerConfig::Mailgun(m) = &s.mailer else {
+        panic!("{:?}", s.mailer)
+    };
+    assert_eq!(
+        m.read_api_key,
+        Some(SecretSource::File("/nonexistent/read-key".into()))
+    );
+    // Read when the backend is built: an unreadable file stops start-up naming the flag.
+    let err = super::mailer::mailer_error(capm_mailer::MailgunMailer::new(m).unwrap_err());
+    let text = err.to_string();
+    assert!(
+        text.starts_with("--mailgun-read-key-file (MAILGUN_READ_KEY_FILE)"),
+        "{text}"
+    );
+    assert!(!text.contains("key-topsecret"));
 }

@@ -147,6 +147,14 @@ where
                             .collect(),
                         None => Vec::new(),
                     };
+                    tracing::debug!(
+                        kind = K::kind(&()).as_ref(),
+                        listed = listing.seen.len(),
+                        changed = listing.changed.len(),
+                        retried = waiting.len(),
+                        first = ?listing.changed.iter().chain(&waiting).take(20).map(|r| r.name.as_str()).collect::<Vec<_>>(),
+                        "A list is complete: reconciling what it changed"
+                    );
                     for reference in listing.changed.into_iter().chain(waiting) {
                         // The receiver lives as long as the controller; a closed one means
                         // it stopped.

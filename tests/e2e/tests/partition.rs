@@ -30,7 +30,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     sync::Arc,
     time::{Duration, Instant},
@@ -241,6 +241,21 @@ impl World {
             .as_ref()
             .map(Proc::log)
             .unwrap_or_default()
+    }
+
+    /// Copies every log of every replica (each generation) out of the control plane's
+    /// directory, to be read after the run.
+    fn keep_logs(&self, what: &str) -> Result<()> {
+        let tag = self.dir.file_name().unwrap_or_default().to_string_lossy();
+        let kept = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("partition-{tag}-{what}"));
+        std::fs::create_dir_all(&kept)?;
+        for entry in std::fs::read_dir(&self.dir)?.flatten() {
+            if entry.path().extension().is_some_and(|x| x == "log") {
+                std::fs::copy(entry.path(), kept.join(entry.file_name()))?;
+            }
+        }
+        println!("--- every replica's full log is kept in {}", kept.display());
+        Ok(())
     }
 
     fn infra(&self) -> Api<DynamicObject> {
@@ -459,10 +474,11 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
         }
         let restored = Instant::now();
         println!(
-            "  cut for {:.1} s (API server restarted in {:.1} s): {} new, {} deleted, {} \
-             created and deleted, {} paused",
+            "  cut for {:.1} s (API server restarted in {:.1} s; restored at {}): {} new, {} \
+             deleted, {} created and deleted, {} paused",
             cut_for.as_secs_f64(),
             took.as_secs_f64(),
+            jiff::Timestamp::now(),
             expect.mailed.len(),
             expect.released.len(),
             expect.ghosts.len(),
@@ -471,6 +487,7 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
 
         let settled = settle(&world, &expect).await;
         if let Err(e) = &settled {
+            world.keep_logs(&format!("seed{seed}-cycle{cycle}"))?;
             for i in 0..world.replicas.len() {
                 let log = world.log(i);
                 let tail: Vec<&str> = log.lines().rev().take(40).collect();
@@ -539,6 +556,7 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
     for r in &world.replicas {
         r.proxy.restore();
     }
+    world.keep_logs(&format!("seed{seed}"))?;
     Ok(())
 }
 

@@ -75,12 +75,30 @@ mod hostile;
 mod logs;
 
 /// What the server expects from its clients.
+///
+/// Keys have Mailgun's scopes: the account key may do everything; a *domain sending key* only
+/// `POST /v3/{domain}/messages` for the server's domain (401 on the events and Logs APIs, as
+/// Mailgun answers); a key with a read-only role (Mailgun's `Analyst`) only the events and Logs
+/// APIs (401 on sending).
 #[derive(Debug, Clone)]
 pub struct ContractConfig {
-    /// The API key (basic auth password, user `api`).
+    /// The account API key (basic auth password, user `api`).
     pub api_key: String,
     /// The one sending domain it knows.
     pub domain: String,
+    /// A domain sending key for `domain`, if any.
+    pub sending_key: Option<String>,
+    /// A read-only account key, if any.
+    pub read_key: Option<String>,
+}
+
+/// What a request does, for the key scopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Sends a message.
+    Send,
+    /// Reads events or logs.
+    Read,
 }
 
 /// A message the server accepted.
@@ -318,7 +336,8 @@ struct Store {
 }
 
 struct AppState {
-    expected_auth: String,
+    /// `Authorization` values and what each may do.
+    keys: Vec<(String, &'static [Scope])>,
     domain: String,
     store: Mutex<Store>,
     next_id: AtomicU64,
@@ -387,20 +406,35 @@ impl AppState {
     }
 
     /// The error answer for a request with wrong credentials, if any.
-    fn unauthorized(&self, headers: &HeaderMap) -> Option<Response> {
+    /// 401 for a request without a known key, or with a key whose scope does not cover `scope`.
+    fn unauthorized(&self, headers: &HeaderMap, scope: Scope) -> Option<Response> {
         let auth = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
-        (auth != Some(self.expected_auth.as_str()))
-            .then(|| error(StatusCode::UNAUTHORIZED, "Invalid private key"))
+        match self.keys.iter().find(|(k, _)| Some(k.as_str()) == auth) {
+            None => Some(error(StatusCode::UNAUTHORIZED, "Invalid private key")),
+            Some((_, scopes)) if !scopes.contains(&scope) => {
+                Some(error(StatusCode::UNAUTHORIZED, "Forbidden"))
+            }
+            Some(_) => None,
+        }
     }
 
-    /// The error answer for a request with wrong credentials or an unknown domain, if any.
-    fn rejection(&self, headers: &HeaderMap, domain: &str) -> Option<Response> {
-        if let Some(r) = self.unauthorized(headers) {
+    /// The error answer for a request with wrong credentials, a key that may not do `scope`,
+    /// or an unknown domain, if any.
+    fn rejection(&self, headers: &HeaderMap, domain: &str, scope: Scope) -> Option<Response> {
+        if let Some(r) = self.unauthorized(headers, scope) {
             return Some(r);
         }
         if domain != self.domain {
+            // A sending key belongs to its domain: elsewhere it is refused, not told "not found".
+            let account = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                == self.keys.first().map(|(k, _)| k.as_str());
+            if !account {
+                return Some(error(StatusCode::UNAUTHORIZED, "Forbidden"));
+            }
             return Some(error(
                 StatusCode::NOT_FOUND,
                 &format!("Domain not found: {domain}"),
@@ -527,7 +561,7 @@ async fn receive_message(
             Err(e) => return error(StatusCode::BAD_REQUEST, &format!("bad form: {e}")),
         }
     }
-    if let Some(r) = state.rejection(&headers, &domain) {
+    if let Some(r) = state.rejection(&headers, &domain, Scope::Send) {
         return r;
     }
     let one = |name: &str| {
@@ -755,7 +789,7 @@ async fn events_next(
     match query {
         Some(query) => events_page(&state, &domain, &headers, query, cutter).await,
         None => {
-            if let Some(r) = state.rejection(&headers, &domain) {
+            if let Some(r) = state.rejection(&headers, &domain, Scope::Read) {
                 return r;
             }
             error(StatusCode::BAD_REQUEST, "invalid page token")
@@ -770,7 +804,7 @@ async fn events_page(
     query: EventsQuery,
     cutter: Option<Cutter>,
 ) -> Response {
-    if let Some(r) = state.rejection(headers, domain) {
+    if let Some(r) = state.rejection(headers, domain, Scope::Read) {
         return r;
     }
     let host = headers
@@ -914,10 +948,22 @@ async fn clear_delay(State(state): State<Shared>) -> StatusCode {
 
 /// The server's routes.
 pub fn router(config: &ContractConfig) -> Router {
-    let credentials =
-        base64::engine::general_purpose::STANDARD.encode(format!("api:{}", config.api_key));
+    let auth = |key: &str| {
+        format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(format!("api:{key}"))
+        )
+    };
+    let mut keys: Vec<(String, &'static [Scope])> =
+        vec![(auth(&config.api_key), &[Scope::Send, Scope::Read])];
+    if let Some(key) = &config.sending_key {
+        keys.push((auth(key), &[Scope::Send]));
+    }
+    if let Some(key) = &config.read_key {
+        keys.push((auth(key), &[Scope::Read]));
+    }
     let state = Arc::new(AppState {
-        expected_auth: format!("Basic {credentials}"),
+        keys,
         domain: config.domain.clone(),
         store: Mutex::new(Store::default()),
         next_id: AtomicU64::new(1),

@@ -307,8 +307,19 @@ pub struct MailgunServer {
     _dir: tempfile::TempDir,
 }
 
+/// The domain sending key a server started with `api_key` accepts beside it.
+fn sending_key(api_key: &str) -> String {
+    format!("{api_key}-sending")
+}
+
+/// The read-only key a server started with `api_key` accepts beside it.
+fn read_key(api_key: &str) -> String {
+    format!("{api_key}-read")
+}
+
 impl MailgunServer {
-    /// Starts the server on a free loopback port, expecting `api_key` and `domain`.
+    /// Starts the server on a free loopback port, expecting `api_key` (or the scoped keys
+    /// [`Self::sending_key`] and [`Self::read_key`]) and `domain`.
     ///
     /// # Errors
     /// [`Error`] when the binary cannot be built or started.
@@ -325,7 +336,9 @@ impl MailgunServer {
         let dir = tempfile::tempdir().map_err(io("creating a temporary directory"))?;
         let mut cmd = Command::new(contract_server_binary()?);
         cmd.args(["--listen", &format!("{ip}:0"), "--domain", domain])
-            .env("MAILGUN_CONTRACT_API_KEY", api_key);
+            .env("MAILGUN_CONTRACT_API_KEY", api_key)
+            .env("MAILGUN_CONTRACT_SENDING_KEY", sending_key(api_key))
+            .env("MAILGUN_CONTRACT_READ_KEY", read_key(api_key));
         let server = ChildServer::spawn(
             "mailgun-contract-server",
             cmd,
@@ -357,6 +370,16 @@ impl MailgunServer {
     /// The API key it expects.
     pub fn api_key(&self) -> &str {
         &self.api_key
+    }
+
+    /// A domain sending key it also accepts: it may only send, for [`Self::domain`].
+    pub fn sending_key(&self) -> String {
+        sending_key(&self.api_key)
+    }
+
+    /// A read-only key it also accepts (Mailgun's `Analyst` role): events and Logs only.
+    pub fn read_key(&self) -> String {
+        read_key(&self.api_key)
     }
 
     /// The domain it serves.

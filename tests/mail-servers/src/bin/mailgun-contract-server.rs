@@ -25,6 +25,12 @@ struct Args {
     /// The API key clients must send (basic auth `api:<key>`).
     #[arg(long, env = "MAILGUN_CONTRACT_API_KEY", hide_env_values = true)]
     api_key: String,
+    /// A domain sending key: it may only send, and only for `--domain` (401 elsewhere).
+    #[arg(long, env = "MAILGUN_CONTRACT_SENDING_KEY", hide_env_values = true)]
+    sending_key: Option<String>,
+    /// A read-only key (Mailgun's `Analyst` role): the events and Logs APIs only.
+    #[arg(long, env = "MAILGUN_CONTRACT_READ_KEY", hide_env_values = true)]
+    read_key: Option<String>,
     /// Keep running when standard input closes (for running it by hand).
     #[arg(long)]
     ignore_stdin: bool,
@@ -48,6 +54,8 @@ async fn main() -> std::io::Result<()> {
     let config = ContractConfig {
         api_key: args.api_key,
         domain: args.domain,
+        sending_key: args.sending_key,
+        read_key: args.read_key,
     };
     if args.ignore_stdin {
         return serve(listener, &config).await;

@@ -277,7 +277,7 @@ pub(super) async fn logs(
     body: Bytes,
 ) -> Response {
     state.store().stats.logs_requests += 1;
-    if let Some(r) = state.unauthorized(&headers) {
+    if let Some(r) = state.unauthorized(&headers, super::Scope::Read) {
         return r;
     }
     let query: LogsQuery = match serde_json::from_slice(&body) {
