@@ -71,6 +71,8 @@ struct ConversionData {
     failure_domain: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     addresses: Option<Vec<b::MachineAddress>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    identity_ref: Option<b::IdentityReference>,
 }
 
 /// Removes the annotation and returns what it held (default when absent or unreadable).
@@ -191,6 +193,7 @@ impl From<b::MailgunCluster> for a::MailgunCluster {
         } = obj;
         let data = ConversionData {
             control_plane_endpoint: spec.control_plane_endpoint,
+            identity_ref: spec.identity_ref,
             ..Default::default()
         };
         let status = status.as_ref().map(cluster_status_down);
@@ -223,6 +226,7 @@ impl From<a::MailgunCluster> for b::MailgunCluster {
                 request: spec.request,
                 requester: spec.requester,
                 control_plane_endpoint: data.control_plane_endpoint,
+                identity_ref: data.identity_ref,
             },
             status,
         }
@@ -289,6 +293,7 @@ impl From<b::MailgunClusterTemplate> for a::MailgunClusterTemplate {
         } = spec.template;
         let data = ConversionData {
             control_plane_endpoint: spec.control_plane_endpoint,
+            identity_ref: spec.identity_ref,
             ..Default::default()
         };
         put_data(&mut metadata, &data);
@@ -326,6 +331,7 @@ impl From<a::MailgunClusterTemplate> for b::MailgunClusterTemplate {
                         request: spec.request,
                         requester: spec.requester,
                         control_plane_endpoint: data.control_plane_endpoint,
+                        identity_ref: data.identity_ref,
                     },
                 },
             },

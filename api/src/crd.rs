@@ -130,6 +130,13 @@ pub fn crds() -> Result<Vec<CustomResourceDefinition>, CrdError> {
         }
         out.push(crd);
     }
+    // Mail identities exist in v1beta1 only: no conversion, nothing to merge.
+    let mut identity = v1beta1::MailgunClusterIdentity::crd();
+    identity.spec.conversion = Some(CustomResourceConversion {
+        strategy: "None".into(),
+        webhook: None,
+    });
+    out.push(identity);
     out.sort_by(|x, y| x.metadata.name.cmp(&y.metadata.name));
     Ok(out)
 }
@@ -180,12 +187,16 @@ pub enum WebhookTarget {
 }
 
 /// Switches `crd` to `conversion.strategy: Webhook` (review version `v1`) calling `target`,
-/// trusting the PEM CA bundle `ca_bundle_pem`.
+/// trusting the PEM CA bundle `ca_bundle_pem`. A CRD of one version (the mail identities) has
+/// nothing to convert and is returned as it is.
 pub fn with_webhook_conversion(
     mut crd: CustomResourceDefinition,
     target: WebhookTarget,
     ca_bundle_pem: &[u8],
 ) -> CustomResourceDefinition {
+    if crd.spec.versions.len() < 2 {
+        return crd;
+    }
     let mut client_config = WebhookClientConfig {
         ca_bundle: Some(ByteString(ca_bundle_pem.to_vec())),
         ..Default::default()
@@ -350,13 +361,29 @@ mod tests {
         assert_eq!(
             names,
             [
+                "mailgunclusteridentities.infrastructure.cluster.x-k8s.io",
                 "mailgunclusters.infrastructure.cluster.x-k8s.io",
                 "mailgunclustertemplates.infrastructure.cluster.x-k8s.io",
                 "mailgunmachines.infrastructure.cluster.x-k8s.io",
                 "mailgunmachinetemplates.infrastructure.cluster.x-k8s.io",
             ]
         );
-        for crd in &crds {
+        // The mail identity: cluster-scoped, v1beta1 only, and moved by clusterctl.
+        let identity = &crds[0];
+        assert_eq!(identity.spec.scope, "Cluster");
+        assert_eq!(identity.spec.versions.len(), 1);
+        let labels = identity.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(
+            labels
+                .get("clusterctl.cluster.x-k8s.io/move-hierarchy")
+                .map(String::as_str),
+            Some("")
+        );
+        assert_eq!(
+            labels.get("cluster.x-k8s.io/provider").map(String::as_str),
+            Some("infrastructure-mailgun")
+        );
+        for crd in &crds[1..] {
             assert_eq!(
                 crd.metadata.name.as_deref(),
                 Some(format!("{}.{}", crd.spec.names.plural, crate::GROUP).as_str())
@@ -420,13 +447,13 @@ mod tests {
                     .join(",")
             })
             .collect();
-        assert_eq!(short, ["mgc", "mgct", "mgm", "mgmt"]);
+        assert_eq!(short, ["mgci", "mgc", "mgct", "mgm", "mgmt"]);
     }
 
     #[test]
     fn storage_version_shows_provisioned_and_mail_columns() {
         let crds = crds().expect("crds");
-        let cluster = &crds[0];
+        let cluster = &crds[1];
         let beta = cluster
             .spec
             .versions
@@ -446,7 +473,7 @@ mod tests {
     #[test]
     fn schemas_carry_the_cel_rules_and_limits() {
         let crds = crds().expect("crds");
-        let cluster = schema_json(&crds[0], "v1beta1");
+        let cluster = schema_json(&crds[1], "v1beta1");
         for needle in [
             r#""message":"priority is immutable","rule":"self == oldSelf""#,
             r#""message":"request is immutable""#,
@@ -462,7 +489,7 @@ mod tests {
                 "MailgunCluster v1beta1 lacks {needle}"
             );
         }
-        let machine = schema_json(&crds[2], "v1beta1");
+        let machine = schema_json(&crds[3], "v1beta1");
         for needle in [
             "providerID is set-once",
             "failureDomain is set-once",
@@ -473,17 +500,17 @@ mod tests {
                 "MailgunMachine v1beta1 lacks {needle}"
             );
         }
-        assert!(schema_json(&crds[2], "v1alpha1").contains("providerID is set-once"));
+        assert!(schema_json(&crds[3], "v1alpha1").contains("providerID is set-once"));
         // Templates are immutable through the chart's admission policy, not CEL (the
         // topology controller's dry runs must get through): no transition rule in them.
-        for i in [1, 3] {
+        for i in [2, 4] {
             for v in ["v1alpha1", "v1beta1"] {
                 let schema = schema_json(&crds[i], v);
                 assert!(!schema.contains("oldSelf"), "{v}: {schema}");
                 assert!(schema.contains("must have at most 64 characters"), "{v}");
             }
         }
-        assert!(schema_json(&crds[3], "v1beta1").contains("must not be set in a template"));
+        assert!(schema_json(&crds[4], "v1beta1").contains("must not be set in a template"));
     }
 
     #[test]
@@ -528,7 +555,7 @@ mod tests {
 
     #[test]
     fn webhook_conversion_is_set_on_request() {
-        let crd = crds().expect("crds").remove(0);
+        let crd = crds().expect("crds").remove(1);
         let crd = with_webhook_conversion(
             crd,
             WebhookTarget::Url("https://127.0.0.1:9443/convert".into()),

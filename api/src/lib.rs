@@ -30,6 +30,7 @@
 //!         request: "Two control plane nodes, please.".into(),
 //!         requester: "ops@example.com".into(),
 //!         control_plane_endpoint: None,
+//!         identity_ref: None,
 //!     },
 //! );
 //! for error in cluster.validate() {

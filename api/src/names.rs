@@ -167,6 +167,13 @@ pub mod reasons {
     pub const DELETING: &str = "Deleting";
     /// The object violates a validation rule (it got past the CRD schema some other way).
     pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// `spec.identityRef` (the object's, or its Cluster's for a machine) names no
+    /// `MailgunClusterIdentity`: no mail.
+    pub const IDENTITY_NOT_FOUND: &str = "IdentityNotFound";
+    /// The identity's `allowedNamespaces` does not allow the object's namespace: no mail.
+    pub const IDENTITY_NOT_ALLOWED: &str = "IdentityNotAllowed";
+    /// The identity cannot be used (a Secret or key missing or malformed, a bad field): no mail.
+    pub const IDENTITY_INVALID: &str = "IdentityInvalid";
 }
 
 /// The deterministic `Message-Id` for the request mail of one object: `<kind.uid@domain>`, with

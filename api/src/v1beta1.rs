@@ -34,6 +34,12 @@ use crate::limits::{
     REQUEST_PATTERN, REQUESTER_LOCAL_PART_RULE, REQUESTER_PATTERN, string_map_schema,
 };
 
+/// A DNS-1123 subdomain (object names).
+const DNS_SUBDOMAIN_PATTERN: &str =
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
+/// A Secret data key.
+const SECRET_KEY_PATTERN: &str = r"^[-._a-zA-Z0-9]+$";
+
 /// How urgently the request should be handled; it appears in the mail subject.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 pub enum Priority {
@@ -256,6 +262,243 @@ pub struct MailgunClusterSpec {
     /// Cluster API copies it to the `Cluster`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane_endpoint: Option<ApiEndpoint>,
+    /// identityRef (optional): the `MailgunClusterIdentity` whose mail backend, sender and
+    /// recipients this cluster's requests (and its machines') go through; it must allow this
+    /// namespace. Absent: the provider's own configuration. A mail already sent stays with the
+    /// identity that sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity_ref: Option<IdentityReference>,
+}
+
+/// The kinds an `identityRef` may name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum IdentityKind {
+    /// A cluster-scoped [`MailgunClusterIdentity`].
+    MailgunClusterIdentity,
+}
+
+/// A reference to a mail identity (Cluster API providers' `identityRef` convention).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct IdentityReference {
+    /// kind (required): `MailgunClusterIdentity`.
+    pub kind: IdentityKind,
+    /// name (required): the identity's name, a DNS subdomain.
+    #[schemars(length(min = 1, max = 253), pattern(DNS_SUBDOMAIN_PATTERN))]
+    pub name: String,
+}
+
+/// A key in a Secret in the provider's own namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SecretKeyReference {
+    /// name (required): the Secret's name, in the namespace the provider runs in.
+    #[schemars(length(min = 1, max = 253), pattern(DNS_SUBDOMAIN_PATTERN))]
+    pub name: String,
+    /// key (required): the key in the Secret's data.
+    #[schemars(length(min = 1, max = 253), pattern(SECRET_KEY_PATTERN))]
+    pub key: String,
+}
+
+/// Mailgun's two public API regions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum MailgunRegion {
+    /// api.mailgun.net
+    #[default]
+    Us,
+    /// api.eu.mailgun.net
+    Eu,
+}
+
+/// An identity's Mailgun account.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IdentityMailgun {
+    /// domain (required): the sending domain.
+    #[schemars(length(min = 1, max = 253), pattern(HOST_PATTERN))]
+    pub domain: String,
+    /// region (optional, `us`): `us` or `eu`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<MailgunRegion>,
+    /// baseURL (optional): overrides the region's API URL (e.g. a proxy); `https://` or
+    /// `http://`.
+    #[serde(rename = "baseURL", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048), pattern(r"^https?://[!-~]+$"))]
+    pub base_url: Option<String>,
+    /// apiKeySecretRef (required): the sending key (a domain sending key is enough).
+    pub api_key_secret_ref: SecretKeyReference,
+    /// readKeySecretRef (optional): a read-only account key for delivery tracking and the
+    /// lookup after a crash. Absent: the API key reads, or delivery is not tracked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_key_secret_ref: Option<SecretKeyReference>,
+}
+
+/// An identity's SMTP relay.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IdentitySmtp {
+    /// url (required): `smtp://host[:port]` (STARTTLS required, port 587 by default) or
+    /// `smtps://host[:port]` (TLS, 465).
+    #[schemars(length(min = 1, max = 2048), pattern(r"^smtps?://[!-~]+$"))]
+    pub url: String,
+    /// username (optional): the AUTH user; needs `passwordSecretRef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256), pattern(r"^[!-~]+$"))]
+    pub username: Option<String>,
+    /// passwordSecretRef (optional): the AUTH password.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_secret_ref: Option<SecretKeyReference>,
+    /// caSecretRef (optional): a PEM CA bundle of a private relay; only it is trusted then.
+    /// Absent: the system's roots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretKeyReference>,
+}
+
+/// Which namespaces may use an identity. Absent: none; `{}`: all.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct AllowedNamespaces {
+    /// list (optional): namespaces by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256), inner(length(min = 1, max = 63)))]
+    pub list: Option<Vec<String>>,
+    /// selector (optional): namespaces by label. With `list`, a namespace either names is
+    /// allowed. An empty selector selects every namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<NamespaceSelector>,
+}
+
+/// A label selector of namespaces (Kubernetes `LabelSelector`, bounded).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NamespaceSelector {
+    /// matchLabels (optional): labels a namespace must carry, each with this value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "string_map_schema")]
+    pub match_labels: Option<BTreeMap<String, String>>,
+    /// matchExpressions (optional): requirements a namespace's labels must meet, all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    pub match_expressions: Option<Vec<SelectorRequirement>>,
+}
+
+/// One requirement of a [`NamespaceSelector`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SelectorRequirement {
+    /// key (required): the label key.
+    #[schemars(length(min = 1, max = 317))]
+    pub key: String,
+    /// operator (required): `In`, `NotIn`, `Exists` or `DoesNotExist`.
+    pub operator: SelectorOperator,
+    /// values (optional): for `In` and `NotIn`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64), inner(length(max = 63)))]
+    pub values: Option<Vec<String>>,
+}
+
+/// How a [`SelectorRequirement`] compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum SelectorOperator {
+    /// The label's value is one of `values`.
+    In,
+    /// The label is absent or its value is none of `values`.
+    NotIn,
+    /// The label is present.
+    Exists,
+    /// The label is absent.
+    DoesNotExist,
+}
+
+impl NamespaceSelector {
+    /// Whether a namespace with `labels` is selected.
+    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        let labels_match = self
+            .match_labels
+            .iter()
+            .flatten()
+            .all(|(k, v)| labels.get(k) == Some(v));
+        let expressions_match = self.match_expressions.iter().flatten().all(|r| {
+            let values = r.values.as_deref().unwrap_or_default();
+            let value = labels.get(&r.key);
+            match r.operator {
+                SelectorOperator::In => value.is_some_and(|v| values.contains(v)),
+                SelectorOperator::NotIn => value.is_none_or(|v| !values.contains(v)),
+                SelectorOperator::Exists => value.is_some(),
+                SelectorOperator::DoesNotExist => value.is_none(),
+            }
+        });
+        labels_match && expressions_match
+    }
+}
+
+impl AllowedNamespaces {
+    /// Whether the namespace `name` with `labels` may use the identity.
+    pub fn allows(&self, name: &str, labels: &BTreeMap<String, String>) -> bool {
+        let listed = self.list.iter().flatten().any(|n| n == name);
+        let selected = self.selector.as_ref().is_some_and(|s| s.matches(labels));
+        let everyone = self.list.is_none() && self.selector.is_none();
+        listed || selected || everyone
+    }
+}
+
+/// A mail identity: a tenant's mail backend (Mailgun or SMTP), sender and recipients, and the
+/// namespaces whose clusters may use it. Its Secrets live in the provider's own namespace.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "infrastructure.cluster.x-k8s.io",
+    version = "v1beta1",
+    kind = "MailgunClusterIdentity",
+    plural = "mailgunclusteridentities",
+    singular = "mailgunclusteridentity",
+    derive = "PartialEq",
+    shortname = "mgci",
+    category = "cluster-api",
+    doc = "MailgunClusterIdentity is a tenant's mail identity: the backend, sender and recipients \
+           that MailgunClusters naming it in spec.identityRef are mailed through.",
+    label("cluster.x-k8s.io/v1beta2", "v1beta1"),
+    label("cluster.x-k8s.io/provider", "infrastructure-mailgun"),
+    label("clusterctl.cluster.x-k8s.io/move-hierarchy", ""),
+    printcolumn(
+        name = "Backend",
+        type_ = "string",
+        json_path = ".spec.mailgun.domain",
+        description = "Mailgun sending domain (empty for SMTP)"
+    ),
+    printcolumn(
+        name = "SMTP",
+        type_ = "string",
+        json_path = ".spec.smtp.url",
+        description = "SMTP relay (empty for Mailgun)"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.mailgun) != has(self.smtp)", "message": "exactly one backend: mailgun or smtp"},
+    {"rule": "!has(self.smtp) || has(self.from)", "message": "from is required with smtp: an address on the domain the relay sends for", "fieldPath": ".from"},
+    {"rule": "!has(self.smtp) || !has(self.smtp.username) || has(self.smtp.passwordSecretRef)", "message": "smtp.username needs smtp.passwordSecretRef", "fieldPath": ".smtp.passwordSecretRef"}
+]))]
+pub struct MailgunClusterIdentitySpec {
+    /// mailgun (one of mailgun or smtp): a Mailgun account.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mailgun: Option<IdentityMailgun>,
+    /// smtp (one of mailgun or smtp): an SMTP relay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub smtp: Option<IdentitySmtp>,
+    /// from (optional with mailgun, required with smtp): the mails' From, an address on the
+    /// sending domain (DMARC). Default with mailgun: cluster-api-provider-mailgun@<domain>.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 3, max = MAX_REQUESTER_LENGTH), pattern(REQUESTER_PATTERN))]
+    pub from: Option<String>,
+    /// recipients (required): who receives the requests, 1 to 16 addresses.
+    #[schemars(length(min = 1, max = 16), inner(length(min = 3, max = MAX_REQUESTER_LENGTH), pattern(REQUESTER_PATTERN)))]
+    pub recipients: Vec<String>,
+    /// allowedNamespaces (optional): the namespaces whose MailgunClusters may use it. Absent:
+    /// none may; `{}`: every namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_namespaces: Option<AllowedNamespaces>,
 }
 
 /// Observed state of a `MailgunCluster`.

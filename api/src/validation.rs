@@ -473,6 +473,7 @@ mod tests {
                 request: "One cluster please.\n\tThanks!".into(),
                 requester: "ops.team+k8s@mail.example.com".into(),
                 control_plane_endpoint: None,
+                identity_ref: None,
             },
         )
     }

@@ -130,14 +130,25 @@ fn mail() -> impl Strategy<Value = Option<b::MailStatus>> {
 }
 
 fn cluster_spec() -> impl Strategy<Value = b::MailgunClusterSpec> {
-    (priority(), text(), token(), option::of(endpoint())).prop_map(
-        |(priority, request, user, ep)| b::MailgunClusterSpec {
-            priority,
-            request,
-            requester: format!("{user}@example.com"),
-            control_plane_endpoint: ep,
-        },
+    (
+        priority(),
+        text(),
+        token(),
+        option::of(endpoint()),
+        option::of("[a-z][a-z0-9-]{0,20}"),
     )
+        .prop_map(
+            |(priority, request, user, ep, identity)| b::MailgunClusterSpec {
+                priority,
+                request,
+                requester: format!("{user}@example.com"),
+                control_plane_endpoint: ep,
+                identity_ref: identity.map(|name| b::IdentityReference {
+                    kind: b::IdentityKind::MailgunClusterIdentity,
+                    name,
+                }),
+            },
+        )
 }
 
 fn machine_spec() -> impl Strategy<Value = b::MailgunMachineSpec> {

@@ -43,6 +43,9 @@ pub struct Config {
     /// Every object is reconciled at least once per period even when nothing triggers it
     /// (controller-runtime's `SyncPeriod`), spread evenly over the period.
     pub sync_period: Duration,
+    /// The namespace whose Secrets `MailgunClusterIdentity` objects name: the provider's own.
+    /// `None`: identities cannot be used (objects naming one are told so).
+    pub identity_secret_namespace: Option<String>,
 }
 
 impl Config {

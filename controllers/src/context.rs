@@ -65,9 +65,31 @@ pub enum ReconcileError {
     /// A send was not started now (not leading, owner deleting, refused for good, backoff).
     #[error("mail withheld: {0:?}")]
     Withheld(Withheld),
+    /// The object's mail identity cannot be used (missing, not allowed, invalid): no mail.
+    /// Retried with backoff: creating or fixing the identity or its Secret makes it usable.
+    #[error("{message}")]
+    Identity {
+        /// The condition reason (`IdentityNotFound`, `IdentityNotAllowed`, `IdentityInvalid`).
+        reason: &'static str,
+        /// What is wrong, naming the field or Secret (never a value).
+        message: String,
+    },
     /// The object is gone: nothing more to do or write.
     #[error("the object is gone")]
     Gone,
+}
+
+impl From<crate::identity::IdentityError> for ReconcileError {
+    fn from(e: crate::identity::IdentityError) -> Self {
+        match e {
+            crate::identity::IdentityError::Unusable { reason, message } => {
+                Self::Identity { reason, message }
+            }
+            crate::identity::IdentityError::Kube { context, source } => {
+                Self::Kube { context, source }
+            }
+        }
+    }
 }
 
 impl ReconcileError {
@@ -82,6 +104,7 @@ impl ReconcileError {
             | Self::Conflict(_)
             | Self::AwaitingLookup(_)
             | Self::AwaitingHandover(_)
+            | Self::Identity { .. }
             | Self::Gone => false,
         }
     }
@@ -129,6 +152,8 @@ pub struct Ctx {
     pub mailer: Arc<dyn Mailer>,
     /// Event publisher.
     pub events: Events,
+    /// The mail identities' backends (`spec.identityRef`).
+    pub(crate) identities: crate::identity::Identities,
     /// Configuration.
     pub config: Config,
     /// Metrics.
@@ -186,9 +211,21 @@ impl Ctx {
                 retention: config.delivery_retention,
             },
         ));
+        let identities = crate::identity::Identities::new(
+            client.clone(),
+            config.identity_secret_namespace.clone(),
+            Arc::new(leadership.clone()),
+            crate::identity::Route {
+                mailer: mailer.clone(),
+                from: config.mail_from.clone(),
+                recipients: config.recipients.clone(),
+                identity: None,
+            },
+        );
         Self {
             client,
             mailer,
+            identities,
             poller,
             leadership,
             memory: Memory::default(),
@@ -311,6 +348,7 @@ mod tests {
             delivery_poll_max: Duration::from_secs(30 * 60),
             delivery_retention: Duration::from_secs(72 * 3600),
             sync_period: Duration::from_secs(10 * 3600),
+            identity_secret_namespace: None,
         };
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         Ctx::new(

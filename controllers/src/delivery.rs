@@ -77,10 +77,26 @@ pub(crate) async fn track<K: InfraKind>(
     status: &mut Status,
     message_id: &str,
     sent_at: Option<Timestamp>,
+    identity: Option<&str>,
 ) {
     let uid = obj.uid().unwrap_or_default();
     if is_final(status) {
         ctx.poller.forget(&uid);
+        return;
+    }
+    if let Some(identity) = identity {
+        // The poller asks the provider's own backend only.
+        ctx.poller.forget(&uid);
+        let untracked = Shown {
+            status: "Unknown",
+            reason: reasons::NOT_TRACKABLE,
+            message: format!(
+                "the mail went through MailgunClusterIdentity {identity}; delivery tracking \
+                 through an identity's backend is not implemented yet"
+            ),
+            outcome: "not_trackable",
+        };
+        show(obj, ctx, status, &untracked).await;
         return;
     }
     let backend = ctx.mailer.backend();

@@ -34,6 +34,15 @@ pub struct MailText {
     pub body: String,
 }
 
+/// Which mail identity an object wants now.
+pub enum Wanted {
+    /// This one, by name; `None`: the provider's own configuration.
+    Named(Option<String>),
+    /// The one of the `MailgunCluster` of this name, in the object's namespace (a machine's
+    /// Cluster's infrastructure).
+    OfMailgunCluster(String),
+}
+
 /// An infrastructure kind this provider reconciles.
 pub trait InfraKind:
     Resource<DynamicType = (), Scope = NamespaceResourceScope>
@@ -88,6 +97,8 @@ pub trait InfraKind:
     fn request_mail(&self, owners: &Owners, owner: &Self::Owner) -> Result<MailText, Wait>;
     /// The "no longer needed" mail.
     fn deletion_mail(&self) -> MailText;
+    /// The mail identity the object wants now (`spec.identityRef`; a machine: its Cluster's).
+    fn wanted_identity(&self, owners: &Owners) -> Wanted;
 }
 
 fn refers_to(reference: Option<&ContractRef>, kind: &str, obj: &impl ResourceExt) -> bool {
@@ -168,6 +179,9 @@ impl InfraKind for MailgunCluster {
                 self.spec.requester,
             ),
         })
+    }
+    fn wanted_identity(&self, _: &Owners) -> Wanted {
+        Wanted::Named(self.spec.identity_ref.as_ref().map(|r| r.name.clone()))
     }
     fn deletion_mail(&self) -> MailText {
         let name = self.name_any();
@@ -282,6 +296,25 @@ impl InfraKind for MailgunMachine {
                 self.spec.requester,
             ),
         })
+    }
+    /// The identity of its Cluster's `MailgunCluster`. A Cluster not in the cache (gone, for a
+    /// release whose request's identity is gone too) or of another infrastructure: the
+    /// provider's own.
+    fn wanted_identity(&self, owners: &Owners) -> Wanted {
+        let namespace = self.namespace().unwrap_or_default();
+        let cluster = self
+            .labels()
+            .get(names::CLUSTER_NAME_LABEL)
+            .and_then(|c| MailgunCluster::owner_in_cache(owners, &namespace, c));
+        match cluster
+            .as_ref()
+            .and_then(|c| c.spec.infrastructure_ref.as_ref())
+        {
+            Some(r) if r.api_group == capm_api::GROUP && r.kind == MailgunCluster::KIND => {
+                Wanted::OfMailgunCluster(r.name.clone())
+            }
+            _ => Wanted::Named(None),
+        }
     }
     fn deletion_mail(&self) -> MailText {
         let name = self.name_any();

@@ -13,7 +13,8 @@
 //! - what the provider reads and how it reports: [`capi`] (Cluster API's objects), `kinds` (what
 //!   differs between our two kinds), `status`, `events`, [`Metrics`], [`Config`];
 //! - process state: [`Leadership`] (may this replica act), `memory` (per-object memory, by UID),
-//!   `poller` (delivery questions), `context` (what every reconcile shares);
+//!   `poller` (delivery questions), `identity` (the tenants' mail backends), `context` (what every
+//!   reconcile shares);
 //! - the work: [`sendonce`] (one mail, crash-safely), `delivery`, `reconcile` (one pass, in Cluster
 //!   API's step order);
 //! - the wiring: `pipeline` (watch → cache → triggers → controller, one per kind): [`run`].
@@ -24,6 +25,7 @@ mod context;
 mod delivery;
 mod events;
 pub mod failpoint;
+mod identity;
 mod kinds;
 mod leadership;
 mod memory;

@@ -394,7 +394,18 @@ async fn reconcile_normal<K: InfraKind>(
         debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
     }
     let status = &mut report.status;
-    match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text, Some(check)).await {
+    let wanted = obj.wanted_identity(&ctx.owners);
+    match ensure_sent(
+        obj,
+        ctx,
+        &mut tracked,
+        Which::Request,
+        &text,
+        Some(check),
+        &wanted,
+    )
+    .await
+    {
         Ok(outcome) => {
             let previous = status.mail.take().unwrap_or_default();
             let same = previous.message_id.as_deref() == Some(outcome.message_id.as_str());
@@ -427,7 +438,15 @@ async fn reconcile_normal<K: InfraKind>(
                         .intent
                         .and_then(|i| i.at)
                 });
-            delivery::track(obj, ctx, status, &outcome.message_id, sent_at).await;
+            delivery::track(
+                obj,
+                ctx,
+                status,
+                &outcome.message_id,
+                sent_at,
+                outcome.identity.as_deref(),
+            )
+            .await;
         }
         Err(ReconcileError::Withheld(Withheld::OwnerDeleting)) => {
             let message = format!(
@@ -443,6 +462,13 @@ async fn reconcile_normal<K: InfraKind>(
             return Ok(Pass::wait());
         }
         Err(error @ (ReconcileError::Withheld(_) | ReconcileError::Gone)) => return Err(error),
+        Err(error @ ReconcileError::Identity { reason, .. }) => {
+            // Nothing was written for the mail: it waits for a usable identity (retried with
+            // backoff; creating or fixing the identity or its Secret lets it go out).
+            status.set_condition(conditions::MAIL_SENT, false, reason, error.to_string());
+            report.block(reason, error.to_string());
+            return Err(error);
+        }
         Err(error) => {
             let intent = read_records(&tracked.annotations, K::KIND, Which::Request).intent;
             let (state, reason) = if error.is_permanent() {
@@ -520,7 +546,17 @@ async fn reconcile_delete<K: InfraKind>(
     );
     if release == Release::Needed {
         let text = obj.deletion_mail();
-        if let Err(error) = ensure_sent(obj, ctx, &mut tracked, Which::Deletion, &text, None).await
+        let wanted = obj.wanted_identity(&ctx.owners);
+        if let Err(error) = ensure_sent(
+            obj,
+            ctx,
+            &mut tracked,
+            Which::Deletion,
+            &text,
+            None,
+            &wanted,
+        )
+        .await
         {
             let message = match &error {
                 ReconcileError::Withheld(Withheld::PermanentlyRefused) => {

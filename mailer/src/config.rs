@@ -375,6 +375,10 @@ pub struct SmtpConfig {
     /// are trusted; otherwise the system's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+    /// A CA bundle (PEM) already read by the caller, e.g. from a mail identity's Secret;
+    /// replaces `caFile`. Never in a configuration file.
+    #[serde(skip)]
+    pub ca_pem: Option<Vec<u8>>,
     /// `timeoutSeconds` (optional, 30): bounds getting a ready connection (TCP, TLS, EHLO,
     /// STARTTLS, AUTH; retryable when exceeded) and, separately, each message's transaction
     /// (an unknown outcome when exceeded).
@@ -403,6 +407,7 @@ impl SmtpConfig {
             password: None,
             hello_name: None,
             ca_file: None,
+            ca_pem: None,
             timeout_seconds: default_smtp_timeout(),
             pool: SmtpPoolConfig::default(),
         }

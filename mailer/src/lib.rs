@@ -69,7 +69,7 @@ pub use message::{
     MessageBuilder, MessageError, MessageId, is_plain_address,
 };
 pub use metrics::{InstrumentedMailer, MailerMetrics};
-pub use secret::{ExposeSecret, Secret, SecretError, SecretSource};
+pub use secret::{ExposeSecret, InlineSecret, Secret, SecretError, SecretSource};
 pub use smtp::{MAX_REPLY_BYTES, MAX_REPLY_LINE_BYTES, SmtpMailer};
 
 /// What a backend said when it accepted a message.

@@ -19,7 +19,37 @@ pub enum SecretSource {
     File(PathBuf),
     /// An environment variable holding the secret.
     Env(String),
+    /// A value already read by the caller (a Kubernetes Secret read through the API, for a
+    /// mail identity). Never in a configuration file: not (de)serializable.
+    #[serde(skip)]
+    Value(InlineSecret),
 }
+
+/// A secret value held in memory for [`SecretSource::Value`]: redacted in `Debug`, compared by
+/// value (so a rotated key is seen as a change).
+#[derive(Clone)]
+pub struct InlineSecret(Secret);
+
+impl InlineSecret {
+    /// Holds `value`.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(Secret::from(value.into()))
+    }
+}
+
+impl std::fmt::Debug for InlineSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[REDACTED]")
+    }
+}
+
+impl PartialEq for InlineSecret {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.expose_secret() == other.0.expose_secret()
+    }
+}
+
+impl Eq for InlineSecret {}
 
 /// Why a secret could not be read. Never contains the secret.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +96,10 @@ impl SecretSource {
             Self::Env(name) => (
                 std::env::var(name).map_err(|_| SecretError::Env { name: name.clone() })?,
                 format!("environment variable {name}"),
+            ),
+            Self::Value(value) => (
+                value.0.expose_secret().to_owned(),
+                "the given value".to_owned(),
             ),
         };
         if value.is_empty() {

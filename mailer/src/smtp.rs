@@ -66,6 +66,9 @@ fn ca_error(reason: String) -> ConfigError {
 }
 
 fn ca_path(config: &SmtpConfig) -> String {
+    if config.ca_pem.is_some() {
+        return "the CA bundle given".to_owned();
+    }
     config
         .ca_file
         .as_ref()
@@ -75,6 +78,14 @@ fn ca_path(config: &SmtpConfig) -> String {
 
 /// The PEM of `smtp.caFile`, checked to hold a certificate.
 fn read_ca_file(config: &SmtpConfig) -> Result<Option<Vec<u8>>, ConfigError> {
+    if let Some(pem) = &config.ca_pem {
+        if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
+            return Err(ca_error(
+                "the CA bundle given: no PEM certificate found".into(),
+            ));
+        }
+        return Ok(Some(pem.clone()));
+    }
     let Some(path) = &config.ca_file else {
         return Ok(None);
     };

@@ -252,6 +252,12 @@ pub struct Args {
     )]
     pub leader_elect: bool,
 
+    /// Namespace of the Secrets that MailgunClusterIdentities name (the provider's own; its Role
+    /// may read Secrets there only) [default: $POD_NAMESPACE, else the in-cluster namespace;
+    /// without one, identities cannot be used].
+    #[arg(long, env = "IDENTITY_SECRET_NAMESPACE", value_name = "NAMESPACE")]
+    pub identity_secret_namespace: Option<String>,
+
     /// Namespace of the leader-election Lease [default: $POD_NAMESPACE, else the in-cluster
     /// namespace, else `default`].
     #[arg(long, env = "LEADER_ELECTION_NAMESPACE", value_name = "NAMESPACE")]
@@ -681,6 +687,15 @@ impl Settings {
             None
         };
 
+        let identity_secret_namespace = args
+            .identity_secret_namespace
+            .or_else(|| env("POD_NAMESPACE"))
+            .or_else(in_cluster_namespace)
+            .map(|ns| {
+                self::namespace(&ns).map_err(|r| invalid(field!(identity_secret_namespace), r.0))
+            })
+            .transpose()?;
+
         let webhook = (args.webhook_port != 0).then(|| Webhook {
             bind: SocketAddr::from((Ipv4Addr::UNSPECIFIED, args.webhook_port)),
             cert_dir: args.webhook_cert_dir,
@@ -702,6 +717,7 @@ impl Settings {
                 delivery_poll_max: args.delivery_poll_max,
                 delivery_retention: args.mailgun_events_retention,
                 sync_period: args.sync_period,
+                identity_secret_namespace,
                 // Known only once the process runs (see `app::run`).
                 instance: String::new(),
             },

@@ -20,8 +20,64 @@ use super::{
 use crate::{
     context::{Ctx, ReconcileError},
     events::EventType,
+    identity::{IdentityError, Route, Wanted},
     kinds::{InfraKind, MailText},
 };
+
+/// The route of the identity the object wants now (`wanted`).
+async fn current_route(
+    ctx: &Ctx,
+    wanted: &Wanted,
+    namespace: &str,
+) -> Result<Route, ReconcileError> {
+    let name = ctx.identities.wanted(wanted, namespace).await?;
+    Ok(ctx.identities.route(name.as_deref(), namespace).await?)
+}
+
+/// The route of the identity a record names (`None`: the provider's own configuration). When
+/// that identity is gone, the one the object wants now: the mail must still go out (a release)
+/// or be settled (a lookup) somewhere, and the recorded one can no longer say anything.
+async fn recorded_route(
+    ctx: &Ctx,
+    recorded: Option<&str>,
+    wanted: &Wanted,
+    namespace: &str,
+) -> Result<Route, ReconcileError> {
+    match ctx.identities.route(recorded, namespace).await {
+        Err(IdentityError::Unusable { reason, .. })
+            if reason == reasons::IDENTITY_NOT_FOUND && recorded.is_some() =>
+        {
+            info!(
+                identity = recorded,
+                "the identity a mail's record names is gone; using the object's current one"
+            );
+            current_route(ctx, wanted, namespace).await
+        }
+        other => Ok(other?),
+    }
+}
+
+/// The route of a new intent of `which`: the object's current identity for the request; for the
+/// release, the identity the request went through (or the current one when that is gone).
+async fn route_for_new<K: InfraKind>(
+    ctx: &Ctx,
+    tracked: &Tracked,
+    which: Which,
+    wanted: &Wanted,
+    namespace: &str,
+) -> Result<Route, ReconcileError> {
+    if which == Which::Deletion {
+        let request = read_records(&tracked.annotations, K::KIND, Which::Request);
+        if request.intent.is_some() || request.sent.is_some() {
+            let recorded = request
+                .sent
+                .and_then(|s| s.identity)
+                .or_else(|| request.intent.and_then(|i| i.identity));
+            return recorded_route(ctx, recorded.as_deref(), wanted, namespace).await;
+        }
+    }
+    current_route(ctx, wanted, namespace).await
+}
 
 /// The object's metadata as this pass last wrote or read it.
 pub(crate) struct Tracked {
@@ -121,6 +177,8 @@ pub(crate) struct Outcome {
     pub(crate) message_id: String,
     /// When the backend accepted it, when known.
     pub(crate) at: Option<Timestamp>,
+    /// The identity it went through; `None` for the provider's own configuration.
+    pub(crate) identity: Option<String>,
 }
 
 /// Whether the owner allows a new request: checked in the cache by the caller and once more
@@ -148,8 +206,10 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
     which: Which,
     text: &MailText,
     owner: Option<&OwnerCheck>,
+    wanted: &Wanted,
 ) -> Result<Outcome, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
+    let namespace = obj.namespace().unwrap_or_default();
     let generation = obj.meta().generation.unwrap_or_default();
     let leadership = &ctx.leadership;
     let mut lookup = None;
@@ -201,10 +261,12 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                     message_id: None,
                     backend_id: id.clone(),
                     at: None,
+                    identity: None,
                 });
                 return Ok(Outcome {
                     message_id: sent.message_id.unwrap_or(id),
                     at: sent.at,
+                    identity: sent.identity,
                 });
             }
             Step::Withhold(why) => return Err(withheld::<K>(ctx, why)),
@@ -214,9 +276,12 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 {
                     return Err(withheld::<K>(ctx, Withheld::OwnerDeleting));
                 }
-                write_intent(obj, ctx, tracked, which, &id, None).await?;
+                // The identity is settled before the intent: a problem with it shows with no
+                // record written.
+                let route = route_for_new::<K>(ctx, tracked, which, wanted, &namespace).await?;
+                write_intent(obj, ctx, tracked, which, &id, None, &route).await?;
                 crate::failpoint::hit("after-intent");
-                return send(obj, ctx, tracked, which, text, &id, true).await;
+                return send(obj, ctx, tracked, which, text, &id, true, &route).await;
             }
             Step::EnsureFinalizer => {
                 let mut finalizers = tracked.finalizers.clone();
@@ -231,8 +296,9 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 .await?;
             }
             Step::Rearm => {
-                write_intent(obj, ctx, tracked, which, &id, Some(generation)).await?;
-                return send(obj, ctx, tracked, which, text, &id, true).await;
+                let route = route_for_new::<K>(ctx, tracked, which, wanted, &namespace).await?;
+                write_intent(obj, ctx, tracked, which, &id, Some(generation), &route).await?;
+                return send(obj, ctx, tracked, which, text, &id, true, &route).await;
             }
             Step::AwaitHandover(wait) => {
                 ctx.metrics
@@ -243,8 +309,12 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             }
             Step::Lookup => {
                 let message_id = MessageId::parse(&id).map_err(ReconcileError::Message)?;
+                // Asked of the backend the pending attempt went through.
+                let recorded = found.intent.as_ref().and_then(|i| i.identity.as_deref());
+                let route = recorded_route(ctx, recorded, wanted, &namespace).await?;
                 lookup = Some(
-                    ctx.mailer
+                    route
+                        .mailer
                         .lookup(&message_id)
                         .await
                         .map_err(ReconcileError::Mail)?,
@@ -253,15 +323,18 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             Step::RecordFound => {
                 info!(kind = K::KIND, name = %obj.name_any(), %id, "the backend already accepted the pending mail");
                 ctx.memory.clear_mail(&uid, which);
+                let identity = found.intent.as_ref().and_then(|i| i.identity.clone());
                 let sent = Sent {
                     message_id: Some(id.clone()),
                     backend_id: id.clone(),
                     at: None,
+                    identity: identity.clone(),
                 };
                 record_sent(obj, ctx, tracked, which, &sent).await?;
                 return Ok(Outcome {
                     message_id: id,
                     at: None,
+                    identity,
                 });
             }
             Step::StartLookupGrace(wait) => {
@@ -275,7 +348,10 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                     .with_label_values(&[K::CONTROLLER])
                     .inc();
                 warn!(kind = K::KIND, name = %obj.name_any(), %id, "sending again with the same Message-Id: the earlier outcome is unknown");
-                return send(obj, ctx, tracked, which, text, &id, false).await;
+                // Through the backend of the attempt whose outcome is unknown.
+                let recorded = found.intent.as_ref().and_then(|i| i.identity.as_deref());
+                let route = recorded_route(ctx, recorded, wanted, &namespace).await?;
+                return send(obj, ctx, tracked, which, text, &id, false, &route).await;
             }
         }
     }
@@ -326,12 +402,14 @@ async fn write_intent<K: InfraKind>(
     which: Which,
     id: &str,
     rearm: Option<i64>,
+    route: &Route,
 ) -> Result<(), ReconcileError> {
     let intent = Intent {
         message_id: id.to_owned(),
         writer: Some(ctx.leadership.identity().to_owned()),
         at: Some(Timestamp::now()),
         state: IntentState::Sending,
+        identity: route.identity.clone(),
     };
     let mut metadata = json!({
         "resourceVersion": tracked.resource_version,
@@ -382,13 +460,14 @@ async fn send<K: InfraKind>(
     text: &MailText,
     id: &str,
     fresh: bool,
+    route: &Route,
 ) -> Result<Outcome, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    let message = build_message(obj, ctx, text, id, which)?;
+    let message = build_message(obj, route, text, id, which)?;
     if !ctx.leadership.may_act() {
         return Err(withheld::<K>(ctx, Withheld::NotLeading));
     }
-    match ctx.mailer.send(&message).await {
+    match route.mailer.send(&message).await {
         Ok(receipt) => {
             ctx.memory.clear_mail(&uid, which);
             crate::failpoint::hit("after-send");
@@ -396,6 +475,7 @@ async fn send<K: InfraKind>(
                 message_id: Some(id.to_owned()),
                 backend_id: receipt.message_id.clone(),
                 at: Some(Timestamp::now()),
+                identity: route.identity.clone(),
             };
             match record_sent(obj, ctx, tracked, which, &sent).await {
                 Ok(()) => {}
@@ -403,7 +483,7 @@ async fn send<K: InfraKind>(
                     source: kube::Error::Api(s),
                     ..
                 }) if s.code == 404 => {
-                    return Err(vanished_after_send(obj, ctx, which).await);
+                    return Err(vanished_after_send(obj, ctx, which, route).await);
                 }
                 Err(e) => return Err(e),
             }
@@ -422,6 +502,7 @@ async fn send<K: InfraKind>(
             Ok(Outcome {
                 message_id: id.to_owned(),
                 at: sent.at,
+                identity: sent.identity,
             })
         }
         Err(MailError::Abandoned { backend, reason }) => {
@@ -483,7 +564,12 @@ async fn mark_refused<K: InfraKind>(obj: &K, ctx: &Ctx, tracked: &mut Tracked, w
 /// finalizer. Nobody will ever reconcile it again, so the release goes out now (the request was
 /// for infrastructure nobody will use). Nothing can be recorded: counted in
 /// `capm_mail_orphan_releases_total`.
-async fn vanished_after_send<K: InfraKind>(obj: &K, ctx: &Ctx, which: Which) -> ReconcileError {
+async fn vanished_after_send<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    which: Which,
+    route: &Route,
+) -> ReconcileError {
     if which == Which::Request {
         let uid = obj.uid().unwrap_or_default();
         let id = Which::Deletion.message_id(K::KIND, &uid, &ctx.config.message_id_domain);
@@ -494,8 +580,8 @@ async fn vanished_after_send<K: InfraKind>(obj: &K, ctx: &Ctx, which: Which) -> 
             if !ctx.leadership.may_act() {
                 break;
             }
-            let result = match build_message(obj, ctx, &text, &id, Which::Deletion) {
-                Ok(message) => ctx.mailer.send(&message).await,
+            let result = match build_message(obj, route, &text, &id, Which::Deletion) {
+                Ok(message) => route.mailer.send(&message).await,
                 Err(_) => break,
             };
             match result {
@@ -554,7 +640,7 @@ pub(crate) fn adopt<K: InfraKind>(ctx: &Ctx, tracked: &mut Tracked, written: &K)
 
 fn build_message<K: InfraKind>(
     obj: &K,
-    ctx: &Ctx,
+    route: &Route,
     text: &MailText,
     id: &str,
     which: Which,
@@ -562,7 +648,7 @@ fn build_message<K: InfraKind>(
     // From: the sending side (its domain is the one the backend signs for, so the mail passes
     // DMARC); the requester, whose domain would not, gets the replies.
     let mut builder = Message::builder()
-        .from(&ctx.config.mail_from)
+        .from(&route.from)
         .reply_to(obj.requester())
         .subject(&text.subject)
         .text(&text.body)
@@ -571,7 +657,7 @@ fn build_message<K: InfraKind>(
         .variable("namespace", obj.namespace().unwrap_or_default())
         .variable("name", obj.name_any())
         .variable("priority", obj.priority().as_str());
-    for to in &ctx.config.recipients {
+    for to in &route.recipients {
         builder = builder.to(to);
     }
     builder.build().map_err(ReconcileError::Message)

@@ -65,6 +65,10 @@ pub struct Intent {
     /// What the last attempt is known to have done.
     #[serde(default)]
     pub state: IntentState,
+    /// The `MailgunClusterIdentity` the mail goes through; `None` for the provider's own
+    /// configuration (and in records of earlier versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 /// The sent record.
@@ -79,6 +83,10 @@ pub struct Sent {
     /// When the backend accepted it (our clock); `None` in records of earlier versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at: Option<Timestamp>,
+    /// The `MailgunClusterIdentity` it went through; `None` for the provider's own
+    /// configuration (and in records of earlier versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
 }
 
 /// What the one record of a mail says (the format written since release 0.2).
@@ -105,6 +113,8 @@ struct Record {
     at: Option<Timestamp>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     backend_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    identity: Option<String>,
 }
 
 /// `at` to the whole second, up (`up`) or down.
@@ -129,6 +139,7 @@ pub fn intent_value(intent: &Intent) -> String {
         writer: intent.writer.clone(),
         at: intent.at.map(|at| to_second(at, true)),
         backend_id: None,
+        identity: intent.identity.clone(),
     })
 }
 
@@ -141,6 +152,7 @@ pub fn sent_value(message_id: &str, sent: &Sent) -> String {
         writer: None,
         at: sent.at.map(|at| to_second(at, false)),
         backend_id: (sent.backend_id != message_id).then(|| sent.backend_id.clone()),
+        identity: sent.identity.clone(),
     })
 }
 
@@ -164,6 +176,9 @@ pub fn parse_record(
     if let Some(id) = record.backend_id.as_deref() {
         check_backend_id(id)?;
     }
+    if let Some(identity) = record.identity.as_deref() {
+        check_identity(identity)?;
+    }
     let (state, sent) = match record.state {
         RecordState::Sending => (IntentState::Sending, None),
         RecordState::Refused => (IntentState::Refused, None),
@@ -175,6 +190,7 @@ pub fn parse_record(
                     .backend_id
                     .unwrap_or_else(|| record.message_id.clone()),
                 at: record.at,
+                identity: record.identity.clone(),
             }),
         ),
     };
@@ -183,6 +199,7 @@ pub fn parse_record(
         writer: record.writer,
         at: if sent.is_some() { None } else { record.at },
         state,
+        identity: record.identity,
     };
     Ok((intent, sent))
 }
@@ -255,6 +272,19 @@ fn check_backend_id(id: &str) -> Result<(), RecordError> {
     Ok(())
 }
 
+/// An identity name as the API server allows it (a DNS subdomain).
+fn check_identity(name: &str) -> Result<(), RecordError> {
+    let plausible = (1..=253).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.'));
+    if plausible {
+        Ok(())
+    } else {
+        Err(RecordError::Malformed)
+    }
+}
+
 fn plausible_writer(writer: &str) -> bool {
     (1..=MAX_WRITER_BYTES).contains(&writer.len())
         && writer
@@ -278,6 +308,7 @@ pub fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, Rec
             writer: None,
             at: None,
             state: IntentState::Sending,
+            identity: None,
         }
     };
     if !is_our_message_id(&intent.message_id, kind, which) {
@@ -303,6 +334,7 @@ pub fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordEr
             message_id: None,
             backend_id: value.to_owned(),
             at: None,
+            identity: None,
         }
     };
     check_backend_id(&sent.backend_id)?;
@@ -379,6 +411,7 @@ mod tests {
             message_id: id(Which::Request),
             writer: Some("capm-7d9f-abc_k2j4h5g6f7".into()),
             at: Some("2026-11-23T10:00:00Z".parse().unwrap()),
+            identity: None,
             state: IntentState::Refused,
         };
         let value = to_value(&intent);
@@ -401,6 +434,7 @@ mod tests {
             message_id: id(r),
             writer: Some("capm-7d9f-abc_k2j4h5g6f7".into()),
             at: Some("2026-11-23T10:00:00.25Z".parse().unwrap()),
+            identity: Some("tenant-a".into()),
             state: IntentState::Sending,
         };
         let value = intent_value(&intent);
@@ -420,6 +454,7 @@ mod tests {
             message_id: Some(id(r)),
             backend_id: id(r),
             at: Some("2026-11-23T10:00:02.9Z".parse().unwrap()),
+            identity: None,
         };
         let value = sent_value(&id(r), &accepted);
         assert_eq!(
@@ -520,6 +555,7 @@ mod tests {
             message_id: Some(id(Which::Request)),
             backend_id: "<20261123.1@mg.example.com>".into(),
             at: None,
+            identity: None,
         };
         let value = to_value(&sent);
         assert_eq!(parse_sent(&value, Some(&intent)), Ok(sent));
@@ -529,6 +565,7 @@ mod tests {
             message_id: Some("<mailguncluster.other@mg.example.com>".into()),
             backend_id: "<a@b.example>".into(),
             at: None,
+            identity: None,
         });
         assert_eq!(
             parse_sent(&other, Some(&intent)),

@@ -70,6 +70,7 @@ impl Env {
             delivery_retention: Duration::from_secs(72 * 3600),
             instance: "test".into(),
             sync_period: Duration::from_secs(10 * 3600),
+            identity_secret_namespace: None,
         }
     }
 

@@ -127,6 +127,9 @@ pub struct StoredMessage {
     pub options: BTreeMap<String, String>,
     /// Seconds since the epoch when it was accepted.
     pub timestamp: f64,
+    /// Which key sent it: `account` or `sending` (a domain sending key).
+    #[serde(default)]
+    pub key: String,
 }
 
 /// How to fail.
@@ -420,6 +423,21 @@ impl AppState {
         }
     }
 
+    /// `account`, `sending` or `read`: which of the keys a request carries (`unknown` for none).
+    fn key_name(&self, headers: &HeaderMap) -> &'static str {
+        let auth = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        match self.keys.iter().position(|(k, _)| Some(k.as_str()) == auth) {
+            Some(0) => "account",
+            Some(_) => match self.keys.iter().find(|(k, _)| Some(k.as_str()) == auth) {
+                Some((_, scopes)) if scopes == &[Scope::Send] => "sending",
+                _ => "read",
+            },
+            None => "unknown",
+        }
+    }
+
     /// The error answer for a request with wrong credentials, a key that may not do `scope`,
     /// or an unknown domain, if any.
     fn rejection(&self, headers: &HeaderMap, domain: &str, scope: Scope) -> Option<Response> {
@@ -447,7 +465,7 @@ impl AppState {
 /// What a failing request asked for.
 enum Asked {
     /// A message post, with the message as it would be stored.
-    Message(StoredMessage),
+    Message(Box<StoredMessage>),
     /// An events or Logs page: the (first) asked message-id, if any, and the `paging.next`
     /// URL (events) or `pagination.next` token (Logs) of a page after every event.
     Events {
@@ -467,7 +485,7 @@ async fn fail(
 ) -> Response {
     let store = |asked: &Asked| {
         if let Asked::Message(m) = asked {
-            state.store().messages.push(m.clone());
+            state.store().messages.push((**m).clone());
         }
     };
     match rule.mode {
@@ -618,6 +636,7 @@ async fn receive_message(
         headers: BTreeMap::new(),
         options: BTreeMap::new(),
         timestamp: now(),
+        key: state.key_name(&headers).to_owned(),
     };
     for (name, value) in &fields {
         if let Some(h) = name.strip_prefix("h:") {
@@ -649,7 +668,7 @@ async fn receive_message(
         tokio::time::sleep(delay).await;
     }
     if let Some(rule) = state.take_failure(FailureTarget::Messages) {
-        return fail(rule, &state, Asked::Message(message), cutter).await;
+        return fail(rule, &state, Asked::Message(Box::new(message)), cutter).await;
     }
     let id = message.id.clone();
     state.store().messages.push(message);

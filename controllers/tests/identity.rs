@@ -1,0 +1,396 @@
+//! Mail identities per tenant against the real API server: two Mailgun contract servers (two
+//! domains, two accounts) and a real SMTP server (STARTTLS required, AUTH), each the backend of
+//! one `MailgunClusterIdentity`, beside the provider's own (default) Mailgun backend.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::{collections::BTreeMap, time::Duration};
+
+use capm_api::{
+    names::reasons,
+    v1beta1::{MailgunCluster, MailgunClusterIdentity},
+};
+use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer, SmtpTls};
+use capm_test_support::TestNamespace;
+use k8s_openapi::{
+    ByteString, api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta,
+};
+use kube::{
+    Api, ResourceExt,
+    api::{
+        ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+    },
+};
+use serde_json::json;
+use support::{Env, condition, eventually};
+
+/// The watch-filter value of this test's objects: only this test's controllers see them.
+const FILTER: &str = "identity-test";
+
+fn cluster_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+    ));
+    Api::namespaced_with(client.clone(), ns, &ar)
+}
+
+/// A Cluster + MailgunCluster pair in `ns`, the MailgunCluster naming `identity`, owned as
+/// Cluster API owns it.
+async fn create_pair(client: &kube::Client, ns: &str, name: &str, identity: Option<&str>) {
+    let mut spec = json!({ "priority": "Urgent", "request": "Three nodes, please.", "requester": "dev@example.com" });
+    if let Some(identity) = identity {
+        spec["identityRef"] = json!({ "kind": "MailgunClusterIdentity", "name": identity });
+    }
+    let labels = json!({ "cluster.x-k8s.io/watch-filter": FILTER });
+    let infra: MailgunCluster = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunCluster",
+        "metadata": { "name": name, "labels": labels }, "spec": spec
+    }))
+    .unwrap();
+    Api::<MailgunCluster>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &infra)
+        .await
+        .unwrap();
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+    ));
+    let cluster = DynamicObject::new(name, &ar).data(json!({ "spec": {
+        "infrastructureRef": { "apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "MailgunCluster", "name": name }
+    }}));
+    let mut cluster = cluster;
+    cluster.metadata.labels = Some(BTreeMap::from([(
+        "cluster.x-k8s.io/watch-filter".to_owned(),
+        FILTER.to_owned(),
+    )]));
+    let cluster = cluster_api(client, ns)
+        .create(&PostParams::default(), &cluster)
+        .await
+        .unwrap();
+    let patch = json!({ "metadata": { "ownerReferences": [{
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
+        "uid": cluster.metadata.uid, "controller": true, "blockOwnerDeletion": true
+    }]}});
+    Api::<MailgunCluster>::namespaced(client.clone(), ns)
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+/// `(reason, message)` of condition `type_` of MailgunCluster `name` in `ns`.
+async fn reason(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    type_: &str,
+) -> Option<(String, String)> {
+    let obj = Api::<MailgunCluster>::namespaced(client.clone(), ns)
+        .get(name)
+        .await
+        .unwrap();
+    let status = obj.status.unwrap_or_default();
+    condition(&status.conditions, type_).map(|c| (c.reason.clone(), c.message.clone()))
+}
+
+fn secret(name: &str, data: &[(&str, &[u8])]) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        data: Some(
+            data.iter()
+                .map(|(k, v)| ((*k).to_owned(), ByteString(v.to_vec())))
+                .collect(),
+        ),
+        ..Secret::default()
+    }
+}
+
+fn identity(name: &str, spec: serde_json::Value) -> MailgunClusterIdentity {
+    serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunClusterIdentity",
+        "metadata": { "name": name }, "spec": spec
+    }))
+    .unwrap()
+}
+
+/// Three tenants, each mailed through its own backend only; a namespace an identity does not
+/// allow and an identity that does not exist get a condition and no mail; a rotated Secret is
+/// used from the next send on, without a restart; changing `identityRef` after the mail sends
+/// nothing again; the release goes through the identity the request went through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_is_mailed_through_its_own_identity_only() {
+    let mut env = Env::new("mgc-identity").await;
+    let client = env.ns.client.clone();
+    let provider_ns = env.ns.name.clone();
+    // Tenants: A (selected by label), B and C (by name), X (allowed by no identity).
+    let ns_a = TestNamespace::create_with_labels("tenant-a", &[("capm.test/team", "a")])
+        .await
+        .unwrap();
+    let ns_b = TestNamespace::create("tenant-b").await.unwrap();
+    let ns_c = TestNamespace::create("tenant-c").await.unwrap();
+    let ns_x = TestNamespace::create("tenant-x").await.unwrap();
+    let (a, b, c, x) = (&ns_a.name, &ns_b.name, &ns_c.name, &ns_x.name);
+
+    let mailgun_a = MailgunServer::start("key-tenant-a", "mg.tenant-a.test").unwrap();
+    let mailgun_b = MailgunServer::start("key-tenant-b", "mg.tenant-b.test").unwrap();
+    let smtp = SmtpServer::start(SmtpOptions {
+        tls: SmtpTls::StarttlsRequired,
+        auth: Some(("capm".into(), "relay-password-tenant-c".into())),
+    })
+    .unwrap();
+    let ca = std::fs::read(smtp.ca_cert().unwrap()).unwrap();
+
+    let secrets = Api::<Secret>::namespaced(client.clone(), &provider_ns);
+    let pp = PostParams::default();
+    // Tenant A: a sending key and a read-only key; B: its sending key (rotated below); C: the
+    // relay's password and CA.
+    let (a_send, a_read) = (mailgun_a.sending_key(), mailgun_a.read_key());
+    let b_send = mailgun_b.sending_key();
+    for s in [
+        secret(
+            "tenant-a",
+            &[
+                ("api-key", a_send.as_bytes()),
+                ("read-key", a_read.as_bytes()),
+            ],
+        ),
+        secret("tenant-b", &[("api-key", b_send.as_bytes())]),
+        secret(
+            "tenant-c",
+            &[("password", b"relay-password-tenant-c\n"), ("ca.crt", &ca)],
+        ),
+    ] {
+        secrets.create(&pp, &s).await.unwrap();
+    }
+    let suffix = provider_ns.rsplit('-').next().unwrap().to_owned();
+    let (id_a, id_b, id_c) = (
+        format!("tenant-a-{suffix}"),
+        format!("tenant-b-{suffix}"),
+        format!("tenant-c-{suffix}"),
+    );
+    let identities = Api::<MailgunClusterIdentity>::all(client.clone());
+    for i in [
+        identity(
+            &id_a,
+            json!({
+                "mailgun": { "domain": "mg.tenant-a.test", "baseURL": mailgun_a.base_url(),
+                    "apiKeySecretRef": { "name": "tenant-a", "key": "api-key" },
+                    "readKeySecretRef": { "name": "tenant-a", "key": "read-key" } },
+                "recipients": ["oncall@tenant-a.test"],
+                "allowedNamespaces": { "selector": { "matchLabels": { "capm.test/team": "a" } } }
+            }),
+        ),
+        identity(
+            &id_b,
+            json!({
+                "mailgun": { "domain": "mg.tenant-b.test", "baseURL": mailgun_b.base_url(),
+                    "apiKeySecretRef": { "name": "tenant-b", "key": "api-key" } },
+                "recipients": ["oncall@tenant-b.test"],
+                "allowedNamespaces": { "list": [b] }
+            }),
+        ),
+        identity(
+            &id_c,
+            json!({
+                "smtp": { "url": smtp.url(), "username": "capm",
+                    "passwordSecretRef": { "name": "tenant-c", "key": "password" },
+                    "caSecretRef": { "name": "tenant-c", "key": "ca.crt" } },
+                "from": "requests@relay.tenant-c.test",
+                "recipients": ["oncall@tenant-c.test", "audit@tenant-c.test"],
+                "allowedNamespaces": { "list": [c] }
+            }),
+        ),
+    ] {
+        identities.create(&pp, &i).await.unwrap();
+    }
+    // An identity without a backend is refused by the schema.
+    let invalid = identities
+        .create(
+            &pp,
+            &identity("no-backend-x", json!({ "recipients": ["a@b.test"] })),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        invalid.to_string().contains("exactly one backend"),
+        "{invalid}"
+    );
+
+    let mut config = env.config();
+    config.namespace = None;
+    config.watch_filter = Some(FILTER.into());
+    config.identity_secret_namespace = Some(provider_ns.clone());
+    config.backoff_max = Duration::from_secs(1);
+    env.start_with(config).await;
+
+    create_pair(&client, a, "a1", Some(&id_a)).await;
+    create_pair(&client, b, "b1", Some(&id_b)).await;
+    create_pair(&client, c, "c1", Some(&id_c)).await;
+    create_pair(&client, x, "x1", Some(&id_a)).await;
+    create_pair(&client, a, "a-missing", Some("no-such-identity")).await;
+
+    eventually("each tenant's request mailed", || async {
+        mailgun_a.messages().unwrap().len() == 1
+            && mailgun_b.messages().unwrap().len() == 1
+            && smtp.messages().unwrap().len() == 1
+    })
+    .await;
+    // Each through its own backend, From its own domain, to its own recipients.
+    let ma = &mailgun_a.messages().unwrap()[0];
+    assert_eq!(ma.from, "cluster-api-provider-mailgun@mg.tenant-a.test");
+    assert_eq!(ma.to, ["oncall@tenant-a.test"]);
+    assert_eq!(ma.key, "sending", "tenant A sends with its sending key");
+    let mb = &mailgun_b.messages().unwrap()[0];
+    assert_eq!(mb.to, ["oncall@tenant-b.test"]);
+    let mc = &smtp.messages().unwrap()[0];
+    assert_eq!(mc.header("From"), Some("requests@relay.tenant-c.test"));
+    assert!(mc.header("To").unwrap().contains("audit@tenant-c.test"));
+
+    // Refused ones: a condition, no mail, nowhere.
+    eventually("IdentityNotAllowed and IdentityNotFound shown", || async {
+        reason(&client, x, "x1", "MailSent")
+            .await
+            .is_some_and(|(r, _)| r == reasons::IDENTITY_NOT_ALLOWED)
+            && reason(&client, a, "a-missing", "MailSent")
+                .await
+                .is_some_and(|(r, _)| r == reasons::IDENTITY_NOT_FOUND)
+    })
+    .await;
+    let (_, message) = reason(&client, x, "x1", "Ready").await.unwrap();
+    assert!(
+        message.contains(x.as_str()) && message.contains("allowedNamespaces"),
+        "{message}"
+    );
+    assert!(
+        env.mails().is_empty(),
+        "the provider's own backend mailed a tenant's request"
+    );
+    assert_eq!(mailgun_a.messages().unwrap().len(), 1);
+
+    // The recorded mails say which identity sent them; their delivery is not tracked (yet).
+    let a1 = Api::<MailgunCluster>::namespaced(client.clone(), a)
+        .get("a1")
+        .await
+        .unwrap();
+    let record = a1
+        .annotations()
+        .values()
+        .find(|v| v.contains(&id_a))
+        .cloned();
+    assert!(
+        record.is_some(),
+        "no record names {id_a}: {:?}",
+        a1.annotations()
+    );
+
+    // A rotated key: tenant B's Secret now holds its account key; the next send uses it.
+    let b_account = mailgun_b.api_key().to_owned();
+    secrets
+        .replace(
+            "tenant-b",
+            &pp,
+            &secret("tenant-b", &[("api-key", b_account.as_bytes())]),
+        )
+        .await
+        .unwrap();
+    create_pair(&client, b, "b2", Some(&id_b)).await;
+    eventually("b2 mailed", || async {
+        mailgun_b.messages().unwrap().len() == 2
+    })
+    .await;
+    assert_eq!(
+        mailgun_b.messages().unwrap()[1].key,
+        "account",
+        "the rotated key was not used"
+    );
+
+    // Changing identityRef after the mail sends nothing again.
+    Api::<MailgunCluster>::namespaced(client.clone(), a)
+        .patch(
+            "a1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "identityRef": { "kind": "MailgunClusterIdentity", "name": id_b } } })),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(mailgun_b.messages().unwrap().len(), 2);
+    assert_eq!(mailgun_a.messages().unwrap().len(), 1);
+
+    // Allowing X's namespace (a label) lets its request out, once, through identity A.
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .patch(
+            x,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "labels": { "capm.test/team": "a" } } })),
+        )
+        .await
+        .unwrap();
+    eventually("x1 mailed once allowed", || async {
+        mailgun_a.messages().unwrap().len() == 2
+    })
+    .await;
+
+    // The release of a1 goes through the identity its request went through (A), not B.
+    cluster_api(&client, a)
+        .delete("a1", &DeleteParams::default())
+        .await
+        .unwrap();
+    Api::<MailgunCluster>::namespaced(client.clone(), a)
+        .delete("a1", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("a1 released and gone", || async {
+        Api::<MailgunCluster>::namespaced(client.clone(), a)
+            .get_opt("a1")
+            .await
+            .unwrap()
+            .is_none()
+    })
+    .await;
+    let subjects: Vec<String> = mailgun_a
+        .messages()
+        .unwrap()
+        .iter()
+        .map(|m| m.subject.clone())
+        .collect();
+    assert!(
+        subjects
+            .iter()
+            .any(|s| s.contains("Cluster a1 no longer needed")),
+        "{subjects:?}"
+    );
+    assert_eq!(
+        mailgun_b.messages().unwrap().len(),
+        2,
+        "the release went through B"
+    );
+    assert!(env.mails().is_empty());
+
+    // No secret in any status or event.
+    for (ns, name) in [(b.as_str(), "b1"), (c.as_str(), "c1"), (x.as_str(), "x1")] {
+        let obj = Api::<MailgunCluster>::namespaced(client.clone(), ns)
+            .get(name)
+            .await
+            .unwrap();
+        let text = serde_json::to_string(&obj).unwrap();
+        for s in [
+            b_send.as_str(),
+            b_account.as_str(),
+            "relay-password-tenant-c",
+            a_read.as_str(),
+        ] {
+            assert!(!text.contains(s), "a secret in {name}");
+        }
+    }
+    env.stop().await;
+    for i in [&id_a, &id_b, &id_c] {
+        let _ = identities.delete(i, &DeleteParams::default()).await;
+    }
+}
