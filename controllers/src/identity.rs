@@ -111,9 +111,7 @@ impl Identities {
     /// The name of the identity `wanted` stands for (`None`: the provider's own).
     ///
     /// # Errors
-    /// [`IdentityError::Unusable`] (`IdentityNotFound`) when a machine's `MailgunCluster` is
-    /// gone (its identity cannot be known, and guessing could mail another tenant's backend);
-    /// [`IdentityError::Kube`] when it could not be read.
+    /// [`IdentityError::Kube`] when a machine's `MailgunCluster` could not be read.
     pub(crate) async fn wanted(
         &self,
         wanted: &Wanted,
@@ -127,17 +125,20 @@ impl Identities {
                     .await
                     .map_err(kube(
                         "reading the Cluster's MailgunCluster for its identity",
-                    ))?
-                    .ok_or_else(|| {
-                        problem(
-                            reasons::IDENTITY_NOT_FOUND,
-                            format!(
-                                "the Cluster's MailgunCluster {cluster}, whose identity this \
-                                 machine's mails use, was not found: no mail is sent"
-                            ),
-                        )
-                    })?;
-                Ok(infra.spec.identity_ref.map(|r| r.name))
+                    ))?;
+                match infra {
+                    Some(infra) => Ok(infra.spec.identity_ref.map(|r| r.name)),
+                    // Its Cluster names a MailgunCluster that does not exist (any more): the
+                    // provider's own configuration, never another tenant's.
+                    None => {
+                        tracing::debug!(
+                            namespace,
+                            cluster,
+                            "the Cluster's MailgunCluster is not found; the machine's mails use the provider's own configuration"
+                        );
+                        Ok(None)
+                    }
+                }
             }
         }
     }
