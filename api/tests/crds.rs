@@ -340,7 +340,7 @@ async fn crds_are_established_and_every_sample_is_accepted() {
     let cp = ns.control_plane();
     cp.install_capi_crds().await.expect("Cluster API CRDs");
     let files = samples();
-    assert_eq!(files.len(), 11, "{files:?}");
+    assert_eq!(files.len(), 12, "{files:?}");
     for file in files {
         let path = file.to_string_lossy().into_owned();
         let mut last = None;
