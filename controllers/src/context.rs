@@ -220,6 +220,7 @@ impl Ctx {
                 from: config.mail_from.clone(),
                 recipients: config.recipients.clone(),
                 identity: None,
+                poller: poller.clone(),
             },
         );
         Self {
@@ -311,6 +312,7 @@ impl Ctx {
     pub fn forget(&self, uid: &str) {
         self.memory.forget(uid);
         self.poller.forget(uid);
+        self.identities.forget(uid);
     }
 }
 

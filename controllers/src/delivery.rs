@@ -19,7 +19,10 @@
 //! The schedule of questions lives in the poller's memory only; the answers live in status. A
 //! new process (or a wiped status) asks again, at most until the retention has passed.
 
-use std::time::{Duration, SystemTime};
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use capm_api::{
     names::{conditions, reasons},
@@ -28,7 +31,7 @@ use capm_api::{
 use capm_mailer::{Delivery, MessageId, Tracking};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::{
     context::Ctx, events::EventType, kinds::InfraKind, sendonce::execute::publish, status::Status,
@@ -80,29 +83,41 @@ pub(crate) async fn track<K: InfraKind>(
     identity: Option<&str>,
 ) {
     let uid = obj.uid().unwrap_or_default();
+    // The backend the mail went through, and the poller asking it: the provider's own, or the
+    // identity's (each identity's poller has its own budget).
+    let (mailer, poller) = match identity {
+        None => (Arc::clone(&ctx.mailer), Arc::clone(&ctx.poller)),
+        Some(identity) => {
+            let namespace = obj.namespace().unwrap_or_default();
+            match ctx.identities.route(Some(identity), &namespace).await {
+                Ok(route) => (route.mailer, route.poller),
+                Err(error) => {
+                    // Not final: the identity may be fixed; the next pass asks again.
+                    debug!(kind = K::KIND, name = %obj.name_any(), identity, %error, "the identity of a sent mail cannot be asked about its delivery now");
+                    if status.condition(conditions::MAIL_DELIVERED).is_none() {
+                        let backend = ctx.mailer.backend();
+                        show(obj, ctx, backend, status, &pending()).await;
+                    }
+                    return;
+                }
+            }
+        }
+    };
     if is_final(status) {
-        ctx.poller.forget(&uid);
+        poller.forget(&uid);
         return;
     }
-    if let Some(identity) = identity {
-        // The poller asks the provider's own backend only.
-        ctx.poller.forget(&uid);
-        let untracked = Shown {
-            status: "Unknown",
-            reason: reasons::NOT_TRACKABLE,
-            message: format!(
-                "the mail went through MailgunClusterIdentity {identity}; delivery tracking \
-                 through an identity's backend is not implemented yet"
-            ),
-            outcome: "not_trackable",
-        };
-        show(obj, ctx, status, &untracked).await;
-        return;
-    }
-    let backend = ctx.mailer.backend();
-    if let Tracking::Untracked(why) = ctx.mailer.tracking() {
-        ctx.poller.forget(&uid);
-        show(obj, ctx, status, &not_trackable(backend, why.as_deref())).await;
+    let backend = mailer.backend();
+    if let Tracking::Untracked(why) = mailer.tracking() {
+        poller.forget(&uid);
+        show(
+            obj,
+            ctx,
+            backend,
+            status,
+            &not_trackable(backend, why.as_deref()),
+        )
+        .await;
         return;
     }
     // The send time is in the durable record; without it (found by lookup after a crash), the
@@ -116,7 +131,7 @@ pub(crate) async fn track<K: InfraKind>(
                 .to_owned(),
             outcome: "unknown",
         };
-        show(obj, ctx, status, &unknown).await;
+        show(obj, ctx, backend, status, &unknown).await;
         return;
     };
     let elapsed = Duration::from_millis(
@@ -129,7 +144,7 @@ pub(crate) async fn track<K: InfraKind>(
     );
     let retention = ctx.config.delivery_retention;
     if elapsed >= retention {
-        ctx.poller.forget(&uid);
+        poller.forget(&uid);
         let unknown = Shown {
             status: "Unknown",
             reason: reasons::DELIVERY_UNKNOWN,
@@ -140,7 +155,7 @@ pub(crate) async fn track<K: InfraKind>(
             ),
             outcome: "unknown",
         };
-        show(obj, ctx, status, &unknown).await;
+        show(obj, ctx, backend, status, &unknown).await;
         return;
     }
     let id = match MessageId::parse(message_id) {
@@ -150,15 +165,12 @@ pub(crate) async fn track<K: InfraKind>(
             return;
         }
     };
-    match ctx
-        .poller
-        .track(obj, &uid, id, SystemTime::from(sent_at), elapsed)
-    {
-        Some(delivery) => show(obj, ctx, status, &shown(backend, delivery)).await,
+    match poller.track(obj, &uid, id, SystemTime::from(sent_at), elapsed) {
+        Some(delivery) => show(obj, ctx, backend, status, &shown(backend, delivery)).await,
         // Nothing learned yet (just sent, or this process just started): keep what status
         // shows, "pending" when it shows nothing.
         None if status.condition(conditions::MAIL_DELIVERED).is_none() => {
-            show(obj, ctx, status, &pending()).await;
+            show(obj, ctx, backend, status, &pending()).await;
         }
         None => {}
     }
@@ -233,7 +245,7 @@ fn pending() -> Shown {
 
 /// Shows `shown` in the condition and the mail state; counts and announces it only when it is
 /// news (a different reason than status showed).
-async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, status: &mut Status, shown: &Shown) {
+async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, backend: &str, status: &mut Status, shown: &Shown) {
     let news = status
         .condition(conditions::MAIL_DELIVERED)
         .is_none_or(|c| c.reason != shown.reason);
@@ -254,7 +266,7 @@ async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, status: &mut Status, shown: &Sho
     if !shown.outcome.is_empty() {
         ctx.metrics
             .delivery
-            .with_label_values(&[ctx.mailer.backend(), shown.outcome])
+            .with_label_values(&[backend, shown.outcome])
             .inc();
     }
     if shown.reason == reasons::DELIVERY_FAILED || shown.reason == reasons::PARTLY_DELIVERED {

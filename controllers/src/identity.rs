@@ -28,6 +28,7 @@ use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::{Api, Client};
 
 pub(crate) use crate::kinds::Wanted;
+use crate::poller::Poller;
 
 /// Why an identity gave no route.
 #[derive(Debug, thiserror::Error)]
@@ -68,8 +69,10 @@ pub(crate) struct Route {
     pub from: String,
     /// Who receives them.
     pub recipients: Vec<String>,
-    /// The identity's name; `None` for the process's own configuration.
+    /// The identity's name; `None` for the provider's own configuration.
     pub identity: Option<String>,
+    /// The delivery poller asking this backend (each identity has its own budget).
+    pub poller: Arc<Poller>,
 }
 
 /// The identities' backends, built on demand and kept while what they were built from holds.
@@ -82,8 +85,8 @@ pub(crate) struct Identities {
     built: Mutex<HashMap<String, Built>>,
 }
 
-/// A backend and the configuration it was built from, by identity name.
-type Built = (MailerConfig, Arc<dyn Mailer>);
+/// A backend, the configuration it was built from and its delivery poller, by identity name.
+type Built = (MailerConfig, Arc<dyn Mailer>, Arc<Poller>);
 
 /// An identity that cannot be used, as a reconcile error with the condition reason it shows.
 fn problem(reason: &'static str, message: String) -> IdentityError {
@@ -215,12 +218,13 @@ impl Identities {
                 ));
             }
         };
-        let mailer = self.mailer(name, config)?;
+        let (mailer, poller) = self.mailer(name, config)?;
         Ok(Route {
             mailer,
             from,
             recipients: spec.recipients.clone(),
             identity: Some(name.to_owned()),
+            poller,
         })
     }
 
@@ -314,19 +318,46 @@ impl Identities {
         Ok(bytes)
     }
 
-    /// The backend for `config`: the one built before when nothing changed, else a new one.
-    fn mailer(&self, name: &str, config: MailerConfig) -> Result<Arc<dyn Mailer>, IdentityError> {
+    /// The backend for `config` and its poller: the ones built before when nothing changed,
+    /// else a new backend (the poller kept, asking the new backend from now on).
+    fn mailer(
+        &self,
+        name: &str,
+        config: MailerConfig,
+    ) -> Result<(Arc<dyn Mailer>, Arc<Poller>), IdentityError> {
         let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((was, mailer)) = built.get(name)
+        if let Some((was, mailer, poller)) = built.get(name)
             && *was == config
         {
-            return Ok(Arc::clone(mailer));
+            return Ok((Arc::clone(mailer), Arc::clone(poller)));
         }
         // The factory's errors name a field (`mailgun.baseUrl: ...`), never a secret.
         let mailer = capm_mailer::build_with_gate(&config, Arc::clone(&self.gate))
             .map_err(|e| invalid(name, format!("spec.{e}")))?;
-        built.insert(name.to_owned(), (config, Arc::clone(&mailer)));
-        Ok(mailer)
+        let poller = match built.get(name) {
+            Some((_, _, poller)) => {
+                poller.set_mailer(Arc::clone(&mailer));
+                Arc::clone(poller)
+            }
+            None => self.default.poller.sibling(Arc::clone(&mailer)),
+        };
+        built.insert(
+            name.to_owned(),
+            (config, Arc::clone(&mailer), Arc::clone(&poller)),
+        );
+        Ok((mailer, poller))
+    }
+
+    /// Forgets object `uid`'s open mail in every identity's poller.
+    pub(crate) fn forget(&self, uid: &str) {
+        for (_, _, poller) in self
+            .built
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
+            poller.forget(uid);
+        }
     }
 }
 

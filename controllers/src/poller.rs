@@ -108,15 +108,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The process's delivery poller (see the module).
+/// The process's delivery poller (see the module); one more per mail identity in use
+/// ([`Poller::sibling`]), each with its own request budget and pause.
 pub struct Poller {
-    mailer: Arc<dyn Mailer>,
+    mailer: Mutex<Arc<dyn Mailer>>,
     leadership: Leadership,
     timings: Timings,
     state: Mutex<State>,
     added: Notify,
-    clusters: Wakes<MailgunCluster>,
-    machines: Wakes<MailgunMachine>,
+    clusters: Arc<Wakes<MailgunCluster>>,
+    machines: Arc<Wakes<MailgunMachine>>,
+    /// Set when the first poller's run ends (shutdown): its siblings end with it.
+    stopped: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl std::fmt::Debug for Poller {
@@ -151,14 +154,44 @@ fn first_question_in(base: Duration, elapsed: Duration, uid: &str) -> Duration {
 impl Poller {
     pub(crate) fn new(mailer: Arc<dyn Mailer>, leadership: Leadership, timings: Timings) -> Self {
         Self {
-            mailer,
+            mailer: Mutex::new(mailer),
             leadership,
             timings,
             state: Mutex::default(),
             added: Notify::new(),
-            clusters: Wakes::new(),
-            machines: Wakes::new(),
+            clusters: Arc::new(Wakes::new()),
+            machines: Arc::new(Wakes::new()),
+            stopped: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
+    }
+
+    /// A poller asking `mailer` (a mail identity's backend) with a budget and pause of its own,
+    /// waking the same reconciles, running until this one's run ends. Call within a runtime.
+    pub(crate) fn sibling(&self, mailer: Arc<dyn Mailer>) -> Arc<Self> {
+        let sibling = Arc::new(Self {
+            mailer: Mutex::new(mailer),
+            leadership: self.leadership.clone(),
+            timings: self.timings,
+            state: Mutex::default(),
+            added: Notify::new(),
+            clusters: Arc::clone(&self.clusters),
+            machines: Arc::clone(&self.machines),
+            stopped: Arc::clone(&self.stopped),
+        });
+        let mut stopped = self.stopped.subscribe();
+        tokio::spawn(Arc::clone(&sibling).run(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }));
+        sibling
+    }
+
+    /// Asks `mailer` from now on (a backend rebuilt with a rotated key).
+    pub(crate) fn set_mailer(&self, mailer: Arc<dyn Mailer>) {
+        *lock(&self.mailer) = mailer;
+    }
+
+    fn mailer(&self) -> Arc<dyn Mailer> {
+        Arc::clone(&lock(&self.mailer))
     }
 
     /// The wake-ups of kind `K`'s reconciles, once (for `Controller::reconcile_on`).
@@ -168,7 +201,7 @@ impl Poller {
         } else {
             &self.machines
         };
-        any.downcast_ref::<Wakes<K>>()
+        any.downcast_ref::<Arc<Wakes<K>>>()
             .and_then(|w| lock(&w.rx).take())
     }
 
@@ -294,7 +327,7 @@ impl Poller {
             }
             due.sort_by_key(|(_, m)| m.due);
             due.into_iter()
-                .take(self.mailer.delivery_batch_size().max(1))
+                .take(self.mailer().delivery_batch_size().max(1))
                 .map(|(uid, m)| (uid.clone(), m.mail.clone()))
                 .collect()
         };
@@ -302,7 +335,7 @@ impl Poller {
             return false;
         }
         let mails: Vec<OpenMail> = batch.iter().map(|(_, m)| m.clone()).collect();
-        let answers = self.mailer.delivery_statuses(&mails).await;
+        let answers = self.mailer().delivery_statuses(&mails).await;
         let now = Instant::now();
         let mut state = lock(&self.state);
         match answers {
@@ -346,6 +379,11 @@ impl Poller {
 
     /// Runs until `shutdown` resolves.
     pub(crate) async fn run(self: Arc<Self>, shutdown: impl Future<Output = ()>) {
+        let stopped = Arc::clone(&self.stopped);
+        let shutdown = async move {
+            shutdown.await;
+            stopped.send_replace(true);
+        };
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             let wait = self

@@ -11,7 +11,9 @@ use capm_api::{
     names::reasons,
     v1beta1::{MailgunCluster, MailgunClusterIdentity},
 };
-use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer, SmtpTls};
+use capm_mail_servers::{
+    DeliveryEvent, EventRule, MailgunServer, SmtpOptions, SmtpServer, SmtpTls,
+};
 use capm_test_support::TestNamespace;
 use k8s_openapi::{
     ByteString, api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta,
@@ -227,6 +229,8 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     config.watch_filter = Some(FILTER.into());
     config.identity_secret_namespace = Some(provider_ns.clone());
     config.backoff_max = Duration::from_secs(1);
+    config.delivery_poll_base = Duration::from_millis(200);
+    config.delivery_poll_max = Duration::from_secs(1);
     env.start_with(config).await;
 
     create_pair(&client, a, "a1", Some(&id_a)).await;
@@ -273,7 +277,39 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     );
     assert_eq!(mailgun_a.messages().unwrap().len(), 1);
 
-    // The recorded mails say which identity sent them; their delivery is not tracked (yet).
+    // Delivery, asked of each identity's own backend: A (a read key) tracks it; B (a sending
+    // key only) and C (an SMTP relay) say why they cannot.
+    mailgun_a
+        .add_event(&EventRule {
+            message_id: ma.id.clone(),
+            event: DeliveryEvent::Delivered,
+            recipient: None,
+            reason: None,
+            code: None,
+            message: None,
+        })
+        .unwrap();
+    eventually("a1 delivered, b1 and c1 not trackable", || async {
+        reason(&client, a, "a1", "MailDelivered")
+            .await
+            .is_some_and(|(r, _)| r == reasons::DELIVERED)
+            && reason(&client, b, "b1", "MailDelivered")
+                .await
+                .is_some_and(|(r, _)| r == reasons::NOT_TRACKABLE)
+            && reason(&client, c, "c1", "MailDelivered")
+                .await
+                .is_some_and(|(r, _)| r == reasons::NOT_TRACKABLE)
+    })
+    .await;
+    let (_, why_b) = reason(&client, b, "b1", "MailDelivered").await.unwrap();
+    assert!(why_b.contains("read role"), "{why_b}");
+    assert_eq!(
+        env.mailgun.stats().unwrap().logs_requests,
+        0,
+        "the provider's own backend was asked"
+    );
+
+    // The recorded mails say which identity sent them.
     let a1 = Api::<MailgunCluster>::namespaced(client.clone(), a)
         .get("a1")
         .await
