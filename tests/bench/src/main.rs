@@ -92,6 +92,10 @@ struct Args {
     /// Pairs over which the memory floor of kube-runtime's stores is measured (0: not measured).
     #[arg(long, default_value_t = 20_000)]
     floor_pairs: usize,
+    /// The provider's --sync-period (e.g. 60s): with it, the idle watch also counts the
+    /// provider's reconciles and API requests (its own metrics), the periodic resync's cost.
+    #[arg(long)]
+    sync_period: Option<String>,
     /// Where the API server's CPU profiles are written.
     #[arg(long, default_value = "target/bench")]
     profile_dir: PathBuf,
@@ -574,6 +578,9 @@ fn spawn(
                 .args(["--concurrency", &args.concurrency.to_string()])
                 .args(["--log-format", "json"])
                 .env("RUST_LOG", "warn");
+            if let Some(period) = &args.sync_period {
+                c.args(["--sync-period", period]);
+            }
             c
         }
     };
@@ -646,7 +653,14 @@ async fn run(
     let writes_before = api_writes(client).await?;
     let server_before = profile::server_counters(client).await?;
     let started = Instant::now();
-    let mut child = spawn(subject, args, &mailgun, cp.kubeconfig(), None)?;
+    // With a sync period, the provider's metrics are read over the idle watch.
+    let metrics_port = match subject {
+        Subject::Provider if args.sync_period.is_some() => {
+            Some(capm_test_support::process::free_port()?)
+        }
+        _ => None,
+    };
+    let mut child = spawn(subject, args, &mailgun, cp.kubeconfig(), metrics_port)?;
     let pid = child.id().context("pid")?;
     let cpu_profile =
         (args.profile_seconds > 0).then(|| profile::start(client.clone(), args.profile_seconds));
@@ -690,8 +704,27 @@ async fn run(
         args.idle_seconds
     );
     let idle_start = api_writes(client).await?;
+    let own_before = match metrics_port {
+        Some(port) => resync::own_counters(port).await,
+        None => None,
+    };
     tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
     let idle = api_writes(client).await? - idle_start;
+    if let (Some(port), Some((r0, q0)), Some(period)) =
+        (metrics_port, own_before, args.sync_period.as_deref())
+        && let Some((r1, q1)) = resync::own_counters(port).await
+    {
+        let (reconciles, requests) = (r1 - r0, q1 - q0);
+        println!(
+            "provider, sync period {period}, {} s idle over {n} objects: {reconciles:.0} reconciles \
+             ({:.2} per object), {requests:.0} API requests by the provider (watches and the Lease \
+             included; {:.3} per reconcile), {} writes to our objects",
+            args.idle_seconds,
+            reconciles / n as f64,
+            if reconciles > 0.0 { requests / reconciles } else { 0.0 },
+            idle.ours
+        );
+    }
     if let Some(status) = child.try_wait()? {
         bail!("the {} exited while idle: {status}", subject.label());
     }

@@ -80,7 +80,18 @@ pub(crate) async fn resync(
 
 /// The sum of `controller_runtime_reconcile_total` for the MailgunCluster controller (both
 /// subjects name it `mailguncluster`), read from plain-HTTP metrics on `port`.
-async fn reconciles(port: u16) -> Option<f64> {
+/// The provider's MailgunCluster reconciles and its API client's requests so far.
+pub(crate) async fn own_counters(port: u16) -> Option<(f64, f64)> {
+    let text = scrape(port).await?;
+    let requests = text
+        .lines()
+        .filter(|l| l.starts_with("rest_client_requests_total{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    Some((reconciles_in(&text), requests))
+}
+
+async fn scrape(port: u16) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
@@ -91,11 +102,17 @@ async fn reconciles(port: u16) -> Option<f64> {
         .ok()?;
     let mut text = String::new();
     stream.read_to_string(&mut text).await.ok()?;
-    let total = text
-        .lines()
+    Some(text)
+}
+
+fn reconciles_in(text: &str) -> f64 {
+    text.lines()
         .filter(|l| l.starts_with("controller_runtime_reconcile_total{"))
         .filter(|l| label(l, "controller").eq_ignore_ascii_case("mailguncluster"))
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum();
-    Some(total)
+        .sum()
+}
+
+async fn reconciles(port: u16) -> Option<f64> {
+    Some(reconciles_in(&scrape(port).await?))
 }
