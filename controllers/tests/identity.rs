@@ -42,14 +42,30 @@ fn cluster_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
 /// A Cluster + MailgunCluster pair in `ns`, the MailgunCluster naming `identity`, owned as
 /// Cluster API owns it.
 async fn create_pair(client: &kube::Client, ns: &str, name: &str, identity: Option<&str>) {
+    create_pair_with(client, ns, name, identity, json!({})).await;
+}
+
+/// As [`create_pair`], the MailgunCluster's metadata merged with `metadata` (annotations,
+/// finalizers: an object as `clusterctl move` recreates it).
+async fn create_pair_with(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    identity: Option<&str>,
+    metadata: serde_json::Value,
+) {
     let mut spec = json!({ "priority": "Urgent", "request": "Three nodes, please.", "requester": "dev@example.com" });
     if let Some(identity) = identity {
         spec["identityRef"] = json!({ "kind": "MailgunClusterIdentity", "name": identity });
     }
     let labels = json!({ "cluster.x-k8s.io/watch-filter": FILTER });
+    let mut meta = json!({ "name": name, "labels": labels });
+    for (k, v) in metadata.as_object().into_iter().flatten() {
+        meta[k] = v.clone();
+    }
     let infra: MailgunCluster = serde_json::from_value(json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunCluster",
-        "metadata": { "name": name, "labels": labels }, "spec": spec
+        "metadata": meta, "spec": spec
     }))
     .unwrap();
     Api::<MailgunCluster>::namespaced(client.clone(), ns)
@@ -408,6 +424,40 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
         "the release went through B"
     );
     assert!(env.mails().is_empty());
+
+    // Moved by `clusterctl move` (the identity with it) with a pending intent that names
+    // identity B: its lookup and resend go through B, under the intent's Message-Id.
+    let old_id = "<mailguncluster.7f0c1d2e-0000-4000-8000-00000000beef@mg.example.com>";
+    let record = json!({
+        "messageId": old_id, "state": "sending", "writer": "source-cluster_abcdefghij",
+        "at": "2026-01-01T00:00:00Z", "identity": id_b,
+    })
+    .to_string();
+    create_pair_with(
+        &client,
+        b,
+        "moved",
+        Some(&id_b),
+        json!({
+            "annotations": { capm_api::names::MAIL_ANNOTATION: record },
+            "finalizers": [capm_api::names::CLUSTER_FINALIZER],
+        }),
+    )
+    .await;
+    eventually("the moved object's request resent through B", || async {
+        mailgun_b.messages().unwrap().iter().any(|m| m.id == old_id)
+    })
+    .await;
+    assert_eq!(
+        mailgun_b
+            .messages()
+            .unwrap()
+            .iter()
+            .filter(|m| m.id == old_id)
+            .count(),
+        1
+    );
+    assert!(env.mails().is_empty() && mailgun_a.messages().unwrap().iter().all(|m| m.id != old_id));
 
     // No secret in any status or event.
     for (ns, name) in [(b.as_str(), "b1"), (c.as_str(), "c1"), (x.as_str(), "x1")] {

@@ -721,7 +721,11 @@ async fn run(
              included; {:.3} per reconcile), {} writes to our objects",
             args.idle_seconds,
             reconciles / n as f64,
-            if reconciles > 0.0 { requests / reconciles } else { 0.0 },
+            if reconciles > 0.0 {
+                requests / reconciles
+            } else {
+                0.0
+            },
             idle.ours
         );
     }
