@@ -667,6 +667,59 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         .collect();
     ensure!(ids.len() == 4, "distinct Message-Ids: {ids:?}");
 
+    // A tenant's cluster, mailed through its own identity (the same relay, its own sender and
+    // recipient), as the chart's ServiceAccount: the identity read (get), its Secrets read
+    // (get, in the provider's namespace), the namespace's labels read for its selector.
+    let identity = dynamic_object(
+        "infrastructure.cluster.x-k8s.io/v1beta1",
+        "MailgunClusterIdentity",
+        "",
+        "e2e-tenant",
+        serde_json::json!({
+            "smtp": { "url": smtp.url(), "username": "capm",
+                "passwordSecretRef": { "name": "smtp-credentials", "key": "password" },
+                "caSecretRef": { "name": "smtp-ca", "key": "ca.crt" } },
+            "from": "tenant@capm.e2e.example.com",
+            "recipients": ["tenant-oncall@example.com"],
+            "allowedNamespaces": { "selector": { "matchLabels": { "kubernetes.io/metadata.name": USER_NS } } },
+        }),
+    )?;
+    let identities = Api::<kube::api::DynamicObject>::all_with(
+        admin.clone(),
+        &kube::api::ApiResource::from_gvk(&kube::api::GroupVersionKind::gvk(
+            "infrastructure.cluster.x-k8s.io",
+            "v1beta1",
+            "MailgunClusterIdentity",
+        )),
+    );
+    let mut identity = identity;
+    identity.metadata.namespace = None;
+    identities.create(&Default::default(), &identity).await?;
+    create_cluster_pair(&admin, USER_NS, "e2e-tenant", "tenant@example.com").await?;
+    mailgun_clusters
+        .patch(
+            "e2e-tenant",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({ "spec": { "identityRef": {
+                "kind": "MailgunClusterIdentity", "name": "e2e-tenant" } } })),
+        )
+        .await?;
+    let tenant = eventually(wait, "the tenant's request mail", || async {
+        provider.proc.check_alive()?;
+        Ok(smtp.messages()?.into_iter().find(|m| {
+            m.header("Subject")
+                .is_some_and(|s| s.contains("New Cluster e2e-tenant requested"))
+        }))
+    })
+    .await?;
+    ensure!(
+        tenant.rcpt_tos == ["tenant-oncall@example.com"]
+            && tenant.header("From") == Some("tenant@capm.e2e.example.com"),
+        "the tenant's mail went to {:?} from {:?}",
+        tenant.rcpt_tos,
+        tenant.header("From")
+    );
+
     // RBAC, sufficient: nothing the provider asked for was denied. Minimal: everything the
     // chart grants was used (events patch by the repeated failure above), except what is
     // listed here with its reason.
@@ -698,11 +751,21 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     let diagnostics_role = Api::<ClusterRole>::all(admin.clone())
         .get(&format!("{FULLNAME}-diagnostics-auth"))
         .await?;
+    let identities_role = Api::<ClusterRole>::all(admin.clone())
+        .get(&format!("{FULLNAME}-identities"))
+        .await?;
+    let secrets_role = Api::<Role>::namespaced(admin.clone(), NS)
+        .get(&format!("{FULLNAME}-identity-secrets"))
+        .await?;
     let mut grants = granted(cluster_role.rules.as_deref().unwrap_or_default());
     grants.extend(granted(role.rules.as_deref().unwrap_or_default()));
     grants.extend(granted(
         diagnostics_role.rules.as_deref().unwrap_or_default(),
     ));
+    grants.extend(granted(
+        identities_role.rules.as_deref().unwrap_or_default(),
+    ));
+    grants.extend(granted(secrets_role.rules.as_deref().unwrap_or_default()));
     let not_exercised: BTreeMap<(&str, &str, &str), &str> = BTreeMap::from([
         (
             (
