@@ -97,6 +97,10 @@ impl Mailer for InstrumentedMailer {
         self.inner.tracking()
     }
 
+    fn wrap_like_me(&self, sibling: Arc<dyn Mailer>) -> Arc<dyn Mailer> {
+        Arc::new(Self::new(sibling, self.metrics.clone()))
+    }
+
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
         let backend = self.inner.backend();
         let start = Instant::now();

@@ -326,6 +326,19 @@ async fn factory_and_metrics_with_concurrent_senders() {
         text.contains(r#"mailer_send_duration_seconds_count{backend="mailgun"} 32"#),
         "{text}"
     );
+    // A sibling backend (a tenant's) wrapped like this one counts in the same metrics.
+    let sibling = mailer.wrap_like_me(build(&config).unwrap());
+    sibling
+        .send(&message("<c-sibling@capm.test>"))
+        .await
+        .unwrap();
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .unwrap();
+    assert!(
+        text.contains(r#"mailer_messages_total{backend="mailgun",outcome="sent"} 33"#),
+        "{text}"
+    );
 }
 
 fn event(id: &str, event: DeliveryEvent) -> EventRule {
