@@ -8,6 +8,8 @@
 
 use std::{collections::VecDeque, time::Duration};
 
+use tokio::time::Instant;
+
 use futures::Stream;
 use kube::{
     Resource,
@@ -26,33 +28,51 @@ pub(crate) fn every_object<K>(
 where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
-    let walk: (VecDeque<ObjectRef<K>>, Duration) = (VecDeque::new(), period);
+    let walk = Walk {
+        queue: VecDeque::new(),
+        gap: period,
+        next: Instant::now(),
+    };
     // Not `Store::wait_until_ready`: kube-runtime's delayed init wakes only the last of several
     // concurrent waiters (the controller's applier waits on it too). Before the first list the
     // store is empty, which waits the same way.
-    futures::stream::unfold(
-        (store, walk),
-        move |(store, (mut queue, mut gap))| async move {
-            loop {
-                if queue.is_empty() {
-                    queue = store
-                        .state()
-                        .iter()
-                        .map(|o| ObjectRef::from_obj(&**o))
-                        .collect();
-                    if queue.is_empty() {
-                        tokio::time::sleep(period.min(EMPTY_RECHECK)).await;
-                        continue;
-                    }
-                    gap = gap_for(period, queue.len());
+    futures::stream::unfold((store, walk), move |(store, mut walk)| async move {
+        loop {
+            if walk.queue.is_empty() {
+                walk.queue = store
+                    .state()
+                    .iter()
+                    .map(|o| ObjectRef::from_obj(&**o))
+                    .collect();
+                if walk.queue.is_empty() {
+                    tokio::time::sleep(period.min(EMPTY_RECHECK)).await;
+                    walk.next = Instant::now();
+                    continue;
                 }
-                tokio::time::sleep(gap).await;
-                if let Some(next) = queue.pop_front() {
-                    return Some((next, (store, (queue, gap))));
-                }
+                walk.gap = gap_for(period, walk.queue.len());
             }
-        },
-    )
+            // Deadlines, not delays: the time the consumer takes between two objects does not
+            // stretch the period (a relative sleep made a 60 s walk over 1000 objects take 90 s).
+            // A walk that fell more than a gap behind (a stalled process) resumes from now
+            // rather than catching up in a burst.
+            walk.next += walk.gap;
+            let now = Instant::now();
+            if walk.next + walk.gap < now {
+                walk.next = now;
+            }
+            tokio::time::sleep_until(walk.next).await;
+            if let Some(next) = walk.queue.pop_front() {
+                return Some((next, (store, walk)));
+            }
+        }
+    })
+}
+
+/// Where a walk is: the objects left, their spacing and the next deadline.
+struct Walk<K: Resource<DynamicType = ()> + 'static> {
+    queue: VecDeque<ObjectRef<K>>,
+    gap: Duration,
+    next: Instant,
 }
 
 /// The spacing of a walk over `n` objects that lasts `period`.
@@ -92,6 +112,26 @@ mod tests {
         assert_eq!(first, ["a", "b", "c", "d"], "every object in one period");
         let times: Vec<u64> = seen.iter().map(|(_, t)| *t).collect();
         assert_eq!(times, [10, 20, 30, 40, 50, 60, 70, 80], "evenly spread");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_consumer_does_not_stretch_the_period() {
+        let (store, mut writer) = reflector::store::<MailgunCluster>();
+        writer.apply_watcher_event(&watcher::Event::Init);
+        for name in ["a", "b", "c", "d"] {
+            writer.apply_watcher_event(&watcher::Event::InitApply(object(name)));
+        }
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        let started = tokio::time::Instant::now();
+        let mut walk = every_object(store, Duration::from_secs(40)).boxed();
+        let mut times = Vec::new();
+        for _ in 0..4 {
+            walk.next().await.expect("an object");
+            times.push(started.elapsed().as_secs());
+            // The consumer takes half a gap before it asks for the next object.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
+        assert_eq!(times, [10, 20, 30, 40], "one walk per period");
     }
 
     #[test]
