@@ -30,6 +30,7 @@ use crate::{
         records::IntentState,
     },
     status::{Readiness, Status},
+    workqueue::{self, Running},
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
@@ -76,10 +77,12 @@ struct MetricsGuard<'a> {
     controller: &'static str,
     started: Instant,
     result: &'static str,
+    /// This reconcile in the `workqueue_*` bookkeeping.
+    running: Running,
 }
 
 impl<'a> MetricsGuard<'a> {
-    fn start(ctx: &'a Ctx, controller: &'static str) -> Self {
+    fn start(ctx: &'a Ctx, controller: &'static str, key: &str) -> Self {
         ctx.metrics
             .active_workers
             .with_label_values(&[controller])
@@ -89,6 +92,7 @@ impl<'a> MetricsGuard<'a> {
             controller,
             started: Instant::now(),
             result: "cancelled",
+            running: ctx.metrics.workqueue.started(controller, key),
         }
     }
 }
@@ -96,6 +100,7 @@ impl<'a> MetricsGuard<'a> {
 impl Drop for MetricsGuard<'_> {
     fn drop(&mut self) {
         let m = &self.ctx.metrics;
+        m.workqueue.finished(&self.running);
         m.active_workers.with_label_values(&[self.controller]).dec();
         m.reconcile_time
             .with_label_values(&[self.controller])
@@ -113,7 +118,8 @@ impl Drop for MetricsGuard<'_> {
 
 /// One reconcile of `obj`, with metrics around it.
 pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
-    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER);
+    let key = workqueue::key(obj.namespace().as_deref(), &obj.name_any());
+    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER, &key);
     let result = reconcile_inner(&*obj, &ctx).await;
     guard.result = match &result {
         Ok(_) => "success",
@@ -269,7 +275,7 @@ async fn steps<K: InfraKind>(
         Owner::NotSeen(message) => {
             report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass {
-                action: Action::requeue(OWNER_RECHECK),
+                action: ctx.requeue(obj, OWNER_RECHECK),
                 gone: false,
             });
         }
