@@ -219,7 +219,7 @@ impl Ctx {
                 Ok(true)
             ) {
                 tracing::warn!(
-                    "the Cluster API caches have not finished their first list after \
+                    "The Cluster API caches have not finished their first list after \
                      {OWNER_CACHES_WAIT:?}; owners are judged from what they hold so far"
                 );
             }
@@ -236,7 +236,7 @@ impl Ctx {
             .await
             .is_err()
         {
-            tracing::debug!("owner caches not listed after {OWNER_CACHES_WAIT:?}; going on");
+            tracing::debug!("Owner caches not listed after {OWNER_CACHES_WAIT:?}; going on");
         }
     }
 

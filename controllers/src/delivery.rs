@@ -129,7 +129,7 @@ pub(crate) async fn track<K: InfraKind>(
     let id = match MessageId::parse(message_id) {
         Ok(id) => id,
         Err(error) => {
-            warn!(kind = K::KIND, name = %obj.name_any(), %error, "the recorded Message-Id cannot be asked about");
+            warn!(%error, "The recorded Message-Id cannot be asked about");
             return;
         }
     };
@@ -237,7 +237,10 @@ async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, status: &mut Status, shown: &Sho
             .inc();
     }
     if shown.reason == reasons::DELIVERY_FAILED || shown.reason == reasons::PARTLY_DELIVERED {
-        warn!(kind = K::KIND, name = %obj.name_any(), reason = shown.reason, "the request mail could not be delivered to every recipient; not resent");
+        warn!(
+            reason = shown.reason,
+            "The request mail could not be delivered to every recipient; not resent"
+        );
         publish(
             ctx,
             obj,

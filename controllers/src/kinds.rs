@@ -12,8 +12,9 @@ use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    capi::{Cluster, ContractRef, Machine, Owners},
+    capi::{self, Cluster, ContractRef, Machine, Owners},
     status::Status,
+    workqueue,
 };
 
 /// Why a request cannot be mailed yet.
@@ -88,6 +89,27 @@ pub trait InfraKind:
     fn request_mail(&self, owners: &Owners, owner: &Self::Owner) -> Result<MailText, Wait>;
     /// The "no longer needed" mail.
     fn deletion_mail(&self) -> MailText;
+
+    /// A span naming the object `key` (`namespace/name`) the way Cluster API's logs do: the
+    /// kind as the key (`MailgunCluster="ns/name"`), with the `controller`, and `Cluster` (and
+    /// `Machine`) left to record. At ERROR level so that no level filter drops it: the events
+    /// inside would lose the object's name.
+    fn log_span(key: &str) -> tracing::Span;
+
+    /// [`Self::log_span`] for this object, its owner and its `Cluster` recorded as far as the
+    /// object names them (ownerReference, `cluster.x-k8s.io/cluster-name` label).
+    fn span(&self) -> tracing::Span {
+        let namespace = self.namespace();
+        let key = |name: &str| workqueue::key(namespace.as_deref(), name);
+        let span = Self::log_span(&key(&self.name_any()));
+        if let Some(owner) = capi::owner(self.owner_references(), Self::OWNER_KIND) {
+            span.record(Self::OWNER_KIND, key(&owner.name).as_str());
+        }
+        if let Some(cluster) = self.labels().get(names::CLUSTER_NAME_LABEL) {
+            span.record("Cluster", key(cluster).as_str());
+        }
+        span
+    }
 }
 
 fn refers_to(reference: Option<&ContractRef>, kind: &str, obj: &impl ResourceExt) -> bool {
@@ -112,6 +134,15 @@ impl InfraKind for MailgunCluster {
     const OWNER_KIND: &'static str = "Cluster";
     const CACHED_LABELS: &'static [&'static str] = &[];
     type Owner = Cluster;
+
+    fn log_span(key: &str) -> tracing::Span {
+        tracing::error_span!(
+            "reconcile",
+            controller = Self::CONTROLLER,
+            MailgunCluster = key,
+            Cluster = tracing::field::Empty,
+        )
+    }
 
     fn shared_status(&self) -> Status {
         self.status
@@ -190,6 +221,16 @@ impl InfraKind for MailgunMachine {
     /// The `Cluster` → `MailgunMachine` mapping selects by this label.
     const CACHED_LABELS: &'static [&'static str] = &[names::CLUSTER_NAME_LABEL];
     type Owner = Machine;
+
+    fn log_span(key: &str) -> tracing::Span {
+        tracing::error_span!(
+            "reconcile",
+            controller = Self::CONTROLLER,
+            MailgunMachine = key,
+            Machine = tracing::field::Empty,
+            Cluster = tracing::field::Empty,
+        )
+    }
 
     fn shared_status(&self) -> Status {
         self.status

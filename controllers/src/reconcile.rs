@@ -15,7 +15,7 @@ use capm_api::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
-use tracing::{debug, info};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::{
     capi,
@@ -120,7 +120,17 @@ impl Drop for MetricsGuard<'_> {
 pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
     let key = workqueue::key(obj.namespace().as_deref(), &obj.name_any());
     let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER, &key);
-    let result = reconcile_inner(&*obj, &ctx).await;
+    let span = obj.span();
+    let result = reconcile_inner(&*obj, &ctx).instrument(span.clone()).await;
+    if let Err(error) = &result {
+        span.in_scope(|| {
+            if error.is_wait() || error.is_not_found() {
+                debug!(%error, "Reconcile waits");
+            } else {
+                warn!(%error, "Reconcile failed");
+            }
+        });
+    }
     guard.result = match &result {
         Ok(_) => "success",
         Err(e) => e.metric_label(),
@@ -394,7 +404,7 @@ async fn reconcile_normal<K: InfraKind>(
     strip_foreign_release_records(obj, ctx, &mut tracked).await?;
     let found = read_records(&tracked.annotations, K::KIND, Which::Request);
     for (key, why) in &found.ignored {
-        debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
+        debug!(key, %why, "Ignoring an annotation this provider did not write");
     }
     let status = &mut report.status;
     match ensure_sent(obj, ctx, &mut tracked, Which::Request, &text, Some(check)).await {
@@ -543,7 +553,7 @@ async fn reconcile_delete<K: InfraKind>(
         .intent
         .is_some_and(|i| i.state == IntentState::Refused)
     {
-        debug!(kind = K::KIND, name = %obj.name_any(), "the request was never accepted: no release mail");
+        debug!("The request was never accepted: no release mail");
     }
     let remaining: Vec<String> = tracked
         .finalizers
@@ -563,9 +573,9 @@ async fn reconcile_delete<K: InfraKind>(
         )
         .await
     {
-        Ok(_) => info!(kind = K::KIND, name = %obj.name_any(), "finalizer removed"),
+        Ok(_) => info!("Finalizer removed"),
         Err(kube::Error::Api(s)) if s.code == 404 => {
-            debug!(kind = K::KIND, name = %obj.name_any(), "already gone");
+            debug!("Already gone");
         }
         Err(e) => return Err(ReconcileError::from_write("removing the finalizer")(e)),
     }

@@ -263,9 +263,9 @@ pub async fn run(
     let owners = caches.drive(client, config.clone(), shutdown.clone());
     let poller = ctx.poller.clone().run(shutdown.clone());
     info!(namespace = ?config.namespace, watch_filter = ?config.watch_filter,
-        concurrency = config.concurrency, sync_period = ?config.sync_period, "controllers started");
+        concurrency = config.concurrency, sync_period = ?config.sync_period, "Controllers started");
     tokio::join!(clusters, machines, owners, poller);
-    info!("controllers stopped");
+    info!("Controllers stopped");
     Ok(())
 }
 
@@ -359,24 +359,17 @@ fn log_result<K: InfraKind>(
     result: Result<(ObjectRef<K>, Action), controller::Error<ReconcileError, watcher::Error>>,
 ) {
     match result {
-        Ok(_) => {}
-        Err(controller::Error::ReconcilerFailed(error, obj)) => {
-            if error.is_wait() || error.is_not_found() {
-                debug!(controller, object = %obj, %error, "reconcile waits");
-            } else {
-                warn!(controller, object = %obj, %error, "reconcile failed");
-            }
-        }
+        // Logged by `reconcile`, in the object's span.
+        Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
         // Deleted (or moved) between its trigger and its turn; or, during a re-list, not in
         // the store yet: the list's end asks for it again (`lists`).
         Err(controller::Error::ObjectNotFound(obj)) => {
-            queue.dropped(
-                controller,
-                &workqueue::key(obj.namespace.as_deref(), &obj.name),
-            );
-            debug!(controller, object = %obj, "object not in the cache at its reconcile");
+            let key = workqueue::key(obj.namespace.as_deref(), &obj.name);
+            queue.dropped(controller, &key);
+            let _object = K::log_span(&key).entered();
+            debug!("Object not in the cache at its reconcile");
         }
-        Err(error) => warn!(controller, %error, "controller error"),
+        Err(error) => warn!(controller, %error, "Controller error"),
     }
 }
 

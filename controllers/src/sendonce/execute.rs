@@ -194,7 +194,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             .map(|i| i.message_id.clone())
             .unwrap_or_else(|| which.message_id(K::KIND, &uid, &ctx.config.message_id_domain));
         let step = decide(&facts);
-        debug!(kind = K::KIND, name = %obj.name_any(), mail = which.label(), ?step, "send-once step");
+        debug!(mail = which.label(), ?step, "Send-once step");
         match step {
             Step::Done => {
                 let sent = found.sent.unwrap_or_else(|| Sent {
@@ -251,7 +251,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 );
             }
             Step::RecordFound => {
-                info!(kind = K::KIND, name = %obj.name_any(), %id, "the backend already accepted the pending mail");
+                info!(%id, "The backend already accepted the pending mail");
                 ctx.memory.clear_mail(&uid, which);
                 let sent = Sent {
                     message_id: Some(id.clone()),
@@ -274,7 +274,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                     .resends
                     .with_label_values(&[K::CONTROLLER])
                     .inc();
-                warn!(kind = K::KIND, name = %obj.name_any(), %id, "sending again with the same Message-Id: the earlier outcome is unknown");
+                warn!(%id, "Sending again with the same Message-Id: the earlier outcome is unknown");
                 return send(obj, ctx, tracked, which, text, &id, false).await;
             }
         }
@@ -343,7 +343,7 @@ async fn write_intent<K: InfraKind>(
         metadata["finalizers"] = json!(finalizers);
     }
     if let Some(generation) = rearm {
-        debug!(kind = K::KIND, name = %obj.name_any(), generation, "re-arming a refused intent");
+        debug!(generation, "Re-arming a refused intent");
     }
     patch_metadata(obj, ctx, tracked, metadata, "recording the mail intent").await
 }
@@ -429,7 +429,7 @@ async fn send<K: InfraKind>(
             // `sending` for the replica that leads now (it waits out the hand-over, then looks
             // the mail up or sends it). Nothing else may be written from here.
             ctx.metrics.abandoned.with_label_values(&[backend]).inc();
-            info!(kind = K::KIND, name = %obj.name_any(), namespace = %obj.namespace().unwrap_or_default(), which = which.label(), %reason, "abandoned the send before its commit point");
+            info!(which = which.label(), %reason, "Abandoned the send before its commit point");
             Err(ReconcileError::Withheld(Withheld::NotLeading))
         }
         Err(error) => {
@@ -474,7 +474,7 @@ async fn mark_refused<K: InfraKind>(obj: &K, ctx: &Ctx, tracked: &mut Tracked, w
         "annotations": record_patch(tracked, which, records::intent_value(&intent)),
     });
     if let Err(error) = patch_metadata(obj, ctx, tracked, metadata, "recording the refusal").await {
-        debug!(kind = K::KIND, name = %obj.name_any(), %error, "could not record the refusal; the intent stays 'sending'");
+        debug!(%error, "Could not record the refusal; the intent stays 'sending'");
     }
 }
 
@@ -488,7 +488,7 @@ async fn vanished_after_send<K: InfraKind>(obj: &K, ctx: &Ctx, which: Which) -> 
         let uid = obj.uid().unwrap_or_default();
         let id = Which::Deletion.message_id(K::KIND, &uid, &ctx.config.message_id_domain);
         let text = obj.deletion_mail();
-        info!(kind = K::KIND, name = %obj.name_any(), "the object vanished right after its request went out; sending its release");
+        info!("The object vanished right after its request went out; sending its release");
         let mut delay = Duration::from_millis(500);
         for attempt in 1..=4 {
             if !ctx.leadership.may_act() {
@@ -512,11 +512,11 @@ async fn vanished_after_send<K: InfraKind>(obj: &K, ctx: &Ctx, which: Which) -> 
                 }
                 Err(MailError::Abandoned { backend, reason }) => {
                     ctx.metrics.abandoned.with_label_values(&[backend]).inc();
-                    info!(kind = K::KIND, name = %obj.name_any(), %reason, "abandoned the release of a vanished object before its commit point");
+                    info!(%reason, "Abandoned the release of a vanished object before its commit point");
                     break;
                 }
                 Err(e) => {
-                    warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "the release of a vanished object could not be sent");
+                    warn!(error = %e, "The release of a vanished object could not be sent");
                     break;
                 }
             }
@@ -589,6 +589,6 @@ pub(crate) async fn publish<K: InfraKind>(
         .publish(&obj.object_ref(&()), type_, reason, note)
         .await
     {
-        warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "could not record an event");
+        warn!(error = %e, "Could not record an event");
     }
 }
