@@ -396,4 +396,76 @@ mod tests {
         assert_eq!(taken, typed);
         assert!(taken.addresses.is_some());
     }
+
+    /// What a text-format log line inside `span` reads (tracing-subscriber's default format).
+    fn text_line(span: impl FnOnce() -> tracing::Span) -> String {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            span().in_scope(|| tracing::info!("Finalizer removed"));
+        });
+        let bytes = buffer.0.lock().map(|b| b.clone()).unwrap_or_default();
+        String::from_utf8(bytes).unwrap_or_default()
+    }
+
+    fn owned_by(kind: &str, name: &str) -> serde_json::Value {
+        serde_json::json!([{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": kind, "name": name, "uid": "u",
+        }])
+    }
+
+    #[test]
+    fn a_reconcile_span_names_the_object_and_its_owners_the_cluster_api_way() {
+        let spec = serde_json::json!({
+            "priority": "Urgent", "request": "r", "requester": "a@example.com",
+        });
+        let mut mgm = MailgunMachine::new("m-0", serde_json::from_value(spec.clone()).unwrap());
+        mgm.metadata.namespace = Some("team-a".into());
+        mgm.metadata.owner_references = serde_json::from_value(owned_by("Machine", "m-0")).ok();
+        mgm.metadata.labels = Some([(names::CLUSTER_NAME_LABEL.into(), "c".into())].into());
+        let line = text_line(|| mgm.span());
+        for expected in [
+            r#"controller="mailgunmachine""#,
+            r#"MailgunMachine="team-a/m-0""#,
+            r#"Machine="team-a/m-0""#,
+            r#"Cluster="team-a/c""#,
+            ": Finalizer removed",
+        ] {
+            assert!(line.contains(expected), "{expected} not in {line}");
+        }
+
+        let mut mgc = MailgunCluster::new("c", serde_json::from_value(spec).unwrap());
+        mgc.metadata.namespace = Some("team-a".into());
+        mgc.metadata.owner_references = serde_json::from_value(owned_by("Cluster", "c")).ok();
+        let line = text_line(|| mgc.span());
+        assert!(
+            line.contains(r#"MailgunCluster="team-a/c" Cluster="team-a/c""#),
+            "{line}"
+        );
+        // Not owned yet: the owner key is left out rather than empty.
+        mgc.metadata.owner_references = None;
+        let line = text_line(|| mgc.span());
+        assert!(
+            line.contains(r#"reconcile{controller="mailguncluster" MailgunCluster="team-a/c"}"#),
+            "{line}"
+        );
+    }
 }

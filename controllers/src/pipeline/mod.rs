@@ -285,6 +285,8 @@ fn controller<K: Pipelined>(
     let count = |counter: &prometheus::IntCounterVec| counter.with_label_values(&[name]);
     let queue = metrics.workqueue.clone();
     queue.init(name);
+    // Present at zero before the first retry, as the other queue series.
+    count(&metrics.queue_retries);
 
     let mut wc = watcher::Config::default().page_size(PAGE_SIZE);
     if let Some(filter) = &config.watch_filter {
