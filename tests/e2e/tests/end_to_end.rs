@@ -871,6 +871,9 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|l| l["message"] == "Finalizer removed")
         .collect();
+    for line in &removed {
+        println!("log: {line}");
+    }
     let cluster = format!("{USER_NS}/e2e");
     let machine = format!("{USER_NS}/e2e-cp-0");
     for (kind, owner_kind, object) in [
