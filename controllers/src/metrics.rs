@@ -20,17 +20,16 @@ const RECONCILE_BUCKETS: &[f64] = &[
 /// - `controller_runtime_active_workers{controller}`
 /// - `controller_runtime_max_concurrent_reconciles{controller}`
 /// - `workqueue_retries_total{name}`: requeues after an error, as controller-runtime counts them
-/// - `workqueue_depth`, `worktriggers_total`, `workqueue_queue_duration_seconds`,
+/// - `workqueue_depth`, `workqueue_adds_total`, `workqueue_queue_duration_seconds`,
 ///   `workqueue_work_duration_seconds`, `workqueue_unfinished_work_seconds`,
 ///   `workqueue_longest_running_processor_seconds` (all `{name}`): kube-runtime's scheduler
-///   measured at its edges, see [`crate::workqueue`] for what each means here.
-/// - `capm_reconcile_triggers_total{name}`: every request for a reconcile, including those
-///   kube-runtime's scheduler folds into one already waiting (`worktriggers_total` does not
+///   measured at its edges (what each means here: the `workqueue` module).
+/// - `capm_reconcile_triggers_total{name}`: every request for a reconcile (watch events, Cluster
+///   API objects' changes, a completed list's, the sync period's, the delivery poller's), including
+///   those kube-runtime's scheduler folds into one already waiting (`workqueue_adds_total` does not
 ///   count those).
 /// - `capm_watch_lists_total{name}`: completed lists of the kind's watch: the first, and one
 ///   per re-list (a watch that could not resume: `410 Gone`, a restarted API server).
-/// - `capm_reconcile_triggers_total` counts, besides watch events, the reconciles a completed
-///   list asks for and those of the sync period.
 /// - `capm_mail_resends_total{controller}`: mails sent again with the same Message-Id because
 ///   an earlier attempt's outcome could not be established.
 /// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
@@ -112,7 +111,7 @@ impl Metrics {
             )?,
             triggers: counter(
                 "capm_reconcile_triggers_total",
-                "Requests for a reconcile (watch events, Cluster API objects' changes, lists, the sync period, delivery wake-ups), including those folded into one already waiting (worktriggers_total does not count those)",
+                "Requests for a reconcile (watch events, Cluster API objects' changes, lists, the sync period, delivery wake-ups), including those folded into one already waiting (workqueue_adds_total does not count those)",
                 &["name"],
             )?,
             queue_retries: counter(

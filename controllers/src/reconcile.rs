@@ -122,6 +122,10 @@ pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Actio
     let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER, &key);
     let span = obj.span();
     let result = reconcile_inner(&*obj, &ctx).instrument(span.clone()).await;
+    if !matches!(&result, Ok(action) if *action != Action::await_change()) {
+        // The error policy records its own requeue; a pass that waits for a change has none.
+        ctx.metrics.workqueue.no_requeue(K::CONTROLLER, &key);
+    }
     if let Err(error) = &result {
         span.in_scope(|| {
             if error.is_wait() || error.is_not_found() {

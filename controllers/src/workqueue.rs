@@ -30,7 +30,8 @@
 //!   reconciler is called and reads "not found"): such a key leaves the queue with a queue
 //!   duration and no work duration.
 //! - Every requeue must go through [`Workqueue::requeue`] (the error policy and
-//!   [`crate::context::Ctx::requeue`] do): kube's `Action` does not tell its delay.
+//!   [`crate::context::Ctx::requeue`] do): kube's `Action` does not tell its delay. A reconcile
+//!   that ends without one cancels what it asked for on the way ([`Workqueue::no_requeue`]).
 //! - Per-key state is capped at [`MAX_KEYS`] per controller and map: past it, a new key is
 //!   counted as an add but not tracked (no depth, no queue duration). A key's state goes when
 //!   its reconcile starts or kube finds it gone.
@@ -226,8 +227,8 @@ impl Workqueue {
         });
     }
 
-    /// `key`'s reconcile asked to run again after `delay` (kube's scheduler keeps the earliest
-    /// time a key is asked for).
+    /// `key`'s reconcile asked to run again after `delay`. The last request of a reconcile
+    /// wins, as only the `Action` it ends with (or its error policy's) reaches kube.
     pub fn requeue(&self, controller: &'static str, key: &str, delay: Duration) {
         self.requeue_at(controller, key, delay, Instant::now());
     }
@@ -236,10 +237,18 @@ impl Workqueue {
         let due = now + delay;
         self.shared.with(controller, now, |q, _| {
             if let Some(at) = q.scheduled.get_mut(key) {
-                *at = (*at).min(due);
+                *at = due;
             } else if q.scheduled.len() < MAX_KEYS {
                 q.scheduled.insert(key.into(), due);
             }
+        });
+    }
+
+    /// `key`'s reconcile ended without a requeue (it failed, or waits for a change): a requeue
+    /// it asked for on the way is not what kube schedules.
+    pub fn no_requeue(&self, controller: &'static str, key: &str) {
+        self.shared.with(controller, Instant::now(), |q, _| {
+            q.scheduled.remove(key);
         });
     }
 
@@ -276,9 +285,9 @@ impl Workqueue {
 
     /// kube found `key` gone from the cache when its turn came: it leaves the queue unreconciled.
     pub fn dropped(&self, controller: &'static str, key: &str) {
-        self.shared.with(controller, Instant::now(), |q, s| {
-            leave(q, s, controller, key, Instant::now());
-        });
+        let now = Instant::now();
+        self.shared
+            .with(controller, now, |q, s| leave(q, s, controller, key, now));
     }
 }
 
@@ -494,6 +503,34 @@ mod tests {
         q.added_at(C, "ns/b", t0 + secs(40));
         assert_eq!(value(&registry, "workqueue_adds_total"), 2.0);
         assert_eq!(value(&registry, "workqueue_depth"), 1.0);
+    }
+
+    #[test]
+    fn a_requeue_asked_for_by_a_pass_that_then_fails_is_not_waited_for() {
+        let (registry, q) = queue();
+        let t0 = Instant::now();
+        let r = q.started_at(C, "ns/a", t0);
+        // The owner recheck asks for 2 s; the status write then fails and the error policy
+        // asks for 5 s: kube runs it at 5 s.
+        q.requeue_at(C, "ns/a", secs(2), t0);
+        q.finished_at(&r, t0);
+        q.no_requeue(C, "ns/a");
+        q.requeue_at(C, "ns/a", secs(5), t0);
+        q.added_at(C, "ns/b", t0 + secs(3));
+        assert_eq!(
+            value(&registry, "workqueue_depth"),
+            1.0,
+            "only ns/b waits at 3 s"
+        );
+        q.added_at(C, "ns/b", t0 + secs(6));
+        assert_eq!(value(&registry, "workqueue_depth"), 2.0);
+        // A permanent error: no requeue at all, nothing comes due.
+        let r = q.started_at(C, "ns/c", t0);
+        q.requeue_at(C, "ns/c", secs(2), t0);
+        q.finished_at(&r, t0);
+        q.no_requeue(C, "ns/c");
+        q.added_at(C, "ns/b", t0 + secs(60));
+        assert_eq!(value(&registry, "workqueue_depth"), 2.0);
     }
 
     #[test]
