@@ -80,7 +80,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let mailer = capm_mailer::build_with_gate(&settings.mailer, Arc::new(leadership.clone()))
         .map_err(mailer_error)
         .context("setting up the mail backend")?;
-    info!(backend = mailer.backend(), "mail backend ready");
+    info!(backend = mailer.backend(), "Mail backend ready");
     let mailer: Arc<dyn Mailer> = Arc::new(InstrumentedMailer::new(mailer, mailer_metrics));
     let webhook_tls = match &settings.webhook {
         Some(hook) => {
@@ -96,10 +96,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
 
     let (open_files, raise_error) = http::raise_open_files_limit();
     if let Some(e) = raise_error {
-        warn!(error = %e, open_files, "could not raise the open files limit to its hard limit");
+        warn!(error = %e, open_files, "Could not raise the open files limit to its hard limit");
     }
     let cap = http::connection_cap(open_files, 3);
-    info!(open_files, connections_per_server = cap, "open files limit");
+    info!(open_files, connections_per_server = cap, "Open files limit");
     let rejected = http::rejected_counter(&registry)?;
     let server = |name, listener, tls, limits| http::Server {
         name,
@@ -243,9 +243,9 @@ async fn watch_api_server(client: kube::Client, reachable: Arc<AtomicBool>) {
         reachable.store(ok, Ordering::Relaxed);
         if was != Some(ok) {
             if ok {
-                info!("the Kubernetes API server is reachable");
+                info!("The Kubernetes API server is reachable");
             } else {
-                warn!("the Kubernetes API server is not reachable");
+                warn!("The Kubernetes API server is not reachable");
             }
             was = Some(ok);
         }
@@ -304,7 +304,7 @@ impl Controllers {
             }
         };
         tokio::pin!(lost);
-        info!("starting the controllers");
+        info!("Starting the controllers");
         let mut task = tokio::spawn(capm_controllers::run(
             self.client,
             self.mailer,
@@ -344,7 +344,7 @@ impl Controllers {
         };
         match finished {
             Ok(Ok(())) if shutdown.is_triggered() => {
-                info!("the controllers stopped");
+                info!("The controllers stopped");
                 Ok(())
             }
             Ok(Ok(())) => Err(anyhow!("the controllers stopped unexpectedly")),
@@ -363,7 +363,7 @@ async fn lead(
 ) -> anyhow::Result<()> {
     info!(
         identity = elector.identity(),
-        "waiting to become the leader"
+        "Waiting to become the leader"
     );
     if !elector.acquire(shutdown.clone()).await {
         return Ok(());
@@ -374,17 +374,17 @@ async fn lead(
     tokio::pin!(running);
     let result = tokio::select! {
         lost = elector.hold() => {
-            error!(reason = %lost, "lost the leader Lease; aborting the controllers");
+            error!(reason = %lost, "Lost the leader Lease; aborting the controllers");
             lost_tx.send_replace(true);
             if tokio::time::timeout(timeout, running).await.is_err() {
-                warn!("the controllers did not stop within the shutdown timeout");
+                warn!("The controllers did not stop within the shutdown timeout");
             }
             return Err(anyhow!("leader election lost: {lost}"));
         }
         result = &mut running => result,
     };
     if let Err(e) = elector.release().await {
-        warn!(error = %e, "could not release the leader Lease; it expires by itself");
+        warn!(error = %e, "Could not release the leader Lease; it expires by itself");
     }
     result
 }

@@ -193,7 +193,7 @@ impl Authorizer {
                     verdict
                 }
                 Err(e) => {
-                    warn!(error = %e, "could not review a diagnostics request with the API server");
+                    warn!(error = %e, "Could not review a diagnostics request with the API server");
                     return Err(text(
                         StatusCode::INTERNAL_SERVER_ERROR,
                         "Authorization failed: the API server did not answer\n",
@@ -205,7 +205,7 @@ impl Authorizer {
             Verdict::Allowed => Ok(()),
             Verdict::Unauthenticated => Err(unauthorized()),
             Verdict::Forbidden(user) => {
-                debug!(%user, %verb, %path, "diagnostics request forbidden");
+                debug!(%user, %verb, %path, "Diagnostics request forbidden");
                 Err(text(
                     StatusCode::FORBIDDEN,
                     format!("Forbidden: user {user:?} may not {verb} {path}\n"),

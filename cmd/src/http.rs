@@ -271,7 +271,7 @@ pub async fn bind(what: &str, address: SocketAddr) -> anyhow::Result<TcpListener
     let listener = TcpListener::bind(address)
         .await
         .map_err(|e| anyhow::anyhow!("binding the {what} address {address}: {e}"))?;
-    info!(%address, "serving {what}");
+    info!(%address, "Serving {what}");
     Ok(listener)
 }
 
@@ -295,7 +295,7 @@ where
     tokio::select! {
         result = conn.as_mut() => {
             if let Err(e) = result {
-                debug!(error = %e, "connection ended with an error");
+                debug!(error = %e, "Connection ended with an error");
             }
         }
         () = shutdown.wait() => {
@@ -340,7 +340,7 @@ where
                 accepted = listener.accept() => match accepted {
                     Ok(pair) => pair,
                     Err(e) => {
-                        warn!(error = %e, "accept failed");
+                        warn!(error = %e, "Accept failed");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }

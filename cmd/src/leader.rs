@@ -170,7 +170,7 @@ impl Elector {
             if unchanged_since.elapsed() < valid_for {
                 return Ok(Round::HeldBy(other.clone()));
             }
-            info!(previous = %other, "the Lease expired; taking it over");
+            info!(previous = %other, "The Lease expired; taking it over");
         }
         let transitions = spec.lease_transitions.unwrap_or(0);
         lease.spec = Some(LeaseSpec {
@@ -208,17 +208,17 @@ impl Elector {
                 Ok(Round::Held) => {
                     self.leadership.renewed(started.into_std());
                     self.gauge.set(1);
-                    info!(identity = %self.identity, lease = %self.params.name, "acquired the leader Lease");
+                    info!(identity = %self.identity, lease = %self.params.name, "Acquired the leader Lease");
                     return true;
                 }
                 Ok(Round::HeldBy(holder)) => {
                     if last_holder.as_ref() != Some(&holder) {
-                        info!(%holder, "another replica leads; standing by");
+                        info!(%holder, "Another replica leads; standing by");
                         last_holder = Some(holder);
                     }
                 }
-                Ok(Round::Conflict) => debug!("conflict while acquiring the Lease"),
-                Err(e) => warn!(error = %e, "could not acquire the leader Lease"),
+                Ok(Round::Conflict) => debug!("Conflict while acquiring the Lease"),
+                Err(e) => warn!(error = %e, "Could not acquire the leader Lease"),
             }
             // Jitter as client-go (up to 1.2 x the retry period) so candidates spread out.
             let jitter = self
@@ -252,9 +252,9 @@ impl Elector {
                     self.gauge.set(0);
                     return Lost::TakenBy(holder);
                 }
-                Ok(Ok(Round::Conflict)) => debug!("conflict while renewing the Lease"),
+                Ok(Ok(Round::Conflict)) => debug!("Conflict while renewing the Lease"),
                 Ok(Err(e)) => {
-                    warn!(error = %e, "could not renew the leader Lease");
+                    warn!(error = %e, "Could not renew the leader Lease");
                     last_error = Some(e.to_string());
                 }
                 Err(_) => {}
@@ -294,7 +294,7 @@ impl Elector {
         self.api
             .replace(&self.params.name, &PostParams::default(), &lease)
             .await?;
-        info!(identity = %self.identity, lease = %self.params.name, "released the leader Lease");
+        info!(identity = %self.identity, lease = %self.params.name, "Released the leader Lease");
         Ok(())
     }
 }

@@ -13,6 +13,7 @@ mod client_metrics;
 mod diagnostics;
 mod http;
 mod leader;
+mod logging;
 mod settings;
 mod shutdown;
 mod tls;
@@ -21,22 +22,9 @@ use std::{process::ExitCode, time::Duration};
 
 use clap::CommandFactory;
 
-use settings::{Args, LogFormat, Settings, SettingsError, process_env};
+use settings::{Args, Settings, SettingsError, process_env};
 
 const NAME: &str = "cluster-api-provider-mailgun";
-
-fn init_logging(settings: &Settings) {
-    // Validated while resolving the settings; `info` is a safe fallback all the same.
-    let filter = tracing_subscriber::EnvFilter::try_new(&settings.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match settings.log_format {
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-        LogFormat::Text => builder.init(),
-    }
-}
 
 fn main() -> ExitCode {
     let argv: Vec<_> = std::env::args_os().collect();
@@ -49,7 +37,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    init_logging(&settings);
+    logging::init(&settings);
     // One thread: reconciles wait on the API server and the mail backend (about 1 ms of CPU per
     // object in `make bench`), so more workers buy nothing and each costs a stack and a malloc
     // arena. The scheduler that runs tasks on the thread that drives the runtime is also the

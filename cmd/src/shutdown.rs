@@ -51,13 +51,13 @@ impl Shutdown {
                 _ = term.recv() => "SIGTERM",
                 _ = int.recv() => "SIGINT",
             };
-            info!(signal = name, "shutting down");
+            info!(signal = name, "Shutting down");
             this.trigger();
             tokio::select! {
                 _ = term.recv() => {},
                 _ = int.recv() => {},
             }
-            warn!("second signal: exiting immediately");
+            warn!("Second signal: exiting immediately");
             std::process::exit(1);
         });
         Ok(())

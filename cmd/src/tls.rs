@@ -126,13 +126,13 @@ impl ReloadingCert {
         match stamp([&self.cert, &self.key]) {
             Ok(now) if now != guard.0 => match load(&self.cert, &self.key, &self.provider) {
                 Ok(pair) => {
-                    info!(cert = %self.cert.display(), "reloaded a serving certificate");
+                    info!(cert = %self.cert.display(), "Reloaded a serving certificate");
                     *guard = (now, Arc::new(pair));
                 }
-                Err(e) => warn!(error = %e, "keeping the previous serving certificate"),
+                Err(e) => warn!(error = %e, "Keeping the previous serving certificate"),
             },
             Ok(_) => {}
-            Err(e) => warn!(error = %e, "keeping the previous serving certificate"),
+            Err(e) => warn!(error = %e, "Keeping the previous serving certificate"),
         }
         Some(guard.1.clone())
     }

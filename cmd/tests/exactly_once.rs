@@ -215,7 +215,7 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(
     if failpoint.starts_with("before-commit") {
         let log = old.stderr_log();
         assert!(
-            log.contains("abandoned the send before its commit point"),
+            log.contains("Abandoned the send before its commit point"),
             "the old leader says it abandoned the send: {log}"
         );
     }

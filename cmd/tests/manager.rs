@@ -321,7 +321,7 @@ async fn one_leader_hands_over_on_sigterm() {
     assert!(
         managers[leader]
             .logs()
-            .contains("released the leader Lease"),
+            .contains("Released the leader Lease"),
         "{}",
         managers[leader].logs()
     );

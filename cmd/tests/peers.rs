@@ -411,7 +411,7 @@ async fn a_hostile_mailgun_is_read_with_bounds_and_shown_clean() {
             if let Some(line) = log
                 .lines()
                 .skip(lines_before)
-                .find(|l| l.contains("could not ask about deliveries"))
+                .find(|l| l.contains("Could not ask about deliveries"))
             {
                 break line.to_owned();
             }

@@ -4,16 +4,18 @@
 use std::{sync::Arc, time::Duration};
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
-use kube::Client;
+use kube::{Client, ResourceExt, runtime::controller::Action};
 use tokio::sync::watch;
 
 use crate::{
     Config, Leadership, Metrics,
     capi::Owners,
     events::Events,
+    kinds::InfraKind,
     memory::Memory,
     poller::{Poller, Timings},
     sendonce::decide::Withheld,
+    workqueue,
 };
 
 /// The field manager of every write to our objects, so `managedFields` (and whoever audits
@@ -255,7 +257,7 @@ impl Ctx {
                 Ok(true)
             ) {
                 tracing::warn!(
-                    "the Cluster API caches have not finished their first list after \
+                    "The Cluster API caches have not finished their first list after \
                      {OWNER_CACHES_WAIT:?}; owners are judged from what they hold so far"
                 );
             }
@@ -272,8 +274,19 @@ impl Ctx {
             .await
             .is_err()
         {
-            tracing::debug!("owner caches not listed after {OWNER_CACHES_WAIT:?}; going on");
+            tracing::debug!("Owner caches not listed after {OWNER_CACHES_WAIT:?}; going on");
         }
+    }
+
+    /// `Action::requeue(delay)` for `obj`, recorded for the `workqueue_*` series (kube's
+    /// `Action` does not tell its delay afterwards). Every requeue goes through here.
+    pub fn requeue<K: InfraKind>(&self, obj: &K, delay: Duration) -> Action {
+        self.metrics.workqueue.requeue(
+            K::CONTROLLER,
+            &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
+            delay,
+        );
+        Action::requeue(delay)
     }
 
     /// The delay before retrying the object `uid` after `error`: exponential per object

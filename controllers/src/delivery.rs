@@ -93,7 +93,7 @@ pub(crate) async fn track<K: InfraKind>(
                 Ok(route) => (route.mailer, route.poller),
                 Err(error) => {
                     // Not final: the identity may be fixed; the next pass asks again.
-                    debug!(kind = K::KIND, name = %obj.name_any(), identity, %error, "the identity of a sent mail cannot be asked about its delivery now");
+                    debug!(identity, %error, "The identity of a sent mail cannot be asked about its delivery now");
                     if status.condition(conditions::MAIL_DELIVERED).is_none() {
                         let backend = ctx.mailer.backend();
                         show(obj, ctx, backend, status, &pending()).await;
@@ -161,7 +161,7 @@ pub(crate) async fn track<K: InfraKind>(
     let id = match MessageId::parse(message_id) {
         Ok(id) => id,
         Err(error) => {
-            warn!(kind = K::KIND, name = %obj.name_any(), %error, "the recorded Message-Id cannot be asked about");
+            warn!(%error, "The recorded Message-Id cannot be asked about");
             return;
         }
     };
@@ -270,7 +270,10 @@ async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, backend: &str, status: &mut Stat
             .inc();
     }
     if shown.reason == reasons::DELIVERY_FAILED || shown.reason == reasons::PARTLY_DELIVERED {
-        warn!(kind = K::KIND, name = %obj.name_any(), reason = shown.reason, "the request mail could not be delivered to every recipient; not resent");
+        warn!(
+            reason = shown.reason,
+            "The request mail could not be delivered to every recipient; not resent"
+        );
         publish(
             ctx,
             obj,

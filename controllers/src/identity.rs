@@ -137,7 +137,7 @@ impl Identities {
                         tracing::debug!(
                             namespace,
                             cluster,
-                            "the Cluster's MailgunCluster is not found; the machine's mails use the provider's own configuration"
+                            "The Cluster's MailgunCluster is not found; the machine's mails use the provider's own configuration"
                         );
                         Ok(None)
                     }

@@ -12,8 +12,9 @@ use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    capi::{Cluster, ContractRef, Machine, Owners},
+    capi::{self, Cluster, ContractRef, Machine, Owners},
     status::Status,
+    workqueue,
 };
 
 /// Why a request cannot be mailed yet.
@@ -99,6 +100,27 @@ pub trait InfraKind:
     fn deletion_mail(&self) -> MailText;
     /// The mail identity the object wants now (`spec.identityRef`; a machine: its Cluster's).
     fn wanted_identity(&self, owners: &Owners) -> Wanted;
+
+    /// A span naming the object `key` (`namespace/name`) the way Cluster API's logs do: the
+    /// kind as the key (`MailgunCluster="ns/name"`), with the `controller`, and `Cluster` (and
+    /// `Machine`) left to record. At ERROR level so that no level filter drops it: the events
+    /// inside would lose the object's name.
+    fn log_span(key: &str) -> tracing::Span;
+
+    /// [`Self::log_span`] for this object, its owner and its `Cluster` recorded as far as the
+    /// object names them (ownerReference, `cluster.x-k8s.io/cluster-name` label).
+    fn span(&self) -> tracing::Span {
+        let namespace = self.namespace();
+        let key = |name: &str| workqueue::key(namespace.as_deref(), name);
+        let span = Self::log_span(&key(&self.name_any()));
+        if let Some(owner) = capi::owner(self.owner_references(), Self::OWNER_KIND) {
+            span.record(Self::OWNER_KIND, key(&owner.name).as_str());
+        }
+        if let Some(cluster) = self.labels().get(names::CLUSTER_NAME_LABEL) {
+            span.record("Cluster", key(cluster).as_str());
+        }
+        span
+    }
 }
 
 fn refers_to(reference: Option<&ContractRef>, kind: &str, obj: &impl ResourceExt) -> bool {
@@ -123,6 +145,15 @@ impl InfraKind for MailgunCluster {
     const OWNER_KIND: &'static str = "Cluster";
     const CACHED_LABELS: &'static [&'static str] = &[];
     type Owner = Cluster;
+
+    fn log_span(key: &str) -> tracing::Span {
+        tracing::error_span!(
+            "reconcile",
+            controller = Self::CONTROLLER,
+            MailgunCluster = key,
+            Cluster = tracing::field::Empty,
+        )
+    }
 
     fn shared_status(&self) -> Status {
         self.status
@@ -204,6 +235,16 @@ impl InfraKind for MailgunMachine {
     /// The `Cluster` → `MailgunMachine` mapping selects by this label.
     const CACHED_LABELS: &'static [&'static str] = &[names::CLUSTER_NAME_LABEL];
     type Owner = Machine;
+
+    fn log_span(key: &str) -> tracing::Span {
+        tracing::error_span!(
+            "reconcile",
+            controller = Self::CONTROLLER,
+            MailgunMachine = key,
+            Machine = tracing::field::Empty,
+            Cluster = tracing::field::Empty,
+        )
+    }
 
     fn shared_status(&self) -> Status {
         self.status
@@ -387,5 +428,77 @@ mod tests {
         let taken = mgm.shared_status();
         assert_eq!(taken, typed);
         assert!(taken.addresses.is_some());
+    }
+
+    /// What a text-format log line inside `span` reads (tracing-subscriber's default format).
+    fn text_line(span: impl FnOnce() -> tracing::Span) -> String {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            span().in_scope(|| tracing::info!("Finalizer removed"));
+        });
+        let bytes = buffer.0.lock().map(|b| b.clone()).unwrap_or_default();
+        String::from_utf8(bytes).unwrap_or_default()
+    }
+
+    fn owned_by(kind: &str, name: &str) -> serde_json::Value {
+        serde_json::json!([{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": kind, "name": name, "uid": "u",
+        }])
+    }
+
+    #[test]
+    fn a_reconcile_span_names_the_object_and_its_owners_the_cluster_api_way() {
+        let spec = serde_json::json!({
+            "priority": "Urgent", "request": "r", "requester": "a@example.com",
+        });
+        let mut mgm = MailgunMachine::new("m-0", serde_json::from_value(spec.clone()).unwrap());
+        mgm.metadata.namespace = Some("team-a".into());
+        mgm.metadata.owner_references = serde_json::from_value(owned_by("Machine", "m-0")).ok();
+        mgm.metadata.labels = Some([(names::CLUSTER_NAME_LABEL.into(), "c".into())].into());
+        let line = text_line(|| mgm.span());
+        for expected in [
+            r#"controller="mailgunmachine""#,
+            r#"MailgunMachine="team-a/m-0""#,
+            r#"Machine="team-a/m-0""#,
+            r#"Cluster="team-a/c""#,
+            ": Finalizer removed",
+        ] {
+            assert!(line.contains(expected), "{expected} not in {line}");
+        }
+
+        let mut mgc = MailgunCluster::new("c", serde_json::from_value(spec).unwrap());
+        mgc.metadata.namespace = Some("team-a".into());
+        mgc.metadata.owner_references = serde_json::from_value(owned_by("Cluster", "c")).ok();
+        let line = text_line(|| mgc.span());
+        assert!(
+            line.contains(r#"MailgunCluster="team-a/c" Cluster="team-a/c""#),
+            "{line}"
+        );
+        // Not owned yet: the owner key is left out rather than empty.
+        mgc.metadata.owner_references = None;
+        let line = text_line(|| mgc.span());
+        assert!(
+            line.contains(r#"reconcile{controller="mailguncluster" MailgunCluster="team-a/c"}"#),
+            "{line}"
+        );
     }
 }

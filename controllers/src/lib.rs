@@ -11,7 +11,8 @@
 //!
 //! The modules, each importing only those listed before it (`make lint` checks it):
 //! - what the provider reads and how it reports: [`capi`] (Cluster API's objects), `kinds` (what
-//!   differs between our two kinds), `status`, `events`, [`Metrics`], [`Config`];
+//!   differs between our two kinds), `status`, `events`, `workqueue` (controller-runtime's queue
+//!   series for kube-runtime's scheduler), [`Metrics`], [`Config`];
 //! - process state: [`Leadership`] (may this replica act), `memory` (per-object memory, by UID),
 //!   `poller` (delivery questions), `identity` (the tenants' mail backends), `context` (what every
 //!   reconcile shares);
@@ -35,6 +36,7 @@ mod poller;
 mod reconcile;
 pub mod sendonce;
 mod status;
+mod workqueue;
 
 pub use config::{Config, Error};
 pub use leadership::Leadership;

@@ -2,6 +2,8 @@
 
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
+use crate::workqueue::Workqueue;
+
 /// Reconcile-time buckets (seconds), as controller-runtime's.
 const RECONCILE_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9,
@@ -18,13 +20,16 @@ const RECONCILE_BUCKETS: &[f64] = &[
 /// - `controller_runtime_active_workers{controller}`
 /// - `controller_runtime_max_concurrent_reconciles{controller}`
 /// - `workqueue_retries_total{name}`: requeues after an error, as controller-runtime counts them
-/// - `capm_reconcile_triggers_total{name}`: watch events that asked for a reconcile. Not
-///   `workqueue_adds_total`: kube-runtime does not expose its queue, and its scheduler folds
-///   requests for an object already waiting, which this count includes.
+/// - `workqueue_depth`, `workqueue_adds_total`, `workqueue_queue_duration_seconds`,
+///   `workqueue_work_duration_seconds`, `workqueue_unfinished_work_seconds`,
+///   `workqueue_longest_running_processor_seconds` (all `{name}`): kube-runtime's scheduler
+///   measured at its edges (what each means here: the `workqueue` module).
+/// - `capm_reconcile_triggers_total{name}`: every request for a reconcile (watch events, Cluster
+///   API objects' changes, a completed list's, the sync period's, the delivery poller's), including
+///   those kube-runtime's scheduler folds into one already waiting (`workqueue_adds_total` does not
+///   count those).
 /// - `capm_watch_lists_total{name}`: completed lists of the kind's watch: the first, and one
 ///   per re-list (a watch that could not resume: `410 Gone`, a restarted API server).
-/// - `capm_reconcile_triggers_total` counts, besides watch events, the reconciles a completed
-///   list asks for and those of the sync period.
 /// - `capm_mail_resends_total{controller}`: mails sent again with the same Message-Id because
 ///   an earlier attempt's outcome could not be established.
 /// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
@@ -46,7 +51,7 @@ pub struct Metrics {
     pub(crate) reconcile_time: HistogramVec,
     pub(crate) active_workers: IntGaugeVec,
     pub(crate) max_concurrent: IntGaugeVec,
-    pub(crate) queue_adds: IntCounterVec,
+    pub(crate) triggers: IntCounterVec,
     pub(crate) queue_retries: IntCounterVec,
     pub(crate) lists: IntCounterVec,
     pub(crate) resends: IntCounterVec,
@@ -54,6 +59,7 @@ pub struct Metrics {
     pub(crate) orphan_releases: IntCounterVec,
     pub(crate) delivery: IntCounterVec,
     pub(crate) abandoned: IntCounterVec,
+    pub(crate) workqueue: Workqueue,
 }
 
 impl Metrics {
@@ -83,6 +89,7 @@ impl Metrics {
         )?;
         registry.register(Box::new(reconcile_time.clone()))?;
         Ok(Self {
+            workqueue: Workqueue::register(registry)?,
             reconcile_total: counter(
                 "controller_runtime_reconcile_total",
                 "Total number of reconciliations per controller",
@@ -102,9 +109,9 @@ impl Metrics {
                 "controller_runtime_max_concurrent_reconciles",
                 "Maximum number of concurrent reconciles per controller",
             )?,
-            queue_adds: counter(
+            triggers: counter(
                 "capm_reconcile_triggers_total",
-                "Watch events that asked for a reconcile, before kube-runtime's scheduler folds requests for the same object (so not workqueue_adds_total)",
+                "Requests for a reconcile (watch events, Cluster API objects' changes, lists, the sync period, delivery wake-ups), including those folded into one already waiting (workqueue_adds_total does not count those)",
                 &["name"],
             )?,
             queue_retries: counter(

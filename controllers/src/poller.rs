@@ -360,7 +360,7 @@ impl Poller {
                 }
             }
             Err(error) => {
-                debug!(%error, mails = batch.len(), "could not ask about deliveries");
+                debug!(%error, mails = batch.len(), "Could not ask about deliveries");
                 if let Some(wait) = error.retry_after() {
                     // The backend's rate limit is the account's: every question waits.
                     state.paused_until = Some(now + wait);

@@ -15,7 +15,7 @@ use capm_api::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
-use tracing::{debug, info};
+use tracing::{Instrument, debug, info, warn};
 
 use crate::{
     capi,
@@ -30,6 +30,7 @@ use crate::{
         records::IntentState,
     },
     status::{Readiness, Status},
+    workqueue::{self, Running},
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
@@ -76,10 +77,12 @@ struct MetricsGuard<'a> {
     controller: &'static str,
     started: Instant,
     result: &'static str,
+    /// This reconcile in the `workqueue_*` bookkeeping.
+    running: Running,
 }
 
 impl<'a> MetricsGuard<'a> {
-    fn start(ctx: &'a Ctx, controller: &'static str) -> Self {
+    fn start(ctx: &'a Ctx, controller: &'static str, key: &str) -> Self {
         ctx.metrics
             .active_workers
             .with_label_values(&[controller])
@@ -89,6 +92,7 @@ impl<'a> MetricsGuard<'a> {
             controller,
             started: Instant::now(),
             result: "cancelled",
+            running: ctx.metrics.workqueue.started(controller, key),
         }
     }
 }
@@ -96,6 +100,7 @@ impl<'a> MetricsGuard<'a> {
 impl Drop for MetricsGuard<'_> {
     fn drop(&mut self) {
         let m = &self.ctx.metrics;
+        m.workqueue.finished(&self.running);
         m.active_workers.with_label_values(&[self.controller]).dec();
         m.reconcile_time
             .with_label_values(&[self.controller])
@@ -113,8 +118,23 @@ impl Drop for MetricsGuard<'_> {
 
 /// One reconcile of `obj`, with metrics around it.
 pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
-    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER);
-    let result = reconcile_inner(&*obj, &ctx).await;
+    let key = workqueue::key(obj.namespace().as_deref(), &obj.name_any());
+    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER, &key);
+    let span = obj.span();
+    let result = reconcile_inner(&*obj, &ctx).instrument(span.clone()).await;
+    if !matches!(&result, Ok(action) if *action != Action::await_change()) {
+        // The error policy records its own requeue; a pass that waits for a change has none.
+        ctx.metrics.workqueue.no_requeue(K::CONTROLLER, &key);
+    }
+    if let Err(error) = &result {
+        span.in_scope(|| {
+            if error.is_wait() || error.is_not_found() {
+                debug!(%error, "Reconcile waits");
+            } else {
+                warn!(%error, "Reconcile failed");
+            }
+        });
+    }
     guard.result = match &result {
         Ok(_) => "success",
         Err(e) => e.metric_label(),
@@ -131,8 +151,8 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     if ctx.memory.is_stale(&uid, obj.resource_version().as_deref()) {
         // Our own newer write is on its way to the cache (or the object is gone); its event
         // triggers the next pass.
-        debug!(kind = K::KIND, name = %obj.name_any(), resource_version = ?obj.resource_version(),
-            "the cached copy predates this process's last write (or the object is gone): waiting for the newer one");
+        debug!(resource_version = ?obj.resource_version(),
+            "The cached copy predates this process's last write (or the object is gone): waiting for the newer one");
         return Ok(Action::await_change());
     }
     // An owner missing from a cache that has not finished its first list is not missing.
@@ -145,7 +165,7 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     let managed_elsewhere = obj.annotations().contains_key(names::MANAGED_BY_ANNOTATION);
     if managed_elsewhere && !(deleting && has_finalizer) {
         // Someone else manages it; but our own finalizer, if we ever set it, is ours to release.
-        debug!(kind = K::KIND, name = %obj.name_any(), "managed by another controller: nothing to do");
+        debug!("Managed by another controller: nothing to do");
         return Ok(Action::await_change());
     }
     let original = obj.shared_status();
@@ -272,7 +292,7 @@ async fn steps<K: InfraKind>(
         Owner::NotSeen(message) => {
             report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass {
-                action: Action::requeue(OWNER_RECHECK),
+                action: ctx.requeue(obj, OWNER_RECHECK),
                 gone: false,
             });
         }
@@ -391,7 +411,7 @@ async fn reconcile_normal<K: InfraKind>(
     strip_foreign_release_records(obj, ctx, &mut tracked).await?;
     let found = read_records(&tracked.annotations, K::KIND, Which::Request);
     for (key, why) in &found.ignored {
-        debug!(kind = K::KIND, name = %obj.name_any(), key, %why, "ignoring an annotation this provider did not write");
+        debug!(key, %why, "Ignoring an annotation this provider did not write");
     }
     let status = &mut report.status;
     let wanted = obj.wanted_identity(&ctx.owners);
@@ -576,7 +596,7 @@ async fn reconcile_delete<K: InfraKind>(
         .intent
         .is_some_and(|i| i.state == IntentState::Refused)
     {
-        debug!(kind = K::KIND, name = %obj.name_any(), "the request was never accepted: no release mail");
+        debug!("The request was never accepted: no release mail");
     }
     let remaining: Vec<String> = tracked
         .finalizers
@@ -596,9 +616,9 @@ async fn reconcile_delete<K: InfraKind>(
         )
         .await
     {
-        Ok(_) => info!(kind = K::KIND, name = %obj.name_any(), "finalizer removed"),
+        Ok(_) => info!("Finalizer removed"),
         Err(kube::Error::Api(s)) if s.code == 404 => {
-            debug!(kind = K::KIND, name = %obj.name_any(), "already gone");
+            debug!("Already gone");
         }
         Err(e) => return Err(ReconcileError::from_write("removing the finalizer")(e)),
     }

@@ -39,6 +39,7 @@ use crate::{
     events::Events,
     kinds::InfraKind,
     reconcile::reconcile,
+    workqueue::{self, Workqueue},
 };
 
 /// Page size of lists: small pages keep the peak memory of a large list low.
@@ -262,9 +263,9 @@ pub async fn run(
     let owners = caches.drive(client, config.clone(), shutdown.clone());
     let poller = ctx.poller.clone().run(shutdown.clone());
     info!(namespace = ?config.namespace, watch_filter = ?config.watch_filter,
-        concurrency = config.concurrency, sync_period = ?config.sync_period, "controllers started");
+        concurrency = config.concurrency, sync_period = ?config.sync_period, "Controllers started");
     tokio::join!(clusters, machines, owners, poller);
-    info!("controllers stopped");
+    info!("Controllers stopped");
     Ok(())
 }
 
@@ -282,6 +283,10 @@ fn controller<K: Pipelined>(
         .with_label_values(&[name])
         .set(i64::from(config.concurrency));
     let count = |counter: &prometheus::IntCounterVec| counter.with_label_values(&[name]);
+    let queue = metrics.workqueue.clone();
+    queue.init(name);
+    // Present at zero before the first retry, as the other queue series.
+    count(&metrics.queue_retries);
 
     let mut wc = watcher::Config::default().page_size(PAGE_SIZE);
     if let Some(filter) = &config.watch_filter {
@@ -297,7 +302,8 @@ fn controller<K: Pipelined>(
     // An object whose reconciles failed while the API server was away (a partition, a restart)
     // would otherwise wait out the retry delay it built up, unchanged and so not asked for.
     .retrying(move |uid| retrying.memory.has_failures(uid));
-    let (adds, lists_done) = (count(&metrics.queue_adds), count(&metrics.lists));
+    let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
+    let own_queue = queue.clone();
     let own = watcher::watcher(scoped::<K>(&ctx.client, config), wc)
         .backoff(watch_backoff())
         .modify(trim::ours::<K>)
@@ -310,6 +316,10 @@ fn controller<K: Pipelined>(
                     }
                     after_lists.on_event(event).map(|obj| {
                         adds.inc();
+                        own_queue.added(
+                            name,
+                            &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
+                        );
                         Ok(obj)
                     })
                 }
@@ -325,8 +335,12 @@ fn controller<K: Pipelined>(
         .take_wakes::<K>()
         .ok_or_else(|| Error::Config("the delivery poller's wake-ups were taken twice".into()))?;
     triggers.push(wakes.boxed());
-    let adds = count(&metrics.queue_adds);
-    let triggers = futures::stream::select_all(triggers).inspect(move |_| adds.inc());
+    let adds = count(&metrics.triggers);
+    let trigger_queue = queue.clone();
+    let triggers = futures::stream::select_all(triggers).inspect(move |obj| {
+        adds.inc();
+        trigger_queue.added(name, &workqueue::key(obj.namespace.as_deref(), &obj.name));
+    });
 
     let abort = abort_if_never_ready(shutdown.clone(), store.clone());
     Ok(Controller::for_stream(own, store)
@@ -335,31 +349,29 @@ fn controller<K: Pipelined>(
         .graceful_shutdown_on(shutdown)
         .run(reconcile::<K>, error_policy::<K>, Arc::clone(ctx))
         .take_until(abort)
-        .for_each(|result| {
-            log_result(K::CONTROLLER, result);
+        .for_each(move |result| {
+            log_result(K::CONTROLLER, &queue, result);
             future::ready(())
         }))
 }
 
 fn log_result<K: InfraKind>(
-    controller: &str,
+    controller: &'static str,
+    queue: &Workqueue,
     result: Result<(ObjectRef<K>, Action), controller::Error<ReconcileError, watcher::Error>>,
 ) {
     match result {
-        Ok(_) => {}
-        Err(controller::Error::ReconcilerFailed(error, obj)) => {
-            if error.is_wait() || error.is_not_found() {
-                debug!(controller, object = %obj, %error, "reconcile waits");
-            } else {
-                warn!(controller, object = %obj, %error, "reconcile failed");
-            }
-        }
+        // Logged by `reconcile`, in the object's span.
+        Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
         // Deleted (or moved) between its trigger and its turn; or, during a re-list, not in
         // the store yet: the list's end asks for it again (`lists`).
         Err(controller::Error::ObjectNotFound(obj)) => {
-            debug!(controller, object = %obj, "object not in the cache at its reconcile");
+            let key = workqueue::key(obj.namespace.as_deref(), &obj.name);
+            queue.dropped(controller, &key);
+            let _object = K::log_span(&key).entered();
+            debug!("Object not in the cache at its reconcile");
         }
-        Err(error) => warn!(controller, %error, "controller error"),
+        Err(error) => warn!(controller, %error, "Controller error"),
     }
 }
 
@@ -373,7 +385,7 @@ fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>
         .queue_retries
         .with_label_values(&[K::CONTROLLER])
         .inc();
-    Action::requeue(delay)
+    ctx.requeue(&*obj, delay)
 }
 
 /// Resolves when `shutdown` has resolved while `store` never became ready: kube's applier holds

@@ -49,7 +49,7 @@ async fn recorded_route(
         {
             info!(
                 identity = recorded,
-                "the identity a mail's record names is gone; using the object's current one"
+                "The identity a mail's record names is gone; using the object's current one"
             );
             current_route(ctx, wanted, namespace).await
         }
@@ -254,7 +254,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             .map(|i| i.message_id.clone())
             .unwrap_or_else(|| which.message_id(K::KIND, &uid, &ctx.config.message_id_domain));
         let step = decide(&facts);
-        debug!(kind = K::KIND, name = %obj.name_any(), mail = which.label(), ?step, "send-once step");
+        debug!(mail = which.label(), ?step, "Send-once step");
         match step {
             Step::Done => {
                 let sent = found.sent.unwrap_or_else(|| Sent {
@@ -321,7 +321,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 );
             }
             Step::RecordFound => {
-                info!(kind = K::KIND, name = %obj.name_any(), %id, "the backend already accepted the pending mail");
+                info!(%id, "The backend already accepted the pending mail");
                 ctx.memory.clear_mail(&uid, which);
                 let identity = found.intent.as_ref().and_then(|i| i.identity.clone());
                 let sent = Sent {
@@ -347,7 +347,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                     .resends
                     .with_label_values(&[K::CONTROLLER])
                     .inc();
-                warn!(kind = K::KIND, name = %obj.name_any(), %id, "sending again with the same Message-Id: the earlier outcome is unknown");
+                warn!(%id, "Sending again with the same Message-Id: the earlier outcome is unknown");
                 // Through the backend of the attempt whose outcome is unknown.
                 let recorded = found.intent.as_ref().and_then(|i| i.identity.as_deref());
                 let route = recorded_route(ctx, recorded, wanted, &namespace).await?;
@@ -421,7 +421,7 @@ async fn write_intent<K: InfraKind>(
         metadata["finalizers"] = json!(finalizers);
     }
     if let Some(generation) = rearm {
-        debug!(kind = K::KIND, name = %obj.name_any(), generation, "re-arming a refused intent");
+        debug!(generation, "Re-arming a refused intent");
     }
     patch_metadata(obj, ctx, tracked, metadata, "recording the mail intent").await
 }
@@ -510,7 +510,7 @@ async fn send<K: InfraKind>(
             // `sending` for the replica that leads now (it waits out the hand-over, then looks
             // the mail up or sends it). Nothing else may be written from here.
             ctx.metrics.abandoned.with_label_values(&[backend]).inc();
-            info!(kind = K::KIND, name = %obj.name_any(), namespace = %obj.namespace().unwrap_or_default(), which = which.label(), %reason, "abandoned the send before its commit point");
+            info!(which = which.label(), %reason, "Abandoned the send before its commit point");
             Err(ReconcileError::Withheld(Withheld::NotLeading))
         }
         Err(error) => {
@@ -555,7 +555,7 @@ async fn mark_refused<K: InfraKind>(obj: &K, ctx: &Ctx, tracked: &mut Tracked, w
         "annotations": record_patch(tracked, which, records::intent_value(&intent)),
     });
     if let Err(error) = patch_metadata(obj, ctx, tracked, metadata, "recording the refusal").await {
-        debug!(kind = K::KIND, name = %obj.name_any(), %error, "could not record the refusal; the intent stays 'sending'");
+        debug!(%error, "Could not record the refusal; the intent stays 'sending'");
     }
 }
 
@@ -574,7 +574,7 @@ async fn vanished_after_send<K: InfraKind>(
         let uid = obj.uid().unwrap_or_default();
         let id = Which::Deletion.message_id(K::KIND, &uid, &ctx.config.message_id_domain);
         let text = obj.deletion_mail();
-        info!(kind = K::KIND, name = %obj.name_any(), "the object vanished right after its request went out; sending its release");
+        info!("The object vanished right after its request went out; sending its release");
         let mut delay = Duration::from_millis(500);
         for attempt in 1..=4 {
             if !ctx.leadership.may_act() {
@@ -598,11 +598,11 @@ async fn vanished_after_send<K: InfraKind>(
                 }
                 Err(MailError::Abandoned { backend, reason }) => {
                     ctx.metrics.abandoned.with_label_values(&[backend]).inc();
-                    info!(kind = K::KIND, name = %obj.name_any(), %reason, "abandoned the release of a vanished object before its commit point");
+                    info!(%reason, "Abandoned the release of a vanished object before its commit point");
                     break;
                 }
                 Err(e) => {
-                    warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "the release of a vanished object could not be sent");
+                    warn!(error = %e, "The release of a vanished object could not be sent");
                     break;
                 }
             }
@@ -675,6 +675,6 @@ pub(crate) async fn publish<K: InfraKind>(
         .publish(&obj.object_ref(&()), type_, reason, note)
         .await
     {
-        warn!(kind = K::KIND, name = %obj.name_any(), error = %e, "could not record an event");
+        warn!(error = %e, "Could not record an event");
     }
 }

@@ -33,7 +33,7 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api,
-    api::{DynamicObject, PostParams},
+    api::{DynamicObject, Patch, PatchParams, PostParams},
     core::ObjectMeta,
 };
 
@@ -42,6 +42,17 @@ const RELEASE: &str = "capm";
 const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const USER_NS: &str = "team-a";
 const RECIPIENT: &str = "infrastructure-team@example.com";
+
+/// controller-runtime's queue series (histograms by their count), present per controller.
+const QUEUE_SERIES: [&str; 7] = [
+    "workqueue_depth",
+    "workqueue_adds_total",
+    "workqueue_queue_duration_seconds_count",
+    "workqueue_work_duration_seconds_count",
+    "workqueue_unfinished_work_seconds",
+    "workqueue_longest_running_processor_seconds",
+    "workqueue_retries_total",
+];
 
 /// Series the shipped alerts and dashboard read that this run does not make the provider export
 /// (a counter appears once it counts something), with where they are seen.
@@ -612,6 +623,94 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         "Prometheus: {api_requests}, {conversions}, {conversion_times}: {before:?} -> {after:?}"
     );
 
+    // controller-runtime's queue series, for both controllers, and moving when work happens:
+    // an annotation on the MailgunCluster is a watch event, so an add, a wait and a reconcile.
+    // Depth and the running reconciles' ages come back to zero once it is done (no key left
+    // waiting); how they move during a reconcile is pinned by the unit tests
+    // (controllers/src/workqueue.rs), a scrape every second cannot catch it reliably.
+    for controller in ["mailguncluster", "mailgunmachine"] {
+        for series in QUEUE_SERIES {
+            let prefix = format!("{series}{{name=\"{controller}\"}} ");
+            ensure!(
+                exposition.lines().any(|l| l.starts_with(&prefix)),
+                "{prefix}not in the scrape"
+            );
+        }
+    }
+    for line in exposition
+        .lines()
+        .filter(|l| l.starts_with("workqueue_") && !l.contains("_bucket"))
+    {
+        println!("scrape: {line}");
+    }
+    let queue = |series: &str| format!(r#"sum({series}{{name="mailguncluster"}})"#);
+    let moving = [
+        queue("workqueue_adds_total"),
+        queue("workqueue_queue_duration_seconds_count"),
+        queue("workqueue_work_duration_seconds_count"),
+    ];
+    let before = eventually(
+        Duration::from_secs(30),
+        "the workqueue series in Prometheus",
+        || {
+            let values: Result<Vec<Vec<f64>>> =
+                moving.iter().map(|q| prometheus.query(q)).collect();
+            async move {
+                let values = values?;
+                Ok(values
+                    .iter()
+                    .all(|v| v.first().is_some_and(|v| *v > 0.0))
+                    .then(|| values.iter().map(|v| v[0]).collect::<Vec<_>>()))
+            }
+        },
+    )
+    .await?;
+    mailgun_clusters
+        .patch(
+            "e2e",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "metadata": {"annotations": {"e2e.example.com/poke": "1"}}
+            })),
+        )
+        .await?;
+    let after = eventually(
+        Duration::from_secs(30),
+        "workqueue_adds_total, queue and work duration counts to move",
+        || {
+            let values: Result<Vec<Vec<f64>>> =
+                moving.iter().map(|q| prometheus.query(q)).collect();
+            let before = before.clone();
+            async move {
+                let values: Vec<f64> = values?
+                    .iter()
+                    .map(|v| v.first().copied().unwrap_or_default())
+                    .collect();
+                let moved = values.iter().zip(&before).all(|(now, was)| now > was);
+                Ok(moved.then_some(values))
+            }
+        },
+    )
+    .await?;
+    println!("Prometheus: {moving:?}: {before:?} -> {after:?}");
+    let idle = [
+        queue("workqueue_depth"),
+        queue("workqueue_unfinished_work_seconds"),
+        queue("workqueue_longest_running_processor_seconds"),
+    ];
+    eventually(
+        Duration::from_secs(30),
+        "the queue empty and no reconcile running",
+        || {
+            let values: Result<Vec<Vec<f64>>> = idle.iter().map(|q| prometheus.query(q)).collect();
+            async move {
+                let values = values?;
+                Ok(values.iter().all(|v| v.first() == Some(&0.0)).then_some(()))
+            }
+        },
+    )
+    .await?;
+
     // Every series of the provider's that the shipped alerts and dashboard read is one it
     // exports (kube-state-metrics's are checked against its configuration in monitoring.rs).
     let exported = capm_e2e::monitoring::exposition_names(&exposition);
@@ -828,6 +927,30 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
 
     // Secrets never reach the logs.
     let log = provider.proc.log();
+    // Logged in Cluster API's conventions (the chart's default JSON format): the object by
+    // kind, its owner and its Cluster as top-level keys with `namespace/name` values.
+    let removed: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l["message"] == "Finalizer removed")
+        .collect();
+    for line in &removed {
+        println!("log: {line}");
+    }
+    let cluster = format!("{USER_NS}/e2e");
+    let machine = format!("{USER_NS}/e2e-cp-0");
+    for (kind, owner_kind, object) in [
+        ("MailgunCluster", "Cluster", &cluster),
+        ("MailgunMachine", "Machine", &machine),
+    ] {
+        ensure!(
+            removed.iter().any(|l| l[kind] == **object
+                && l[owner_kind] == **object
+                && l["Cluster"] == *cluster),
+            "no \"Finalizer removed\" line with {kind}={object:?}, {owner_kind}={object:?}, \
+             Cluster={cluster:?}: {removed:#?}"
+        );
+    }
     ensure!(
         !log.contains(smtp_password),
         "the SMTP password is in the provider's log"
