@@ -96,7 +96,7 @@ pub(crate) async fn track<K: InfraKind>(
                     debug!(identity, %error, "The identity of a sent mail cannot be asked about its delivery now");
                     if status.condition(conditions::MAIL_DELIVERED).is_none() {
                         let backend = ctx.mailer.backend();
-                        show(obj, ctx, backend, status, &pending()).await;
+                        show(obj, ctx, (backend, identity), status, &pending()).await;
                     }
                     return;
                 }
@@ -108,12 +108,13 @@ pub(crate) async fn track<K: InfraKind>(
         return;
     }
     let backend = mailer.backend();
+    let via = (backend, identity.unwrap_or_default());
     if let Tracking::Untracked(why) = mailer.tracking() {
         poller.forget(&uid);
         show(
             obj,
             ctx,
-            backend,
+            via,
             status,
             &not_trackable(backend, why.as_deref()),
         )
@@ -131,7 +132,14 @@ pub(crate) async fn track<K: InfraKind>(
                 .to_owned(),
             outcome: "unknown",
         };
-        show(obj, ctx, backend, status, &unknown).await;
+        show(
+            obj,
+            ctx,
+            (backend, identity.unwrap_or_default()),
+            status,
+            &unknown,
+        )
+        .await;
         return;
     };
     let elapsed = Duration::from_millis(
@@ -155,7 +163,14 @@ pub(crate) async fn track<K: InfraKind>(
             ),
             outcome: "unknown",
         };
-        show(obj, ctx, backend, status, &unknown).await;
+        show(
+            obj,
+            ctx,
+            (backend, identity.unwrap_or_default()),
+            status,
+            &unknown,
+        )
+        .await;
         return;
     }
     let id = match MessageId::parse(message_id) {
@@ -166,11 +181,27 @@ pub(crate) async fn track<K: InfraKind>(
         }
     };
     match poller.track(obj, &uid, id, SystemTime::from(sent_at), elapsed) {
-        Some(delivery) => show(obj, ctx, backend, status, &shown(backend, delivery)).await,
+        Some(delivery) => {
+            show(
+                obj,
+                ctx,
+                (backend, identity.unwrap_or_default()),
+                status,
+                &shown(backend, delivery),
+            )
+            .await
+        }
         // Nothing learned yet (just sent, or this process just started): keep what status
         // shows, "pending" when it shows nothing.
         None if status.condition(conditions::MAIL_DELIVERED).is_none() => {
-            show(obj, ctx, backend, status, &pending()).await;
+            show(
+                obj,
+                ctx,
+                (backend, identity.unwrap_or_default()),
+                status,
+                &pending(),
+            )
+            .await;
         }
         None => {}
     }
@@ -245,7 +276,13 @@ fn pending() -> Shown {
 
 /// Shows `shown` in the condition and the mail state; counts and announces it only when it is
 /// news (a different reason than status showed).
-async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, backend: &str, status: &mut Status, shown: &Shown) {
+async fn show<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    (backend, identity): (&str, &str),
+    status: &mut Status,
+    shown: &Shown,
+) {
     let news = status
         .condition(conditions::MAIL_DELIVERED)
         .is_none_or(|c| c.reason != shown.reason);
@@ -266,7 +303,7 @@ async fn show<K: InfraKind>(obj: &K, ctx: &Ctx, backend: &str, status: &mut Stat
     if !shown.outcome.is_empty() {
         ctx.metrics
             .delivery
-            .with_label_values(&[backend, shown.outcome])
+            .with_label_values(&[backend, identity, shown.outcome])
             .inc();
     }
     if shown.reason == reasons::DELIVERY_FAILED || shown.reason == reasons::PARTLY_DELIVERED {

@@ -335,7 +335,7 @@ impl Identities {
         let mailer = capm_mailer::build_with_gate(&config, Arc::clone(&self.gate))
             .map_err(|e| invalid(name, format!("spec.{e}")))?;
         // Counted in the same mailer metrics as the provider's own backend.
-        let mailer = self.default.mailer.wrap_like_me(mailer);
+        let mailer = self.default.mailer.wrap_like_me(mailer, name);
         let poller = match built.get(name) {
             Some((_, _, poller)) => {
                 poller.set_mailer(Arc::clone(&mailer));

@@ -34,7 +34,7 @@ const RECONCILE_BUCKETS: &[f64] = &[
 ///   an earlier attempt's outcome could not be established.
 /// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
 ///   `owner_deleting`, `permanently_refused`, `backoff`, `handover`).
-/// - `capm_mail_delivery_total{backend, outcome}`: what became of request mails after the
+/// - `capm_mail_delivery_total{backend, identity, outcome}`: what became of request mails after the
 ///   backend accepted them, counted when the object's status first shows it: `delivered`,
 ///   `partly_delivered` (some recipients have it, the backend gave up on others), `failed` (for
 ///   good), `delayed` (a temporary failure; the backend retries), `unknown` (the
@@ -146,8 +146,8 @@ impl Metrics {
             )?,
             delivery: counter(
                 "capm_mail_delivery_total",
-                "What became of request mails after the backend accepted them (delivered, partly_delivered, failed, delayed, unknown, not_trackable)",
-                &["backend", "outcome"],
+                "What became of request mails after the backend accepted them (delivered, partly_delivered, failed, delayed, unknown, not_trackable), by backend and mail identity (empty: the provider's own)",
+                &["backend", "identity", "outcome"],
             )?,
         })
     }

@@ -324,6 +324,12 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
         0,
         "the provider's own backend was asked"
     );
+    // Counted per identity.
+    let delivered =
+        |identity: &str| env.metric("capm_mail_delivery_total", Some(("identity", identity)));
+    assert_eq!(delivered(&id_a), 1.0);
+    assert_eq!(delivered(&id_b), 1.0);
+    assert_eq!(delivered(""), 0.0);
 
     // The recorded mails say which identity sent them.
     let a1 = Api::<MailgunCluster>::namespaced(client.clone(), a)

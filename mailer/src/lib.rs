@@ -165,9 +165,15 @@ pub trait Mailer: Send + Sync {
     /// A short backend name for logs and metric labels: `mailgun`, `smtp`, ...
     fn backend(&self) -> &'static str;
 
-    /// `sibling` (another backend of the same process, e.g. a tenant's) wrapped the way this
-    /// one is, so that it is counted in the same metrics. The default: `sibling` as it is.
-    fn wrap_like_me(&self, sibling: std::sync::Arc<dyn Mailer>) -> std::sync::Arc<dyn Mailer> {
+    /// `sibling` (another backend of the same process: tenant `identity`'s) wrapped the way this
+    /// one is, so that it is counted in the same metrics under its own `identity` label. The
+    /// default: `sibling` as it is.
+    fn wrap_like_me(
+        &self,
+        sibling: std::sync::Arc<dyn Mailer>,
+        identity: &str,
+    ) -> std::sync::Arc<dyn Mailer> {
+        let _ = identity;
         sibling
     }
 

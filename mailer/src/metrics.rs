@@ -14,10 +14,11 @@ const DURATION_BUCKETS: &[f64] = &[
 
 /// The mailer's metrics, registered once into a caller-given registry.
 ///
-/// - `mailer_messages_total{backend, outcome}`: sends, by `outcome` = `sent`, `permanent`,
+/// - `mailer_messages_total{backend, identity, outcome}`: sends (`identity`: empty for the
+///   process's own backend, else the tenant's, see [`Mailer::wrap_like_me`]), by `outcome` = `sent`, `permanent`,
 ///   `retryable` or `unknown_outcome`.
 /// - `mailer_send_duration_seconds{backend}`: time per send, whatever the outcome.
-/// - `mailer_lookups_total{backend, result}`: lookups, by `result` = `accepted`, `not_found`,
+/// - `mailer_lookups_total{backend, identity, result}`: lookups, by `result` = `accepted`, `not_found`,
 ///   `unsupported` or an error label.
 #[derive(Debug, Clone)]
 pub struct MailerMetrics {
@@ -37,7 +38,7 @@ impl MailerMetrics {
                 "mailer_messages_total",
                 "Messages handed to the mail backend, by outcome",
             ),
-            &["backend", "outcome"],
+            &["backend", "identity", "outcome"],
         )?;
         let send_duration = HistogramVec::new(
             HistogramOpts::new(
@@ -52,7 +53,7 @@ impl MailerMetrics {
                 "mailer_lookups_total",
                 "Message-Id lookups at the mail backend, by result",
             ),
-            &["backend", "result"],
+            &["backend", "identity", "result"],
         )?;
         registry.register(Box::new(messages.clone()))?;
         registry.register(Box::new(send_duration.clone()))?;
@@ -70,6 +71,9 @@ impl MailerMetrics {
 pub struct InstrumentedMailer {
     inner: Arc<dyn Mailer>,
     metrics: MailerMetrics,
+    /// The `identity` label: empty for the process's own backend, a tenant's name otherwise
+    /// (bounded by the number of tenants).
+    identity: String,
 }
 
 impl std::fmt::Debug for InstrumentedMailer {
@@ -83,7 +87,11 @@ impl std::fmt::Debug for InstrumentedMailer {
 impl InstrumentedMailer {
     /// Wraps `inner`.
     pub fn new(inner: Arc<dyn Mailer>, metrics: MailerMetrics) -> Self {
-        Self { inner, metrics }
+        Self {
+            inner,
+            metrics,
+            identity: String::new(),
+        }
     }
 }
 
@@ -97,8 +105,12 @@ impl Mailer for InstrumentedMailer {
         self.inner.tracking()
     }
 
-    fn wrap_like_me(&self, sibling: Arc<dyn Mailer>) -> Arc<dyn Mailer> {
-        Arc::new(Self::new(sibling, self.metrics.clone()))
+    fn wrap_like_me(&self, sibling: Arc<dyn Mailer>, identity: &str) -> Arc<dyn Mailer> {
+        Arc::new(Self {
+            inner: sibling,
+            metrics: self.metrics.clone(),
+            identity: identity.to_owned(),
+        })
     }
 
     async fn send(&self, message: &Message) -> Result<SendReceipt, MailError> {
@@ -115,7 +127,7 @@ impl Mailer for InstrumentedMailer {
         };
         self.metrics
             .messages
-            .with_label_values(&[backend, outcome])
+            .with_label_values(&[backend, &self.identity, outcome])
             .inc();
         result
     }
@@ -130,7 +142,7 @@ impl Mailer for InstrumentedMailer {
         };
         self.metrics
             .lookups
-            .with_label_values(&[self.inner.backend(), label])
+            .with_label_values(&[self.inner.backend(), &self.identity, label])
             .inc();
         result
     }

@@ -319,7 +319,7 @@ async fn factory_and_metrics_with_concurrent_senders() {
         .encode_to_string(&registry.gather())
         .unwrap();
     assert!(
-        text.contains(r#"mailer_messages_total{backend="mailgun",outcome="sent"} 32"#),
+        text.contains(r#"mailer_messages_total{backend="mailgun",identity="",outcome="sent"} 32"#),
         "{text}"
     );
     assert!(
@@ -327,7 +327,7 @@ async fn factory_and_metrics_with_concurrent_senders() {
         "{text}"
     );
     // A sibling backend (a tenant's) wrapped like this one counts in the same metrics.
-    let sibling = mailer.wrap_like_me(build(&config).unwrap());
+    let sibling = mailer.wrap_like_me(build(&config).unwrap(), "tenant-a");
     sibling
         .send(&message("<c-sibling@capm.test>"))
         .await
@@ -336,7 +336,9 @@ async fn factory_and_metrics_with_concurrent_senders() {
         .encode_to_string(&registry.gather())
         .unwrap();
     assert!(
-        text.contains(r#"mailer_messages_total{backend="mailgun",outcome="sent"} 33"#),
+        text.contains(
+            r#"mailer_messages_total{backend="mailgun",identity="tenant-a",outcome="sent"} 1"#
+        ),
         "{text}"
     );
 }
