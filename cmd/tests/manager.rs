@@ -5,10 +5,9 @@
 //! (Lease, metrics, webhook certificate).
 
 use std::{
-    fs::File,
     net::{Ipv4Addr, SocketAddr},
-    path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
+    path::Path,
+    process::ExitStatus,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -17,7 +16,8 @@ use bytes::Bytes;
 use capm_test_support::{
     TestNamespace,
     pki::CertificateAuthority,
-    process::{free_port, tail},
+    process::free_port,
+    provider::{Launch, Provider},
     wait::eventually,
 };
 use http_body_util::{BodyExt, Full};
@@ -44,86 +44,63 @@ const SECRET: &str = "key-9a8b7c6d5e4f-topsecret";
 /// One manager process; killed when dropped.
 struct Manager {
     name: String,
-    child: Child,
-    log: PathBuf,
+    process: Provider,
     metrics: SocketAddr,
     probes: SocketAddr,
 }
 
 impl Manager {
     fn start(name: &str, ns: &TestNamespace, dir: &Path, extra: &[&str]) -> Self {
-        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().expect("port")));
-        let probes = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().expect("port")));
-        let log = dir.join(format!("{name}.log"));
-        let out = File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = Command::new(BIN)
-            .env_clear()
+        let (launch, ports) = Launch::new(BIN, ns.control_plane().kubeconfig())
+            .on_free_ports()
+            .expect("ports");
+        let process = launch
             .env("MAILGUN_DOMAIN", "mg.example.com")
             .env("MAILGUN_API_KEY", SECRET)
             .env("MAIL_RECIPIENT", "ops@example.com")
             .env("POD_NAME", name)
             .env("RUST_LOG", "info,cluster_api_provider_mailgun=debug")
             .args([
-                "--kubeconfig",
-                ns.control_plane().kubeconfig().to_str().expect("utf-8"),
                 "--mailgun-base-url",
                 "http://127.0.0.1:9",
                 "--namespace",
                 &ns.name,
                 "--leader-election-namespace",
                 &ns.name,
-                "--metrics-bind-address",
-                &metrics.to_string(),
-                "--health-probe-bind-address",
-                &probes.to_string(),
                 "--shutdown-timeout",
                 "10s",
             ])
             .args(extra)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
+            .spawn(&dir.join(format!("{name}.log")))
             .expect("start the manager");
         Self {
             name: name.to_owned(),
-            child,
-            log,
-            metrics,
-            probes,
+            process,
+            metrics: ports.metrics,
+            probes: ports.probes,
         }
     }
 
     fn logs(&self) -> String {
-        tail(&self.log, 40)
+        self.process.tail(40)
     }
 
     fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        self.process.running()
     }
 
     fn terminate(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
+        self.process.terminate().expect("kill -TERM");
     }
 
     async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(
-                start.elapsed() < within,
+        match self.process.wait_exit(within).await {
+            Some(status) => status,
+            None => panic!(
                 "{} did not exit within {within:?}:\n{}",
                 self.name,
                 self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            ),
         }
     }
 
@@ -142,18 +119,12 @@ impl Manager {
     /// Stops the process and checks what it logged: never the API key. Each test ends with it
     /// (a check in `Drop` would run while a failed test unwinds, and a second panic aborts).
     fn stop(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        assert!(!log.contains(SECRET), "{} logged the API key", self.name);
-    }
-}
-
-/// A test that failed half-way leaves no process behind.
-impl Drop for Manager {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.kill();
+        assert!(
+            !self.process.log().contains(SECRET),
+            "{} logged the API key",
+            self.name
+        );
     }
 }
 

@@ -31,6 +31,7 @@ mod namespace;
 pub mod node;
 pub mod pki;
 pub mod process;
+pub mod provider;
 pub mod proxy;
 pub mod wait;
 
