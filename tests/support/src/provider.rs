@@ -47,16 +47,22 @@ pub struct Launch {
     /// Arguments before the provider's own (a wrapper such as `prlimit`, then the binary).
     prefix: Vec<OsString>,
     env: Vec<(OsString, OsString)>,
+    /// Start from this process's environment rather than an empty one.
+    inherit_env: bool,
+    removed: Vec<OsString>,
     args: Vec<OsString>,
 }
 
 impl Launch {
-    /// `binary` with an empty environment and `--kubeconfig kubeconfig`.
+    /// `binary` with an empty environment (see [`Self::inherit_env`]) and
+    /// `--kubeconfig kubeconfig`.
     pub fn new(binary: impl Into<OsString>, kubeconfig: &Path) -> Self {
         Self {
             program: binary.into(),
             prefix: Vec::new(),
             env: Vec::new(),
+            inherit_env: false,
+            removed: Vec::new(),
             args: Vec::new(),
         }
         .arg("--kubeconfig")
@@ -102,6 +108,21 @@ impl Launch {
         self
     }
 
+    /// Starts from this process's environment (as a Pod gets its image's and the chart's),
+    /// less what [`Self::env_remove`] names.
+    #[must_use]
+    pub fn inherit_env(mut self) -> Self {
+        self.inherit_env = true;
+        self
+    }
+
+    /// Leaves `key` out of an inherited environment.
+    #[must_use]
+    pub fn env_remove(mut self, key: impl Into<OsString>) -> Self {
+        self.removed.push(key.into());
+        self
+    }
+
     /// One argument.
     #[must_use]
     pub fn arg(mut self, arg: impl Into<OsString>) -> Self {
@@ -123,8 +144,13 @@ impl Launch {
     /// The command, for a harness that runs processes its own way.
     pub fn command(&self) -> Command {
         let mut cmd = Command::new(&self.program);
-        cmd.env_clear()
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
+        if !self.inherit_env {
+            cmd.env_clear();
+        }
+        for key in &self.removed {
+            cmd.env_remove(key);
+        }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)))
             .args(&self.prefix)
             .args(&self.args)
             .stdin(Stdio::null());
