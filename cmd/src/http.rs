@@ -9,6 +9,9 @@
 //! before reading, or once it grows past), and time: TLS handshake and request headers within
 //! [`HEADER_TIMEOUT`] (hyper's header timer also runs while a kept-alive connection waits for
 //! its next request, so idle connections close after it), the body within [`BODY_TIMEOUT`].
+//! The request limits are tower and tower-http layers (load shedding over a concurrency limit,
+//! the body limit, the body deadline); the connection cap is the accept loop's, since a layer
+//! sees requests, not connections.
 
 use std::{
     convert::Infallible,
@@ -24,19 +27,28 @@ use std::{
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full};
-use hyper::{body::Incoming, service::service_fn};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use http_body_util::{BodyExt, Full, LengthLimitError, combinators::BoxBody};
+use hyper::body::Incoming;
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    service::TowerToHyperService,
+};
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::TcpListener,
-    sync::Semaphore,
+    sync::{OwnedSemaphorePermit, Semaphore},
     task::JoinHandle,
 };
 use tokio_rustls::TlsAcceptor;
+use tower::{BoxError, Service, ServiceBuilder, limit::GlobalConcurrencyLimitLayer, service_fn};
+use tower_http::{
+    body::Limited,
+    limit::{RequestBodyLimitLayer, ResponseBody},
+    timeout::{DeadlineBody, RequestBodyDeadlineLayer, TimeoutError},
+};
 use tracing::{debug, info, warn};
 
 use crate::shutdown::Shutdown;
@@ -138,118 +150,180 @@ pub fn rejected_counter(registry: &Registry) -> Result<IntCounterVec, prometheus
     Ok(counter)
 }
 
-/// One server's shared counters of what is in use.
-struct Gauges {
-    name: &'static str,
-    limits: Limits,
-    connections: Arc<Semaphore>,
-    in_flight: Semaphore,
-    budget: Semaphore,
-    rejected: IntCounterVec,
+/// Why a server refused a connection or a request: the `reason` label of
+/// `capm_http_rejected_total`, and the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rejection {
+    /// Past `max_connections`: closed as soon as accepted.
+    Connections,
+    /// Past `max_in_flight`: 503.
+    InFlight,
+    /// Past `body_budget_bytes`: 503.
+    Budget,
+    /// Past `max_body_bytes`: 413.
+    TooLarge,
+    /// The body did not arrive within [`BODY_TIMEOUT`]: 408.
+    BodyTimeout,
+    /// The body could not be read: 400.
+    BodyError,
 }
 
-impl Gauges {
-    fn new(name: &'static str, limits: Limits, rejected: IntCounterVec) -> Self {
-        Self {
-            name,
-            limits,
-            connections: Arc::new(Semaphore::new(limits.max_connections)),
-            in_flight: Semaphore::new(limits.max_in_flight),
-            budget: Semaphore::new(limits.body_budget_bytes.div_ceil(BUDGET_UNIT)),
-            rejected,
+impl Rejection {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Connections => "connections",
+            Self::InFlight => "in_flight",
+            Self::Budget => "budget",
+            Self::TooLarge => "too_large",
+            Self::BodyTimeout => "body_timeout",
+            Self::BodyError => "body_error",
         }
     }
 
-    fn reject(&self, reason: &str) {
-        self.rejected.with_label_values(&[self.name, reason]).inc();
-    }
-}
-
-fn busy(what: &str) -> Response<Full<Bytes>> {
-    let mut response = text(
-        StatusCode::SERVICE_UNAVAILABLE,
-        format!("too many {what} at once; try again\n"),
-    );
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-    response
-}
-
-/// Reads `req`'s body within the server's limits, then answers with `handler`; the body's share
-/// of the budget is held until the answer is ready.
-async fn bounded<F, Fut>(
-    gauges: &Gauges,
-    req: Request<Incoming>,
-    handler: F,
-) -> Response<Full<Bytes>>
-where
-    F: Fn(Req) -> Fut,
-    Fut: Future<Output = Response<Full<Bytes>>>,
-{
-    let Ok(_slot) = gauges.in_flight.try_acquire() else {
-        gauges.reject("in_flight");
-        return busy("requests");
-    };
-    let max = gauges.limits.max_body_bytes;
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
-        gauges.reject("too_large");
-        return text(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the body exceeds {max} bytes\n"),
-        );
-    }
-    let (parts, mut body) = req.into_parts();
-    let mut bytes = Vec::with_capacity(declared.map_or(0, |n| n as usize));
-    let mut held = Vec::new();
-    let read = async {
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|_| "body_error")?;
-            let Ok(data) = frame.into_data() else {
-                continue;
-            };
-            if bytes.len() + data.len() > max {
-                return Err("too_large");
-            }
-            let units = u32::try_from(data.len().div_ceil(BUDGET_UNIT)).map_err(|_| "too_large")?;
-            if units > 0 {
-                held.push(
-                    gauges
-                        .budget
-                        .try_acquire_many(units)
-                        .map_err(|_| "budget")?,
-                );
-            }
-            bytes.extend_from_slice(&data);
-        }
-        Ok(())
-    };
-    let outcome = match tokio::time::timeout(BODY_TIMEOUT, read).await {
-        Ok(result) => result,
-        Err(_) => Err("body_timeout"),
-    };
-    if let Err(reason) = outcome {
-        gauges.reject(reason);
-        return match reason {
-            "too_large" => text(
+    /// The answer, marked with `self` for the counting layer.
+    fn response(self, limits: &Limits) -> Response<Full<Bytes>> {
+        let busy = |what: &str| {
+            let mut response = text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("too many {what} at once; try again\n"),
+            );
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            response
+        };
+        let mut response = match self {
+            Self::Connections | Self::InFlight => busy("requests"),
+            Self::Budget => busy("request bytes"),
+            Self::TooLarge => text(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the body exceeds {max} bytes\n"),
+                format!("the body exceeds {} bytes\n", limits.max_body_bytes),
             ),
-            "budget" => busy("request bytes"),
-            "body_timeout" => text(
+            Self::BodyTimeout => text(
                 StatusCode::REQUEST_TIMEOUT,
                 format!("the body did not arrive within {BODY_TIMEOUT:?}\n"),
             ),
-            _ => text(StatusCode::BAD_REQUEST, "the body could not be read\n"),
+            Self::BodyError => text(StatusCode::BAD_REQUEST, "the body could not be read\n"),
         };
+        response.extensions_mut().insert(self);
+        response
     }
-    let response = handler(Request::from_parts(parts, Full::new(Bytes::from(bytes)))).await;
-    drop(held);
-    response
+}
+
+/// What the servers answer with: the handlers' bodies and the limit layers' answers.
+type Answer = Response<BoxBody<Bytes, Infallible>>;
+
+/// One server's request stack, outermost first: every refusal counted by its [`Rejection`];
+/// past `max_in_flight` a 503 at once (tower's load shedding over one concurrency limit shared
+/// by all connections); a body declared or growing past `max_body_bytes` refused with 413
+/// (tower-http's limit), the whole body due within [`BODY_TIMEOUT`] (tower-http's deadline);
+/// then the body read against the budget shared by the requests in flight, and the handler.
+fn stack<F, Fut>(
+    name: &'static str,
+    limits: Limits,
+    rejected: IntCounterVec,
+    handler: F,
+) -> impl Service<
+    Request<Incoming>,
+    Response = Answer,
+    Error = BoxError,
+    Future = impl Future<Output = Result<Answer, BoxError>> + Send,
+> + Clone
++ Send
++ 'static
+where
+    F: Fn(Req) -> Fut + Send + Sync + Clone + 'static,
+    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    let budget = Arc::new(Semaphore::new(
+        limits.body_budget_bytes.div_ceil(BUDGET_UNIT),
+    ));
+    // The body read whole, its share of the budget held until the handler has answered.
+    let collect = service_fn(move |req: Request<DeadlineBody<Limited<Incoming>>>| {
+        let (handler, budget) = (handler.clone(), Arc::clone(&budget));
+        async move {
+            let (parts, body) = req.into_parts();
+            Ok::<_, Infallible>(match read(body, &budget).await {
+                Ok((bytes, held)) => {
+                    let response = handler(Request::from_parts(parts, Full::new(bytes))).await;
+                    drop(held);
+                    response
+                }
+                Err(rejection) => rejection.response(&limits),
+            })
+        }
+    });
+    ServiceBuilder::new()
+        .map_response(move |response: Answer| {
+            if let Some(rejection) = response.extensions().get::<Rejection>() {
+                rejected.with_label_values(&[name, rejection.label()]).inc();
+            }
+            response
+        })
+        .map_result(move |result: Result<Answer, BoxError>| {
+            // Never an error: a refusal is an answer (hyper would close the connection).
+            Ok::<_, BoxError>(match result {
+                Ok(response) => response,
+                // `Overloaded`: the only error below (every other answer is a response).
+                Err(_) => Rejection::InFlight.response(&limits).map(BodyExt::boxed),
+            })
+        })
+        .load_shed()
+        .layer(GlobalConcurrencyLimitLayer::new(limits.max_in_flight))
+        .map_response(move |response: Response<ResponseBody<Full<Bytes>>>| {
+            // tower-http answers a declared Content-Length past the limit itself, unmarked.
+            if response.status() == StatusCode::PAYLOAD_TOO_LARGE
+                && response.extensions().get::<Rejection>().is_none()
+            {
+                Rejection::TooLarge.response(&limits).map(BodyExt::boxed)
+            } else {
+                response.map(BodyExt::boxed)
+            }
+        })
+        .layer(RequestBodyLimitLayer::new(limits.max_body_bytes))
+        .layer(RequestBodyDeadlineLayer::new(BODY_TIMEOUT))
+        .service(collect)
+}
+
+/// Reads `body` whole, taking its bytes from `budget` as they arrive.
+async fn read<B>(
+    body: B,
+    budget: &Arc<Semaphore>,
+) -> Result<(Bytes, Vec<OwnedSemaphorePermit>), Rejection>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut bytes =
+        Vec::with_capacity(usize::try_from(body.size_hint().exact().unwrap_or(0)).unwrap_or(0));
+    let mut held = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            let e: BoxError = e.into();
+            if e.is::<LengthLimitError>() {
+                Rejection::TooLarge
+            } else if e.is::<TimeoutError>() {
+                Rejection::BodyTimeout
+            } else {
+                Rejection::BodyError
+            }
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let units =
+            u32::try_from(data.len().div_ceil(BUDGET_UNIT)).map_err(|_| Rejection::TooLarge)?;
+        if units > 0 {
+            held.push(
+                Arc::clone(budget)
+                    .try_acquire_many_owned(units)
+                    .map_err(|_| Rejection::Budget)?,
+            );
+        }
+        bytes.extend_from_slice(&data);
+    }
+    Ok((Bytes::from(bytes), held))
 }
 
 /// A plain-text response.
@@ -276,21 +350,16 @@ pub async fn bind(what: &str, address: SocketAddr) -> anyhow::Result<TcpListener
 }
 
 /// Serves one connection until it ends or shutdown asks it to close.
-async fn connection<S, F, Fut>(io: S, gauges: Arc<Gauges>, handler: F, mut shutdown: Shutdown)
+async fn connection<IO, S>(io: IO, service: S, mut shutdown: Shutdown)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    F: Fn(Req) -> Fut + Send + Sync + Clone + 'static,
-    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: Service<Request<Incoming>, Response = Answer, Error = BoxError> + Clone + Send + 'static,
+    S::Future: Send + 'static,
 {
-    let service = service_fn(move |req| {
-        let handler = handler.clone();
-        let gauges = gauges.clone();
-        async move { Ok::<_, Infallible>(bounded(&gauges, req, handler).await) }
-    });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT)
-        .serve_connection(TokioIo::new(io), service);
+        .serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
     tokio::pin!(conn);
     tokio::select! {
         result = conn.as_mut() => {
@@ -332,7 +401,8 @@ where
         limits,
         rejected,
     } = server;
-    let gauges = Arc::new(Gauges::new(name, limits, rejected));
+    let connections = Arc::new(Semaphore::new(limits.max_connections));
+    let service = stack(name, limits, rejected.clone(), handler);
     tokio::spawn(async move {
         let mut stop = shutdown.clone();
         loop {
@@ -349,23 +419,24 @@ where
             };
             // Past the cap the connection is closed at once: waiting clients would hold their
             // descriptors in the backlog, and closing is the fastest answer.
-            let Ok(permit) = gauges.connections.clone().try_acquire_owned() else {
-                gauges.reject("connections");
+            let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
+                rejected
+                    .with_label_values(&[name, Rejection::Connections.label()])
+                    .inc();
                 drop(tcp);
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            let handler = handler.clone();
+            let service = service.clone();
             let shutdown = shutdown.clone();
             let tls = tls.clone();
-            let gauges = gauges.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 match tls {
-                    None => connection(tcp, gauges, handler, shutdown).await,
+                    None => connection(tcp, service, shutdown).await,
                     Some(acceptor) => {
                         match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(tcp)).await {
-                            Ok(Ok(stream)) => connection(stream, gauges, handler, shutdown).await,
+                            Ok(Ok(stream)) => connection(stream, service, shutdown).await,
                             Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
                             Err(_) => debug!(%peer, "TLS handshake timed out"),
                         }

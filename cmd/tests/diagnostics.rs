@@ -3,10 +3,8 @@
 //! non-resource URL `/metrics`).
 
 use std::{
-    fs::File,
     net::Ipv4Addr,
     path::Path,
-    process::{Child, Command, Stdio},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -16,6 +14,7 @@ use capm_test_support::{
     TestNamespace,
     pki::CertificateAuthority,
     process::{free_port, tail},
+    provider::{Launch, Provider},
 };
 use http_body_util::{BodyExt, Full};
 use k8s_openapi::api::{
@@ -38,15 +37,6 @@ use tokio_rustls::{
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn tls_client(ca_pem: &str) -> TlsConnector {
     let mut roots = RootCertStore::empty();
@@ -179,19 +169,13 @@ async fn revoke(ns: &TestNamespace, name: &str) {
         .await;
 }
 
-fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: Option<&Path>) -> Killed {
-    let log = dir.join("manager.log");
-    let out = File::create(&log).expect("log file");
-    let err = out.try_clone().expect("log file");
-    let child = Command::new(BIN)
-        .env_clear()
+fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: Option<&Path>) -> Provider {
+    Launch::new(BIN, ns.control_plane().kubeconfig())
         .env("MAILGUN_DOMAIN", "mg.example.com")
         .env("MAILGUN_API_KEY", "key-diagnostics-test")
         .env("MAIL_RECIPIENT", "ops@example.com")
         .env("RUST_LOG", "info,cluster_api_provider_mailgun=debug")
         .args([
-            "--kubeconfig",
-            ns.control_plane().kubeconfig().to_str().expect("utf-8"),
             "--mailgun-base-url",
             "http://127.0.0.1:9",
             "--namespace",
@@ -203,12 +187,8 @@ fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: Option<&Path>) -> Kil
             &format!("127.0.0.1:{port}"),
         ])
         .args(certs.map(|dir| format!("--diagnostics-cert-dir={}", dir.display())))
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .spawn()
-        .expect("start the manager");
-    Killed(child)
+        .spawn(&dir.join("manager.log"))
+        .expect("start the manager")
 }
 
 #[tokio::test]

@@ -166,7 +166,7 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(
     );
     let new = Provider::start(&ns, &backend, None, true);
     let created = create_pair(&ns, "frozen").await;
-    let pid = old.child.id();
+    let pid = old.pid();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !is_stopped(pid) {
         assert!(Instant::now() < deadline, "the leader never froze");
@@ -193,7 +193,7 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(
     signal(pid, "-CONT");
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
-        if let Some(status) = old.child.try_wait().unwrap() {
+        if let Some(status) = old.exited() {
             break status;
         }
         assert!(

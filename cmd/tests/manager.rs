@@ -5,10 +5,9 @@
 //! (Lease, metrics, webhook certificate).
 
 use std::{
-    fs::File,
     net::{Ipv4Addr, SocketAddr},
-    path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
+    path::Path,
+    process::ExitStatus,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -17,7 +16,9 @@ use bytes::Bytes;
 use capm_test_support::{
     TestNamespace,
     pki::CertificateAuthority,
-    process::{free_port, tail},
+    process::free_port,
+    provider::{Launch, Provider},
+    wait::eventually,
 };
 use http_body_util::{BodyExt, Full};
 use k8s_openapi::{
@@ -43,86 +44,63 @@ const SECRET: &str = "key-9a8b7c6d5e4f-topsecret";
 /// One manager process; killed when dropped.
 struct Manager {
     name: String,
-    child: Child,
-    log: PathBuf,
+    process: Provider,
     metrics: SocketAddr,
     probes: SocketAddr,
 }
 
 impl Manager {
     fn start(name: &str, ns: &TestNamespace, dir: &Path, extra: &[&str]) -> Self {
-        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().expect("port")));
-        let probes = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().expect("port")));
-        let log = dir.join(format!("{name}.log"));
-        let out = File::create(&log).expect("log file");
-        let err = out.try_clone().expect("log file");
-        let child = Command::new(BIN)
-            .env_clear()
+        let (launch, ports) = Launch::new(BIN, ns.control_plane().kubeconfig())
+            .on_free_ports()
+            .expect("ports");
+        let process = launch
             .env("MAILGUN_DOMAIN", "mg.example.com")
             .env("MAILGUN_API_KEY", SECRET)
             .env("MAIL_RECIPIENT", "ops@example.com")
             .env("POD_NAME", name)
             .env("RUST_LOG", "info,cluster_api_provider_mailgun=debug")
             .args([
-                "--kubeconfig",
-                ns.control_plane().kubeconfig().to_str().expect("utf-8"),
                 "--mailgun-base-url",
                 "http://127.0.0.1:9",
                 "--namespace",
                 &ns.name,
                 "--leader-election-namespace",
                 &ns.name,
-                "--metrics-bind-address",
-                &metrics.to_string(),
-                "--health-probe-bind-address",
-                &probes.to_string(),
                 "--shutdown-timeout",
                 "10s",
             ])
             .args(extra)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
+            .spawn(&dir.join(format!("{name}.log")))
             .expect("start the manager");
         Self {
             name: name.to_owned(),
-            child,
-            log,
-            metrics,
-            probes,
+            process,
+            metrics: ports.metrics,
+            probes: ports.probes,
         }
     }
 
     fn logs(&self) -> String {
-        tail(&self.log, 40)
+        self.process.tail(40)
     }
 
     fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        self.process.running()
     }
 
     fn terminate(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
+        self.process.terminate().expect("kill -TERM");
     }
 
     async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(
-                start.elapsed() < within,
+        match self.process.wait_exit(within).await {
+            Some(status) => status,
+            None => panic!(
                 "{} did not exit within {within:?}:\n{}",
                 self.name,
                 self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            ),
         }
     }
 
@@ -137,12 +115,16 @@ impl Manager {
     }
 }
 
-impl Drop for Manager {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-        assert!(!log.contains(SECRET), "{} logged the API key", self.name);
+impl Manager {
+    /// Stops the process and checks what it logged: never the API key. Each test ends with it
+    /// (a check in `Drop` would run while a failed test unwinds, and a second panic aborts).
+    fn stop(mut self) {
+        self.process.kill();
+        assert!(
+            !self.process.log().contains(SECRET),
+            "{} logged the API key",
+            self.name
+        );
     }
 }
 
@@ -168,25 +150,6 @@ async fn get(
         .header("host", address.to_string())
         .body(Full::new(Bytes::new()))?;
     request(stream, req).await
-}
-
-/// Polls `check` every 200 ms until it returns `Some`, or fails after `within`.
-async fn eventually<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let start = Instant::now();
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(
-            start.elapsed() < within,
-            "timed out after {within:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// A light check of the Prometheus text format: every sample line is `name{labels} value`,
@@ -253,7 +216,7 @@ async fn one_leader_hands_over_on_sigterm() {
         Manager::start("replica-b", &ns, dir.path(), &no_webhook),
     ];
 
-    let holder = eventually("a Lease holder", Duration::from_secs(30), || {
+    let holder = eventually(Duration::from_secs(30), "a Lease holder", || {
         lease_holder(&ns, LEASE)
     })
     .await;
@@ -266,16 +229,16 @@ async fn one_leader_hands_over_on_sigterm() {
     for (i, m) in managers.iter().enumerate() {
         let want = if i == leader { 1.0 } else { 0.0 };
         eventually(
-            &format!("{} leader_election_master_status {want}", m.name),
             Duration::from_secs(10),
+            &format!("{} leader_election_master_status {want}", m.name),
             || async move {
                 (m.metric("leader_election_master_status").await == Some(want)).then_some(())
             },
         )
         .await;
         eventually(
-            &format!("{} /readyz", m.name),
             Duration::from_secs(15),
+            &format!("{} /readyz", m.name),
             || async move { matches!(get(m.probes, "/readyz").await, Ok((200, _))).then_some(()) },
         )
         .await;
@@ -289,8 +252,8 @@ async fn one_leader_hands_over_on_sigterm() {
     // The leader's controllers run and export controller-runtime's names.
     let m = &managers[leader];
     eventually(
-        "controller metrics on the leader",
         Duration::from_secs(10),
+        "controller metrics on the leader",
         || async move {
             m.metric("controller_runtime_max_concurrent_reconciles")
                 .await
@@ -325,7 +288,7 @@ async fn one_leader_hands_over_on_sigterm() {
         "{}",
         managers[leader].logs()
     );
-    let new_holder = eventually("the standby to take over", Duration::from_secs(6), || {
+    let new_holder = eventually(Duration::from_secs(6), "the standby to take over", || {
         let (ns, old) = (&ns, &holder);
         async move { lease_holder(ns, LEASE).await.filter(|h| h != old) }
     })
@@ -336,7 +299,7 @@ async fn one_leader_hands_over_on_sigterm() {
     );
     assert!(released.elapsed() < Duration::from_secs(6));
     let m = &managers[standby];
-    eventually("the new leader's gauge", Duration::from_secs(5), || async move {
+    eventually(Duration::from_secs(5), "the new leader's gauge", || async move {
         (m.metric("leader_election_master_status").await == Some(1.0)).then_some(())
     })
     .await;
@@ -348,6 +311,9 @@ async fn one_leader_hands_over_on_sigterm() {
     let status = managers[standby].wait_exit(Duration::from_secs(15)).await;
     assert!(status.success(), "{}", managers[standby].logs());
     assert_eq!(lease_holder(&ns, LEASE).await, None, "released on shutdown");
+    for manager in managers {
+        manager.stop();
+    }
 }
 
 /// A Lease another identity holds for an hour keeps the manager a standby: the webhook, metrics
@@ -443,7 +409,7 @@ async fn webhook_converts_over_tls_and_picks_up_new_certificates() {
         ],
     );
     let connector = tls_client(ca.cert_pem());
-    let (tls, leaf) = eventually("the webhook", Duration::from_secs(20), || {
+    let (tls, leaf) = eventually(Duration::from_secs(20), "the webhook", || {
         connect(&connector, port)
     })
     .await;
@@ -487,7 +453,7 @@ async fn webhook_converts_over_tls_and_picks_up_new_certificates() {
     let second = ca.serving_cert("webhook two", &[], &[]).expect("cert");
     write_pair(&certs, &second.cert_pem, &second.key_pem);
     let want = der(&second.cert_pem);
-    eventually("the new certificate", Duration::from_secs(5), || {
+    eventually(Duration::from_secs(5), "the new certificate", || {
         let (connector, want) = (&connector, &want);
         async move {
             let (_, leaf) = connect(connector, port).await?;
@@ -509,7 +475,7 @@ async fn webhook_converts_over_tls_and_picks_up_new_certificates() {
     );
     let (status, _) = get(manager.metrics, "/nope").await.expect("404");
     assert_eq!(status, 404);
-    drop(manager);
+    manager.stop();
 }
 
 /// Like controller-runtime: a leader whose Lease is taken stops its controllers and exits
@@ -522,7 +488,7 @@ async fn a_leader_that_loses_the_lease_exits_non_zero() {
             .expect("namespace with CRDs");
     let dir = tempfile::tempdir().expect("tempdir");
     let mut manager = Manager::start("solo", &ns, dir.path(), &["--webhook-port=0"]);
-    eventually("leadership", Duration::from_secs(30), || {
+    eventually(Duration::from_secs(30), "leadership", || {
         let ns = &ns;
         async move {
             lease_holder(ns, LEASE)
@@ -554,4 +520,5 @@ async fn a_leader_that_loses_the_lease_exits_non_zero() {
         Some("thief"),
         "not released"
     );
+    manager.stop();
 }

@@ -627,3 +627,6 @@ async fn reconcile_delete<K: InfraKind>(
         gone: true,
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -10,7 +10,7 @@ use kube::{
     api::{DeleteParams, Patch, PatchParams},
 };
 use serde_json::json;
-use support::{Env, condition, eventually};
+use support::{Env, PATIENCE, condition, eventually};
 
 async fn sent_status(env: &Env, name: &str) -> bool {
     let obj = env.clusters().get(name).await.unwrap();
@@ -28,7 +28,7 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
     let created = env.create_mailgun_cluster("alpha").await;
 
     // No owner yet: wait, say so, send nothing.
-    eventually("WaitingForOwner", || async {
+    eventually(PATIENCE, "WaitingForOwner", || async {
         let obj = env.clusters().get("alpha").await.unwrap();
         let status = obj.status.unwrap_or_default();
         condition(&status.conditions, "Ready")
@@ -39,7 +39,7 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
 
     // Cluster API sets the owner reference after creation.
     env.create_owner_cluster("alpha", false).await;
-    eventually("the request mail", || async {
+    eventually(PATIENCE, "the request mail", || async {
         sent_status(&env, "alpha").await
     })
     .await;
@@ -120,7 +120,7 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
 
     // The human fulfils the request.
     env.fulfil_cluster("alpha").await;
-    eventually("provisioned", || async {
+    eventually(PATIENCE, "provisioned", || async {
         let obj = env.clusters().get("alpha").await.unwrap();
         let status = obj.status.unwrap_or_default();
         status.initialization.and_then(|i| i.provisioned) == Some(true)
@@ -139,7 +139,7 @@ async fn request_mailed_once_then_fulfilled_then_cancelled_on_delete() {
         .delete("alpha", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the object to be gone", || async {
+    eventually(PATIENCE, "the object to be gone", || async {
         env.clusters().get_opt("alpha").await.unwrap().is_none()
     })
     .await;
@@ -159,7 +159,7 @@ async fn paused_cluster_sends_nothing_until_unpaused() {
     env.start().await;
     env.create_mailgun_cluster("beta").await;
     env.create_owner_cluster("beta", true).await;
-    eventually("Paused=True", || async {
+    eventually(PATIENCE, "Paused=True", || async {
         let status = env
             .clusters()
             .get("beta")
@@ -175,7 +175,7 @@ async fn paused_cluster_sends_nothing_until_unpaused() {
 
     env.patch_cluster_spec("beta", json!({ "paused": false }))
         .await;
-    eventually("the request mail", || async {
+    eventually(PATIENCE, "the request mail", || async {
         sent_status(&env, "beta").await
     })
     .await;
@@ -194,7 +194,7 @@ async fn restart_and_wiped_status_send_no_second_mail() {
     env.start().await;
     env.create_mailgun_cluster("gamma").await;
     env.create_owner_cluster("gamma", false).await;
-    eventually("the request mail", || async {
+    eventually(PATIENCE, "the request mail", || async {
         sent_status(&env, "gamma").await
     })
     .await;
@@ -229,7 +229,7 @@ async fn restart_and_wiped_status_send_no_second_mail() {
             .is_none_or(|s| s.mail.is_none())
     );
     env.start().await;
-    eventually("the status rebuilt from metadata", || async {
+    eventually(PATIENCE, "the status rebuilt from metadata", || async {
         sent_status(&env, "gamma").await
     })
     .await;
@@ -269,21 +269,25 @@ async fn backend_down_then_up_delivers_once() {
     env.start().await;
     env.create_mailgun_cluster("delta").await;
     env.create_owner_cluster("delta", false).await;
-    eventually("MailSent=False with the failure reported", || async {
-        let status = env
-            .clusters()
-            .get("delta")
-            .await
-            .unwrap()
-            .status
-            .unwrap_or_default();
-        condition(&status.conditions, "MailSent")
-            .is_some_and(|c| c.status == "False" && c.message.contains("500"))
-    })
+    eventually(
+        PATIENCE,
+        "MailSent=False with the failure reported",
+        || async {
+            let status = env
+                .clusters()
+                .get("delta")
+                .await
+                .unwrap()
+                .status
+                .unwrap_or_default();
+            condition(&status.conditions, "MailSent")
+                .is_some_and(|c| c.status == "False" && c.message.contains("500"))
+        },
+    )
     .await;
     assert!(env.mails().is_empty());
     env.mailgun.clear_failure().unwrap();
-    eventually("the request mail", || async {
+    eventually(PATIENCE, "the request mail", || async {
         sent_status(&env, "delta").await
     })
     .await;
@@ -309,7 +313,7 @@ async fn accepted_despite_error_is_found_by_lookup_not_resent() {
     env.start().await;
     env.create_mailgun_cluster("epsilon").await;
     env.create_owner_cluster("epsilon", false).await;
-    eventually("the request mail recorded", || async {
+    eventually(PATIENCE, "the request mail recorded", || async {
         sent_status(&env, "epsilon").await
     })
     .await;
@@ -335,7 +339,7 @@ async fn refuse_and_wait_for_mail_failed(env: &mut Env, name: &str) {
     env.start().await;
     env.create_mailgun_cluster(name).await;
     env.create_owner_cluster(name, false).await;
-    eventually("MailFailed", || async {
+    eventually(PATIENCE, "MailFailed", || async {
         let status = env
             .clusters()
             .get(name)
@@ -390,7 +394,7 @@ async fn permanent_failure_is_reported_and_not_retried_until_a_restart() {
     // A restart of the provider (after fixing its credentials) retries, once.
     env.stop().await;
     env.start().await;
-    eventually("the request mail", || async {
+    eventually(PATIENCE, "the request mail", || async {
         sent_status(&env, "zeta").await
     })
     .await;
@@ -400,13 +404,19 @@ async fn permanent_failure_is_reported_and_not_retried_until_a_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_before_start_returns_promptly() {
+    // Promptly: well within the 30 s `Env::stop` allows any shutdown.
+    const PROMPTLY: std::time::Duration = std::time::Duration::from_secs(5);
     let mut env = Env::new("mgc-early-stop").await;
     // The stop signal is already there when the controllers come up.
     env.start().await;
+    let stopping = std::time::Instant::now();
     env.stop().await;
+    assert!(stopping.elapsed() < PROMPTLY, "{:?}", stopping.elapsed());
     env.start().await;
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let stopping = std::time::Instant::now();
     env.stop().await;
+    assert!(stopping.elapsed() < PROMPTLY, "{:?}", stopping.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -418,7 +428,7 @@ async fn a_request_refused_for_good_does_not_block_deletion() {
         .delete("eta", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the object to be gone", || async {
+    eventually(PATIENCE, "the object to be gone", || async {
         env.clusters().get_opt("eta").await.unwrap().is_none()
     })
     .await;
@@ -439,7 +449,7 @@ async fn the_sync_period_reconciles_every_object_and_writes_nothing() {
         env.create_owner_cluster(name, false).await;
     }
     for name in ["r1", "r2", "r3"] {
-        eventually("the request mail", || async {
+        eventually(PATIENCE, "the request mail", || async {
             sent_status(&env, name).await
         })
         .await;

@@ -19,7 +19,7 @@ use kube::{
     api::{ListParams, Patch, PatchParams},
 };
 use serde_json::json;
-use support::{Env, condition, eventually};
+use support::{Env, PATIENCE, condition, eventually};
 
 fn config(env: &Env) -> capm_controllers::Config {
     capm_controllers::Config {
@@ -44,12 +44,16 @@ async fn delivery(env: &Env, name: &str) -> (Option<(String, String, String)>, O
 }
 
 async fn wait_for_reason(env: &Env, name: &str, reason: &str) {
-    eventually(&format!("MailDelivered reason {reason}"), || async {
-        delivery(env, name)
-            .await
-            .0
-            .is_some_and(|(_, r, _)| r == reason)
-    })
+    eventually(
+        PATIENCE,
+        &format!("MailDelivered reason {reason}"),
+        || async {
+            delivery(env, name)
+                .await
+                .0
+                .is_some_and(|(_, r, _)| r == reason)
+        },
+    )
     .await;
 }
 
@@ -148,7 +152,7 @@ async fn delayed_then_delivered(prefix: &str, api: MailgunEventsApi) {
 
     // Fulfilment still works, and keeps the delivered state.
     env.fulfil_cluster("d1").await;
-    eventually("Ready", || async {
+    eventually(PATIENCE, "Ready", || async {
         let status = env.clusters().get("d1").await.unwrap().status.unwrap();
         condition(&status.conditions, "Ready").is_some_and(|c| c.status == "True")
     })
@@ -222,7 +226,7 @@ async fn a_permanent_failure_is_reported_once_and_never_resent() {
 
     // One Warning event saying so.
     let events: Api<Event> = Api::namespaced(env.ns.client.clone(), &env.ns.name);
-    eventually("the DeliveryFailed event", || async {
+    eventually(PATIENCE, "the DeliveryFailed event", || async {
         events
             .list(&ListParams::default())
             .await
@@ -345,7 +349,10 @@ async fn only_a_leading_process_asks() {
     wait_for_reason(&env, "l1", reasons::DELIVERY_PENDING).await;
     // Still open: a leader keeps asking (every second at most here).
     let before = asked(&env);
-    eventually("another question", || async { asked(&env) > before }).await;
+    eventually(PATIENCE, "another question", || async {
+        asked(&env) > before
+    })
+    .await;
 
     leadership.lost();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -381,7 +388,7 @@ async fn a_new_generation_moves_every_condition_in_one_write() {
     env.create_owner_cluster("g1", false).await;
     wait_for_reason(&env, "g1", reasons::DELIVERY_PENDING).await;
     env.fulfil_cluster("g1").await;
-    eventually("provisioned", || async {
+    eventually(PATIENCE, "provisioned", || async {
         let status = env.clusters().get("g1").await.unwrap().status.unwrap();
         condition(&status.conditions, "Provisioned").is_some_and(|c| c.status == "True")
     })
@@ -420,7 +427,7 @@ async fn a_rate_limit_pauses_the_whole_poller() {
             .add_event(&event(&mail.id, DeliveryEvent::Delivered))
             .unwrap();
     }
-    eventually("the first question (refused)", || async {
+    eventually(PATIENCE, "the first question (refused)", || async {
         asked(&env) >= 1
     })
     .await;
@@ -454,7 +461,10 @@ async fn a_hundred_open_mails_cost_a_handful_of_requests() {
         env.create_mailgun_cluster(name).await;
         env.create_owner_cluster(name, false).await;
     }
-    eventually("every request mailed", || async { env.mails().len() == N }).await;
+    eventually(PATIENCE, "every request mailed", || async {
+        env.mails().len() == N
+    })
+    .await;
     for name in &names {
         wait_for_reason(&env, name, reasons::DELIVERY_PENDING).await;
     }

@@ -25,7 +25,7 @@ use kube::{
     },
 };
 use serde_json::json;
-use support::{Env, condition, eventually};
+use support::{Env, PATIENCE, condition, eventually};
 
 /// The watch-filter value of this test's objects: only this test's controllers see them.
 const FILTER: &str = "identity-test";
@@ -255,7 +255,7 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     create_pair(&client, x, "x1", Some(&id_a)).await;
     create_pair(&client, a, "a-missing", Some("no-such-identity")).await;
 
-    eventually("each tenant's request mailed", || async {
+    eventually(PATIENCE, "each tenant's request mailed", || async {
         mailgun_a.messages().unwrap().len() == 1
             && mailgun_b.messages().unwrap().len() == 1
             && smtp.messages().unwrap().len() == 1
@@ -273,14 +273,18 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     assert!(mc.header("To").unwrap().contains("audit@tenant-c.test"));
 
     // Refused ones: a condition, no mail, nowhere.
-    eventually("IdentityNotAllowed and IdentityNotFound shown", || async {
-        reason(&client, x, "x1", "MailSent")
-            .await
-            .is_some_and(|(r, _)| r == reasons::IDENTITY_NOT_ALLOWED)
-            && reason(&client, a, "a-missing", "MailSent")
+    eventually(
+        PATIENCE,
+        "IdentityNotAllowed and IdentityNotFound shown",
+        || async {
+            reason(&client, x, "x1", "MailSent")
                 .await
-                .is_some_and(|(r, _)| r == reasons::IDENTITY_NOT_FOUND)
-    })
+                .is_some_and(|(r, _)| r == reasons::IDENTITY_NOT_ALLOWED)
+                && reason(&client, a, "a-missing", "MailSent")
+                    .await
+                    .is_some_and(|(r, _)| r == reasons::IDENTITY_NOT_FOUND)
+        },
+    )
     .await;
     let (_, message) = reason(&client, x, "x1", "Ready").await.unwrap();
     assert!(
@@ -305,17 +309,21 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
             message: None,
         })
         .unwrap();
-    eventually("a1 delivered, b1 and c1 not trackable", || async {
-        reason(&client, a, "a1", "MailDelivered")
-            .await
-            .is_some_and(|(r, _)| r == reasons::DELIVERED)
-            && reason(&client, b, "b1", "MailDelivered")
+    eventually(
+        PATIENCE,
+        "a1 delivered, b1 and c1 not trackable",
+        || async {
+            reason(&client, a, "a1", "MailDelivered")
                 .await
-                .is_some_and(|(r, _)| r == reasons::NOT_TRACKABLE)
-            && reason(&client, c, "c1", "MailDelivered")
-                .await
-                .is_some_and(|(r, _)| r == reasons::NOT_TRACKABLE)
-    })
+                .is_some_and(|(r, _)| r == reasons::DELIVERED)
+                && reason(&client, b, "b1", "MailDelivered")
+                    .await
+                    .is_some_and(|(r, _)| r == reasons::NOT_TRACKABLE)
+                && reason(&client, c, "c1", "MailDelivered")
+                    .await
+                    .is_some_and(|(r, _)| r == reasons::NOT_TRACKABLE)
+        },
+    )
     .await;
     let (_, why_b) = reason(&client, b, "b1", "MailDelivered").await.unwrap();
     assert!(why_b.contains("read role"), "{why_b}");
@@ -358,7 +366,7 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
         .await
         .unwrap();
     create_pair(&client, b, "b2", Some(&id_b)).await;
-    eventually("b2 mailed", || async {
+    eventually(PATIENCE, "b2 mailed", || async {
         mailgun_b.messages().unwrap().len() == 2
     })
     .await;
@@ -390,7 +398,7 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
         )
         .await
         .unwrap();
-    eventually("x1 mailed once allowed", || async {
+    eventually(PATIENCE, "x1 mailed once allowed", || async {
         mailgun_a.messages().unwrap().len() == 2
     })
     .await;
@@ -404,7 +412,7 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
         .delete("a1", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("a1 released and gone", || async {
+    eventually(PATIENCE, "a1 released and gone", || async {
         Api::<MailgunCluster>::namespaced(client.clone(), a)
             .get_opt("a1")
             .await
@@ -450,9 +458,11 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
         }),
     )
     .await;
-    eventually("the moved object's request resent through B", || async {
-        mailgun_b.messages().unwrap().iter().any(|m| m.id == old_id)
-    })
+    eventually(
+        PATIENCE,
+        "the moved object's request resent through B",
+        || async { mailgun_b.messages().unwrap().iter().any(|m| m.id == old_id) },
+    )
     .await;
     assert_eq!(
         mailgun_b

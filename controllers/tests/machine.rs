@@ -12,7 +12,7 @@ use kube::{
     },
 };
 use serde_json::json;
-use support::{Env, condition, eventually};
+use support::{Env, PATIENCE, condition, eventually};
 
 async fn ready_reason(env: &Env, name: &str) -> Option<String> {
     let status = env.machines().get(name).await.unwrap().status?;
@@ -56,13 +56,13 @@ async fn machine_waits_for_infrastructure_and_bootstrap_then_mails_once() {
         .unwrap();
     env.set_owner("MailgunMachine", "c1-m1", &machine).await;
 
-    eventually("WaitingForClusterInfrastructure", || async {
+    eventually(PATIENCE, "WaitingForClusterInfrastructure", || async {
         ready_reason(&env, "c1-m1").await.as_deref()
             == Some(names::reasons::WAITING_FOR_CLUSTER_INFRASTRUCTURE)
     })
     .await;
     env.mark_infrastructure_provisioned("c1").await;
-    eventually("WaitingForBootstrapData", || async {
+    eventually(PATIENCE, "WaitingForBootstrapData", || async {
         ready_reason(&env, "c1-m1").await.as_deref()
             == Some(names::reasons::WAITING_FOR_BOOTSTRAP_DATA)
     })
@@ -77,7 +77,7 @@ async fn machine_waits_for_infrastructure_and_bootstrap_then_mails_once() {
         )
         .await
         .unwrap();
-    eventually("the machine request mail", || async {
+    eventually(PATIENCE, "the machine request mail", || async {
         !env.mails().is_empty()
     })
     .await;
@@ -118,7 +118,7 @@ async fn machine_waits_for_infrastructure_and_bootstrap_then_mails_once() {
         )
         .await
         .unwrap();
-    eventually("provisioned with addresses", || async {
+    eventually(PATIENCE, "provisioned with addresses", || async {
         let status = env
             .machines()
             .get("c1-m1")
@@ -139,7 +139,7 @@ async fn machine_waits_for_infrastructure_and_bootstrap_then_mails_once() {
         .delete("c1-m1", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the MailgunMachine to be gone", || async {
+    eventually(PATIENCE, "the MailgunMachine to be gone", || async {
         env.machines().get_opt("c1-m1").await.unwrap().is_none()
     })
     .await;

@@ -22,7 +22,7 @@ use kube::{
     },
 };
 use serde_json::json;
-use support::{Env, condition, eventually};
+use support::{Env, PATIENCE, condition, eventually};
 
 fn machine_ar() -> ApiResource {
     ApiResource::from_gvk(&GroupVersionKind::gvk(
@@ -91,7 +91,7 @@ async fn no_request_for_a_machine_whose_owner_is_being_deleted() {
         .unwrap();
     env.set_owner("MailgunMachine", "mm", &machine).await;
     env.start().await;
-    eventually("Ready=False OwnerDeleting", || async {
+    eventually(PATIENCE, "Ready=False OwnerDeleting", || async {
         let status = env.machines().get("mm").await.unwrap().status;
         status.is_some_and(|s| {
             condition(&s.conditions, "Ready")
@@ -112,7 +112,7 @@ async fn no_request_for_a_machine_whose_owner_is_being_deleted() {
         .delete("mm", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("the MailgunMachine to be gone", || async {
+    eventually(PATIENCE, "the MailgunMachine to be gone", || async {
         env.machines().get_opt("mm").await.unwrap().is_none()
     })
     .await;
@@ -172,7 +172,7 @@ async fn an_object_deleted_under_its_request_gets_its_release() {
         objects: env.machines(),
     });
     env.start_with_mailer(env.config(), mailer).await;
-    eventually("two mails", || async { env.mails().len() >= 2 }).await;
+    eventually(PATIENCE, "two mails", || async { env.mails().len() >= 2 }).await;
     let uid = mm.uid().unwrap();
     let ids: Vec<String> = env.mails().into_iter().map(|m| m.id).collect();
     assert_eq!(
@@ -211,7 +211,7 @@ async fn requests_never_accepted_are_not_released_even_after_a_restart() {
         env.create_owner_cluster(name, false).await;
     }
     for name in ["r1", "r2"] {
-        eventually("the intent to say refused", || async {
+        eventually(PATIENCE, "the intent to say refused", || async {
             let obj = env.clusters().get(name).await.unwrap();
             obj.annotations()
                 .get(names::MAIL_ANNOTATION)
@@ -230,7 +230,7 @@ async fn requests_never_accepted_are_not_released_even_after_a_restart() {
     }
     env.mailgun.clear_failure().unwrap();
     for name in ["r1", "r2"] {
-        eventually("the object to be gone", || async {
+        eventually(PATIENCE, "the object to be gone", || async {
             env.clusters().get_opt(name).await.unwrap().is_none()
         })
         .await;
@@ -275,11 +275,14 @@ async fn a_moved_object_is_retried_under_the_message_id_of_its_intent() {
         .unwrap();
     env.create_owner_cluster("moved", false).await;
     env.start().await;
-    eventually("the request mail", || async { !env.mails().is_empty() }).await;
+    eventually(PATIENCE, "the request mail", || async {
+        !env.mails().is_empty()
+    })
+    .await;
     let mails = env.mails();
     assert_eq!(mails.len(), 1);
     assert_eq!(mails[0].id, old_id);
-    eventually("MailSent=True under the old id", || async {
+    eventually(PATIENCE, "MailSent=True under the old id", || async {
         let status = env.clusters().get("moved").await.unwrap().status;
         status
             .and_then(|s| s.mail)

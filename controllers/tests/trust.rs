@@ -22,7 +22,7 @@ use kube::{
     },
 };
 use serde_json::{Value, json};
-use support::{Env, condition, eventually};
+use support::{Env, PATIENCE, condition, eventually};
 
 async fn create_with(env: &Env, name: &str, metadata: Value) -> MailgunCluster {
     let mut meta = json!({ "name": name });
@@ -70,7 +70,7 @@ async fn owners_are_confirmed_by_uid_and_back_reference() {
     let real = env.create_cluster("real", false).await;
     env.create_mailgun_cluster("real").await;
     env.set_owner("MailgunCluster", "real", &real).await;
-    eventually("the real one mailed", || async {
+    eventually(PATIENCE, "the real one mailed", || async {
         mail_state(&env, "real").await == Some(MailState::Sent)
     })
     .await;
@@ -83,13 +83,13 @@ async fn owners_are_confirmed_by_uid_and_back_reference() {
     forged.metadata.uid = Some("00000000-0000-4000-8000-000000000000".into());
     env.set_owner("MailgunCluster", "spoofed", &forged).await;
 
-    eventually("OwnerMismatch", || async {
+    eventually(PATIENCE, "OwnerMismatch", || async {
         ready_reason(&env, "squatter").await.as_deref() == Some(names::reasons::OWNER_MISMATCH)
     })
     .await;
     // The garbage collector sees no owner with the forged UID and may delete "spoofed" first;
     // either way it was never mailed (and, holding no finalizer of ours, needs no release).
-    eventually("OwnerMismatch or garbage-collected", || async {
+    eventually(PATIENCE, "OwnerMismatch or garbage-collected", || async {
         match env.clusters().get_opt("spoofed").await.unwrap() {
             None => true,
             Some(_) => {
@@ -155,7 +155,7 @@ async fn a_machine_claiming_another_teams_machine_gets_no_mail() {
         .await
         .unwrap();
     env.set_owner("MailgunMachine", "mine", &victim).await;
-    eventually("OwnerMismatch", || async {
+    eventually(PATIENCE, "OwnerMismatch", || async {
         let status = env.machines().get("mine").await.unwrap().status;
         status.is_some_and(|s| {
             condition(&s.conditions, "Ready")
@@ -210,7 +210,7 @@ async fn forged_records_are_not_believed() {
         ("huge", &huge),
         ("no-release", &no_release),
     ] {
-        eventually(&format!("mailed for real: {name}"), || async {
+        eventually(PATIENCE, &format!("mailed for real: {name}"), || async {
             mail_state(&env, name).await == Some(MailState::Sent)
         })
         .await;
@@ -238,7 +238,7 @@ async fn forged_records_are_not_believed() {
         .delete("no-release", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("gone after its release", || async {
+    eventually(PATIENCE, "gone after its release", || async {
         env.clusters()
             .get_opt("no-release")
             .await
@@ -274,7 +274,7 @@ async fn a_preset_intent_does_not_skip_the_finalizer() {
     )
     .await;
     env.create_owner_cluster("preset", false).await;
-    eventually("mailed", || async {
+    eventually(PATIENCE, "mailed", || async {
         mail_state(&env, "preset").await == Some(MailState::Sent)
     })
     .await;
@@ -287,7 +287,7 @@ async fn a_preset_intent_does_not_skip_the_finalizer() {
         .delete("preset", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("gone after its release", || async {
+    eventually(PATIENCE, "gone after its release", || async {
         env.clusters().get_opt("preset").await.unwrap().is_none()
     })
     .await;
@@ -306,7 +306,7 @@ async fn managed_by_does_not_strand_our_finalizer() {
     env.start().await;
     env.create_mailgun_cluster("handed-over").await;
     env.create_owner_cluster("handed-over", false).await;
-    eventually("mailed", || async {
+    eventually(PATIENCE, "mailed", || async {
         mail_state(&env, "handed-over").await == Some(MailState::Sent)
     })
     .await;
@@ -322,7 +322,7 @@ async fn managed_by_does_not_strand_our_finalizer() {
         .delete("handed-over", &DeleteParams::default())
         .await
         .unwrap();
-    eventually("gone", || async {
+    eventually(PATIENCE, "gone", || async {
         env.clusters()
             .get_opt("handed-over")
             .await

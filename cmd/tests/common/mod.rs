@@ -5,15 +5,15 @@
 
 use std::{
     io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpStream},
+    net::{SocketAddr, TcpStream},
     path::PathBuf,
-    process::{Child, Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
 use capm_api::{names, v1beta1::MailgunCluster};
 use capm_mail_servers::{MailgunServer, SmtpServer};
-use capm_test_support::{TestNamespace, process::free_port};
+use capm_test_support::{TestNamespace, provider};
 use kube::{
     Api, ResourceExt,
     api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
@@ -53,12 +53,12 @@ pub struct Launch<'a> {
 }
 
 pub struct Provider {
-    pub child: Child,
+    process: provider::Provider,
     pub metrics: SocketAddr,
     pub probes: SocketAddr,
     _config: Option<tempfile::NamedTempFile>,
-    /// The process's standard error (its logs).
-    log: tempfile::NamedTempFile,
+    /// The process's output (its logs).
+    _log: tempfile::NamedTempFile,
 }
 
 impl Provider {
@@ -80,20 +80,18 @@ impl Provider {
     }
 
     pub fn launch(ns: &TestNamespace, backend: &Backend<'_>, launch: &Launch<'_>) -> Self {
-        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
-        let probes = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port().unwrap()));
         let mut config_file = None;
-        let mut cmd = match launch.nofile {
-            Some((soft, hard)) => {
-                let mut cmd = Command::new("prlimit");
-                cmd.arg(format!("--nofile={soft}:{hard}"))
-                    .arg("--")
-                    .arg(BIN);
-                cmd
-            }
-            None => Command::new(BIN),
-        };
-        cmd.env_clear()
+        let (mut cmd, ports) = provider::Launch::new(BIN, ns.control_plane().kubeconfig())
+            .on_free_ports()
+            .unwrap();
+        if let Some((soft, hard)) = launch.nofile {
+            cmd = cmd.under([
+                "prlimit".to_owned(),
+                format!("--nofile={soft}:{hard}"),
+                "--".to_owned(),
+            ]);
+        }
+        cmd = cmd
             .env("MAIL_RECIPIENT", "ops@example.com")
             .env(
                 "RUST_LOG",
@@ -101,24 +99,21 @@ impl Provider {
                     .log_filter
                     .unwrap_or("warn,capm_controllers::sendonce::execute=info"),
             )
-            .arg("--kubeconfig")
-            .arg(ns.control_plane().kubeconfig())
             .args([
                 "--namespace",
                 &ns.name,
                 "--leader-election-namespace",
                 &ns.name,
             ])
-            .args(["--metrics-bind-address", &metrics.to_string()])
-            .args(["--health-probe-bind-address", &probes.to_string()])
             .args(["--shutdown-timeout", "10s"])
             .arg(format!("--leader-elect={}", launch.leader_elect));
         if !launch.args.iter().any(|a| a.starts_with("--webhook-port")) {
-            cmd.args(["--webhook-port", "0"]);
+            cmd = cmd.args(["--webhook-port", "0"]);
         }
         let smtp_url = match backend {
             Backend::Mailgun(server) => {
-                cmd.env("MAILGUN_DOMAIN", DOMAIN)
+                cmd = cmd
+                    .env("MAILGUN_DOMAIN", DOMAIN)
                     .env("MAILGUN_API_KEY", KEY)
                     .args(["--mailgun-base-url", &server.base_url()]);
                 None
@@ -134,49 +129,50 @@ impl Provider {
                 "mailFrom": format!("capm@{DOMAIN}"),
             });
             std::fs::write(file.path(), config.to_string()).unwrap();
-            cmd.arg("--config")
+            cmd = cmd
+                .arg("--config")
                 .arg(file.path())
                 .args(["--message-id-domain", DOMAIN]);
             config_file = Some(file);
         }
-        cmd.args(&launch.args);
+        cmd = cmd.args(&launch.args);
         if let Some(step) = launch.failpoint {
-            cmd.env("CAPM_FAILPOINT", step);
+            cmd = cmd.env("CAPM_FAILPOINT", step);
         }
         let log = tempfile::Builder::new().suffix(".log").tempfile().unwrap();
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log.reopen().unwrap())
-            .spawn()
-            .unwrap();
+        let process = cmd.spawn(log.path()).unwrap();
         Self {
-            child,
-            metrics,
-            probes,
+            process,
+            metrics: ports.metrics,
+            probes: ports.probes,
             _config: config_file,
-            log,
+            _log: log,
         }
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.pid()
     }
 
     /// What the process has logged so far.
     pub fn stderr_log(&self) -> String {
-        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+        self.process.log()
     }
 
     pub fn log_path(&self) -> PathBuf {
-        self.log.path().to_owned()
+        self.process.log_path().to_owned()
+    }
+
+    /// Its exit status, once it has ended.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.process.exited()
     }
 
     /// Waits for the process to end on its own (a failpoint aborts it).
     pub fn wait_for_crash(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if let Some(status) = self.process.exited() {
                 assert!(!status.success(), "the failpoint aborts: {status}");
                 return;
             }
@@ -187,7 +183,7 @@ impl Provider {
 
     /// Whether the process still runs.
     pub fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
+        self.process.running()
     }
 
     /// The status code of `GET <path>` on the probes port, if it answers within 5 s.
@@ -230,8 +226,7 @@ impl Provider {
 
 impl Drop for Provider {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.kill();
         if std::thread::panicking() {
             eprintln!("--- provider log ---\n{}", self.stderr_log());
         }

@@ -2,7 +2,7 @@
 //! contract server, and the controllers running in-process on that namespace.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use capm_api::v1beta1::{MailgunCluster, MailgunMachine};
 use capm_controllers::{Config, Metrics};
@@ -274,20 +274,10 @@ impl Env {
     }
 }
 
-/// Polls `check` every 100 ms for up to 30 s.
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    for _ in 0..300 {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("timed out after 30 s waiting for {what}");
-}
+/// How long the controllers' tests wait for what a reconcile should reach.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+pub use capm_test_support::wait::eventually;
 
 pub fn condition<'a>(
     conditions: &'a Option<Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>>,

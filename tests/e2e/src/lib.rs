@@ -659,30 +659,18 @@ pub fn https_get(
     Ok((status, body.to_owned()))
 }
 
-/// Polls `check` every 250 ms until it returns `Some`, or fails after `timeout` with `what`.
-/// An error from `check` (a process died, the API refused) ends the wait at once.
+/// [`capm_test_support::wait::try_eventually`] with this crate's checks: they use `?` on
+/// `anyhow` errors, so the error type is named here for inference. An error from `check` (a
+/// process died, the API refused) ends the wait at once.
 ///
 /// # Errors
 /// On timeout, or when `check` fails.
-pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> Result<T>
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, check: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Option<T>>>,
 {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = check()
-            .await
-            .with_context(|| format!("while waiting for {what}"))?
-        {
-            return Ok(v);
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    Ok(capm_test_support::wait::try_eventually(timeout, what, check).await?)
 }
 
 /// Debian's Prometheus (`apt-get install prometheus`), scraping `targets` every second.

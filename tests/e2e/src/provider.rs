@@ -8,6 +8,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use capm_test_support::provider::Launch;
 use k8s_openapi::{
     ByteString,
     api::{apps::v1::Deployment, core::v1::Secret},
@@ -116,14 +117,14 @@ pub async fn start_chart_provider(
         };
         args.push(format!("{flag}={value}"));
     }
-    let mut cmd = Command::new(provider_binary()?);
-    cmd.args(&args)
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .env("POD_NAMESPACE", namespace)
+    let cmd = Launch::new(provider_binary()?, kubeconfig)
+        .inherit_env()
         .env_remove("KUBECONFIG")
         .env_remove("MAILGUN_API_KEY")
-        .env_remove("SMTP_PASSWORD");
+        .env_remove("SMTP_PASSWORD")
+        .env("POD_NAMESPACE", namespace)
+        .args(&args)
+        .command();
     let proc = Proc::spawn("provider", cmd, dir.join("provider.log"))?;
     Ok(ChartProvider {
         proc,

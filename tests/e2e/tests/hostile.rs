@@ -23,7 +23,6 @@ use std::{
     future::Future,
     path::PathBuf,
     pin::Pin,
-    process::Command,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -38,7 +37,7 @@ use capm_e2e::{
     service_account_kubeconfig,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer};
-use capm_test_support::{ControlPlane, Options};
+use capm_test_support::{ControlPlane, Options, provider::Launch};
 use k8s_openapi::{ByteString, api::core::v1::Secret};
 use kube::{
     Api, Client,
@@ -168,28 +167,19 @@ async fn setup() -> Result<Env> {
         &config,
         json!({"mailer": {"smtp": {"url": smtp.url(), "starttls": "never"}}, "mailFrom": "capm@hostile.example.com"}).to_string(),
     )?;
-    let mut cmd = Command::new(provider_binary()?);
-    cmd.env_clear()
+    let (launch, _) = Launch::new(provider_binary()?, &kubeconfig).on_free_ports()?;
+    let cmd = launch
         .env("MAIL_RECIPIENT", RECIPIENT)
         .env("RUST_LOG", "info")
         .env("POD_NAMESPACE", NS)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
         .arg("--config")
         .arg(&config)
         .args(["--message-id-domain", DOMAIN, "--leader-elect=false"])
-        .args([
-            "--metrics-bind-address",
-            &format!("127.0.0.1:{}", free_port()?),
-        ])
-        .args([
-            "--health-probe-bind-address",
-            &format!("127.0.0.1:{}", free_port()?),
-        ])
         .args(["--webhook-port", &webhook_port.to_string()])
         .arg("--webhook-cert-dir")
         .arg(&certs)
-        .args(["--shutdown-timeout", "5s"]);
+        .args(["--shutdown-timeout", "5s"])
+        .command();
     let provider = Proc::spawn("provider", cmd, dir.join("provider.log"))?;
 
     // The chart's webhook Service, pointed at the provider (no kube-proxy, no kubelet here).

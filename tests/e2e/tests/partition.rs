@@ -31,7 +31,6 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
-    process::Command,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -44,6 +43,7 @@ use capm_e2e::{
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{
     ControlPlane, Options, install_crds,
+    provider::Launch,
     proxy::{TcpProxy, in_front_of_api_server},
 };
 use kube::{
@@ -144,15 +144,12 @@ impl World {
         let elect = self.replicas.len() > 1;
         let r = &mut self.replicas[i];
         r.generation += 1;
-        let mut cmd = Command::new(provider_binary()?);
-        cmd.env_clear()
+        let mut launch = Launch::new(provider_binary()?, &r.kubeconfig)
             .env("RUST_LOG", "info,capm_controllers=debug")
             .env("NO_COLOR", "1")
             .env("POD_NAME", &r.name)
             .env("MAIL_RECIPIENT", RECIPIENT)
             .env("MAILGUN_API_KEY", API_KEY)
-            .arg("--kubeconfig")
-            .arg(&r.kubeconfig)
             .args(["--namespace", &self.ns])
             .args(["--metrics-bind-address", &r.metrics])
             .args([
@@ -166,22 +163,23 @@ impl World {
         if !elect {
             // One replica: the process that is cut off is the one that re-lists (with election
             // on, a cut longer than the renew deadline would end it instead).
-            cmd.arg("--leader-elect=false");
+            launch = launch.arg("--leader-elect=false");
         } else {
             // A renew deadline longer than a short cut (the API server's restart included), so
             // that only the cycles meant to hand over do.
-            cmd.args([
-                "--leader-elect=true",
-                "--leader-election-namespace",
-                &self.ns,
-            ])
-            .args([
-                "--leader-elect-lease-duration=40s",
-                "--leader-elect-renew-deadline=30s",
-            ]);
+            launch = launch
+                .args([
+                    "--leader-elect=true",
+                    "--leader-election-namespace",
+                    &self.ns,
+                ])
+                .args([
+                    "--leader-elect-lease-duration=40s",
+                    "--leader-elect-renew-deadline=30s",
+                ]);
         }
         let log = self.dir.join(format!("{}-{}.log", r.name, r.generation));
-        let proc = Proc::spawn(&r.name, cmd, log)?;
+        let proc = Proc::spawn(&r.name, launch.command(), log)?;
         self.cp.adopt(proc.pid())?;
         r.proc = Some(proc);
         Ok(())

@@ -31,7 +31,9 @@ mod namespace;
 pub mod node;
 pub mod pki;
 pub mod process;
+pub mod provider;
 pub mod proxy;
+pub mod wait;
 
 pub use control_plane::{
     ControlPlane, KUBERNETES_VERSION, Options, client_from_kubeconfig, config_from_kubeconfig,

@@ -21,7 +21,9 @@ use kube::{
 };
 use serde_json::json;
 
-use capm_test_support::{KUBERNETES_VERSION, TestNamespace, install_crds, shared};
+use capm_test_support::{
+    KUBERNETES_VERSION, TestNamespace, install_crds, shared, wait::eventually,
+};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -29,23 +31,8 @@ fn from_json<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> T {
     serde_json::from_value(value).expect("valid object")
 }
 
-/// Polls `check` every 100 ms for up to 60 s; the last error explains a failure.
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<bool, kube::Error>>,
-{
-    let mut last = String::new();
-    for _ in 0..600 {
-        match check().await {
-            Ok(true) => return,
-            Ok(false) => last = "condition not met".into(),
-            Err(e) => last = e.to_string(),
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("timed out waiting for {what}: {last}");
-}
+/// How long these tests wait for a controller of the control plane.
+const PATIENCE: Duration = Duration::from_secs(60);
 
 fn status_code(err: &kube::Error) -> Option<u16> {
     match err {
@@ -177,8 +164,8 @@ async fn namespace_deletion_collects_its_objects() -> TestResult {
         .delete(&ns.name, &DeleteParams::default())
         .await?;
     // The namespace controller empties the namespace, then the namespace itself disappears.
-    eventually("the namespace to be deleted", || async {
-        Ok(namespaces.get_opt(&ns.name).await?.is_none())
+    eventually(PATIENCE, "the namespace to be deleted", || async {
+        Ok::<_, kube::Error>(namespaces.get_opt(&ns.name).await?.is_none())
     })
     .await;
     let all_cms: Api<ConfigMap> = Api::all(ns.client.clone());
@@ -208,8 +195,8 @@ async fn deployment_creates_replicaset_and_pods() -> TestResult {
     let ns = TestNamespace::create("deploy").await?;
     // Pods are admitted only once the ServiceAccount controller has made `default`.
     let sas: Api<ServiceAccount> = ns.api();
-    eventually("the default ServiceAccount", || async {
-        Ok(sas.get_opt("default").await?.is_some())
+    eventually(PATIENCE, "the default ServiceAccount", || async {
+        Ok::<_, kube::Error>(sas.get_opt("default").await?.is_some())
     })
     .await;
 
@@ -228,21 +215,23 @@ async fn deployment_creates_replicaset_and_pods() -> TestResult {
         )
         .await?;
     let replicasets: Api<ReplicaSet> = ns.api();
-    eventually("a ReplicaSet owned by the Deployment", || async {
-        Ok(replicasets
-            .list(&ListParams::default())
-            .await?
-            .items
-            .iter()
-            .any(|rs| {
-                rs.owner_references()
-                    .iter()
-                    .any(|o| o.kind == "Deployment" && o.name == "web")
-            }))
+    eventually(PATIENCE, "a ReplicaSet owned by the Deployment", || async {
+        Ok::<_, kube::Error>(
+            replicasets
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .any(|rs| {
+                    rs.owner_references()
+                        .iter()
+                        .any(|o| o.kind == "Deployment" && o.name == "web")
+                }),
+        )
     })
     .await;
     let pods: Api<Pod> = ns.api();
-    eventually("two Pods owned by the ReplicaSet", || async {
+    eventually(PATIENCE, "two Pods owned by the ReplicaSet", || async {
         let owned = pods
             .list(&ListParams::default().labels("app=web"))
             .await?
@@ -250,7 +239,7 @@ async fn deployment_creates_replicaset_and_pods() -> TestResult {
             .iter()
             .filter(|p| p.owner_references().iter().any(|o| o.kind == "ReplicaSet"))
             .count();
-        Ok(owned == 2)
+        Ok::<_, kube::Error>(owned == 2)
     })
     .await;
     Ok(())
@@ -264,8 +253,8 @@ async fn pod_security_restricted_rejects_noncompliant_pod() -> TestResult {
     )
     .await?;
     let sas: Api<ServiceAccount> = ns.api();
-    eventually("the default ServiceAccount", || async {
-        Ok(sas.get_opt("default").await?.is_some())
+    eventually(PATIENCE, "the default ServiceAccount", || async {
+        Ok::<_, kube::Error>(sas.get_opt("default").await?.is_some())
     })
     .await;
     let pods: Api<Pod> = ns.api();
@@ -365,7 +354,7 @@ async fn rbac_denies_unbound_user_and_allows_bound_service_account() -> TestResu
             })),
         )
         .await?;
-    eventually("the RoleBinding to take effect", || async {
+    eventually(PATIENCE, "the RoleBinding to take effect", || async {
         match reader_cms.list(&ListParams::default()).await {
             Ok(_) => Ok(true),
             Err(e) if status_code(&e) == Some(403) => Ok(false),

@@ -10,17 +10,16 @@ use std::{
     future::Future,
     path::PathBuf,
     pin::Pin,
-    process::Command,
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail};
-use capm_e2e::{Proc, free_port, http_get, provider_binary, start_capi_manager};
+use capm_e2e::{Proc, http_get, provider_binary, start_capi_manager};
 use capm_mail_servers::{
     FailureMode, FailureRule, FailureTarget, MailgunServer, SmtpOptions, SmtpServer,
 };
-use capm_test_support::{ControlPlane, Options, install_crds};
+use capm_test_support::{ControlPlane, Options, install_crds, provider::Launch};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::{
     Api, Client, ResourceExt,
@@ -436,17 +435,16 @@ impl Lane {
             *started
         };
         let name = format!("{}-{n}", self.backend);
-        let metrics = format!("127.0.0.1:{}", free_port()?);
         let kubeconfig = self.logs.join(format!("{name}.kubeconfig"));
         let proxy = capm_test_support::proxy::in_front_of_api_server(&self.cp, &kubeconfig)?;
-        let mut cmd = Command::new(provider_binary()?);
-        cmd.env_clear()
+        let (launch, ports) = Launch::new(provider_binary()?, &kubeconfig).on_free_ports()?;
+        let metrics = ports.metrics.to_string();
+        let cmd = launch
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .env("MAIL_RECIPIENT", RECIPIENT)
             .env("MAILGUN_API_KEY", API_KEY)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
+            .env("CAPM_FAILPOINT_FILE", self.failpoint_file(&name))
             .args([
                 "--namespace",
                 &self.ns,
@@ -454,16 +452,11 @@ impl Lane {
                 &self.ns,
             ])
             .arg("--leader-elect=true")
-            .args(["--metrics-bind-address", &metrics])
-            .args([
-                "--health-probe-bind-address",
-                &format!("127.0.0.1:{}", free_port()?),
-            ])
             .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
             .args(["--message-id-domain", DOMAIN])
             .arg("--config")
-            .arg(&self.config);
-        cmd.env("CAPM_FAILPOINT_FILE", self.failpoint_file(&name));
+            .arg(&self.config)
+            .command();
         let proc = Proc::spawn(&name, cmd, self.logs.join(format!("{name}.log")))?;
         self.cp.adopt(proc.pid())?;
         Ok(Replica {
