@@ -74,49 +74,82 @@ where
     }
 }
 
-/// The Cluster API caches, shared by both kinds: their writers until [`Self::drive`] runs them.
+/// The Cluster API caches, shared by both kinds: their writers until [`Self::drive`] runs them,
+/// and the subscribers each change is fanned out to.
+///
+/// Not kube-runtime's shared reflector (`reflect_shared` + `subscribe`): its subscriber stream
+/// looks each dispatched reference up in the store and, when the object is gone by then (deleted
+/// right after it changed, a common thing here), answers `Pending` without asking to be woken
+/// again (kube-runtime 5.0.0, `ReflectHandle::poll_next`). That subscriber then never yields
+/// again: a controller stopped hearing of Clusters for good, and an unpaused Cluster never had its
+/// request mailed (the partition test found it). Here the objects themselves are sent.
 struct OwnerCaches {
     clusters: Writer<Cluster>,
     machines: Writer<Machine>,
     owners: Owners,
+    cluster_subscribers: Subscribers<Cluster>,
+    machine_subscribers: Subscribers<Machine>,
+}
+
+/// Where one cache's changes go: one channel per subscriber.
+type Subscribers<K> = Arc<std::sync::Mutex<Vec<futures::channel::mpsc::UnboundedSender<Arc<K>>>>>;
+
+/// A new subscriber of `subscribers`.
+fn subscribe<K: Send + Sync + 'static>(subscribers: &Subscribers<K>) -> BoxStream<'static, Arc<K>> {
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    subscribers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(tx);
+    rx.boxed()
+}
+
+/// Sends what `event` (already applied to `store`) changed to every subscriber: the object of an
+/// `Apply`, every object after a list (`InitDone`); nothing for a deletion.
+fn fan_out<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static>(
+    event: &watcher::Event<K>,
+    store: &Store<K>,
+    subscribers: &Subscribers<K>,
+) {
+    let objects: Vec<Arc<K>> = match event {
+        watcher::Event::Apply(obj) => vec![Arc::new(obj.clone())],
+        watcher::Event::InitDone => store.state(),
+        _ => return,
+    };
+    let mut subscribers = subscribers.lock().unwrap_or_else(|e| e.into_inner());
+    // A subscriber gone (its controller stopped) is dropped.
+    subscribers.retain(|tx| {
+        objects
+            .iter()
+            .all(|obj| tx.unbounded_send(Arc::clone(obj)).is_ok())
+    });
 }
 
 impl OwnerCaches {
     fn new() -> Self {
-        let clusters = Writer::<Cluster>::new_shared(1024, ());
-        let machines = Writer::<Machine>::new_shared(1024, ());
+        let (cluster_store, clusters) = reflector::store::<Cluster>();
+        let (machine_store, machines) = reflector::store::<Machine>();
         let owners = Owners {
-            clusters: clusters.as_reader(),
-            machines: machines.as_reader(),
+            clusters: cluster_store,
+            machines: machine_store,
         };
         Self {
             clusters,
             machines,
             owners,
+            cluster_subscribers: Subscribers::default(),
+            machine_subscribers: Subscribers::default(),
         }
     }
 
-    fn no_subscription() -> Error {
-        Error::Config("the Cluster API cache refused a subscriber".into())
-    }
-
-    /// The `Cluster`s as they change, and all of them after each list (kube-runtime's shared
-    /// stores publish a list once it is complete).
+    /// The `Cluster`s as they change, and all of them after each list.
     fn clusters(&self) -> Result<BoxStream<'static, Arc<Cluster>>, Error> {
-        Ok(self
-            .clusters
-            .subscribe()
-            .ok_or_else(Self::no_subscription)?
-            .boxed())
+        Ok(subscribe(&self.cluster_subscribers))
     }
 
     /// The `Machine`s, as [`Self::clusters`].
     fn machines(&self) -> Result<BoxStream<'static, Arc<Machine>>, Error> {
-        Ok(self
-            .machines
-            .subscribe()
-            .ok_or_else(Self::no_subscription)?
-            .boxed())
+        Ok(subscribe(&self.machine_subscribers))
     }
 
     /// Runs both watches into their stores until `shutdown`. The Cluster API objects are not
@@ -128,16 +161,28 @@ impl OwnerCaches {
         shutdown: impl Future<Output = ()> + Send,
     ) {
         let wc = watcher::Config::default().page_size(PAGE_SIZE);
+        let (cluster_store, cluster_subscribers) =
+            (self.owners.clusters.clone(), self.cluster_subscribers);
         let clusters = watcher::watcher(scoped::<Cluster>(&client, &config), wc.clone())
             .backoff(watch_backoff())
             .modify(trim::cluster)
-            .reflect_shared(self.clusters)
-            .map(|_| ());
+            .reflect(self.clusters)
+            .map(move |event| {
+                if let Ok(event) = &event {
+                    fan_out(event, &cluster_store, &cluster_subscribers);
+                }
+            });
+        let (machine_store, machine_subscribers) =
+            (self.owners.machines.clone(), self.machine_subscribers);
         let machines = watcher::watcher(scoped::<Machine>(&client, &config), wc)
             .backoff(watch_backoff())
             .modify(trim::machine)
-            .reflect_shared(self.machines)
-            .map(|_| ());
+            .reflect(self.machines)
+            .map(move |event| {
+                if let Ok(event) = &event {
+                    fan_out(event, &machine_store, &machine_subscribers);
+                }
+            });
         let both = futures::stream::select(clusters, machines);
         futures::pin_mut!(both);
         let mut shutdown = std::pin::pin!(shutdown);
@@ -469,4 +514,38 @@ async fn preflight(client: &Client, config: &Config) -> Result<(), Error> {
             .map(drop),
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod fan_out_tests {
+    use super::*;
+
+    /// An object changed and deleted before its subscriber reads still reaches the subscriber,
+    /// and the subscriber keeps hearing of later changes (kube-runtime's shared-store subscriber
+    /// stopped for good in that case).
+    #[tokio::test]
+    async fn a_change_then_a_deletion_never_stops_a_subscriber() {
+        let (store, mut writer) = reflector::store::<MailgunCluster>();
+        let subscribers = Subscribers::<MailgunCluster>::default();
+        let mut heard = subscribe(&subscribers);
+        let mut apply = |event: watcher::Event<MailgunCluster>| {
+            writer.apply_watcher_event(&event);
+            fan_out(&event, &store, &subscribers);
+        };
+        apply(watcher::Event::Init);
+        apply(watcher::Event::InitApply(test_object("a", "ua", "1")));
+        apply(watcher::Event::InitDone);
+        apply(watcher::Event::Apply(test_object("b", "ub", "2")));
+        apply(watcher::Event::Delete(test_object("b", "ub", "2")));
+        apply(watcher::Event::Apply(test_object("c", "uc", "3")));
+        let mut names = Vec::new();
+        for _ in 0..3 {
+            let obj = tokio::time::timeout(Duration::from_secs(1), heard.next())
+                .await
+                .expect("the subscriber hears every change")
+                .expect("open");
+            names.push(obj.name_any());
+        }
+        assert_eq!(names, ["a", "b", "c"]);
+    }
 }
