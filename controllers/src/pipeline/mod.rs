@@ -527,7 +527,7 @@ mod fan_out_tests {
     async fn a_change_then_a_deletion_never_stops_a_subscriber() {
         let (store, mut writer) = reflector::store::<MailgunCluster>();
         let subscribers = Subscribers::<MailgunCluster>::default();
-        let mut heard = subscribe(&subscribers);
+        let mut heard = futures::stream::select_all([subscribe(&subscribers)]);
         let mut apply = |event: watcher::Event<MailgunCluster>| {
             writer.apply_watcher_event(&event);
             fan_out(&event, &store, &subscribers);
@@ -547,5 +547,36 @@ mod fan_out_tests {
             names.push(obj.name_any());
         }
         assert_eq!(names, ["a", "b", "c"]);
+    }
+
+    /// The kube-runtime behaviour this module works around (docs/kube-runtime-subscriber.md):
+    /// a shared store's subscriber that meets a reference to an object deleted meanwhile stops
+    /// yielding, although later changes were dispatched to it. This test fails the day
+    /// kube-runtime changes it.
+    #[tokio::test]
+    async fn kube_runtime_subscriber_stops_after_an_object_deleted_meanwhile() {
+        let writer = Writer::<MailgunCluster>::new_shared(16, ());
+        let subscriber = writer.subscribe().expect("a shared store");
+        let events = futures::stream::iter([
+            Ok(watcher::Event::Init),
+            Ok(watcher::Event::InitDone),
+            Ok(watcher::Event::Apply(test_object("b", "ub", "2"))),
+            Ok(watcher::Event::Delete(test_object("b", "ub", "2"))),
+            Ok(watcher::Event::Apply(test_object("c", "uc", "3"))),
+        ]);
+        // The reflector applies and dispatches everything before the subscriber reads.
+        let applied: Vec<Result<watcher::Event<MailgunCluster>, watcher::Error>> =
+            events.reflect_shared(writer).collect().await;
+        assert_eq!(applied.len(), 5);
+        // "c" was dispatched after "b", but the subscriber, finding "b" gone, answers `Pending`
+        // without asking to be woken: among other trigger streams (`select_all`, as a
+        // controller's triggers are), it is never polled again.
+        let mut triggers = futures::stream::select_all([subscriber.boxed()]);
+        let next = tokio::time::timeout(Duration::from_millis(300), triggers.next()).await;
+        assert!(
+            next.is_err(),
+            "kube-runtime's subscriber went on after a deleted object: {:?}",
+            next.map(|o| o.map(|o| o.name_any()))
+        );
     }
 }
