@@ -690,23 +690,16 @@ async fn settle(world: &World, expect: &Expect) -> Result<(Duration, Duration)> 
     Ok((mailed, took))
 }
 
-/// Not in `make test` for now: in one run of seed 20261125 (cycle 3) a pair unpaused right
-/// before the cut was never mailed within 240 s, and the provider logged nothing after the
-/// MailgunCluster re-list (no owner-triggered reconcile: the Cluster cache seems never to have
-/// re-listed or resumed after the restart). Intermittent (replayed: 4/4 cycles passed); issue 37
-/// stays open for it. Replay with `PARTITION_SEED=20261125 cargo test -p capm-e2e --test
-/// partition one_replica -- --ignored --nocapture`; each run keeps the replicas' logs under
-/// `target/tmp/partition-one-*`.
+/// Seed 20261125 found, in one `make test` run, a pair unpaused right before the cut never
+/// mailed: the controller had stopped hearing of Clusters (kube-runtime's shared-store subscriber,
+/// see docs/kube-runtime-subscriber.md); the owner caches now fan out their changes themselves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "intermittent: an unpaused pair never mailed after a restart (issue 37, under investigation)"]
 async fn one_replica_behind_a_partition_loses_no_mail() -> Result<()> {
     run(1, "one", 20261125).await
 }
 
-/// The leader is cut (half the cycles past its renew deadline: the standby takes over). Not in
-/// `make test` for now, with the one-replica test (the same intermittent loss can meet it).
+/// The leader is cut (half the cycles past its renew deadline: the standby takes over).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "intermittent: an unpaused pair never mailed after a restart (issue 37, under investigation)"]
 async fn two_replicas_the_leader_cut_lose_and_double_no_mail() -> Result<()> {
     run(2, "two", 20261126).await
 }
