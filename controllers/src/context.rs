@@ -348,23 +348,7 @@ mod tests {
         let client =
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
-        let config = Config {
-            recipients: vec!["ops@example.com".into()],
-            mail_from: "capm@example.com".into(),
-            message_id_domain: "example.com".into(),
-            namespace: None,
-            watch_filter: None,
-            concurrency: 10,
-            backoff_base: Duration::from_millis(100),
-            backoff_max: Duration::from_secs(10),
-            instance: "t".into(),
-            lookup_grace: Duration::from_secs(10),
-            delivery_poll_base: Duration::from_secs(30),
-            delivery_poll_max: Duration::from_secs(30 * 60),
-            delivery_retention: Duration::from_secs(72 * 3600),
-            sync_period: Duration::from_secs(10 * 3600),
-            identity_secret_namespace: None,
-        };
+        let config = crate::config::for_tests("example.com");
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         Ctx::new(
             client,

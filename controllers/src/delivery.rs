@@ -132,14 +132,7 @@ pub(crate) async fn track<K: InfraKind>(
                 .to_owned(),
             outcome: "unknown",
         };
-        show(
-            obj,
-            ctx,
-            (backend, identity.unwrap_or_default()),
-            status,
-            &unknown,
-        )
-        .await;
+        show(obj, ctx, via, status, &unknown).await;
         return;
     };
     let elapsed = Duration::from_millis(
@@ -163,14 +156,7 @@ pub(crate) async fn track<K: InfraKind>(
             ),
             outcome: "unknown",
         };
-        show(
-            obj,
-            ctx,
-            (backend, identity.unwrap_or_default()),
-            status,
-            &unknown,
-        )
-        .await;
+        show(obj, ctx, via, status, &unknown).await;
         return;
     }
     let id = match MessageId::parse(message_id) {
@@ -181,27 +167,11 @@ pub(crate) async fn track<K: InfraKind>(
         }
     };
     match poller.track(obj, &uid, id, SystemTime::from(sent_at), elapsed) {
-        Some(delivery) => {
-            show(
-                obj,
-                ctx,
-                (backend, identity.unwrap_or_default()),
-                status,
-                &shown(backend, delivery),
-            )
-            .await
-        }
+        Some(delivery) => show(obj, ctx, via, status, &shown(backend, delivery)).await,
         // Nothing learned yet (just sent, or this process just started): keep what status
         // shows, "pending" when it shows nothing.
         None if status.condition(conditions::MAIL_DELIVERED).is_none() => {
-            show(
-                obj,
-                ctx,
-                (backend, identity.unwrap_or_default()),
-                status,
-                &pending(),
-            )
-            .await;
+            show(obj, ctx, via, status, &pending()).await;
         }
         None => {}
     }

@@ -178,23 +178,7 @@ fn fake_api(object: &MailgunCluster, owner: &Cluster, log: Log) -> (Client, Arc<
 }
 
 fn config() -> Config {
-    Config {
-        recipients: vec!["ops@example.com".into()],
-        mail_from: "capm@example.com".into(),
-        message_id_domain: DOMAIN.into(),
-        namespace: None,
-        watch_filter: None,
-        concurrency: 10,
-        backoff_base: Duration::from_millis(100),
-        backoff_max: Duration::from_secs(10),
-        instance: "t".into(),
-        lookup_grace: Duration::from_secs(10),
-        delivery_poll_base: Duration::from_secs(30),
-        delivery_poll_max: Duration::from_secs(30 * 60),
-        delivery_retention: Duration::from_secs(72 * 3600),
-        sync_period: Duration::from_secs(10 * 3600),
-        identity_secret_namespace: None,
-    }
+    crate::config::for_tests(DOMAIN)
 }
 
 /// The owner `Cluster` "owner", naming `NAME` as its infrastructure.
