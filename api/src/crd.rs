@@ -1,8 +1,5 @@
 //! The CustomResourceDefinitions, generated from the Rust types.
 //!
-//! Long because nearly half is tests; the generation itself is one pass over the types, the CEL
-//! rules and the webhook wiring.
-//!
 //! [`crds`] returns one multi-version CRD per kind (`v1alpha1` and `v1beta1` served, `v1beta1`
 //! stored) with the Cluster API contract labels. [`render`] turns one into the YAML committed under
 //! `config/crd/`, and [`check`] compares the committed files with freshly generated ones; the

@@ -1,8 +1,5 @@
 //! Version `v1beta1`: the storage version, implementing Cluster API contract `v1beta2`.
 //!
-//! Long because it is the API reference: each field's doc comment becomes its description in the
-//! CRD.
-//!
 //! # Workflow
 //! 1. Someone creates a `MailgunCluster` (usually through a Cluster API `Cluster` whose
 //!    `spec.infrastructureRef` names it) with `priority`, `request` and `requester`.

@@ -1,8 +1,5 @@
 //! The rules the CRD schema enforces, as Rust.
 //!
-//! Long because nearly half is tests, and each rule is spelled out to give the same message as the
-//! CRD.
-//!
 //! The API server rejects invalid objects with the OpenAPI and CEL rules in the CRDs. An object
 //! can still reach the controller without having passed them (created under an older CRD,
 //! restored from a backup, converted from `v1alpha1`), so the controller runs

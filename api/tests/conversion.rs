@@ -1,7 +1,5 @@
 //! Property tests: converting between v1alpha1 and v1beta1 loses nothing, in either direction,
 //! both through the typed `From` implementations and through the webhook's JSON `review`.
-//!
-//! Long because every field of both versions needs a generator; the properties themselves are few.
 
 use std::collections::BTreeMap;
 

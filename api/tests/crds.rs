@@ -3,9 +3,6 @@
 //! with messages naming the field, and the API server converts between versions through our
 //! webhook served over TLS from this process.
 //!
-//! Long because every schema and CEL rule has its rejected example and the API server's message
-//! here, next to each other.
-//!
 //! Every test installs the CRDs with `conversion.strategy: Webhook` pointing at one webhook
 //! server per test binary, so tests running in parallel see the same CRDs.
 

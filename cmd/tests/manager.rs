@@ -1,8 +1,5 @@
 //! The binary against the real local API server: leader election between two processes,
 //! `/metrics`, the probes, and the conversion webhook with certificate rotation.
-//!
-//! Long because each test runs two real processes against the API server and checks what they show
-//! (Lease, metrics, webhook certificate).
 
 use std::{
     net::{Ipv4Addr, SocketAddr},

@@ -231,7 +231,7 @@ impl Ctx {
             identities,
             poller,
             leadership,
-            memory: Memory::default(),
+            memory: Memory::counted(metrics.remembered.clone()),
             events,
             config,
             metrics,

@@ -12,6 +12,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use prometheus::IntGaugeVec;
+
 use crate::sendonce::Which;
 
 /// How long a gone object's UID is remembered, so stale cached copies of it are ignored.
@@ -76,11 +78,35 @@ struct Inner {
 #[derive(Default)]
 pub struct Memory {
     inner: Mutex<Inner>,
+    /// `capm_remembered_objects{state}`: `live` objects remembered, `tombstone` gone UIDs.
+    gauge: Option<IntGaugeVec>,
 }
 
 impl Memory {
+    /// A memory whose size `gauge` (`{state}`: `live`, `tombstone`) shows.
+    pub fn counted(gauge: IntGaugeVec) -> Self {
+        gauge.with_label_values(&["live"]).set(0);
+        gauge.with_label_values(&["tombstone"]).set(0);
+        Self {
+            inner: Mutex::default(),
+            gauge: Some(gauge),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn count(&self, inner: &Inner) {
+        if let Some(gauge) = &self.gauge {
+            let len = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+            gauge
+                .with_label_values(&["live"])
+                .set(len(inner.objects.len()));
+            gauge
+                .with_label_values(&["tombstone"])
+                .set(len(inner.tombstones.len()));
+        }
     }
 
     /// Reads `uid`'s memory (a default one when there is none).
@@ -95,10 +121,14 @@ impl Memory {
         if inner.tombstones.contains_key(uid) {
             return None;
         }
+        let before = inner.objects.len();
         let object = inner.objects.entry(uid.into()).or_default();
         let out = f(object);
         if object.is_empty() {
             inner.objects.remove(uid);
+        }
+        if inner.objects.len() != before {
+            self.count(&inner);
         }
         Some(out)
     }
@@ -235,6 +265,7 @@ impl Memory {
         if inner.objects.is_empty() {
             inner.objects.shrink_to_fit();
         }
+        self.count(&inner);
     }
 
     /// How many objects are remembered (gone ones not counted).

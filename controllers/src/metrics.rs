@@ -44,6 +44,10 @@ const RECONCILE_BUCKETS: &[f64] = &[
 /// - `capm_mail_abandoned_total{backend}`: sends dropped before their commit point because this
 ///   process could no longer prove it leads (frozen or cut off mid-send); the backend accepted
 ///   nothing, and the replica that leads sends instead.
+/// - `capm_remembered_objects{state}`: the per-object memory's size: `live` objects remembered
+///   (retry delays, expected versions, mails' lookup state), `tombstone` UIDs of gone objects
+///   kept for ten minutes so stale copies are ignored. Both fall back when objects go: a `live`
+///   count that only grows is a leak.
 #[derive(Debug, Clone)]
 pub struct Metrics {
     pub(crate) reconcile_total: IntCounterVec,
@@ -59,6 +63,7 @@ pub struct Metrics {
     pub(crate) orphan_releases: IntCounterVec,
     pub(crate) delivery: IntCounterVec,
     pub(crate) abandoned: IntCounterVec,
+    pub(crate) remembered: IntGaugeVec,
     pub(crate) workqueue: Workqueue,
 }
 
@@ -88,7 +93,16 @@ impl Metrics {
             &["controller"],
         )?;
         registry.register(Box::new(reconcile_time.clone()))?;
+        let remembered = IntGaugeVec::new(
+            Opts::new(
+                "capm_remembered_objects",
+                "Objects in the per-object memory (live) and UIDs of gone objects kept to ignore stale copies (tombstone)",
+            ),
+            &["state"],
+        )?;
+        registry.register(Box::new(remembered.clone()))?;
         Ok(Self {
+            remembered,
             workqueue: Workqueue::register(registry)?,
             reconcile_total: counter(
                 "controller_runtime_reconcile_total",

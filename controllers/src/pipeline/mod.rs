@@ -1,6 +1,7 @@
 //! The watch/cache pipeline: one per kind, the same for both.
 //!
-//! For each of our kinds: watch (quick reconnects, [`watch_backoff`]) → trim ([`trim`]) →
+//! For each of our kinds: watch (quick reconnects, [`watch_backoff`]) of slim projections
+//! ([`trim`]) →
 //! reflector store (one snapshot per object) → [`lists::AfterLists`] (a list's objects are
 //! reconciled once the store holds the list) → kube-runtime's `Controller`, which also takes the
 //! reconciles the Cluster API objects ask for ([`Pipelined::owner_triggers`]), the delivery
@@ -18,7 +19,7 @@ use capm_api::{
     v1beta1::{MailgunCluster, MailgunMachine},
 };
 use capm_mailer::Mailer;
-use futures::{FutureExt, StreamExt, future, stream::BoxStream};
+use futures::{FutureExt, StreamExt, TryStreamExt, future, stream::BoxStream};
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::ListParams,
@@ -72,6 +73,28 @@ where
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     }
+}
+
+/// The watch of `K`'s objects in scope, read as [`trim::Slim`] projections and handed on as
+/// `K`s, reconnecting with [`watch_backoff`].
+fn watch<K>(
+    client: &Client,
+    config: &Config,
+    wc: watcher::Config,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + use<K>
+where
+    K: trim::Projected + Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+{
+    watcher::watcher(scoped::<trim::Slim<K>>(client, config), wc)
+        .backoff(watch_backoff())
+        .map_ok(|event| match event {
+            watcher::Event::Apply(obj) => watcher::Event::Apply(obj.0),
+            watcher::Event::Delete(obj) => watcher::Event::Delete(obj.0),
+            watcher::Event::Init => watcher::Event::Init,
+            watcher::Event::InitApply(obj) => watcher::Event::InitApply(obj.0),
+            watcher::Event::InitDone => watcher::Event::InitDone,
+        })
 }
 
 /// The Cluster API caches, shared by both kinds: their writers until [`Self::drive`] runs them,
@@ -163,9 +186,7 @@ impl OwnerCaches {
         let wc = watcher::Config::default().page_size(PAGE_SIZE);
         let (cluster_store, cluster_subscribers) =
             (self.owners.clusters.clone(), self.cluster_subscribers);
-        let clusters = watcher::watcher(scoped::<Cluster>(&client, &config), wc.clone())
-            .backoff(watch_backoff())
-            .modify(trim::cluster)
+        let clusters = watch::<Cluster>(&client, &config, wc.clone())
             .reflect(self.clusters)
             .map(move |event| {
                 if let Ok(event) = &event {
@@ -174,9 +195,7 @@ impl OwnerCaches {
             });
         let (machine_store, machine_subscribers) =
             (self.owners.machines.clone(), self.machine_subscribers);
-        let machines = watcher::watcher(scoped::<Machine>(&client, &config), wc)
-            .backoff(watch_backoff())
-            .modify(trim::machine)
+        let machines = watch::<Machine>(&client, &config, wc)
             .reflect(self.machines)
             .map(move |event| {
                 if let Ok(event) = &event {
@@ -197,7 +216,7 @@ impl OwnerCaches {
 
 /// What differs between the kinds' pipelines: which Cluster API objects ask for their
 /// reconciles.
-trait Pipelined: InfraKind {
+trait Pipelined: InfraKind + trim::Projected {
     /// Streams of this kind's objects to reconcile, mapped from Cluster API objects' changes.
     fn owner_triggers(
         caches: &OwnerCaches,
@@ -349,9 +368,7 @@ fn controller<K: Pipelined>(
     .retrying(move |uid| retrying.memory.has_failures(uid));
     let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
     let own_queue = queue.clone();
-    let own = watcher::watcher(scoped::<K>(&ctx.client, config), wc)
-        .backoff(watch_backoff())
-        .modify(trim::ours::<K>)
+    let own = watch::<K>(&ctx.client, config, wc)
         .reflect(writer)
         .filter_map(move |event| {
             future::ready(match event {

@@ -1,7 +1,4 @@
 //! Performs the steps [`super::decide`] chooses: the writes, the lookup and the send.
-//!
-//! Long because each write and send keeps its guards (leadership, fence, stale cache) beside it;
-//! the decision is in `decide.rs`.
 
 use std::time::Duration;
 

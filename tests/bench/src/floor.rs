@@ -130,9 +130,9 @@ fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
     let (bytes, stores) = fill(
         pairs,
         move |i| {
-            let mut mgc: MailgunCluster = serde_json::from_value(finished(i))?;
-            capm_controllers::trim::ours(&mut mgc);
-            Ok(mgc)
+            let mgc: capm_controllers::trim::Slim<MailgunCluster> =
+                serde_json::from_value(finished(i))?;
+            Ok(mgc.0)
         },
         |i| {
             let mut cluster = Cluster::new(

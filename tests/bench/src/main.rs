@@ -12,9 +12,6 @@
 //! patches; the provider: two metadata patches and one status patch per object), with the
 //! subject's write rate as a share of it. Then the ratios of the provider to each peer run.
 //!
-//! Long because it sets up, runs, measures and clears the stage for three subjects in one
-//! process; the figures are only comparable when they come from one run.
-//!
 //! Not a test: it prints figures and fails only when a run itself goes wrong (a mail missing, a
 //! mail duplicated, a process dying).
 //!

@@ -1,9 +1,6 @@
 //! Helpers for the end-to-end tests: Helm, the provider binary run the way the chart runs it,
 //! the Cluster API core manager, service-account kubeconfigs, Prometheus, the API server's
 //! audit log. Every process is started on loopback and stopped when its handle drops.
-//!
-//! Long because it wraps each real part the end-to-end tests share (Helm, Cluster API manager,
-//! Prometheus, audit log).
 
 use std::{
     fs,

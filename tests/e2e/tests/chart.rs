@@ -1,9 +1,6 @@
 //! The Helm chart on its own: lint, values schema errors, a server-side dry run of its output,
 //! an install into a namespace that enforces Pod Security "restricted", upgrade and uninstall.
 //! Each cluster test starts its own control plane: the chart installs cluster-scoped CRDs.
-//!
-//! Long because each chart behaviour (lint, schema errors, dry run, restricted install, upgrade,
-//! uninstall) needs its own setup.
 
 use std::time::Duration;
 

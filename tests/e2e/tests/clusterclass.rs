@@ -18,8 +18,6 @@
 //! deleting the Cluster. The mail ledger then shows exactly one request and one release per
 //! object, and the API server's audit log what the topology controller sent our CRDs (dry-runs
 //! and applies).
-//!
-//! Long because it is one story with a check at every step.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -6,9 +6,6 @@
 //! Prometheus scraping the provider. The API server's audit log then shows that the chart's
 //! RBAC was sufficient (no request of the provider was denied) and minimal (each permission it
 //! grants was used, bar the ones listed with their reason).
-//!
-//! Long because it is one story with many checks (chart, webhook, Prometheus, audit log), each step
-//! explained.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

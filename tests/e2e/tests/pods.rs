@@ -10,9 +10,6 @@
 //! the host; deleting the leader hands over (the time is printed); a rolling upgrade keeps the
 //! PDB's minimum; the memory limit holds with many objects. Needs root (`make test` runs as
 //! root in CI); everything it creates is removed at the end, also on failure.
-//!
-//! Long because it is one story on a real node (install, failover, conversion, scrape, upgrade, 1
-//! 000 objects), each step checked and timed.
 
 use std::{
     collections::BTreeMap,

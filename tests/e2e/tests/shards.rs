@@ -9,8 +9,6 @@
 //! A's leader leaves B's Lease and B's objects alone while A's objects wait for A's new leader;
 //! deleting everything releases every mailed object once. The drain rate of one shard and of two
 //! is printed (`CAPM_SHARD_OBJECTS` pairs each, 200 by default). Needs root.
-//!
-//! Long because it is one story on a real node, each step checked.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -2,9 +2,6 @@
 //! `GET /v3/{domain}/events` and `POST /v1/analytics/logs` (the Logs API, see its module),
 //! messages kept in memory, and control endpoints for tests.
 //!
-//! Long because it implements the documented contract the provider relies on (sending, events with
-//! filters and paging) plus the control endpoints tests use to script failures.
-//!
 //! # Control endpoints
 //! - `GET /_control/messages`: every accepted message, JSON array of [`StoredMessage`].
 //! - `DELETE /_control/messages`: forget them.

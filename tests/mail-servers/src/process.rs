@@ -1,9 +1,6 @@
 //! Starting the servers as child processes on free loopback ports, talking to them, reading back
 //! what they received, and stopping them on drop.
 //!
-//! Long because the servers (SMTP, Mailgun contract, hostile SMTP relay) each need start,
-//! control, read-back and stop here.
-//!
 //! Each child gets a pipe as standard input and exits when it closes, so even a test process
 //! killed with SIGKILL leaves no server behind; `Drop` also kills and reaps it.
 

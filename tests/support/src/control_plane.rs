@@ -1,7 +1,4 @@
 //! Starting, reusing and stopping the local control plane.
-//!
-//! Long because starting, sharing between test processes and always cleaning up etcd, the API
-//! server and the controller-manager takes this much.
 
 use std::{
     net::{IpAddr, Ipv4Addr},

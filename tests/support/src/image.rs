@@ -2,9 +2,6 @@
 //! tar layer, an OCI image config and manifest, packed as an OCI image layout archive that
 //! `ctr images import` loads into containerd.
 //!
-//! Long because it writes the tar, the OCI config, manifest and index by hand (no container engine
-//! here) and checks them against the Dockerfile; a fifth is tests.
-//!
 //! The output is reproducible: entries are sorted by path, every timestamp is zero, owners are
 //! numeric and the JSON documents have sorted keys, so the same inputs give the same digests.
 //!

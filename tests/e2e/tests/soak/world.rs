@@ -1,8 +1,5 @@
 //! The soak test's world: the control plane and Cluster API, the lanes (a backend, its mail
 //! server, two provider replicas, a namespace), the plans and how a round runs and is judged.
-//!
-//! Long because it is the whole simulated world (lanes, faults, plans, judging); `main.rs` drives
-//! it and `capm_e2e::ledger` holds the rules.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
