@@ -30,9 +30,9 @@ pub struct Floor {
     pub pairs: usize,
     /// Resident bytes per pair for the two stores, objects with names only.
     pub bytes_per_pair: f64,
-    /// The same with objects as the provider caches a finished pair (its trimmed
-    /// `MailgunCluster`: record, finalizer, owner, spec; its status packed beside the store,
-    /// five conditions and `status.mail`; its partial `Cluster` type with the infrastructure
+    /// The same with objects as the provider caches a finished pair (its `MailgunCluster` read
+    /// through the watches' slim projection: record, finalizer, owner, spec, status with five
+    /// conditions and `status.mail`; its partial `Cluster` type with the infrastructure
     /// reference).
     pub finished_bytes_per_pair: f64,
 }

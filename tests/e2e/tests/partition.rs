@@ -703,3 +703,184 @@ async fn one_replica_behind_a_partition_loses_no_mail() -> Result<()> {
 async fn two_replicas_the_leader_cut_lose_and_double_no_mail() -> Result<()> {
     run(2, "two", 20261126).await
 }
+
+/// One version of a `MailgunCluster` as a watch of the test's own saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    resource_version: u64,
+    generation: i64,
+    observed_generation: Option<i64>,
+    ready: Option<(String, String)>,
+    provisioned: Option<String>,
+}
+
+/// Issue 34: one cached copy is one snapshot. A human fulfils objects while the provider is cut
+/// off and the API server restarts (its watches meet the 410 and re-list); every version of
+/// every object, as a watch of the test's own sees them, must then show no `Ready` flap (once
+/// `True`, never `False` again; never `True` without fulfilment) and no stale status written
+/// (`observedGeneration` never goes back, a fulfilled generation is never reported
+/// unprovisioned, `Provisioned` once `True` stays).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_while_a_human_fulfils_flaps_no_ready_and_writes_no_stale_status() -> Result<()> {
+    use futures::StreamExt as _;
+    use kube::runtime::{WatchStreamExt as _, watcher};
+
+    let world = World::start(1, "fulfil").await?;
+    let names: Vec<String> = (1..=8).map(|i| format!("f{i}")).collect();
+    let mut expect = Expect::default();
+    for name in &names {
+        create_cluster_pair(&world.client, &world.ns, name, "partition@example.com").await?;
+        expect.mailed.insert(name.clone());
+    }
+    settle(&world, &expect).await?;
+
+    // Every version from now on, through the test's own connection (never cut).
+    let history: Arc<std::sync::Mutex<BTreeMap<String, Vec<Seen>>>> = Arc::default();
+    let recorder = {
+        let (history, api) = (Arc::clone(&history), world.infra());
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(
+                watcher(api, watcher::Config::default())
+                    .default_backoff()
+                    .applied_objects()
+            );
+            while let Some(event) = events.next().await {
+                let Ok(obj) = event else { continue };
+                let seen = Seen {
+                    resource_version: obj
+                        .resource_version()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or_default(),
+                    generation: obj.metadata.generation.unwrap_or_default(),
+                    observed_generation: obj.data["status"]["observedGeneration"].as_i64(),
+                    ready: condition(&obj, "Ready"),
+                    provisioned: condition(&obj, "Provisioned").map(|c| c.0),
+                };
+                let mut history = history.lock().unwrap_or_else(|e| e.into_inner());
+                let versions = history.entry(obj.name_any()).or_default();
+                if versions
+                    .iter()
+                    .all(|v| v.resource_version != seen.resource_version)
+                {
+                    versions.push(seen);
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let fulfil = |name: &str| {
+        let (api, name) = (world.infra(), name.to_owned());
+        async move {
+            let patch = json!({"spec": {"controlPlaneEndpoint": {"host": format!("{name}.example"), "port": 6443}}});
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(drop)
+        }
+    };
+    let before = world.lists(0);
+    world.replicas[0].proxy.cut();
+    for name in &names[..4] {
+        fulfil(name).await?;
+    }
+    world.cp.restart_apiserver(Duration::from_secs(90)).await?;
+    fulfil(&names[4]).await?;
+    world.replicas[0].proxy.restore();
+    let restored = Instant::now();
+
+    let fulfilled = &names[..5];
+    eventually(SETTLE, "every fulfilled object Ready", || async {
+        for name in fulfilled {
+            let obj = world.infra().get(name).await?;
+            if condition(&obj, "Ready").map(|r| r.0).as_deref() != Some("True") {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .await?;
+    println!(
+        "fulfilled objects Ready {:.1} s after the restore",
+        restored.elapsed().as_secs_f64()
+    );
+    // The last reconciles of the re-list and of the fulfilment land.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    recorder.abort();
+
+    let after = world.lists(0);
+    ensure!(
+        after.0 > before.0,
+        "no re-list of MailgunClusters ({before:?} -> {after:?} completed lists)"
+    );
+    let log = world.log(0);
+    ensure!(
+        log.contains("410") || log.contains("Expired") || log.contains("too old"),
+        "the provider's log shows no 410 answer"
+    );
+
+    let history = history.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut versions_seen = 0;
+    for name in &names {
+        let mut versions = history.get(name).cloned().unwrap_or_default();
+        versions.sort_by_key(|v| v.resource_version);
+        versions_seen += versions.len();
+        let is_fulfilled = fulfilled.contains(name);
+        let mut ready_seen = false;
+        let mut provisioned_seen = false;
+        let mut observed = None;
+        let mut fulfilled_generation = None;
+        for v in &versions {
+            let ready = v.ready.as_ref().map(|r| r.0.as_str());
+            ensure!(
+                !(ready_seen && ready != Some("True")),
+                "{name}: Ready went back from True: {v:?} (history {versions:?})"
+            );
+            ready_seen |= ready == Some("True");
+            ensure!(
+                is_fulfilled || ready != Some("True"),
+                "{name}: Ready=True without fulfilment: {v:?}"
+            );
+            let provisioned = v.provisioned.as_deref() == Some("True");
+            ensure!(
+                !(provisioned_seen && !provisioned),
+                "{name}: Provisioned went back from True: {v:?} (history {versions:?})"
+            );
+            provisioned_seen |= provisioned;
+            ensure!(
+                v.observed_generation >= observed,
+                "{name}: observedGeneration went back from {observed:?}: {v:?} (history {versions:?})"
+            );
+            observed = v.observed_generation;
+            if provisioned {
+                fulfilled_generation.get_or_insert(v.observed_generation);
+            }
+            if let (Some(at), Some(seen)) = (fulfilled_generation.flatten(), v.observed_generation)
+            {
+                ensure!(
+                    !(seen >= at && !provisioned),
+                    "{name}: generation {seen} reported unprovisioned after it was provisioned: {v:?}"
+                );
+            }
+        }
+        if let Some(last) = versions.last() {
+            ensure!(
+                last.observed_generation == Some(last.generation),
+                "{name}: the last status describes generation {:?}, the object is at {}",
+                last.observed_generation,
+                last.generation
+            );
+        }
+        ensure!(
+            ready_seen == is_fulfilled,
+            "{name}: Ready=True seen {ready_seen}, fulfilled {is_fulfilled} (history {versions:?})"
+        );
+    }
+    println!(
+        "no Ready flap and no stale status over {versions_seen} versions of {} objects ({} \
+         fulfilled during the cut; re-listed {before:?} -> {after:?})",
+        names.len(),
+        fulfilled.len()
+    );
+    world.keep_logs("fulfil")?;
+    Ok(())
+}

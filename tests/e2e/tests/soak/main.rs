@@ -21,7 +21,18 @@
 //! a kube-apiserver restart (SIGKILL, same flags, etcd data kept: the watches cannot resume and
 //! re-list); and a network partition of the leading replica for 3-20 s (each replica reaches the
 //! API server only through a TCP proxy of its own, which closes every connection while cut;
-//! beyond the 10 s renew deadline the standby takes over). A human plays along: every
+//! beyond the 10 s renew deadline the standby takes over).
+//!
+//! # Tenants (issue 33)
+//! The Mailgun lane has two tenants besides the provider's own configuration: each a
+//! `MailgunClusterIdentity` (this lane's namespace allowed) on its own contract server with its
+//! own domain and key, read from a Secret in the lane's namespace (`--identity-secret-namespace`).
+//! A created cluster's `MailgunCluster` names one of them or none (a third each, from the seed);
+//! its machines follow it. At random moments, while mails are in flight: a tenant's key is
+//! rotated in its Secret (the account key and the domain sending key take turns, so lookups
+//! lose and regain their read rights), or a tenant's identity is deleted for 2-8 s and created
+//! again. Besides the ledger rules, every mail must be on the server of the identity its
+//! cluster names (`WrongBackend`). A human plays along: every
 //! request mail of a `MailgunCluster` is fulfilled with the command it gives
 //! (`spec.controlPlaneEndpoint`), which lets Cluster API provision the cluster and the machines
 //! be requested. After the last round every `Cluster` is unpaused and deleted and the checks run

@@ -17,7 +17,7 @@ use capm_mail_servers::{
     FailureMode, FailureRule, FailureTarget, MailgunServer, SmtpOptions, SmtpServer,
 };
 use capm_test_support::{ControlPlane, Options, install_crds, provider::Launch};
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::{
     Api, Client, ResourceExt,
     api::{
@@ -41,6 +41,9 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(150);
 const QUIET_WINDOW: Duration = Duration::from_secs(3);
 const INFRA_GROUP: &str = "infrastructure.cluster.x-k8s.io";
 const CAPI_GROUP: &str = "cluster.x-k8s.io";
+/// The Mailgun lane's tenants: each a `MailgunClusterIdentity` on its own contract server (its
+/// own domain and key), beside the provider's own configuration (the default identity).
+const TENANTS: [&str; 2] = ["soak-tenant-a", "soak-tenant-b"];
 
 /// The lane's view of a kind, for dynamic APIs.
 fn resource(group: &str, version: &str, kind: &str) -> ApiResource {
@@ -109,6 +112,8 @@ enum Op {
     Create {
         cluster: String,
         replicas: u32,
+        /// The tenant (index into the lane's) whose identity its `MailgunCluster` names.
+        tenant: Option<usize>,
     },
     Delete {
         cluster: String,
@@ -143,6 +148,16 @@ enum Op {
     PartitionLeader {
         lasts: Duration,
     },
+    /// Rotates a tenant's key in its Secret (the account key and the domain sending key take
+    /// turns; the server accepts both, as Mailgun does while both exist).
+    RotateKey {
+        tenant: usize,
+    },
+    /// Deletes a tenant's identity, then creates it again after a while.
+    DeleteIdentity {
+        tenant: usize,
+        lasts: Duration,
+    },
     Sleep(Duration),
 }
 
@@ -171,12 +186,37 @@ enum Server {
     Smtp(Mutex<SmtpServer>),
 }
 
+/// A tenant of the Mailgun lane: its identity, its Secret and its own contract server.
+struct Tenant {
+    identity: String,
+    domain: String,
+    server: MailgunServer,
+    /// Clusters whose `MailgunCluster` names this tenant's identity.
+    clusters: Mutex<BTreeSet<String>>,
+    /// Whether the Secret holds the domain sending key now (else the account key).
+    sending_key: Mutex<bool>,
+}
+
+impl Tenant {
+    fn secret(&self) -> String {
+        format!("{}-mailgun", self.identity)
+    }
+
+    fn owns(&self, object_name: &str) -> bool {
+        lock(&self.clusters)
+            .iter()
+            .any(|c| object_name == c || object_name.starts_with(&format!("{c}-")))
+    }
+}
+
 /// One backend, its server, its namespace and its two provider replicas.
 pub struct Lane {
     backend: Backend,
     ns: String,
     client: Client,
     server: Server,
+    /// The Mailgun lane's tenants (none for SMTP).
+    tenants: Vec<Tenant>,
     config: PathBuf,
     logs: PathBuf,
     /// The control plane: its reaper also stops the providers if this test dies.
@@ -323,6 +363,8 @@ fn fulfil_target(body: &str) -> Option<(String, String)> {
 struct Mail {
     received: Received,
     body: String,
+    /// Which tenant's server stored it (`None`: the lane's own).
+    server: Option<usize>,
 }
 
 /// Retries a Kubernetes call while the API server is away (a restart), up to 60 s.
@@ -396,12 +438,26 @@ impl Lane {
         let mut cfg = world.cp.config().await?;
         cfg.default_namespace = ns.clone();
         let client = Client::try_from(cfg)?;
+        let mut tenants = Vec::new();
+        if backend == Backend::Mailgun {
+            for identity in TENANTS {
+                let domain = format!("{identity}.soak.test");
+                tenants.push(Tenant {
+                    server: MailgunServer::start(&format!("key-{identity}"), &domain)?,
+                    identity: identity.to_owned(),
+                    domain,
+                    clusters: Mutex::new(BTreeSet::new()),
+                    sending_key: Mutex::new(false),
+                });
+            }
+        }
 
         let lane = Self {
             backend,
             ns,
             client,
             server,
+            tenants,
             config,
             logs,
             cp: Arc::clone(&world.cp),
@@ -418,6 +474,16 @@ impl Lane {
             log: Mutex::new(Vec::new()),
             round_start: Mutex::new(Instant::now()),
         };
+        for tenant in &lane.tenants {
+            let secret: Secret = serde_json::from_value(json!({
+                "metadata": {"name": tenant.secret(), "namespace": lane.ns},
+                "stringData": {"api-key": tenant.server.api_key()},
+            }))?;
+            Api::<Secret>::namespaced(lane.client.clone(), &lane.ns)
+                .create(&PostParams::default(), &secret)
+                .await?;
+            lane.create_identity(tenant).await?;
+        }
         for _ in 0..2 {
             let replica = lane.spawn_replica()?;
             lock(&lane.replicas).push(replica);
@@ -451,6 +517,7 @@ impl Lane {
             .arg("--leader-elect=true")
             .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
             .args(["--message-id-domain", DOMAIN])
+            .args(["--identity-secret-namespace", &self.ns])
             .arg("--config")
             .arg(&self.config)
             .command();
@@ -481,6 +548,81 @@ impl Lane {
 
     fn deployments(&self) -> Api<DynamicObject> {
         self.api(CAPI_GROUP, "v1beta2", "MachineDeployment")
+    }
+
+    fn identities(&self) -> Api<DynamicObject> {
+        Api::all_with(
+            self.client.clone(),
+            &resource(INFRA_GROUP, "v1beta1", "MailgunClusterIdentity"),
+        )
+    }
+
+    /// Creates `tenant`'s identity: its contract server, its Secret, this lane's namespace only.
+    async fn create_identity(&self, tenant: &Tenant) -> Result<()> {
+        let identity: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunClusterIdentity",
+            "metadata": {"name": tenant.identity},
+            "spec": {
+                "mailgun": {"domain": tenant.domain, "baseURL": tenant.server.base_url(),
+                    "apiKeySecretRef": {"name": tenant.secret(), "key": "api-key"}},
+                "recipients": [RECIPIENT],
+                "allowedNamespaces": {"list": [self.ns]},
+            },
+        }))?;
+        let (api, pp) = (self.identities(), PostParams::default());
+        match retry("creating an identity", || api.create(&pp, &identity)).await {
+            Err(e) if is_status(&e, 409) => Ok(()),
+            other => other.map(drop),
+        }
+    }
+
+    /// The account key and the domain sending key take turns in `tenant`'s Secret.
+    async fn rotate_key(&self, tenant: &Tenant) -> Result<()> {
+        let sending = {
+            let mut sending = lock(&tenant.sending_key);
+            *sending = !*sending;
+            *sending
+        };
+        let key = if sending {
+            tenant.server.sending_key()
+        } else {
+            tenant.server.api_key().to_owned()
+        };
+        self.note(format!(
+            "rotate {}'s key to its {} key",
+            tenant.identity,
+            if sending { "sending" } else { "account" }
+        ));
+        let api = Api::<Secret>::namespaced(self.client.clone(), &self.ns);
+        let patch = json!({"stringData": {"api-key": key}});
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.into()),
+            ..PatchParams::default()
+        };
+        let (name, patch) = (tenant.secret(), Patch::Merge(&patch));
+        retry("rotating a key", || api.patch(&name, &params, &patch))
+            .await
+            .map(drop)
+    }
+
+    /// Deletes `tenant`'s identity, and creates it again after `lasts`.
+    async fn delete_identity(&self, tenant: &Tenant, lasts: Duration) -> Result<()> {
+        self.note(format!(
+            "delete identity {} for {:.1} s",
+            tenant.identity,
+            lasts.as_secs_f64()
+        ));
+        let (api, dp) = (self.identities(), DeleteParams::default());
+        match retry("deleting an identity", || api.delete(&tenant.identity, &dp)).await {
+            Err(e) if is_status(&e, 404) => {}
+            other => {
+                other?;
+            }
+        }
+        tokio::time::sleep(lasts).await;
+        self.create_identity(tenant).await?;
+        self.note(format!("identity {} back", tenant.identity));
+        Ok(())
     }
 
     fn infra(&self, kind: Kind) -> Api<DynamicObject> {
@@ -530,7 +672,15 @@ impl Lane {
                         replicas,
                     },
                 );
-                Op::Create { cluster, replicas }
+                // A third of the clusters each: the default identity and each tenant's.
+                let tenant = (!self.tenants.is_empty())
+                    .then(|| rng.random_range(0..=self.tenants.len()))
+                    .and_then(|t| t.checked_sub(1));
+                Op::Create {
+                    cluster,
+                    replicas,
+                    tenant,
+                }
             } else if choice < 40 {
                 let cluster = pick(rng);
                 let intent = self.intent.remove(&cluster);
@@ -567,6 +717,20 @@ impl Lane {
                 }
             };
             ops.push(op);
+            if chaos_at == i && (34..50).contains(&chaos) && !self.tenants.is_empty() {
+                // A tenant's key rotated, or its identity deleted, while its mails are in
+                // flight.
+                let tenant = rng.random_range(0..self.tenants.len());
+                ops.push(Op::Sleep(Duration::from_millis(rng.random_range(0..400))));
+                ops.push(if chaos < 42 {
+                    Op::RotateKey { tenant }
+                } else {
+                    Op::DeleteIdentity {
+                        tenant,
+                        lasts: Duration::from_millis(rng.random_range(2000..8000)),
+                    }
+                });
+            }
             if chaos_at == i && (24..34).contains(&chaos) {
                 // A partition: the leader's watches end, its writes and Lease renewals fail;
                 // longer than the renew deadline, the standby takes over.
@@ -617,7 +781,14 @@ impl Lane {
 
     // ---- executing ----------------------------------------------------------------------
 
-    async fn create(&self, cluster: &str, replicas: u32) -> Result<()> {
+    async fn create(&self, cluster: &str, replicas: u32, tenant: Option<usize>) -> Result<()> {
+        let mut spec = json!({"priority": "Urgent", "request": format!("Soak cluster {cluster}, please."), "requester": "soak@example.com"});
+        if let Some(t) = tenant {
+            let tenant = &self.tenants[t];
+            lock(&tenant.clusters).insert(cluster.to_owned());
+            spec["identityRef"] =
+                json!({"kind": "MailgunClusterIdentity", "name": tenant.identity});
+        }
         // One template per cluster: Cluster API makes the Cluster an owner of the templates its
         // MachineDeployments use, so a shared one would be collected with the last Cluster.
         let objects = [
@@ -634,7 +805,7 @@ impl Lane {
                 json!({
                     "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunCluster",
                     "metadata": {"name": cluster, "namespace": self.ns},
-                    "spec": {"priority": "Urgent", "request": format!("Soak cluster {cluster}, please."), "requester": "soak@example.com"},
+                    "spec": spec,
                 }),
             ),
             (
@@ -905,10 +1076,22 @@ impl Lane {
             for op in plan.ops {
                 match op {
                     Op::Sleep(d) => tokio::time::sleep(d).await,
-                    Op::Create { cluster, replicas } => {
-                        self.note(format!("create {cluster} with {replicas} machines"));
-                        self.create(&cluster, replicas).await?;
+                    Op::Create {
+                        cluster,
+                        replicas,
+                        tenant,
+                    } => {
+                        let through = tenant.map_or("the default identity", |t| {
+                            self.tenants[t].identity.as_str()
+                        });
+                        self.note(format!(
+                            "create {cluster} with {replicas} machines, mailed through {through}"
+                        ));
+                        self.create(&cluster, replicas, tenant).await?;
                     }
+                    Op::RotateKey { tenant } => self.rotate_key(&self.tenants[tenant]).await?,
+                    Op::DeleteIdentity { tenant, lasts } => background
+                        .push(Box::pin(self.delete_identity(&self.tenants[tenant], lasts))),
                     Op::Delete { cluster, unpause } => {
                         if unpause {
                             self.note(format!("unpause {cluster} to delete it"));
@@ -964,7 +1147,59 @@ impl Lane {
 
     // ---- the mail servers and the human --------------------------------------------------
 
+    /// Every mail the lane's servers stored: its own server's first, then each tenant's (their
+    /// sequence numbers after the first's, so each server's keep their order).
     fn mails(&self) -> Result<Vec<Mail>> {
+        let mut mails = self.own_mails()?;
+        for (t, tenant) in self.tenants.iter().enumerate() {
+            let base = (t + 1) * 1_000_000;
+            mails.extend(
+                tenant
+                    .server
+                    .messages()?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, m)| Mail {
+                        received: Received {
+                            seq: base + i + 1,
+                            message_id: m.id,
+                            subject: m.subject,
+                        },
+                        body: m.text.unwrap_or_default(),
+                        server: Some(t),
+                    }),
+            );
+        }
+        Ok(mails)
+    }
+
+    /// Mails on a server other than the one of the identity its object's cluster names.
+    fn wrong_backends(&self) -> Result<Vec<String>> {
+        let mut wrong = Vec::new();
+        for mail in self.mails()? {
+            let Some(name) = subject_name(&mail.received.subject) else {
+                continue;
+            };
+            let expected = self.tenants.iter().position(|t| t.owns(&name));
+            if expected != mail.server {
+                let server = |s: Option<usize>| {
+                    s.map_or("the default identity's server".to_owned(), |t| {
+                        format!("{}'s server", self.tenants[t].identity)
+                    })
+                };
+                wrong.push(format!(
+                    "WrongBackend: {:?} ({}) reached {}, expected {}",
+                    mail.received.subject,
+                    mail.received.message_id,
+                    server(mail.server),
+                    server(expected)
+                ));
+            }
+        }
+        Ok(wrong)
+    }
+
+    fn own_mails(&self) -> Result<Vec<Mail>> {
         Ok(match &self.server {
             Server::Mailgun(server) => server
                 .messages()?
@@ -977,6 +1212,7 @@ impl Lane {
                         subject: m.subject,
                     },
                     body: m.text.unwrap_or_default(),
+                    server: None,
                 })
                 .collect(),
             Server::Smtp(server) => lock(server)
@@ -994,6 +1230,7 @@ impl Lane {
                             subject: m.header("Subject").unwrap_or_default().to_owned(),
                         },
                         body: decode_qp(&m.body, qp),
+                        server: None,
                     }
                 })
                 .collect(),
@@ -1401,6 +1638,11 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
             uid: uid.clone(),
         })
         .collect();
+    for wrong in lane.wrong_backends()? {
+        if lock(&lane.reported).insert(wrong.clone()) {
+            violations.push(wrong);
+        }
+    }
     let ledger = lane.ledger()?;
     let resends = lane.resends();
     for v in ledger.check(&live, &pending, &resends) {
