@@ -102,7 +102,7 @@ async fn round(ns: &TestNamespace, r: usize) {
                     "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
                     "kind": "MailgunCluster",
                     "metadata": { "name": format!("ghost-{r}-{i}") },
-                    "spec": { "priority": "Low", "request": "Never mind.", "requester": "dev@example.com" }
+                    "spec": { "priority": "Urgent", "request": "Never mind.", "requester": "dev@example.com" }
                 }))
                 .unwrap();
                 let name = ghost.name_any();

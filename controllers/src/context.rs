@@ -326,6 +326,7 @@ impl Ctx {
         self.memory.forget(uid);
         self.poller.forget(uid);
         self.identities.forget(uid);
+        self.events.forget(uid);
     }
 }
 

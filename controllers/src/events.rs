@@ -47,11 +47,10 @@ impl EventType {
     }
 }
 
-/// What makes two events the same (the reporter is the same for every event of one publisher):
-/// the object (by UID) at one `resourceVersion`, the type and the reason.
+/// What makes two events about one object (by UID) the same (the reporter is the same for
+/// every event of one publisher): the object's `resourceVersion`, the type and the reason.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct SeriesKey {
-    uid: String,
     resource_version: String,
     type_: EventType,
     reason: &'static str,
@@ -98,11 +97,24 @@ pub struct Events {
 
 #[derive(Default)]
 struct Series {
-    entries: HashMap<SeriesKey, SeriesEntry>,
+    /// By the object's UID, so that a gone object's entries go at once ([`Events::forget`]).
+    entries: HashMap<String, HashMap<SeriesKey, SeriesEntry>>,
     pruned: Option<Instant>,
 }
 
 impl Series {
+    fn get(&self, uid: &str, key: &SeriesKey) -> Option<&SeriesEntry> {
+        self.entries.get(uid)?.get(key)
+    }
+
+    fn insert(&mut self, uid: String, key: SeriesKey, entry: SeriesEntry) {
+        self.entries.entry(uid).or_default().insert(key, entry);
+    }
+
+    fn len(&self) -> usize {
+        self.entries.values().map(HashMap::len).sum()
+    }
+
     /// Drops the entries that can no longer grow, at most once per tenth of the TTL (lookups
     /// check the age themselves, so this only bounds memory).
     fn prune(&mut self, now: Instant) {
@@ -112,8 +124,10 @@ impl Series {
         {
             return;
         }
-        self.entries
-            .retain(|_, e| now.duration_since(e.last_observed) < SERIES_TTL);
+        self.entries.retain(|_, of_object| {
+            of_object.retain(|_, e| now.duration_since(e.last_observed) < SERIES_TTL);
+            !of_object.is_empty()
+        });
         if self.entries.capacity() > 2 * self.entries.len() + 16 {
             self.entries.shrink_to_fit();
         }
@@ -148,8 +162,8 @@ impl Events {
         reason: &'static str,
         note: String,
     ) -> Result<(), kube::Error> {
+        let uid = regarding.uid.clone().unwrap_or_default();
         let key = SeriesKey {
-            uid: regarding.uid.clone().unwrap_or_default(),
             resource_version: regarding.resource_version.clone().unwrap_or_default(),
             type_,
             reason,
@@ -161,8 +175,7 @@ impl Events {
             let mut series = lock(&self.series);
             series.prune(started);
             series
-                .entries
-                .get(&key)
+                .get(&uid, &key)
                 .filter(|e| started.duration_since(e.last_observed) < SERIES_TTL)
                 .map(|e| (e.namespace.clone(), e.name.clone(), e.count + 1))
         };
@@ -180,7 +193,8 @@ impl Events {
                         &Patch::Merge(json!({ "series": series })),
                     )
                     .await?;
-                if let Some(entry) = lock(&self.series).entries.get_mut(&key) {
+                let mut series = lock(&self.series);
+                if let Some(entry) = series.entries.get_mut(&uid).and_then(|m| m.get_mut(&key)) {
                     entry.count = entry.count.max(count);
                     entry.last_observed = started;
                 }
@@ -213,7 +227,8 @@ impl Events {
                 Api::<Event>::namespaced(self.client.clone(), &namespace)
                     .create(&PostParams::default(), &event)
                     .await?;
-                lock(&self.series).entries.insert(
+                lock(&self.series).insert(
+                    uid,
                     key,
                     SeriesEntry {
                         namespace,
@@ -227,9 +242,14 @@ impl Events {
         Ok(())
     }
 
+    /// The object with this UID is gone: its events can no longer grow into series.
+    pub fn forget(&self, uid: &str) {
+        lock(&self.series).entries.remove(uid);
+    }
+
     #[cfg(test)]
     fn remembered(&self) -> usize {
-        lock(&self.series).entries.len()
+        lock(&self.series).len()
     }
 }
 
@@ -237,9 +257,8 @@ impl Events {
 mod tests {
     use super::*;
 
-    fn key(uid: &str) -> SeriesKey {
+    fn key() -> SeriesKey {
         SeriesKey {
-            uid: uid.into(),
             resource_version: "1".into(),
             type_: EventType::Warning,
             reason: "MailFailed",
@@ -278,19 +297,36 @@ mod tests {
     fn prune_drops_expired_entries_and_is_rate_limited() {
         let start = Instant::now();
         let mut series = Series::default();
-        series.entries.insert(key("old"), entry(start));
+        series.insert("old".into(), key(), entry(start));
         series.prune(start);
-        assert_eq!(series.entries.len(), 1);
+        assert_eq!(series.len(), 1);
         let later = start + SERIES_TTL / 2;
-        series.entries.insert(key("new"), entry(later));
+        series.insert("new".into(), key(), entry(later));
         let expired = start + SERIES_TTL + Duration::from_secs(1);
         series.prune(expired);
-        assert_eq!(series.entries.len(), 1);
-        assert!(series.entries.contains_key(&key("new")));
+        assert_eq!(series.len(), 1);
+        assert!(series.get("new", &key()).is_some());
+        assert!(
+            !series.entries.contains_key("old"),
+            "an emptied object goes"
+        );
         // Within a tenth of the TTL of the last prune nothing is scanned.
-        series.entries.insert(key("old"), entry(start));
+        series.insert("old".into(), key(), entry(start));
         series.prune(expired + Duration::from_secs(1));
-        assert_eq!(series.entries.len(), 2);
+        assert_eq!(series.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_gone_objects_series_are_forgotten_at_once() {
+        let client =
+            Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+        let events = Events::new(client, "c", "i");
+        let now = Instant::now();
+        lock(&events.series).insert("a".into(), key(), entry(now));
+        lock(&events.series).insert("b".into(), key(), entry(now));
+        events.forget("a");
+        assert_eq!(events.remembered(), 1);
+        assert!(lock(&events.series).get("b", &key()).is_some());
     }
 
     /// Issue 14 item 7: a 253-character object name (the longest the API server allows) still
