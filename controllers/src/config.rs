@@ -245,59 +245,43 @@ pub(crate) fn for_tests(domain: &str) -> Config {
 mod tests {
     use super::*;
 
+    /// A unit-test configuration changed by `change` is refused with `expected`, also as the
+    /// controllers' error.
+    fn refused(change: impl FnOnce(&mut Config), expected: &str) {
+        let mut config = for_tests("capm.example.com");
+        change(&mut config);
+        let error = config.validate().unwrap_err();
+        assert_eq!(error.to_string(), expected);
+        let stopped = Error::from(error).to_string();
+        assert_eq!(
+            stopped,
+            format!("invalid controller configuration: {expected}")
+        );
+    }
+
     #[test]
     fn each_rule_names_its_field() {
         for_tests("capm.example.com").validate().unwrap();
-        type Change = fn(&mut Config);
-        let cases: &[(Change, &str)] = &[
-            (
-                |c| c.recipients.clear(),
-                "recipients: at least one recipient is required",
-            ),
-            (|c| c.mail_from = " ".into(), "mail_from: required"),
-            (
-                |c| c.message_id_domain = "a b".into(),
-                "message_id_domain: \"a b\" is not a domain (letters, digits, '-' and '.')",
-            ),
-            (|c| c.concurrency = 0, "concurrency: must be at least 1"),
-            (
-                |c| c.backoff_base = Duration::ZERO,
-                "backoff_base: must be positive",
-            ),
-            (
-                |c| c.backoff_base = c.backoff_max * 2,
-                "backoff_base: must not be longer than backoff_max",
-            ),
-            (
-                |c| c.lookup_grace = Duration::ZERO,
-                "lookup_grace: must be positive",
-            ),
-            (
-                |c| c.sync_period = Duration::ZERO,
-                "sync_period: must be positive",
-            ),
-            (
-                |c| c.delivery_poll_base = Duration::ZERO,
-                "delivery_poll_base: must be positive and not longer than delivery_poll_max",
-            ),
-            (
-                |c| c.delivery_poll_base = c.delivery_poll_max * 2,
-                "delivery_poll_base: must be positive and not longer than delivery_poll_max",
-            ),
-            (
-                |c| c.delivery_retention = Duration::ZERO,
-                "delivery_retention: must be positive",
-            ),
+        let recipients = "recipients: at least one recipient is required";
+        refused(|c| c.recipients.clear(), recipients);
+        refused(|c| c.mail_from = " ".into(), "mail_from: required");
+        let domain = r#"message_id_domain: "a b" is not a domain (letters, digits, '-' and '.')"#;
+        refused(|c| c.message_id_domain = "a b".into(), domain);
+        refused(|c| c.concurrency = 0, "concurrency: must be at least 1");
+        let backoff = "backoff_base: must not be longer than backoff_max";
+        refused(|c| c.backoff_base = c.backoff_max * 2, backoff);
+        let poll = "delivery_poll_base: must be positive and not longer than delivery_poll_max";
+        refused(|c| c.delivery_poll_base = Duration::ZERO, poll);
+        refused(|c| c.delivery_poll_base = c.delivery_poll_max * 2, poll);
+        let positive: [(fn(&mut Config) -> &mut Duration, &str); 4] = [
+            (|c| &mut c.backoff_base, "backoff_base"),
+            (|c| &mut c.lookup_grace, "lookup_grace"),
+            (|c| &mut c.sync_period, "sync_period"),
+            (|c| &mut c.delivery_retention, "delivery_retention"),
         ];
-        for (change, expected) in cases {
-            let mut config = for_tests("capm.example.com");
-            change(&mut config);
-            let error = config.validate().unwrap_err();
-            assert_eq!(error.to_string(), *expected);
-            assert_eq!(
-                Error::from(error).to_string(),
-                format!("invalid controller configuration: {expected}")
-            );
+        for (field, name) in positive {
+            let expected = format!("{name}: must be positive");
+            refused(|c| *field(c) = Duration::ZERO, &expected);
         }
     }
 }

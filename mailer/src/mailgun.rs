@@ -160,15 +160,10 @@ impl Reader {
             .map_err(|e| transport_error(e, true))?;
         let status = response.status();
         if !status.is_success() {
-            let headers = response.headers().clone();
-            let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
-                .await
-                .map(|(body, _)| body)
-                .unwrap_or_default();
             if refused(status.as_u16()) {
                 self.deny(status);
             }
-            return Err(status_error(status, &headers, &body, true));
+            return Err(reply_error(response, true).await);
         }
         let (body, complete) = read_at_most(&mut response, MAX_EVENTS_PAGE_BYTES)
             .await
@@ -451,6 +446,18 @@ fn error_text(body: &[u8]) -> String {
     text
 }
 
+/// The error a non-2xx `response` stands for: its status, its `Retry-After` and its body's
+/// `message` (an unreadable or cut body still has its status).
+async fn reply_error(mut response: reqwest::Response, lookup: bool) -> MailError {
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
+        .await
+        .map(|(body, _)| body)
+        .unwrap_or_default();
+    status_error(status, &headers, &body, lookup)
+}
+
 fn status_error(status: StatusCode, headers: &HeaderMap, body: &[u8], lookup: bool) -> MailError {
     let code = Some(status.as_u16());
     let message = format!(
@@ -559,15 +566,8 @@ impl Mailer for MailgunMailer {
             });
         }
         let mut response = sent.map_err(|e| transport_error(e, false))?;
-        let status = response.status();
-        if !status.is_success() {
-            let headers = response.headers().clone();
-            // The message is all that is shown: an unreadable or cut body still has its status.
-            let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
-                .await
-                .map(|(body, _)| body)
-                .unwrap_or_default();
-            return Err(status_error(status, &headers, &body, false));
+        if !response.status().is_success() {
+            return Err(reply_error(response, false).await);
         }
         // A 2xx means Mailgun queued the message, whatever the body looks like (oversized, cut,
         // unreadable): the receipt then names our own Message-Id.
