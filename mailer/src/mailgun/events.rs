@@ -148,7 +148,7 @@ impl EventSource for Events {
 
 /// Encodes a query value (`application/x-www-form-urlencoded`, as servers decode query strings).
 fn encode_query_value(value: &str) -> String {
-    form_urlencoded::byte_serialize(value.as_bytes()).collect()
+    url::form_urlencoded::byte_serialize(value.as_bytes()).collect()
 }
 
 #[cfg(test)]
