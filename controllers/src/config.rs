@@ -273,7 +273,9 @@ mod tests {
         let poll = "delivery_poll_base: must be positive and not longer than delivery_poll_max";
         refused(|c| c.delivery_poll_base = Duration::ZERO, poll);
         refused(|c| c.delivery_poll_base = c.delivery_poll_max * 2, poll);
-        let positive: [(fn(&mut Config) -> &mut Duration, &str); 4] = [
+        /// A duration field of a configuration.
+        type FieldOf = fn(&mut Config) -> &mut Duration;
+        let positive: [(FieldOf, &str); 4] = [
             (|c| &mut c.backoff_base, "backoff_base"),
             (|c| &mut c.lookup_grace, "lookup_grace"),
             (|c| &mut c.sync_period, "sync_period"),
