@@ -49,46 +49,152 @@ pub struct Config {
 }
 
 impl Config {
-    /// Checks that this configuration can work.
+    /// Checks that this configuration can work: the one place each field's rule lives (the
+    /// binary names a refused field by its flag, see [`Invalid`]).
     ///
     /// # Errors
-    /// [`Error::Config`] naming the field.
-    pub fn validate(&self) -> Result<(), Error> {
+    /// [`Invalid`] naming the first field that cannot work, in the fields' declaration order.
+    pub fn validate(&self) -> Result<(), Invalid> {
+        let refuse = |field, reason| Err(Invalid { field, reason });
         if self.recipients.is_empty() {
-            return Err(Error::Config(
-                "recipients: at least one recipient is required".into(),
-            ));
+            return refuse(Field::Recipients, Reason::Missing);
         }
         if self.mail_from.trim().is_empty() {
-            return Err(Error::Config(
-                "mail_from: the sender address is required".into(),
-            ));
+            return refuse(Field::MailFrom, Reason::Missing);
         }
-        if self.message_id_domain.is_empty()
-            || self.message_id_domain.contains(['<', '>', '@', ' '])
-        {
-            return Err(Error::Config(format!(
-                "message_id_domain: {:?} is not a domain",
-                self.message_id_domain
-            )));
+        // The rule the Message-Ids are built by.
+        if capm_mailer::MessageId::new("x", &self.message_id_domain).is_err() {
+            return refuse(
+                Field::MessageIdDomain,
+                Reason::NotADomain(self.message_id_domain.clone()),
+            );
         }
         if self.concurrency == 0 {
-            return Err(Error::Config("concurrency: must be at least 1".into()));
+            return refuse(Field::Concurrency, Reason::Zero);
         }
-        if self.backoff_base.is_zero() || self.backoff_base > self.backoff_max {
-            return Err(Error::Config(
-                "backoff_base: must be positive and at most backoff_max".into(),
-            ));
+        if self.backoff_base.is_zero() {
+            return refuse(Field::BackoffBase, Reason::Zero);
         }
-        if self.delivery_poll_base.is_zero() || self.delivery_poll_base > self.delivery_poll_max {
-            return Err(Error::Config(
-                "delivery_poll_base: must be positive and at most delivery_poll_max".into(),
-            ));
+        if self.backoff_base > self.backoff_max {
+            return refuse(Field::BackoffBase, Reason::LongerThan(Field::BackoffMax));
+        }
+        if self.lookup_grace.is_zero() {
+            return refuse(Field::LookupGrace, Reason::Zero);
         }
         if self.sync_period.is_zero() {
-            return Err(Error::Config("sync_period: must be positive".into()));
+            return refuse(Field::SyncPeriod, Reason::Zero);
+        }
+        if self.delivery_poll_base.is_zero() || self.delivery_poll_base > self.delivery_poll_max {
+            return refuse(
+                Field::DeliveryPollBase,
+                Reason::ZeroOrLongerThan(Field::DeliveryPollMax),
+            );
+        }
+        if self.delivery_retention.is_zero() {
+            return refuse(Field::DeliveryRetention, Reason::Zero);
         }
         Ok(())
+    }
+}
+
+/// A [`Config`] field that [`Config::validate`] checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// [`Config::recipients`].
+    Recipients,
+    /// [`Config::mail_from`].
+    MailFrom,
+    /// [`Config::message_id_domain`].
+    MessageIdDomain,
+    /// [`Config::concurrency`].
+    Concurrency,
+    /// [`Config::backoff_base`].
+    BackoffBase,
+    /// [`Config::backoff_max`].
+    BackoffMax,
+    /// [`Config::lookup_grace`].
+    LookupGrace,
+    /// [`Config::sync_period`].
+    SyncPeriod,
+    /// [`Config::delivery_poll_base`].
+    DeliveryPollBase,
+    /// [`Config::delivery_poll_max`].
+    DeliveryPollMax,
+    /// [`Config::delivery_retention`].
+    DeliveryRetention,
+}
+
+impl Field {
+    /// The field's name in [`Config`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Recipients => "recipients",
+            Self::MailFrom => "mail_from",
+            Self::MessageIdDomain => "message_id_domain",
+            Self::Concurrency => "concurrency",
+            Self::BackoffBase => "backoff_base",
+            Self::BackoffMax => "backoff_max",
+            Self::LookupGrace => "lookup_grace",
+            Self::SyncPeriod => "sync_period",
+            Self::DeliveryPollBase => "delivery_poll_base",
+            Self::DeliveryPollMax => "delivery_poll_max",
+            Self::DeliveryRetention => "delivery_retention",
+        }
+    }
+}
+
+/// What is wrong with a field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reason {
+    /// Empty: no recipient, no sender.
+    Missing,
+    /// Not a domain the Message-Ids can be built on (the value given).
+    NotADomain(String),
+    /// Zero: a count must be at least 1, a duration positive.
+    Zero,
+    /// Longer than the other field, its ceiling.
+    LongerThan(Field),
+    /// Zero, or longer than the other field, its ceiling.
+    ZeroOrLongerThan(Field),
+}
+
+/// A [`Config`] that cannot work: which field and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    /// The first field found wrong.
+    pub field: Field,
+    /// What is wrong with it.
+    pub reason: Reason,
+}
+
+impl std::fmt::Display for Invalid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let reason = self.reason(|field| field.name().to_owned());
+        write!(f, "{}: {reason}", self.field.name())
+    }
+}
+
+impl std::error::Error for Invalid {}
+
+impl Invalid {
+    /// What is wrong, in words, naming another field (a ceiling) as `name` says: by its name in
+    /// [`Config`] here, by its flag in the binary.
+    pub fn reason(&self, name: impl Fn(Field) -> String) -> String {
+        match &self.reason {
+            Reason::Missing if self.field == Field::Recipients => {
+                "at least one recipient is required".to_owned()
+            }
+            Reason::Missing => "required".to_owned(),
+            Reason::NotADomain(value) => {
+                format!("{value:?} is not a domain (letters, digits, '-' and '.')")
+            }
+            Reason::Zero if self.field == Field::Concurrency => "must be at least 1".to_owned(),
+            Reason::Zero => "must be positive".to_owned(),
+            Reason::LongerThan(ceiling) => format!("must not be longer than {}", name(*ceiling)),
+            Reason::ZeroOrLongerThan(ceiling) => {
+                format!("must be positive and not longer than {}", name(*ceiling))
+            }
+        }
     }
 }
 
@@ -97,7 +203,10 @@ impl Config {
 pub enum Error {
     /// The configuration cannot work.
     #[error("invalid controller configuration: {0}")]
-    Config(String),
+    Config(#[from] Invalid),
+    /// The controllers were wired wrongly (a bug, not a setting).
+    #[error("{0}")]
+    Wiring(&'static str),
     /// The Kubernetes API refused something the controllers need to start.
     #[error("{context}: {source}")]
     Kube {
@@ -129,5 +238,52 @@ pub(crate) fn for_tests(domain: &str) -> Config {
         delivery_retention: Duration::from_secs(72 * 3600),
         sync_period: Duration::from_secs(10 * 3600),
         identity_secret_namespace: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A unit-test configuration changed by `change` is refused with `expected`, also as the
+    /// controllers' error.
+    fn refused(change: impl FnOnce(&mut Config), expected: &str) {
+        let mut config = for_tests("capm.example.com");
+        change(&mut config);
+        let error = config.validate().unwrap_err();
+        assert_eq!(error.to_string(), expected);
+        let stopped = Error::from(error).to_string();
+        assert_eq!(
+            stopped,
+            format!("invalid controller configuration: {expected}")
+        );
+    }
+
+    #[test]
+    fn each_rule_names_its_field() {
+        for_tests("capm.example.com").validate().unwrap();
+        let recipients = "recipients: at least one recipient is required";
+        refused(|c| c.recipients.clear(), recipients);
+        refused(|c| c.mail_from = " ".into(), "mail_from: required");
+        let domain = r#"message_id_domain: "a b" is not a domain (letters, digits, '-' and '.')"#;
+        refused(|c| c.message_id_domain = "a b".into(), domain);
+        refused(|c| c.concurrency = 0, "concurrency: must be at least 1");
+        let backoff = "backoff_base: must not be longer than backoff_max";
+        refused(|c| c.backoff_base = c.backoff_max * 2, backoff);
+        let poll = "delivery_poll_base: must be positive and not longer than delivery_poll_max";
+        refused(|c| c.delivery_poll_base = Duration::ZERO, poll);
+        refused(|c| c.delivery_poll_base = c.delivery_poll_max * 2, poll);
+        /// A duration field of a configuration.
+        type FieldOf = fn(&mut Config) -> &mut Duration;
+        let positive: [(FieldOf, &str); 4] = [
+            (|c| &mut c.backoff_base, "backoff_base"),
+            (|c| &mut c.lookup_grace, "lookup_grace"),
+            (|c| &mut c.sync_period, "sync_period"),
+            (|c| &mut c.delivery_retention, "delivery_retention"),
+        ];
+        for (field, name) in positive {
+            let expected = format!("{name}: must be positive");
+            refused(|c| *field(c) = Duration::ZERO, &expected);
+        }
     }
 }

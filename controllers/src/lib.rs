@@ -38,7 +38,7 @@ pub mod sendonce;
 mod status;
 mod workqueue;
 
-pub use config::{Config, Error};
+pub use config::{Config, Error, Field, Invalid, Reason};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
 pub use pipeline::{run, trim};

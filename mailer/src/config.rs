@@ -1,8 +1,6 @@
-//! Backend configuration (serde, camelCase field names like Kubernetes objects) and the factory
-//! that turns it into an `Arc<dyn Mailer>`.
-//!
-//! Long because each backend field is validated with an error naming it, and a quarter of the file
-//! is tests.
+//! Backend configuration (serde, camelCase field names like Kubernetes objects), its validation
+//! (each error names the field, never a secret) and the factory that turns it into an
+//! `Arc<dyn Mailer>`.
 //!
 //! The file format is externally tagged by backend name, e.g. in YAML:
 //! ```yaml
@@ -129,6 +127,13 @@ pub fn build_with_gate(
         MailerConfig::Mailgun(c) => Arc::new(MailgunMailer::new(c)?.with_commit_gate(gate)),
         MailerConfig::Smtp(c) => Arc::new(SmtpMailer::new(c)?.with_commit_gate(gate)),
     })
+}
+
+/// Whether `url` starts with one of `schemes` (any case) and a colon: a URL parse error is then
+/// about the rest, else about the scheme.
+fn has_scheme(url: &str, schemes: &[&str]) -> bool {
+    url.split_once(':')
+        .is_some_and(|(scheme, _)| schemes.iter().any(|s| scheme.eq_ignore_ascii_case(s)))
 }
 
 fn check_seconds(field: &str, value: f64) -> Result<Duration, ConfigError> {
@@ -277,17 +282,32 @@ impl MailgunConfig {
                 "must be a DNS name (letters, digits, '-' and '.')",
             ));
         }
-        if let Some(url) = &self.base_url {
-            let rest = url
-                .strip_prefix("https://")
-                .or_else(|| url.strip_prefix("http://"))
-                .ok_or_else(|| invalid("mailgun.baseUrl", "scheme must be http or https"))?;
-            let host = rest.split('/').next().unwrap_or_default();
-            if host.is_empty() || host.contains(['@', '?', '#']) || rest.contains(['?', '#']) {
-                return Err(invalid(
-                    "mailgun.baseUrl",
+        if let Some(base) = &self.base_url {
+            const FIELD: &str = "mailgun.baseUrl";
+            let scheme = || invalid(FIELD, "scheme must be http or https");
+            let shape = || {
+                invalid(
+                    FIELD,
                     "must be scheme://host[:port][/path] without credentials, query or fragment",
-                ));
+                )
+            };
+            let url = url::Url::parse(base).map_err(|_| {
+                if has_scheme(base, &["http", "https"]) {
+                    shape()
+                } else {
+                    scheme()
+                }
+            })?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(scheme());
+            }
+            if url.host().is_none()
+                || !url.username().is_empty()
+                || url.password().is_some()
+                || url.query().is_some()
+                || url.fragment().is_some()
+            {
+                return Err(shape());
             }
         }
         self.connect_timeout()?;
@@ -423,41 +443,56 @@ impl SmtpConfig {
 
     pub(crate) fn endpoint(&self) -> Result<SmtpEndpoint, ConfigError> {
         const URL: &str = "smtp.url";
-        let (implicit_tls, rest) = if let Some(rest) = self.url.strip_prefix("smtps://") {
-            (true, rest)
-        } else if let Some(rest) = self.url.strip_prefix("smtp://") {
-            (false, rest)
-        } else {
-            return Err(invalid(URL, "scheme must be smtp or smtps"));
+        let scheme = || invalid(URL, "scheme must be smtp or smtps");
+        let no_host = || invalid(URL, "missing or invalid host");
+        // The URL parser drops blanks and line breaks; here they make the URL invalid.
+        if self
+            .url
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(invalid(
+                URL,
+                "must not contain blanks or control characters",
+            ));
+        }
+        let url = url::Url::parse(&self.url).map_err(|e| {
+            if !has_scheme(&self.url, &["smtp", "smtps"]) {
+                return scheme();
+            }
+            match e {
+                url::ParseError::InvalidPort => {
+                    invalid(URL, "port must be a number from 1 to 65535")
+                }
+                url::ParseError::InvalidIpv6Address => invalid(URL, "invalid IPv6 host in [ ]"),
+                _ => no_host(),
+            }
+        })?;
+        let implicit_tls = match url.scheme() {
+            "smtps" => true,
+            "smtp" => false,
+            _ => return Err(scheme()),
         };
-        let rest = rest.strip_suffix('/').unwrap_or(rest);
-        if rest.contains(['@', '/', '?', '#']) {
+        if !url.username().is_empty()
+            || url.password().is_some()
+            || !matches!(url.path(), "" | "/")
+            || url.query().is_some()
+            || url.fragment().is_some()
+        {
             return Err(invalid(
                 URL,
                 "must be scheme://host[:port] (credentials go in username/password)",
             ));
         }
-        let (host, port) = match rest.strip_prefix('[') {
-            Some(v6) => {
-                let (host, after) = v6
-                    .split_once(']')
-                    .ok_or_else(|| invalid(URL, "unclosed [ in IPv6 host"))?;
-                (host, after.strip_prefix(':'))
-            }
-            None => match rest.split_once(':') {
-                Some((h, p)) => (h, Some(p)),
-                None => (rest, None),
-            },
+        let host = match url.host() {
+            Some(url::Host::Domain(name)) if !name.is_empty() => name.to_owned(),
+            Some(url::Host::Ipv4(address)) => address.to_string(),
+            Some(url::Host::Ipv6(address)) => address.to_string(),
+            _ => return Err(no_host()),
         };
-        if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(invalid(URL, "missing or invalid host"));
-        }
-        let port = match port {
-            Some(p) => p
-                .parse::<u16>()
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(|| invalid(URL, "port must be a number from 1 to 65535"))?,
+        let port = match url.port() {
+            Some(0) => return Err(invalid(URL, "port must be a number from 1 to 65535")),
+            Some(port) => port,
             None if implicit_tls => 465,
             None => 587,
         };
@@ -501,7 +536,7 @@ impl SmtpConfig {
         )?;
         Ok(SmtpEndpoint {
             implicit_tls,
-            host: host.to_owned(),
+            host,
             port,
         })
     }
@@ -539,6 +574,35 @@ mod tests {
             let err = smtp(url).validate().unwrap_err().to_string();
             assert!(err.starts_with(msg), "{url}: {err}");
         }
+    }
+
+    #[test]
+    fn smtp_urls_are_read_whole_and_never_echoed() {
+        let e = smtp("SMTPS://Relay.Example.com:2465").endpoint().unwrap();
+        assert_eq!((e.implicit_tls, e.port), (true, 2465));
+        let cases = [
+            ("smtp://h/inbox", "smtp.url: must be scheme://host[:port]"),
+            ("smtp://h?x=1", "smtp.url: must be scheme://host[:port]"),
+            ("smtp://h#x", "smtp.url: must be scheme://host[:port]"),
+            ("smtp://h:99999", "smtp.url: port must be"),
+            ("smtp://[::1", "smtp.url: invalid IPv6 host"),
+            ("smtp://h x", "smtp.url: must not contain blanks"),
+            (" smtp://h", "smtp.url: must not contain blanks"),
+            (
+                "relay.example.com:25",
+                "smtp.url: scheme must be smtp or smtps",
+            ),
+            ("relay", "smtp.url: scheme must be smtp or smtps"),
+        ];
+        for (url, msg) in cases {
+            let err = smtp(url).validate().unwrap_err().to_string();
+            assert!(err.starts_with(msg), "{url}: {err}");
+        }
+        let err = smtp("smtps://capm:hunter2@relay:465")
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("hunter2"), "{err}");
     }
 
     #[test]

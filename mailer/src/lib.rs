@@ -9,10 +9,10 @@
 //! state about what was sent. Deciding whether to resend (the "send exactly one mail" recipe) is
 //! the caller's job; this crate gives it the pieces: a caller-chosen Message-Id, an
 //! [`ErrorKind::UnknownOutcome`] for "may have been accepted", and [`Mailer::lookup`] for the
-//! backends that can answer that question. [`Mailer::delivery_status`] tells what became of an
-//! accepted message ([`Delivery`]) where the backend keeps events (Mailgun); when to stop asking
-//! is the caller's choice too. [`Mailer::delivery_statuses`] asks about many mails at once where
-//! the backend can (Mailgun's Logs API: one query names up to [`LOGS_BATCH`] Message-Ids).
+//! backends that can answer that question. [`Mailer::delivery_statuses`] tells what became of
+//! accepted messages ([`Delivery`]) where the backend keeps events (Mailgun), many at once where
+//! it can (Mailgun's Logs API: one query names up to [`LOGS_BATCH`] Message-Ids); when to stop
+//! asking is the caller's choice too.
 //!
 //! # Example
 //! ```no_run
@@ -195,32 +195,12 @@ pub trait Mailer: Send + Sync {
     /// evidence. Callers should wait a little before trusting it.
     async fn lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError>;
 
-    /// Whether [`Self::delivery_status`] can say more than [`Delivery::NotTrackable`] now, and
+    /// Whether [`Self::delivery_statuses`] can say more than [`Delivery::NotTrackable`] now, and
     /// if not, why. Callers do not ask backends that cannot tell (and need not wait to learn
     /// that). It may change once, from tracked to untracked: a Mailgun key found unable to read
     /// the event logs.
     fn tracking(&self) -> Tracking {
         Tracking::Untracked(None)
-    }
-
-    /// Asks the backend what became of a message it accepted at about `sent_at`.
-    ///
-    /// The default is [`Delivery::NotTrackable`], for backends that cannot tell.
-    ///
-    /// # Errors
-    /// A [`MailError`]; a query changes nothing, so every non-permanent error can be retried.
-    ///
-    /// # Caveats
-    /// Event logs are kept for a limited time (Mailgun: days, by plan): past it, a
-    /// [`Delivery::Pending`] answer means "no longer known", not "still on its way". Deciding
-    /// when to stop asking is the caller's job.
-    async fn delivery_status(
-        &self,
-        message_id: &MessageId,
-        sent_at: SystemTime,
-    ) -> Result<Delivery, MailError> {
-        let _ = (message_id, sent_at);
-        Ok(Delivery::NotTrackable)
     }
 
     /// How many mails one [`Self::delivery_statuses`] call asks about with one question (its
@@ -231,19 +211,20 @@ pub trait Mailer: Send + Sync {
     }
 
     /// Asks what became of each of `mails`; the answers come in the same order, one per mail.
+    /// Callers give at most [`Self::delivery_batch_size`] mails per call to keep each call one
+    /// question.
     ///
-    /// The default asks [`Self::delivery_status`] once per mail, for backends that cannot
-    /// batch. Callers give at most [`Self::delivery_batch_size`] mails per call to keep each
-    /// call one question.
+    /// The default is [`Delivery::NotTrackable`] for each, for backends that cannot tell.
     ///
     /// # Errors
     /// A [`MailError`] when any question fails (the answers already had are dropped: a query
     /// changes nothing, ask again later); a `Retry-After` the backend gave is in it.
+    ///
+    /// # Caveats
+    /// Event logs are kept for a limited time (Mailgun: days, by plan): past it, a
+    /// [`Delivery::Pending`] answer means "no longer known", not "still on its way". Deciding
+    /// when to stop asking is the caller's job.
     async fn delivery_statuses(&self, mails: &[OpenMail]) -> Result<Vec<Delivery>, MailError> {
-        let mut answers = Vec::with_capacity(mails.len());
-        for mail in mails {
-            answers.push(self.delivery_status(&mail.message_id, mail.sent_at).await?);
-        }
-        Ok(answers)
+        Ok(vec![Delivery::NotTrackable; mails.len()])
     }
 }

@@ -1,10 +1,11 @@
-//! The Mailgun HTTP API backend: `POST /v3/{domain}/messages`, and for lookups and delivery
-//! either `POST /v1/analytics/logs` (the default, [`logs`]) or `GET /v3/{domain}/events`.
-//!
-//! Long because it speaks three parts of the API (sending, the crash-recovery lookup, delivery
-//! events with paging) with one client and one error mapping; a fifth is tests.
+//! The Mailgun HTTP API backend: sends with `POST /v3/{domain}/messages`, and answers lookups
+//! and delivery questions from the events API chosen once, when the mailer is built: the Logs
+//! API (the default, [`logs`]) or the legacy events API ([`events`]). What the two APIs' events
+//! say about a mail is folded the same way ([`outcome`]).
 
+mod events;
 mod logs;
+mod outcome;
 
 pub use logs::LOGS_BATCH;
 
@@ -12,6 +13,7 @@ use std::{
     fmt,
     hash::{BuildHasher, Hasher},
     pin::Pin,
+    sync::OnceLock,
     task::{Context, Poll},
     time::{Duration, SystemTime},
 };
@@ -22,7 +24,7 @@ use reqwest::{StatusCode, header::HeaderMap, redirect};
 use serde::Deserialize;
 
 use crate::{
-    Lookup, MailError, Mailer, Message, MessageId, OpenMail, SendReceipt,
+    Delivery, Lookup, MailError, Mailer, Message, MessageId, OpenMail, SendReceipt,
     config::{ConfigError, MailgunConfig, MailgunEventsApi},
     gate::{self, Gate},
     secret::{ExposeSecret, Secret},
@@ -39,8 +41,8 @@ pub const MAX_SEND_REPLY_BYTES: usize = 64 * 1024;
 pub const MAX_ERROR_REPLY_BYTES: usize = 4 * 1024;
 /// The most of one events page that is read: 300 events of a few KiB each fit four times over.
 pub const MAX_EVENTS_PAGE_BYTES: usize = 4 * 1024 * 1024;
-/// Recipients tracked per delivery question (a message has a handful).
-const MAX_TRACKED_RECIPIENTS: usize = 1000;
+/// Events are asked for from this long before the recorded send time (clocks differ).
+const EVENTS_CLOCK_SLACK: Duration = Duration::from_secs(600);
 
 /// Sends through Mailgun's HTTP API with one pooled, keep-alive HTTP client.
 ///
@@ -60,17 +62,11 @@ const MAX_TRACKED_RECIPIENTS: usize = 1000;
 pub struct MailgunMailer {
     client: reqwest::Client,
     messages_url: String,
-    events_url: String,
-    logs_url: String,
-    domain: String,
-    events_api: MailgunEventsApi,
     api_key: Secret,
-    /// The key reads (lookups, delivery questions) use, when not `api_key`.
-    read_key: Option<Secret>,
-    /// Set, with the reason shown to humans, once Mailgun refused the reading key (401/403):
-    /// from then on nothing is read, lookups answer [`Lookup::Unsupported`] and delivery is
-    /// not tracked. Keys are read once, so this lasts as long as the mailer.
-    read_denied: std::sync::OnceLock<String>,
+    /// What reads (lookups, delivery questions) go out with.
+    reader: Reader,
+    /// The API reads ask (`eventsApi`).
+    events: Box<dyn EventSource>,
     test_mode: bool,
     gate: Gate,
 }
@@ -79,10 +75,10 @@ impl fmt::Debug for MailgunMailer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MailgunMailer")
             .field("messages_url", &self.messages_url)
-            .field("events_api", &self.events_api)
+            .field("events", &self.events)
             .field("api_key", &self.api_key)
-            .field("read_key", &self.read_key)
-            .field("read_denied", &self.read_denied.get().is_some())
+            .field("read_key", &self.reader.key)
+            .field("read_denied", &self.reader.denied.get().is_some())
             .field("test_mode", &self.test_mode)
             .finish_non_exhaustive()
     }
@@ -94,187 +90,105 @@ struct SendResponse {
     message: Option<String>,
 }
 
-/// At most this many pages are read per delivery query (300 events each): a message has a
-/// handful of events per recipient, so more means a server that pages forever.
-const MAX_EVENT_PAGES: usize = 20;
-/// Events are asked for from this long before the recorded send time (clocks differ).
-const EVENTS_CLOCK_SLACK: Duration = Duration::from_secs(600);
-/// The largest page Mailgun serves.
-const EVENTS_PAGE_LIMIT: u32 = 300;
+/// One of Mailgun's event APIs, answering the lookup and the delivery questions: [`logs::Logs`]
+/// or [`events::Events`], chosen by `eventsApi` when the mailer is built.
+#[async_trait]
+trait EventSource: fmt::Debug + Send + Sync {
+    /// How many mails one [`Self::deliveries`] call asks about with one question.
+    fn batch_size(&self) -> usize;
 
-#[derive(Deserialize)]
-struct EventsResponse {
-    #[serde(default)]
-    items: Vec<EventItem>,
-    #[serde(default)]
-    paging: Paging,
+    /// Whether Mailgun accepted a message with this Message-Id.
+    async fn lookup(&self, reader: &Reader, message_id: &MessageId) -> Result<Lookup, MailError>;
+
+    /// What became of each of `mails` (at most [`Self::batch_size`]), in the same order.
+    async fn deliveries(
+        &self,
+        reader: &Reader,
+        mails: &[OpenMail],
+    ) -> Result<Vec<Delivery>, MailError>;
 }
 
-#[derive(Deserialize, Default)]
-struct Paging {
-    next: Option<String>,
+/// What reads go out with: the shared HTTP client, the key they use, and whether Mailgun refused
+/// that key.
+struct Reader {
+    client: reqwest::Client,
+    /// `mailgun.readApiKey`, or the sending key when there is none.
+    key: Secret,
+    /// Which key `key` is, in words, for the refusal's explanation.
+    refused_key: &'static str,
+    /// Set, with the reason shown to humans, once Mailgun refused the reading key (401/403):
+    /// from then on nothing is read, lookups answer [`Lookup::Unsupported`] and delivery is
+    /// not tracked. Keys are read once, so this lasts as long as the mailer.
+    denied: OnceLock<String>,
 }
 
-/// One event, as both APIs give it (the Logs API's items carry the same fields by the same
-/// names, plus `@timestamp`).
-#[derive(Deserialize)]
-struct EventItem {
-    event: String,
-    #[serde(default)]
-    recipient: Option<String>,
-    #[serde(default)]
-    severity: Option<String>,
-    #[serde(default)]
-    reason: Option<String>,
-    #[serde(default, rename = "delivery-status")]
-    delivery_status: Option<DeliveryStatusField>,
-    #[serde(default)]
-    message: Option<EventMessage>,
-}
-
-#[derive(Deserialize)]
-struct EventMessage {
-    #[serde(default)]
-    headers: EventHeaders,
-}
-
-#[derive(Deserialize, Default)]
-struct EventHeaders {
-    #[serde(default, rename = "message-id")]
-    message_id: Option<String>,
-}
-
-impl EventItem {
-    /// The event's Message-Id without brackets, if it names one.
-    fn message_id(&self) -> Option<&str> {
-        let id = self.message.as_ref()?.headers.message_id.as_deref()?;
-        Some(id.trim().trim_start_matches('<').trim_end_matches('>'))
+impl Reader {
+    /// True when `error` is Mailgun refusing the reading key, now remembered: the question is
+    /// then answered as if the backend could not tell.
+    fn refused_for_good(&self, error: &MailError) -> bool {
+        self.denied.get().is_some() && error.code().is_some_and(refused)
     }
-}
 
-#[derive(Deserialize)]
-struct DeliveryStatusField {
-    #[serde(default)]
-    code: Option<serde_json::Value>,
-    #[serde(default)]
-    message: Option<String>,
-    #[serde(default)]
-    description: Option<String>,
-}
-
-impl EventItem {
-    /// `reason (code message)`, single line and bounded: what the receiving side said.
-    fn failure_text(&self) -> String {
-        let mut text = self.reason.clone().unwrap_or_else(|| "failed".into());
-        if let Some(status) = &self.delivery_status {
-            let code = status.code.as_ref().map(|c| match c {
-                serde_json::Value::String(s) => s.clone(),
-                other => other.to_string(),
-            });
-            let detail = status
-                .message
-                .as_deref()
-                .filter(|m| !m.trim().is_empty())
-                .or(status.description.as_deref())
-                .unwrap_or_default()
-                .trim();
-            let detail = [code.unwrap_or_default(), detail.to_owned()]
-                .into_iter()
-                .filter(|s| !s.is_empty())
-                .collect::<Vec<_>>()
-                .join(" ");
-            if !detail.is_empty() {
-                text = format!("{text}: {detail}");
-            }
+    /// Remembers that Mailgun refused the reading key, and says so once.
+    fn deny(&self, status: StatusCode) {
+        let why = format!(
+            "Mailgun refused {} on its logs API ({} {}): a domain sending key may only \
+             send. Delivery is not tracked and a send whose outcome was unknown is resent with \
+             the same Message-Id; give an account key with a read role (Analyst) as \
+             mailgun.readApiKey to track deliveries",
+            self.refused_key,
+            status.as_u16(),
+            status.canonical_reason().unwrap_or("")
+        );
+        if self.denied.set(why.clone()).is_ok() {
+            tracing::warn!(backend = BACKEND, reason = %why, "Reading Mailgun's logs is refused; delivery tracking is off");
         }
-        if let Some(recipient) = &self.recipient {
-            text = format!("{recipient}: {text}");
-        }
-        error_text(text.as_bytes())
     }
-}
 
-/// Where one recipient's copy stands, from its events in time order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum RecipientState {
-    Pending(Option<String>),
-    Delivered,
-    Failed(String),
-}
-
-/// Folds events (oldest first) into one answer, page by page, keeping only what the answer needs
-/// (bounded texts, at most [`MAX_TRACKED_RECIPIENTS`] recipients): final only once every
-/// recipient seen is (delivered, or failed for good); then delivered when all have it, failed
-/// when none has, partly delivered otherwise: a failure to one recipient is reported even when
-/// another has the mail. Pending while any is open, with the latest temporary failure.
-#[derive(Default)]
-struct Fold {
-    recipients: Vec<(String, RecipientState)>,
-    latest_temporary: Option<String>,
-}
-
-impl Fold {
-    fn add(&mut self, item: &EventItem) {
-        let who = crate::text::clean(item.recipient.as_deref().unwrap_or_default(), 320);
-        let next = match (item.event.as_str(), item.severity.as_deref()) {
-            ("delivered", _) => RecipientState::Delivered,
-            ("failed", Some("temporary")) => {
-                let text = item.failure_text();
-                self.latest_temporary = Some(text.clone());
-                RecipientState::Pending(Some(text))
+    /// Sends `request` with the reading key and reads its JSON reply of at most
+    /// [`MAX_EVENTS_PAGE_BYTES`], with the lookup's error classes (`what` names the API in
+    /// errors).
+    async fn page<T: serde::de::DeserializeOwned>(
+        &self,
+        request: reqwest::RequestBuilder,
+        what: &str,
+    ) -> Result<T, MailError> {
+        let mut response = request
+            .basic_auth("api", Some(self.key.expose_secret()))
+            .send()
+            .await
+            .map_err(|e| transport_error(e, true))?;
+        let status = response.status();
+        if !status.is_success() {
+            if refused(status.as_u16()) {
+                self.deny(status);
             }
-            ("failed" | "rejected", _) => RecipientState::Failed(item.failure_text()),
-            _ => RecipientState::Pending(None),
+            return Err(reply_error(response, true).await);
+        }
+        let (body, complete) = read_at_most(&mut response, MAX_EVENTS_PAGE_BYTES)
+            .await
+            .map_err(|e| transport_error(e, true))?;
+        let unreadable = |message: String, source: Option<crate::BoxError>| MailError::Retryable {
+            backend: BACKEND,
+            code: Some(status.as_u16()),
+            retry_after: None,
+            message,
+            source,
         };
-        let tracked = self.recipients.len();
-        match self.recipients.iter_mut().find(|(r, _)| *r == who) {
-            // A final state stays: later `accepted`/`opened`... events change nothing.
-            Some((_, state)) => {
-                if matches!(state, RecipientState::Pending(_)) {
-                    *state = next;
-                }
-            }
-            None if tracked < MAX_TRACKED_RECIPIENTS => self.recipients.push((who, next)),
-            None => {}
+        if !complete {
+            return Err(unreadable(
+                format!("a page of {what} larger than {MAX_EVENTS_PAGE_BYTES} bytes; not read"),
+                None,
+            ));
         }
-    }
-
-    fn finish(self) -> crate::Delivery {
-        let open = self
-            .recipients
-            .iter()
-            .any(|(_, s)| matches!(s, RecipientState::Pending(_)));
-        if self.recipients.is_empty() || open {
-            return crate::Delivery::Pending {
-                temporary_failure: self.latest_temporary,
-            };
-        }
-        let failures: Vec<&str> = self
-            .recipients
-            .iter()
-            .filter_map(|(_, s)| match s {
-                RecipientState::Failed(reason) => Some(reason.as_str()),
-                _ => None,
-            })
-            .collect();
-        let text = || error_text(failures.join("; ").as_bytes());
-        if failures.is_empty() {
-            crate::Delivery::Delivered
-        } else if failures.len() == self.recipients.len() {
-            crate::Delivery::Failed { reason: text() }
-        } else {
-            crate::Delivery::PartlyDelivered { failed: text() }
-        }
+        serde_json::from_slice(&body)
+            .map_err(|e| unreadable(format!("unreadable {what} reply"), Some(Box::new(e))))
     }
 }
 
-#[cfg(test)]
-fn fold_events(items: &[EventItem]) -> crate::Delivery {
-    let mut fold = Fold::default();
-    for item in items {
-        fold.add(item);
-    }
-    fold.finish()
+/// Mailgun's answers to a key that may not do what it asked.
+fn refused(code: u16) -> bool {
+    matches!(code, 401 | 403)
 }
 
 fn client_error(source: impl Into<crate::BoxError>) -> ConfigError {
@@ -320,17 +234,28 @@ impl MailgunMailer {
             .user_agent(concat!("capm-mailer/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(client_error)?;
-        let base = format!("{}/v3/{}", config.effective_base_url(), config.domain);
+        let base = config.effective_base_url();
+        // The one place the events API is decided: every read goes to `events` from now on.
+        let events: Box<dyn EventSource> = match config.events_api {
+            MailgunEventsApi::Logs => Box::new(logs::Logs::new(base, &config.domain)),
+            MailgunEventsApi::Events => Box::new(events::Events::new(base, &config.domain)),
+        };
+        let reader = Reader {
+            client: client.clone(),
+            refused_key: if read_key.is_some() {
+                "the read key (mailgun.readApiKey, --mailgun-read-key-file)"
+            } else {
+                "the sending key, which is also the read key"
+            },
+            key: read_key.unwrap_or_else(|| api_key.clone()),
+            denied: OnceLock::new(),
+        };
         Ok(Self {
             client,
-            messages_url: format!("{base}/messages"),
-            events_url: format!("{base}/events"),
-            logs_url: format!("{}/v1/analytics/logs", config.effective_base_url()),
-            domain: config.domain.clone(),
-            events_api: config.events_api,
+            messages_url: format!("{base}/v3/{}/messages", config.domain),
             api_key,
-            read_key,
-            read_denied: std::sync::OnceLock::new(),
+            reader,
+            events,
             test_mode: config.test_mode,
             gate: gate::open(),
         })
@@ -521,6 +446,18 @@ fn error_text(body: &[u8]) -> String {
     text
 }
 
+/// The error a non-2xx `response` stands for: its status, its `Retry-After` and its body's
+/// `message` (an unreadable or cut body still has its status).
+async fn reply_error(mut response: reqwest::Response, lookup: bool) -> MailError {
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
+        .await
+        .map(|(body, _)| body)
+        .unwrap_or_default();
+    status_error(status, &headers, &body, lookup)
+}
+
 fn status_error(status: StatusCode, headers: &HeaderMap, body: &[u8], lookup: bool) -> MailError {
     let code = Some(status.as_u16());
     let message = format!(
@@ -586,11 +523,6 @@ fn transport_error(err: reqwest::Error, lookup: bool) -> MailError {
     }
 }
 
-/// Encodes a query value (`application/x-www-form-urlencoded`, as servers decode query strings).
-fn encode_query_value(value: &str) -> String {
-    form_urlencoded::byte_serialize(value.as_bytes()).collect()
-}
-
 #[async_trait]
 impl Mailer for MailgunMailer {
     fn backend(&self) -> &'static str {
@@ -598,7 +530,7 @@ impl Mailer for MailgunMailer {
     }
 
     fn tracking(&self) -> crate::Tracking {
-        match self.read_denied.get() {
+        match self.reader.denied.get() {
             None => crate::Tracking::Tracked,
             Some(why) => crate::Tracking::Untracked(Some(why.clone())),
         }
@@ -634,15 +566,8 @@ impl Mailer for MailgunMailer {
             });
         }
         let mut response = sent.map_err(|e| transport_error(e, false))?;
-        let status = response.status();
-        if !status.is_success() {
-            let headers = response.headers().clone();
-            // The message is all that is shown: an unreadable or cut body still has its status.
-            let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
-                .await
-                .map(|(body, _)| body)
-                .unwrap_or_default();
-            return Err(status_error(status, &headers, &body, false));
+        if !response.status().is_success() {
+            return Err(reply_error(response, false).await);
         }
         // A 2xx means Mailgun queued the message, whatever the body looks like (oversized, cut,
         // unreadable): the receipt then names our own Message-Id.
@@ -670,240 +595,33 @@ impl Mailer for MailgunMailer {
     }
 
     async fn lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError> {
-        if self.read_denied.get().is_some() {
+        if self.reader.denied.get().is_some() {
             return Ok(Lookup::Unsupported);
         }
-        let found = self.lookup_by_reading(message_id).await;
-        match found {
-            Err(e) if self.read_denied.get().is_some() && e.code().is_some_and(refused) => {
-                Ok(Lookup::Unsupported)
-            }
+        match self.events.lookup(&self.reader, message_id).await {
+            Err(e) if self.reader.refused_for_good(&e) => Ok(Lookup::Unsupported),
             other => other,
         }
     }
 
-    async fn delivery_status(
-        &self,
-        message_id: &MessageId,
-        sent_at: SystemTime,
-    ) -> Result<crate::Delivery, MailError> {
-        let mail = OpenMail {
-            message_id: message_id.clone(),
-            sent_at,
-        };
-        let mut answers = self.delivery_statuses(std::slice::from_ref(&mail)).await?;
-        Ok(answers.pop().unwrap_or(crate::Delivery::Pending {
-            temporary_failure: None,
-        }))
-    }
-
     fn delivery_batch_size(&self) -> usize {
-        match self.events_api {
-            MailgunEventsApi::Logs => LOGS_BATCH,
-            MailgunEventsApi::Events => 1,
-        }
+        self.events.batch_size()
     }
 
-    async fn delivery_statuses(
-        &self,
-        mails: &[OpenMail],
-    ) -> Result<Vec<crate::Delivery>, MailError> {
-        let untracked = || Ok(vec![crate::Delivery::NotTrackable; mails.len()]);
-        if self.read_denied.get().is_some() {
+    async fn delivery_statuses(&self, mails: &[OpenMail]) -> Result<Vec<Delivery>, MailError> {
+        let untracked = || Ok(vec![Delivery::NotTrackable; mails.len()]);
+        if self.reader.denied.get().is_some() {
             return untracked();
         }
         let mut answers = Vec::with_capacity(mails.len());
-        let asked = match self.events_api {
-            MailgunEventsApi::Events => {
-                let mut asked = Ok(());
-                for mail in mails {
-                    match self.events_delivery(&mail.message_id, mail.sent_at).await {
-                        Ok(answer) => answers.push(answer),
-                        Err(e) => {
-                            asked = Err(e);
-                            break;
-                        }
-                    }
-                }
-                asked
-            }
-            MailgunEventsApi::Logs => {
-                let mut asked = Ok(());
-                for batch in mails.chunks(LOGS_BATCH) {
-                    match self.logs_deliveries(batch).await {
-                        Ok(batch) => answers.extend(batch),
-                        Err(e) => {
-                            asked = Err(e);
-                            break;
-                        }
-                    }
-                }
-                asked
-            }
-        };
-        match asked {
-            Ok(()) => Ok(answers),
-            Err(e) if self.read_denied.get().is_some() && e.code().is_some_and(refused) => {
-                untracked()
-            }
-            Err(e) => Err(e),
-        }
-    }
-}
-
-/// Mailgun's answers to a key that may not do what it asked.
-fn refused(code: u16) -> bool {
-    matches!(code, 401 | 403)
-}
-
-impl MailgunMailer {
-    /// The lookup itself, by the configured API.
-    async fn lookup_by_reading(&self, message_id: &MessageId) -> Result<Lookup, MailError> {
-        if self.events_api == MailgunEventsApi::Logs {
-            return self.logs_lookup(message_id).await;
-        }
-        let url = format!(
-            "{}?message-id={}",
-            self.events_url,
-            encode_query_value(message_id.without_brackets())
-        );
-        let events = self.events_page(&url).await?;
-        // Any event but `rejected` means Mailgun accepted the message at some point.
-        Ok(events
-            .items
-            .into_iter()
-            .find(|item| item.event != "rejected")
-            .map_or(Lookup::NotFound, |item| Lookup::Accepted {
-                event: crate::text::clean(&item.event, 64),
-            }))
-    }
-
-    /// What the events API says became of one mail.
-    async fn events_delivery(
-        &self,
-        message_id: &MessageId,
-        sent_at: SystemTime,
-    ) -> Result<crate::Delivery, MailError> {
-        let begin = sent_at
-            .checked_sub(EVENTS_CLOCK_SLACK)
-            .unwrap_or(sent_at)
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs();
-        let mut url = format!(
-            "{}?message-id={}&begin={begin}&ascending=yes&limit={EVENTS_PAGE_LIMIT}",
-            self.events_url,
-            encode_query_value(message_id.without_brackets())
-        );
-        let mut fold = Fold::default();
-        for _ in 0..MAX_EVENT_PAGES {
-            let page = self.events_page(&url).await?;
-            // The last page is the first empty one.
-            if page.items.is_empty() {
-                return Ok(fold.finish());
-            }
-            for item in &page.items {
-                fold.add(item);
-            }
-            match page.paging.next {
-                Some(next) if self.is_events_url(&next) => url = next,
-                Some(_) => {
-                    // The API key goes with every request: never to another address.
-                    return Err(MailError::Retryable {
-                        backend: BACKEND,
-                        code: None,
-                        retry_after: None,
-                        message: "the events reply pages to another address; not followed".into(),
-                        source: None,
-                    });
-                }
-                None => return Ok(fold.finish()),
+        for batch in mails.chunks(self.events.batch_size().max(1)) {
+            match self.events.deliveries(&self.reader, batch).await {
+                Ok(batch) => answers.extend(batch),
+                Err(e) if self.reader.refused_for_good(&e) => return untracked(),
+                Err(e) => return Err(e),
             }
         }
-        Err(MailError::Retryable {
-            backend: BACKEND,
-            code: None,
-            retry_after: None,
-            message: format!("more than {MAX_EVENT_PAGES} pages of events for one message"),
-            source: None,
-        })
-    }
-
-    /// True for the events URL itself and its paging URLs (`<events>/<token>`, `<events>?...`).
-    fn is_events_url(&self, url: &str) -> bool {
-        url.strip_prefix(&self.events_url)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['/', '?']))
-    }
-
-    /// Remembers that Mailgun refused the reading key, and says so once.
-    fn deny_reads(&self, status: StatusCode) {
-        let which = if self.read_key.is_some() {
-            "the read key (mailgun.readApiKey, --mailgun-read-key-file)"
-        } else {
-            "the sending key, which is also the read key"
-        };
-        let why = format!(
-            "Mailgun refused {which} on its logs API ({} {}): a domain sending key may only \
-             send. Delivery is not tracked and a send whose outcome was unknown is resent with \
-             the same Message-Id; give an account key with a read role (Analyst) as \
-             mailgun.readApiKey to track deliveries",
-            status.as_u16(),
-            status.canonical_reason().unwrap_or("")
-        );
-        if self.read_denied.set(why.clone()).is_ok() {
-            tracing::warn!(backend = BACKEND, reason = %why, "Reading Mailgun's logs is refused; delivery tracking is off");
-        }
-    }
-
-    /// One page of `GET /v3/{domain}/events`.
-    async fn events_page(&self, url: &str) -> Result<EventsResponse, MailError> {
-        self.page(self.client.get(url), "events").await
-    }
-
-    /// Sends `request` with the API key and reads its JSON reply of at most
-    /// [`MAX_EVENTS_PAGE_BYTES`], with the lookup's error classes (`what` names the API in
-    /// errors).
-    async fn page<T: serde::de::DeserializeOwned>(
-        &self,
-        request: reqwest::RequestBuilder,
-        what: &str,
-    ) -> Result<T, MailError> {
-        let key = self.read_key.as_ref().unwrap_or(&self.api_key);
-        let mut response = request
-            .basic_auth("api", Some(key.expose_secret()))
-            .send()
-            .await
-            .map_err(|e| transport_error(e, true))?;
-        let status = response.status();
-        if !status.is_success() {
-            let headers = response.headers().clone();
-            let body = read_at_most(&mut response, MAX_ERROR_REPLY_BYTES)
-                .await
-                .map(|(body, _)| body)
-                .unwrap_or_default();
-            if refused(status.as_u16()) {
-                self.deny_reads(status);
-            }
-            return Err(status_error(status, &headers, &body, true));
-        }
-        let (body, complete) = read_at_most(&mut response, MAX_EVENTS_PAGE_BYTES)
-            .await
-            .map_err(|e| transport_error(e, true))?;
-        let unreadable = |message: String, source: Option<crate::BoxError>| MailError::Retryable {
-            backend: BACKEND,
-            code: Some(status.as_u16()),
-            retry_after: None,
-            message,
-            source,
-        };
-        if !complete {
-            return Err(unreadable(
-                format!("a page of {what} larger than {MAX_EVENTS_PAGE_BYTES} bytes; not read"),
-                None,
-            ));
-        }
-        serde_json::from_slice(&body)
-            .map_err(|e| unreadable(format!("unreadable {what} reply"), Some(Box::new(e))))
+        Ok(answers)
     }
 }
 
@@ -971,109 +689,5 @@ mod tests {
         assert_eq!(error_text(b"line1\nline2"), "line1 line2");
         assert_eq!(error_text(b""), "(empty reply)");
         assert_eq!(error_text(&[b'x'; 1000]).len(), MAX_ERROR_TEXT);
-    }
-
-    #[test]
-    fn paging_is_followed_only_within_the_events_url() {
-        let dir = tempfile::tempdir().unwrap();
-        let key = dir.path().join("key");
-        std::fs::write(&key, "key-x").unwrap();
-        let mut config = MailgunConfig::new("mg.example.com", crate::SecretSource::File(key));
-        config.base_url = Some("https://api.mailgun.net".into());
-        let mailer = MailgunMailer::new(&config).unwrap();
-        let events = "https://api.mailgun.net/v3/mg.example.com/events";
-        assert!(mailer.is_events_url(&format!("{events}/W3siYSI6ZmFsc2V9XQ")));
-        assert!(mailer.is_events_url(&format!("{events}?page=next")));
-        for other in [
-            "https://api.mailgun.net.evil.example/v3/mg.example.com/events/x",
-            "https://api.mailgun.net/v3/mg.example.com/eventsX",
-            "https://evil.example/v3/mg.example.com/events/x",
-            "http://api.mailgun.net/v3/mg.example.com/events/x",
-        ] {
-            assert!(!mailer.is_events_url(other), "{other}");
-        }
-    }
-
-    fn item(event: &str, recipient: &str, severity: Option<&str>) -> EventItem {
-        EventItem {
-            event: event.into(),
-            recipient: Some(recipient.into()),
-            severity: severity.map(Into::into),
-            reason: Some("bounce".into()),
-            delivery_status: None,
-            message: None,
-        }
-    }
-
-    #[test]
-    fn events_fold_per_recipient() {
-        use crate::Delivery;
-        let accepted = |r| item("accepted", r, None);
-        assert_eq!(
-            fold_events(&[]),
-            Delivery::Pending {
-                temporary_failure: None
-            }
-        );
-        // A final state is not undone by later events of the same recipient.
-        assert_eq!(
-            fold_events(&[
-                accepted("a@x"),
-                item("delivered", "a@x", None),
-                item("opened", "a@x", None)
-            ]),
-            Delivery::Delivered
-        );
-        let failed = fold_events(&[
-            accepted("a@x"),
-            accepted("b@x"),
-            item("failed", "a@x", Some("permanent")),
-            item("failed", "b@x", Some("permanent")),
-        ]);
-        assert_eq!(
-            failed,
-            Delivery::Failed {
-                reason: "a@x: bounce; b@x: bounce".into()
-            }
-        );
-        assert!(matches!(
-            fold_events(&[
-                accepted("a@x"),
-                accepted("b@x"),
-                item("failed", "a@x", Some("permanent")),
-                item("failed", "b@x", Some("temporary")),
-            ]),
-            Delivery::Pending {
-                temporary_failure: Some(_)
-            }
-        ));
-        // One recipient has it, the other is still on its way: not final yet.
-        assert_eq!(
-            fold_events(&[
-                accepted("a@x"),
-                accepted("b@x"),
-                item("delivered", "a@x", None)
-            ]),
-            Delivery::Pending {
-                temporary_failure: None
-            }
-        );
-        // A failure to one recipient is reported although the other has the mail.
-        assert_eq!(
-            fold_events(&[
-                accepted("a@x"),
-                accepted("b@x"),
-                item("delivered", "a@x", None),
-                item("failed", "b@x", Some("permanent")),
-            ]),
-            Delivery::PartlyDelivered {
-                failed: "b@x: bounce".into()
-            }
-        );
-    }
-
-    #[test]
-    fn query_values_are_encoded() {
-        assert_eq!(encode_query_value("a+b=c&d@x.y z"), "a%2Bb%3Dc%26d%40x.y+z");
     }
 }

@@ -147,14 +147,6 @@ impl Mailer for InstrumentedMailer {
         result
     }
 
-    async fn delivery_status(
-        &self,
-        message_id: &MessageId,
-        sent_at: std::time::SystemTime,
-    ) -> Result<crate::Delivery, MailError> {
-        self.inner.delivery_status(message_id, sent_at).await
-    }
-
     fn delivery_batch_size(&self) -> usize {
         self.inner.delivery_batch_size()
     }

@@ -354,6 +354,23 @@ fn event(id: &str, event: DeliveryEvent) -> EventRule {
     }
 }
 
+/// What became of one mail: a question about a batch of one.
+async fn delivery_status(
+    mailer: &dyn Mailer,
+    message_id: &MessageId,
+    sent_at: SystemTime,
+) -> Result<Delivery, capm_mailer::MailError> {
+    let mail = OpenMail {
+        message_id: message_id.clone(),
+        sent_at,
+    };
+    let mut answers = mailer
+        .delivery_statuses(std::slice::from_ref(&mail))
+        .await?;
+    assert_eq!(answers.len(), 1, "one answer per mail");
+    Ok(answers.remove(0))
+}
+
 /// Sends `id` through the contract server; returns the mailer and the send time.
 async fn sent(f: &Fixture, id: &str) -> (MailgunMailer, MessageId, SystemTime) {
     let mailer = f.mailer();
@@ -368,7 +385,7 @@ async fn accepted_only_is_pending_then_delivered() {
     let f = fixture();
     let (mailer, id, at) = sent(&f, "<dl-1@capm.test>").await;
     assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
+        delivery_status(&mailer, &id, at).await.unwrap(),
         Delivery::Pending {
             temporary_failure: None
         }
@@ -377,13 +394,13 @@ async fn accepted_only_is_pending_then_delivered() {
         .add_event(&event("<dl-1@capm.test>", DeliveryEvent::Delivered))
         .unwrap();
     assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
+        delivery_status(&mailer, &id, at).await.unwrap(),
         Delivery::Delivered
     );
     // Another message's outcome is not this one's.
     let (_, other, _) = sent(&f, "<dl-1-other@capm.test>").await;
     assert_eq!(
-        mailer.delivery_status(&other, at).await.unwrap(),
+        delivery_status(&mailer, &other, at).await.unwrap(),
         Delivery::Pending {
             temporary_failure: None
         }
@@ -402,7 +419,7 @@ async fn a_permanent_failure_reports_reason_and_reply_without_the_key() {
             ..event("dl-2@capm.test", DeliveryEvent::PermanentFailure)
         })
         .unwrap();
-    let Delivery::Failed { reason } = mailer.delivery_status(&id, at).await.unwrap() else {
+    let Delivery::Failed { reason } = delivery_status(&mailer, &id, at).await.unwrap() else {
         panic!("not failed");
     };
     assert!(
@@ -427,7 +444,7 @@ async fn temporary_failures_stay_pending_until_delivered() {
         .unwrap();
     let Delivery::Pending {
         temporary_failure: Some(why),
-    } = mailer.delivery_status(&id, at).await.unwrap()
+    } = delivery_status(&mailer, &id, at).await.unwrap()
     else {
         panic!("not pending with a temporary failure");
     };
@@ -436,7 +453,7 @@ async fn temporary_failures_stay_pending_until_delivered() {
         .add_event(&event("<dl-3@capm.test>", DeliveryEvent::Delivered))
         .unwrap();
     assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
+        delivery_status(&mailer, &id, at).await.unwrap(),
         Delivery::Delivered
     );
 }
@@ -453,7 +470,7 @@ async fn a_failure_to_one_recipient_is_reported_although_the_other_has_the_mail(
         .unwrap();
     // One recipient failed, the other is still on its way.
     assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
+        delivery_status(&mailer, &id, at).await.unwrap(),
         Delivery::Pending {
             temporary_failure: None
         }
@@ -464,7 +481,7 @@ async fn a_failure_to_one_recipient_is_reported_although_the_other_has_the_mail(
             ..event("<dl-4@capm.test>", DeliveryEvent::Delivered)
         })
         .unwrap();
-    let Delivery::PartlyDelivered { failed } = mailer.delivery_status(&id, at).await.unwrap()
+    let Delivery::PartlyDelivered { failed } = delivery_status(&mailer, &id, at).await.unwrap()
     else {
         panic!("not partly delivered");
     };
@@ -492,7 +509,7 @@ async fn the_outcome_on_a_later_page_is_found_with_the_events_api() {
         .unwrap();
     let before = f.server.stats().unwrap().events_requests;
     assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
+        delivery_status(&mailer, &id, at).await.unwrap(),
         Delivery::Delivered
     );
     // 8 items, one per page, and the empty page that ends it.
@@ -514,7 +531,7 @@ async fn events_failures_are_retryable() {
             drip_ms: None,
         })
         .unwrap();
-    let err = mailer.delivery_status(&id, at).await.unwrap_err();
+    let err = delivery_status(&mailer, &id, at).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
     assert!(!format!("{err} {err:?}").contains(KEY));
 }
@@ -529,7 +546,7 @@ async fn events_before_the_send_time_are_not_asked_for() {
     // A send time far in the future (beyond the clock slack): nothing is in range.
     let later = SystemTime::now() + Duration::from_secs(3600);
     assert_eq!(
-        mailer.delivery_status(&id, later).await.unwrap(),
+        delivery_status(&mailer, &id, later).await.unwrap(),
         Delivery::Pending {
             temporary_failure: None
         }
@@ -637,7 +654,7 @@ async fn the_logs_pagination_token_is_followed_to_the_outcome() {
         .unwrap();
     let before = logs_requests(&f);
     assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
+        delivery_status(&mailer, &id, at).await.unwrap(),
         Delivery::Delivered
     );
     // 2 accepted, 4 temporary failures, 2 deliveries: one item a page, the last without a token.
@@ -659,7 +676,7 @@ async fn logs_failures_keep_their_classes_and_retry_after() {
             .unwrap();
     };
     fail(FailureMode::RateLimited, Some(7));
-    let err = mailer.delivery_status(&id, at).await.unwrap_err();
+    let err = delivery_status(&mailer, &id, at).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
     assert_eq!(err.code(), Some(429));
     assert_eq!(err.retry_after(), Some(Duration::from_secs(7)));
@@ -676,7 +693,7 @@ async fn logs_failures_keep_their_classes_and_retry_after() {
     // A refusal of the key is not retried: reading stops, and says why (without the key).
     fail(FailureMode::Unauthorized, None);
     assert_eq!(
-        mailer.delivery_status(&id, at).await.unwrap(),
+        delivery_status(&mailer, &id, at).await.unwrap(),
         Delivery::NotTrackable
     );
     let Tracking::Untracked(Some(why)) = mailer.tracking() else {
@@ -702,7 +719,7 @@ async fn hostile_logs_replies_are_bounded_and_cleaned() {
     };
     hostile(FailureMode::HugeOk);
     let started = std::time::Instant::now();
-    let err = mailer.delivery_status(&id, at).await.unwrap_err();
+    let err = delivery_status(&mailer, &id, at).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Retryable, "{err}");
     assert!(err.to_string().contains("larger than"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -718,7 +735,7 @@ async fn hostile_logs_replies_are_bounded_and_cleaned() {
             ..event("<lg-3@capm.test>", DeliveryEvent::Delivered)
         })
         .unwrap();
-    let answer = mailer.delivery_status(&id, at).await.unwrap();
+    let answer = delivery_status(&mailer, &id, at).await.unwrap();
     let Delivery::PartlyDelivered { failed: reason } = answer else {
         panic!("{answer:?}");
     };
@@ -865,7 +882,7 @@ async fn a_sending_key_with_a_read_key_tracks_delivery() {
             .add_event(&event(&id, DeliveryEvent::Delivered))
             .unwrap();
         assert_eq!(
-            mailer.delivery_status(m.message_id(), at).await.unwrap(),
+            delivery_status(&mailer, m.message_id(), at).await.unwrap(),
             Delivery::Delivered
         );
         assert_eq!(mailer.tracking(), Tracking::Tracked);

@@ -1,8 +1,5 @@
 //! Command line, environment and config file, resolved into one validated [`Settings`].
 //!
-//! Long because [`Args`] declares all the settings with their help text (about 200 lines); parsing
-//! helpers live in the submodules.
-//!
 //! Precedence, highest first: command-line flag, its environment variable, the `--config` file,
 //! the built-in default. Secrets are never values here: the Mailgun API key and the SMTP password
 //! are read by the mailer from a file (`--mailgun-api-key-file`, `--smtp-password-file`) or from
@@ -11,7 +8,9 @@
 //!
 //! [`Args`] is the one declaration of every setting (its `--help` text, flag, variable, default
 //! and parser); the modules below only read it: `file` turns the config file into flag
-//! defaults, `mailer` assembles the mail backend, `values` holds the flags' value parsers.
+//! defaults, `mailer` assembles the mail backend, `values` holds the flags' value parsers. The
+//! rules of the controllers' settings are theirs (`capm_controllers::Config::validate`): a
+//! refused field is named here by its flag.
 
 use std::{
     ffi::OsString,
@@ -557,79 +556,37 @@ impl Settings {
     ) -> Result<Self, SettingsError> {
         let mailer = resolve_mailer(&args, file_mailer, env)?;
 
-        let recipients = args
-            .mail_recipients
-            .filter(|r| !r.is_empty())
-            .ok_or_else(|| {
-                invalid(
-                    field!(mail_recipients),
-                    "at least one recipient is required",
-                )
-            })?;
-
-        let mail_from = match (args.mail_from, &mailer) {
-            (Some(from), _) => from,
-            (None, MailerConfig::Mailgun(c)) => {
-                format!("cluster-api-provider-mailgun@{}", c.domain)
-            }
-            (None, MailerConfig::Smtp(_)) => {
-                return Err(invalid(
-                    field!(mail_from),
-                    "required for the SMTP backend: an address on the domain the relay sends \
-                     for (a requester's address in From fails DMARC at the receivers)",
-                ));
-            }
+        // The binary's defaults for the sender and the Message-Id domain come from the backend;
+        // `None` where it has none. Their rules are the controllers' (`Config::validate`).
+        let mail_from = args.mail_from.or_else(|| match &mailer {
+            MailerConfig::Mailgun(c) => Some(format!("cluster-api-provider-mailgun@{}", c.domain)),
+            MailerConfig::Smtp(_) => None,
+        });
+        let message_id_domain = args
+            .message_id_domain
+            .or_else(|| default_message_id_domain(&mailer));
+        let mut controllers = capm_controllers::Config {
+            recipients: args.mail_recipients.unwrap_or_default(),
+            mail_from: mail_from.clone().unwrap_or_default(),
+            message_id_domain: message_id_domain.clone().unwrap_or_default(),
+            namespace: args.namespace,
+            watch_filter: args.watch_filter,
+            concurrency: args.concurrency,
+            backoff_base: args.backoff_base,
+            backoff_max: args.backoff_max,
+            lookup_grace: args.lookup_grace,
+            delivery_poll_base: args.delivery_poll_base,
+            delivery_poll_max: args.delivery_poll_max,
+            delivery_retention: args.mailgun_events_retention,
+            sync_period: args.sync_period,
+            // Checked below, with the other namespaces.
+            identity_secret_namespace: None,
+            // Known only once the process runs (see `app::run`).
+            instance: String::new(),
         };
-
-        let message_id_domain = match args.message_id_domain {
-            Some(domain) => domain,
-            None => default_message_id_domain(&mailer).ok_or_else(|| {
-                invalid(
-                    field!(message_id_domain),
-                    "required: the SMTP relay's host cannot serve as Message-Id domain",
-                )
-            })?,
-        };
-        if capm_mailer::MessageId::new("x", &message_id_domain).is_err() {
-            return Err(invalid(
-                field!(message_id_domain),
-                format!("{message_id_domain:?} is not a domain (letters, digits, '-' and '.')"),
-            ));
-        }
-
-        if args.concurrency == 0 {
-            return Err(invalid(field!(concurrency), "must be at least 1"));
-        }
-        if args.backoff_base.is_zero() {
-            return Err(invalid(field!(backoff_base), "must be positive"));
-        }
-        if args.backoff_base > args.backoff_max {
-            return Err(invalid(
-                field!(backoff_base),
-                format!("must not be longer than {}", field!(backoff_max)),
-            ));
-        }
-        if args.lookup_grace.is_zero() {
-            return Err(invalid(field!(lookup_grace), "must be positive"));
-        }
-        if args.sync_period.is_zero() {
-            return Err(invalid(field!(sync_period), "must be positive"));
-        }
-        if args.delivery_poll_base.is_zero() || args.delivery_poll_base > args.delivery_poll_max {
-            return Err(invalid(
-                field!(delivery_poll_base),
-                format!(
-                    "must be positive and not longer than {}",
-                    field!(delivery_poll_max)
-                ),
-            ));
-        }
-        if args.mailgun_events_retention.is_zero() {
-            return Err(invalid(
-                field!(mailgun_events_retention),
-                "must be positive",
-            ));
-        }
+        controllers
+            .validate()
+            .map_err(|e| controllers_error(&e, mail_from.is_none(), message_id_domain.is_none()))?;
 
         let mut deprecations = Vec::new();
         let diagnostics = resolve_diagnostics(
@@ -687,7 +644,7 @@ impl Settings {
             None
         };
 
-        let identity_secret_namespace = args
+        controllers.identity_secret_namespace = args
             .identity_secret_namespace
             .or_else(|| env("POD_NAMESPACE"))
             .or_else(in_cluster_namespace)
@@ -703,24 +660,7 @@ impl Settings {
 
         Ok(Self {
             mailer,
-            controllers: capm_controllers::Config {
-                recipients,
-                mail_from,
-                message_id_domain,
-                namespace: args.namespace,
-                watch_filter: args.watch_filter,
-                concurrency: args.concurrency,
-                backoff_base: args.backoff_base,
-                backoff_max: args.backoff_max,
-                lookup_grace: args.lookup_grace,
-                delivery_poll_base: args.delivery_poll_base,
-                delivery_poll_max: args.delivery_poll_max,
-                delivery_retention: args.mailgun_events_retention,
-                sync_period: args.sync_period,
-                identity_secret_namespace,
-                // Known only once the process runs (see `app::run`).
-                instance: String::new(),
-            },
+            controllers,
             diagnostics,
             deprecations,
             probe_address,
@@ -732,6 +672,45 @@ impl Settings {
             kubeconfig: args.kubeconfig,
         })
     }
+}
+
+/// The flag (and variable) that sets a field of the controllers' configuration.
+fn controllers_flag(field: capm_controllers::Field) -> Field {
+    use capm_controllers::Field as C;
+    match field {
+        C::Recipients => field!(mail_recipients),
+        C::MailFrom => field!(mail_from),
+        C::MessageIdDomain => field!(message_id_domain),
+        C::Concurrency => field!(concurrency),
+        C::BackoffBase => field!(backoff_base),
+        C::BackoffMax => field!(backoff_max),
+        C::LookupGrace => field!(lookup_grace),
+        C::SyncPeriod => field!(sync_period),
+        C::DeliveryPollBase => field!(delivery_poll_base),
+        C::DeliveryPollMax => field!(delivery_poll_max),
+        C::DeliveryRetention => field!(mailgun_events_retention),
+    }
+}
+
+/// The controllers' refusal of a field, named by its flag. A sender or Message-Id domain that
+/// is missing because the backend gives no default (`*_defaulted_none`) says so.
+fn controllers_error(
+    error: &capm_controllers::Invalid,
+    mail_from_defaulted_none: bool,
+    message_id_domain_defaulted_none: bool,
+) -> SettingsError {
+    use capm_controllers::Field as C;
+    let reason = match error.field {
+        C::MailFrom if mail_from_defaulted_none => "required for the SMTP backend: an address on \
+            the domain the relay sends for (a requester's address in From fails DMARC at the \
+            receivers)"
+            .to_owned(),
+        C::MessageIdDomain if message_id_domain_defaulted_none => {
+            "required: the SMTP relay's host cannot serve as Message-Id domain".to_owned()
+        }
+        _ => error.reason(|field| controllers_flag(field).to_string()),
+    };
+    invalid(controllers_flag(error.field), reason)
 }
 
 fn parse(command: Command, argv: &[OsString]) -> Result<Args, clap::Error> {

@@ -392,10 +392,9 @@ fn controller<K: Pipelined>(
     let mut triggers = K::owner_triggers(caches, &store)?;
     triggers.push(relisted.boxed());
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
-    let wakes = ctx
-        .poller
-        .take_wakes::<K>()
-        .ok_or_else(|| Error::Config("the delivery poller's wake-ups were taken twice".into()))?;
+    let wakes = ctx.poller.take_wakes::<K>().ok_or(Error::Wiring(
+        "the delivery poller's wake-ups were taken twice",
+    ))?;
     triggers.push(wakes.boxed());
     let adds = count(&metrics.triggers);
     let trigger_queue = queue.clone();

@@ -18,9 +18,13 @@ use std::{
     time::{Duration, SystemTime},
 };
 
+use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use super::{BACKEND, EVENTS_CLOCK_SLACK, EventItem, Fold, MailgunMailer};
+use super::{
+    BACKEND, EVENTS_CLOCK_SLACK, EventSource, Reader,
+    outcome::{EventItem, Fold},
+};
 use crate::{Delivery, Lookup, MailError, MessageId, OpenMail};
 
 /// The most Message-Ids one Logs question names: a page's worth (the API serves at most 100
@@ -126,12 +130,29 @@ fn retryable(message: impl Into<String>) -> MailError {
     }
 }
 
-impl MailgunMailer {
+/// The Logs API of the account, asked about one sending domain.
+#[derive(Debug)]
+pub(super) struct Logs {
+    /// `<base>/v1/analytics/logs`: the only address the key is sent to.
+    url: String,
+    /// The sending domain every query filters on.
+    domain: String,
+}
+
+impl Logs {
+    pub(super) fn new(base_url: &str, domain: &str) -> Self {
+        Self {
+            url: format!("{base_url}/v1/analytics/logs"),
+            domain: domain.to_owned(),
+        }
+    }
+
     /// Every event of the Message-Ids `ids` (bare) since `since`, oldest first, page by page
     /// into `each`. The next page is asked at the same URL with the reply's token (the key never
     /// goes anywhere else).
-    async fn logs_events(
+    async fn events(
         &self,
+        reader: &Reader,
         ids: &[&str],
         since: SystemTime,
         mut each: impl FnMut(&EventItem),
@@ -161,8 +182,8 @@ impl MailgunMailer {
             },
         };
         for _ in 0..MAX_PAGES {
-            let page: LogsResponse = self
-                .page(self.client.post(&self.logs_url).json(&body), "logs")
+            let page: LogsResponse = reader
+                .page(reader.client.post(&self.url).json(&body), "logs")
                 .await?;
             for item in &page.items {
                 each(item);
@@ -181,15 +202,21 @@ impl MailgunMailer {
             "more than {MAX_PAGES} pages of logs for one question"
         )))
     }
+}
 
-    /// [`crate::Mailer::lookup`] through the Logs API.
-    pub(super) async fn logs_lookup(&self, message_id: &MessageId) -> Result<Lookup, MailError> {
+#[async_trait]
+impl EventSource for Logs {
+    fn batch_size(&self) -> usize {
+        LOGS_BATCH
+    }
+
+    async fn lookup(&self, reader: &Reader, message_id: &MessageId) -> Result<Lookup, MailError> {
         let since = SystemTime::now()
             .checked_sub(LOOKUP_WINDOW)
             .unwrap_or(SystemTime::UNIX_EPOCH);
         let wanted = message_id.without_brackets();
         let mut found = None;
-        self.logs_events(&[wanted], since, |item| {
+        self.events(reader, &[wanted], since, |item| {
             if found.is_none() && item.event != "rejected" && item.message_id() == Some(wanted) {
                 found = Some(crate::text::clean(&item.event, 64));
             }
@@ -199,8 +226,9 @@ impl MailgunMailer {
     }
 
     /// What became of each of `mails` (at most [`LOGS_BATCH`]), with one question.
-    pub(super) async fn logs_deliveries(
+    async fn deliveries(
         &self,
+        reader: &Reader,
         mails: &[OpenMail],
     ) -> Result<Vec<Delivery>, MailError> {
         let Some(since) = mails.iter().map(|m| m.sent_at).min() else {
@@ -211,7 +239,7 @@ impl MailgunMailer {
             .map(|m| m.message_id.without_brackets())
             .collect();
         let mut folds: HashMap<&str, Fold> = ids.iter().map(|id| (*id, Fold::default())).collect();
-        self.logs_events(&ids, since, |item| {
+        self.events(reader, &ids, since, |item| {
             // Another mail's events (or a server that ignored the filter) answer nothing here.
             if let Some(fold) = item.message_id().and_then(|id| folds.get_mut(id)) {
                 fold.add(item);
