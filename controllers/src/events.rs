@@ -111,6 +111,7 @@ impl Series {
         self.entries.entry(uid).or_default().insert(key, entry);
     }
 
+    #[cfg(test)]
     fn len(&self) -> usize {
         self.entries.values().map(HashMap::len).sum()
     }

@@ -1,7 +1,5 @@
 //! The message model: what a backend sends, validated once when it is built.
 //!
-//! Long because each header field has its injection check, and a third of the file is their tests.
-//!
 //! Every field that ends up in a mail header (addresses, subject, Message-Id, tags, variables) is
 //! checked for characters that could start a new header line (CR, LF, NUL and every other control
 //! character), so a caller's input can never inject `Bcc:` or a second body. Only the text body may

@@ -1,6 +1,4 @@
 //! Each setting's precedence and every error message, pinned.
-//!
-//! Long because every error message is pinned, one row each.
 #![allow(clippy::unwrap_used)]
 
 use std::{ffi::OsString, path::Path, time::Duration};
