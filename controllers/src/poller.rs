@@ -482,7 +482,14 @@ mod tests {
                 })
                 .collect())
         });
-        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings());
+        // A base long enough that tracking 250 mails, or asking about them, never outlasts it
+        // on a loaded machine (50 ms did, once, in a debug build beside a soak).
+        let timings = Timings {
+            base: Duration::from_millis(500),
+            max: Duration::from_secs(4),
+            ..timings()
+        };
+        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings);
         let mut wakes = poller.take_wakes::<MailgunCluster>().unwrap();
         assert!(poller.take_wakes::<MailgunCluster>().is_none());
         for n in 0..250 {
@@ -495,7 +502,7 @@ mod tests {
         }
         // Nothing is due before one base after the send.
         assert!(!poller.ask_due().await);
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
         while poller.ask_due().await {}
         assert_eq!(*lock(&sizes), [100, 100, 50]);
         let woken = wakes.next().await.unwrap();
@@ -513,7 +520,7 @@ mod tests {
         );
         // The open ones wait a base again; the final one is never asked again.
         assert!(!poller.ask_due().await);
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
         while poller.ask_due().await {}
         assert_eq!(lock(&sizes)[3..], [100, 100, 49]);
     }
