@@ -217,6 +217,8 @@ pub struct Lane {
     server: Server,
     /// The Mailgun lane's tenants (none for SMTP).
     tenants: Vec<Tenant>,
+    /// Key rotations and identity deletions played so far.
+    tenant_changes: Mutex<(u32, u32)>,
     config: PathBuf,
     logs: PathBuf,
     /// The control plane: its reaper also stops the providers if this test dies.
@@ -458,6 +460,7 @@ impl Lane {
             client,
             server,
             tenants,
+            tenant_changes: Mutex::new((0, 0)),
             config,
             logs,
             cp: Arc::clone(&world.cp),
@@ -588,6 +591,7 @@ impl Lane {
         } else {
             tenant.server.api_key().to_owned()
         };
+        lock(&self.tenant_changes).0 += 1;
         self.note(format!(
             "rotate {}'s key to its {} key",
             tenant.identity,
@@ -607,6 +611,7 @@ impl Lane {
 
     /// Deletes `tenant`'s identity, and creates it again after `lasts`.
     async fn delete_identity(&self, tenant: &Tenant, lasts: Duration) -> Result<()> {
+        lock(&self.tenant_changes).1 += 1;
         self.note(format!(
             "delete identity {} for {:.1} s",
             tenant.identity,
@@ -1531,9 +1536,25 @@ impl Lane {
 
     /// One line about the lane's mail.
     pub fn summary(&self) -> String {
+        let mut tenants = String::new();
+        for t in &self.tenants {
+            let _ = write!(
+                tenants,
+                "; {}: {} mails",
+                t.identity,
+                t.server.messages().map_or(0, |m| m.len())
+            );
+        }
+        if !self.tenants.is_empty() {
+            let (rotations, deletions) = *lock(&self.tenant_changes);
+            let _ = write!(
+                tenants,
+                "; {rotations} key rotations, {deletions} identity deletions"
+            );
+        }
         match self.ledger() {
             Ok(l) => format!(
-                "{}: {} mails for {} objects, {:?} resends counted, {} partitions",
+                "{}: {} mails for {} objects, {:?} resends counted, {} partitions{tenants}",
                 self.backend,
                 self.mail_count(),
                 l.entries.len(),
