@@ -1310,10 +1310,12 @@ impl Lane {
     async fn unsettled(&self) -> Result<Vec<String>> {
         self.supervise()?;
         self.fulfil().await?;
-        let (Some(clusters), Some(mgcs), Some(mgms)) = (
+        let (Some(clusters), Some(mgcs), Some(mgms), Some(machines), Some(deployments)) = (
             self.list(&self.clusters()).await,
             self.list(&self.infra(Kind::Cluster)).await,
             self.list(&self.infra(Kind::Machine)).await,
+            self.list(&self.api(CAPI_GROUP, "v1beta2", "Machine")).await,
+            self.list(&self.deployments()).await,
         ) else {
             return Ok(vec!["the API server does not answer".into()]);
         };
@@ -1414,6 +1416,38 @@ impl Lane {
                 )),
                 Some(_) if !provisioned => missing.push(format!("Cluster {name} not provisioned")),
                 Some(_) => {}
+            }
+            // Cluster API's side first: a MachineDeployment scaled down and up again at once can
+            // keep an old MailgunMachine that still counts while its Machine set is replaced,
+            // and the new one then comes in the quiet window (seed 4, round 194).
+            let capi_machines: Vec<&DynamicObject> = machines
+                .iter()
+                .filter(|m| m.data["spec"]["clusterName"] == name.as_str())
+                .collect();
+            let capi_deleting = capi_machines
+                .iter()
+                .filter(|m| m.metadata.deletion_timestamp.is_some())
+                .count();
+            if capi_deleting > 0 || capi_machines.len() != intent.replicas as usize {
+                missing.push(format!(
+                    "Cluster {name}: {} Machines (+{capi_deleting} being deleted), want {}",
+                    capi_machines.len() - capi_deleting,
+                    intent.replicas
+                ));
+            }
+            if let Some(md) = deployments.iter().find(|d| d.name_any() == *name) {
+                let generation = md.metadata.generation.unwrap_or_default();
+                let observed = md.data["status"]["observedGeneration"]
+                    .as_i64()
+                    .unwrap_or_default();
+                let replicas = md.data["status"]["replicas"].as_i64().unwrap_or(0);
+                if observed < generation || replicas != i64::from(intent.replicas) {
+                    missing.push(format!(
+                        "MachineDeployment {name}: observed generation {observed} of {generation}, \
+                         {replicas} replicas, want {}",
+                        intent.replicas
+                    ));
+                }
             }
             let machines: Vec<&DynamicObject> =
                 mgms.iter().filter(|o| cluster_of(o) == *name).collect();
