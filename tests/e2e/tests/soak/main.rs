@@ -32,7 +32,10 @@
 //! rotated in its Secret (the account key and the domain sending key take turns, so lookups
 //! lose and regain their read rights), or a tenant's identity is deleted for 2-8 s and created
 //! again. Besides the ledger rules, every mail must be on the server of the identity its
-//! cluster names (`WrongBackend`). A human plays along: every
+//! cluster names (`WrongBackend`). A write in the quiet window that changes only delivery
+//! tracking (`MailDelivered`, `status.mail`) is delivery news on the poller's own schedule (a
+//! rotated key makes a tenant's open mails untrackable at its next question), not a violation,
+//! unless one object gets more than three (`DeliveryFlap`). A human plays along: every
 //! request mail of a `MailgunCluster` is fulfilled with the command it gives
 //! (`spec.controlPlaneEndpoint`), which lets Cluster API provision the cluster and the machines
 //! be requested. After the last round every `Cluster` is unpaused and deleted and the checks run
