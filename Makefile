@@ -109,18 +109,23 @@ lint-clusterctl: ## Check the ClusterClass files against clusterctl's contract (
 
 .PHONY: test
 test: deps tools lint lint-clusterctl deny verify-generated ## Everything CI runs: checks, unit and integration tests on the local control plane
-	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
+	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun $(FAILPOINTS)
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server \
 	  SOAK_SEED=$${SOAK_SEED:-$(TEST_SOAK_SEED)} $(CARGO) test --workspace --no-fail-fast -- --include-ignored
 
 ROUNDS ?= 20
+# The tests' provider binary carries the failpoints (crash or freeze at a chosen step: the
+# exactly-once tests, the soak's freezes mid-send). `cargo test --workspace` builds it so through
+# cmd's dev-dependencies; a plain build of the binary must ask for them, or it would replace the
+# test build with one whose failpoints do nothing.
+FAILPOINTS := --features capm-controllers/failpoints
 # The Go peer `make bench` compares the provider with (the Cluster API book's controller).
 PEER_DIR ?= $(abspath ../shared/peer/goref)
 SEED ?=
 
 .PHONY: soak
 soak: deps-demo tools ## The adversarial soak test alone (issue 13): ROUNDS=200 for a long run (default 20), SEED=<n> replays a run
-	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun
+	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun $(FAILPOINTS)
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server \
 	  SOAK_ROUNDS=$(ROUNDS) SOAK_SEED=$(SEED) $(CARGO) test -p capm-e2e --test soak -- --nocapture
 

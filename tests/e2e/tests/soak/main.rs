@@ -162,10 +162,14 @@ async fn soak() -> Result<()> {
     .await;
     // Read before stopping: the summary includes the live replicas' resend counters.
     let mails: Vec<String> = lanes.iter().map(Lane::summary).collect();
+    let weakened: Vec<String> = lanes.iter().filter_map(Lane::weakened).collect();
     for lane in &lanes {
         lane.stop();
     }
     result?;
+    if !weakened.is_empty() {
+        bail!("soak: seed {seed}: {}", weakened.join("; "));
+    }
     if !failed.is_empty() {
         bail!(
             "soak: seed {seed}: violations in {} (each reported above)",

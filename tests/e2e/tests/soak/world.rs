@@ -219,6 +219,8 @@ pub struct Lane {
     tenants: Vec<Tenant>,
     /// Key rotations and identity deletions played so far.
     tenant_changes: Mutex<(u32, u32)>,
+    /// Freezes aimed mid-send, and those that stopped the leader at its commit point.
+    mid_send: Mutex<(u32, u32)>,
     /// Delivery news written in quiet windows, by object UID.
     delivery_news: Mutex<BTreeMap<String, u32>>,
     config: PathBuf,
@@ -464,6 +466,7 @@ impl Lane {
             tenants,
             tenant_changes: Mutex::new((0, 0)),
             delivery_news: Mutex::new(BTreeMap::new()),
+            mid_send: Mutex::new((0, 0)),
             config,
             logs,
             cp: Arc::clone(&world.cp),
@@ -993,9 +996,13 @@ impl Lane {
             }
             // Disarmed either way: the replica removes the file when it stops on it.
             let _ = std::fs::remove_file(&failpoint);
-            if capm_test_support::process::is_stopped(pid) {
+            let hit = capm_test_support::process::is_stopped(pid);
+            if hit {
                 how = "stopped itself mid-send (before its commit point):";
             }
+            let mut tried = lock(&self.mid_send);
+            tried.0 += 1;
+            tried.1 += u32::from(hit);
         }
         {
             let mut replicas = lock(&self.replicas);
@@ -1589,9 +1596,11 @@ impl Lane {
                 "; {rotations} key rotations, {deletions} identity deletions"
             );
         }
+        let (tried, hit) = *lock(&self.mid_send);
         match self.ledger() {
             Ok(l) => format!(
-                "{}: {} mails for {} objects, {:?} resends counted, {} partitions{tenants}",
+                "{}: {} mails for {} objects, {:?} resends counted, {} partitions, {hit} of {tried} \
+                 mid-send freezes at the commit point{tenants}",
                 self.backend,
                 self.mail_count(),
                 l.entries.len(),
@@ -1600,6 +1609,20 @@ impl Lane {
             ),
             Err(e) => format!("{}: {e}", self.backend),
         }
+    }
+
+    /// Why the run proves less than it says, if it does: freezes aimed mid-send that never
+    /// stopped a leader at its commit point mean a provider binary without its failpoints.
+    pub fn weakened(&self) -> Option<String> {
+        let (tried, hit) = *lock(&self.mid_send);
+        (tried >= 3 && hit == 0).then(|| {
+            format!(
+                "{}: none of {tried} freezes aimed mid-send stopped the leader at its commit point: \
+                 the provider binary lacks its failpoints (build it with \
+                 `--features capm-controllers/failpoints`, as `make soak` does)",
+                self.backend
+            )
+        })
     }
 
     /// Stops the providers (a frozen one is thawed first so it can be stopped at once).
