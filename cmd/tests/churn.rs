@@ -49,13 +49,8 @@ const MIB: f64 = 1024.0 * 1024.0;
 
 /// One line of `/proc/<pid>/status`, in bytes.
 fn status_bytes(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"));
-    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib * 1024
+    capm_test_support::process::status_bytes(pid, field)
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
 }
 
 fn clusters(ns: &TestNamespace) -> Api<DynamicObject> {

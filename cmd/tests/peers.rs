@@ -70,10 +70,7 @@ fn reset_peak(pid: u32) {
 
 /// The process's peak resident set since the last [`reset_peak`], in bytes.
 fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
-    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    kib * 1024
+    capm_test_support::process::status_bytes(pid, "VmHWM:").expect("VmHWM in /proc/<pid>/status")
 }
 
 /// One row of the table: what the peer did and the provider's peak resident set meanwhile.

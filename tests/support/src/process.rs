@@ -96,6 +96,20 @@ pub fn is_stopped(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// A size field of `/proc/<pid>/status` (`"VmHWM:"` the peak resident set, `"RssAnon:"` its
+/// anonymous part), in bytes; `None` when the process or the field is not there.
+pub fn status_bytes(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
 /// Checks that `port` on 127.0.0.1 can be bound.
 ///
 /// # Errors

@@ -1188,10 +1188,11 @@ impl Lane {
         Ok(mails)
     }
 
-    /// Mails on a server other than the one of the identity its object's cluster names.
-    fn wrong_backends(&self) -> Result<Vec<String>> {
+    /// Of `mails`, those on a server other than the one of the identity their object's cluster
+    /// names.
+    fn wrong_backends(&self, mails: &[Mail]) -> Vec<String> {
         let mut wrong = Vec::new();
-        for mail in self.mails()? {
+        for mail in mails {
             let Some(name) = subject_name(&mail.received.subject) else {
                 continue;
             };
@@ -1211,7 +1212,7 @@ impl Lane {
                 ));
             }
         }
-        Ok(wrong)
+        wrong
     }
 
     fn own_mails(&self) -> Result<Vec<Mail>> {
@@ -1253,8 +1254,13 @@ impl Lane {
     }
 
     fn ledger(&self) -> Result<Ledger> {
-        let mails: Vec<Received> = self.mails()?.into_iter().map(|m| m.received).collect();
-        Ok(Ledger::build(self.backend, DOMAIN, &mails))
+        Ok(self.ledger_of(&self.mails()?))
+    }
+
+    /// The ledger of `mails` (what [`Self::mails`] returned).
+    fn ledger_of(&self, mails: &[Mail]) -> Ledger {
+        let received: Vec<Received> = mails.iter().map(|m| m.received.clone()).collect();
+        Ledger::build(self.backend, DOMAIN, &received)
     }
 
     /// Number of mails the lane's server stored.
@@ -1753,12 +1759,14 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
             uid: uid.clone(),
         })
         .collect();
-    for wrong in lane.wrong_backends()? {
+    // One read of the servers for both checks, so they judge the same mails.
+    let mails = lane.mails()?;
+    for wrong in lane.wrong_backends(&mails) {
         if lock(&lane.reported).insert(wrong.clone()) {
             violations.push(wrong);
         }
     }
-    let ledger = lane.ledger()?;
+    let ledger = lane.ledger_of(&mails);
     let resends = lane.resends();
     for v in ledger.check(&live, &pending, &resends) {
         let key = match &v {
