@@ -654,12 +654,15 @@ async fn story(source: &Management, target: &Management, tenant: &MailgunServer)
     target.create_cluster("beta").await?;
     let worker_request = one_mail(tenant, "New Machine alpha-md-0", &both).await?;
     let beta_request = one_mail(tenant, "New Cluster beta requested", &both).await?;
-    ensure!(
-        worker_request.to == [TENANT_RECIPIENT] && beta_request.to == [TENANT_RECIPIENT],
-        "{:?} {:?}",
-        worker_request.to,
-        beta_request.to
-    );
+    for mail in [&worker_request, &beta_request] {
+        ensure!(
+            mail.to == [TENANT_RECIPIENT] && mail.from.contains(&format!("capm@{TENANT_DOMAIN}")),
+            "{}: from {} to {:?}: not the moved identity's sender and recipients",
+            mail.subject,
+            mail.from,
+            mail.to
+        );
+    }
 
     // Deleting the moved Cluster in the target: one release per object, through the identity.
     let target_uids = BTreeMap::from([
