@@ -644,6 +644,9 @@ fn rows() -> Vec<Row> {
         create_with("conversion-data on a v1beta1 object", "MailgunCluster", "/metadata/annotations/mailgun.infrastructure.cluster.x-k8s.io~1conversion-data", json!("{\"controlPlaneEndpoint\":{\"host\":\"x\",\"port\":1}}"), "metadata.annotations"),
         patch_after("mail-intent added later", "MailgunCluster", json!({}), "v1beta1", json!({"metadata": {"annotations": {names::MAIL_INTENT_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
         patch_after("mail-sent added through v1alpha1", "MailgunCluster", json!({}), "v1alpha1", json!({"metadata": {"annotations": {names::MAIL_SENT_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
+        // clusterctl's delete-for-move mark lets only the privileged users (clusterctl) drop
+        // our records on the way out; a tenant's write with it is judged like any other.
+        patch_after("mail record added with delete-for-move", "MailgunCluster", json!({}), "v1beta1", json!({"metadata": {"annotations": {"clusterctl.cluster.x-k8s.io/delete-for-move": "", names::MAIL_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
         row("template stamping our records", Expect::Refused("spec.template.metadata.annotations"), |env| async move {
             create(&ours(&env.mallory, "v1beta1", "MailgunMachineTemplate"), json!({
                 "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunMachineTemplate",
