@@ -121,12 +121,12 @@ impl Series {
             .map(|(_, e)| e)
     }
 
-    fn insert(&mut self, uid: &str, key: SeriesKey, entry: SeriesEntry) {
-        if let Some(e) = self.get_mut(uid, &key) {
+    fn insert(&mut self, uid: String, key: SeriesKey, entry: SeriesEntry) {
+        if let Some(e) = self.get_mut(&uid, &key) {
             *e = entry;
             return;
         }
-        let of_object = self.entries.entry(uid.into()).or_default();
+        let of_object = self.entries.entry(uid.into_boxed_str()).or_default();
         of_object.reserve_exact(1);
         of_object.push((key, entry));
     }
@@ -254,7 +254,7 @@ impl Events {
                     .create(&PostParams::default(), &event)
                     .await?;
                 lock(&self.series).insert(
-                    &uid,
+                    uid,
                     key,
                     SeriesEntry {
                         namespace: namespace.into(),

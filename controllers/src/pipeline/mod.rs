@@ -434,14 +434,11 @@ fn controller<K: Pipelined>(
         }))
 }
 
-fn log_result<K: InfraKind>(
-    controller: &'static str,
-    queue: &Workqueue,
-    result: Result<
-        (ObjectRef<Packed<K>>, Action),
-        controller::Error<ReconcileError, watcher::Error>,
-    >,
-) {
+/// What kube-runtime's `Controller` reports for each reconcile of `K`.
+type Reconciled<K> =
+    Result<(ObjectRef<Packed<K>>, Action), controller::Error<ReconcileError, watcher::Error>>;
+
+fn log_result<K: InfraKind>(controller: &'static str, queue: &Workqueue, result: Reconciled<K>) {
     match result {
         // Logged by `reconcile`, in the object's span.
         Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
