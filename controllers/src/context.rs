@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::Duration};
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
-use kube::{Client, ResourceExt, runtime::controller::Action};
+use kube::{Client, Resource, ResourceExt, runtime::controller::Action};
 use tokio::sync::watch;
 
 use crate::{
@@ -79,6 +79,9 @@ pub enum ReconcileError {
     /// The object is gone: nothing more to do or write.
     #[error("the object is gone")]
     Gone,
+    /// The cached copy of the object did not read back (a bug); the next change replaces it.
+    #[error("reading the cached object: {0}")]
+    Cache(String),
 }
 
 impl From<crate::identity::IdentityError> for ReconcileError {
@@ -100,7 +103,7 @@ impl ReconcileError {
     pub fn is_permanent(&self) -> bool {
         match self {
             Self::Mail(e) => e.kind() == ErrorKind::Permanent,
-            Self::Message(_) | Self::InvalidSpec(_) => true,
+            Self::Message(_) | Self::InvalidSpec(_) | Self::Cache(_) => true,
             Self::Withheld(w) => *w == Withheld::PermanentlyRefused,
             Self::Kube { .. }
             | Self::Conflict(_)
@@ -280,7 +283,7 @@ impl Ctx {
 
     /// `Action::requeue(delay)` for `obj`, recorded for the `workqueue_*` series (kube's
     /// `Action` does not tell its delay afterwards). Every requeue goes through here.
-    pub fn requeue<K: InfraKind>(&self, obj: &K, delay: Duration) -> Action {
+    pub fn requeue<K: InfraKind>(&self, obj: &impl Resource, delay: Duration) -> Action {
         self.metrics.workqueue.requeue(
             K::CONTROLLER,
             &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),

@@ -51,7 +51,7 @@ impl EventType {
 /// every event of one publisher): the object's `resourceVersion`, the type and the reason.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct SeriesKey {
-    resource_version: String,
+    resource_version: Box<str>,
     type_: EventType,
     reason: &'static str,
 }
@@ -59,8 +59,8 @@ struct SeriesKey {
 /// The first event of a possible series: enough to patch it.
 #[derive(Debug)]
 struct SeriesEntry {
-    namespace: String,
-    name: String,
+    namespace: Box<str>,
+    name: Box<str>,
     count: i32,
     last_observed: Instant,
 }
@@ -98,22 +98,42 @@ pub struct Events {
 #[derive(Default)]
 struct Series {
     /// By the object's UID, so that a gone object's entries go at once ([`Events::forget`]).
-    entries: HashMap<String, HashMap<SeriesKey, SeriesEntry>>,
+    /// An object has one or two (one per version, type and reason it was told of): a short list
+    /// each, not a table (a hash table of one entry took over 500 bytes).
+    entries: HashMap<Box<str>, Vec<(SeriesKey, SeriesEntry)>>,
     pruned: Option<Instant>,
 }
 
 impl Series {
     fn get(&self, uid: &str, key: &SeriesKey) -> Option<&SeriesEntry> {
-        self.entries.get(uid)?.get(key)
+        self.entries
+            .get(uid)?
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, e)| e)
+    }
+
+    fn get_mut(&mut self, uid: &str, key: &SeriesKey) -> Option<&mut SeriesEntry> {
+        self.entries
+            .get_mut(uid)?
+            .iter_mut()
+            .find(|(k, _)| k == key)
+            .map(|(_, e)| e)
     }
 
     fn insert(&mut self, uid: String, key: SeriesKey, entry: SeriesEntry) {
-        self.entries.entry(uid).or_default().insert(key, entry);
+        if let Some(e) = self.get_mut(&uid, &key) {
+            *e = entry;
+            return;
+        }
+        let of_object = self.entries.entry(uid.into_boxed_str()).or_default();
+        of_object.reserve_exact(1);
+        of_object.push((key, entry));
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.entries.values().map(HashMap::len).sum()
+        self.entries.values().map(Vec::len).sum()
     }
 
     /// Drops the entries that can no longer grow, at most once per tenth of the TTL (lookups
@@ -126,7 +146,8 @@ impl Series {
             return;
         }
         self.entries.retain(|_, of_object| {
-            of_object.retain(|_, e| now.duration_since(e.last_observed) < SERIES_TTL);
+            of_object.retain(|(_, e)| now.duration_since(e.last_observed) < SERIES_TTL);
+            of_object.shrink_to_fit();
             !of_object.is_empty()
         });
         if self.entries.capacity() > 2 * self.entries.len() + 16 {
@@ -165,7 +186,11 @@ impl Events {
     ) -> Result<(), kube::Error> {
         let uid = regarding.uid.clone().unwrap_or_default();
         let key = SeriesKey {
-            resource_version: regarding.resource_version.clone().unwrap_or_default(),
+            resource_version: regarding
+                .resource_version
+                .as_deref()
+                .unwrap_or_default()
+                .into(),
             type_,
             reason,
         };
@@ -195,7 +220,7 @@ impl Events {
                     )
                     .await?;
                 let mut series = lock(&self.series);
-                if let Some(entry) = series.entries.get_mut(&uid).and_then(|m| m.get_mut(&key)) {
+                if let Some(entry) = series.get_mut(&uid, &key) {
                     entry.count = entry.count.max(count);
                     entry.last_observed = started;
                 }
@@ -232,8 +257,8 @@ impl Events {
                     uid,
                     key,
                     SeriesEntry {
-                        namespace,
-                        name,
+                        namespace: namespace.into(),
+                        name: name.into(),
                         count: 1,
                         last_observed: started,
                     },

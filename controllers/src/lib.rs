@@ -41,4 +41,4 @@ mod workqueue;
 pub use config::{Config, Error, Field, Invalid, Reason};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
-pub use pipeline::{run, trim};
+pub use pipeline::{packed, run, trim};

@@ -77,7 +77,9 @@ struct Open {
 
 #[derive(Debug, Default)]
 struct State {
-    mails: HashMap<String, Open>,
+    /// By UID. Boxed: a table slot is then a pointer, not the whole entry (a table grows by
+    /// doubling, so half of its slots are often empty).
+    mails: HashMap<String, Box<Open>>,
     paused_until: Option<Instant>,
 }
 
@@ -234,7 +236,7 @@ impl Poller {
         let first = first_question_in(self.timings.base, elapsed, uid);
         state.mails.insert(
             uid.to_owned(),
-            Open {
+            Box::new(Open {
                 owner: Owner {
                     kind: K::KIND,
                     namespace: obj.namespace().unwrap_or_default(),
@@ -248,7 +250,7 @@ impl Poller {
                 expires: now + self.timings.retention.saturating_sub(elapsed),
                 polls: 0,
                 known: None,
-            },
+            }),
         );
         drop(state);
         self.added.notify_one();
@@ -321,6 +323,7 @@ impl Poller {
                         d <= now || (m.polls == 0 && d <= horizon && m.mail.sent_at <= old_enough)
                     })
                 })
+                .map(|(uid, m)| (uid, &**m))
                 .collect();
             if !due.iter().any(|(_, m)| m.due.is_some_and(|d| d <= now)) {
                 return false;

@@ -289,7 +289,7 @@ async fn steps<K: InfraKind>(
         Owner::NotSeen(message) => {
             report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass {
-                action: ctx.requeue(obj, OWNER_RECHECK),
+                action: ctx.requeue::<K>(obj, OWNER_RECHECK),
                 gone: false,
             });
         }

@@ -23,7 +23,7 @@ use futures::channel::mpsc;
 use kube::{
     Resource, ResourceExt,
     runtime::{
-        reflector::{ObjectRef, Store},
+        reflector::{ObjectRef, ObjectRefExtra, Store},
         watcher,
     },
 };
@@ -122,6 +122,10 @@ where
                     .get(&reference)
                     .is_some_and(|(u, rv)| *u == uid && *rv == obj.resource_version());
                 if !unchanged {
+                    // By name: a reconcile reads the store's copy, and a list of thousands
+                    // waits here and then in the scheduler.
+                    let mut reference = reference;
+                    reference.extra = ObjectRefExtra::default();
                     listing.changed.push(reference);
                 }
                 listing.seen.insert(uid);

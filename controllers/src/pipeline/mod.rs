@@ -1,7 +1,7 @@
 //! The watch/cache pipeline: one per kind, the same for both.
 //!
 //! For each of our kinds: watch (quick reconnects, [`watch_backoff`]) of slim projections
-//! ([`trim`]) →
+//! ([`trim`]), packed ([`packed`]) →
 //! reflector store (one snapshot per object) → [`lists::AfterLists`] (a list's objects are
 //! reconciled once the store holds the list) → kube-runtime's `Controller`, which also takes the
 //! reconciles the Cluster API objects ask for ([`Pipelined::owner_triggers`]), the delivery
@@ -9,6 +9,7 @@
 //! both kinds and listed before any reconcile judges an owner ([`OwnerCaches`]).
 
 mod lists;
+pub mod packed;
 mod resync;
 pub mod trim;
 
@@ -33,6 +34,7 @@ use kube::{
 };
 use tracing::{debug, info, warn};
 
+use self::packed::Packed;
 use crate::{
     Config, Error, Leadership, Metrics,
     capi::{Cluster, ContractRef, Machine, Owners},
@@ -75,6 +77,20 @@ where
     }
 }
 
+/// The watch of the objects in scope of `R`'s kind, each read as an `R`, reconnecting with
+/// [`watch_backoff`].
+fn watch_as<R>(
+    client: &Client,
+    config: &Config,
+    wc: watcher::Config,
+) -> impl futures::Stream<Item = Result<watcher::Event<R>, watcher::Error>> + Send + use<R>
+where
+    R: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    R: Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+{
+    watcher::watcher(scoped::<R>(client, config), wc).backoff(watch_backoff())
+}
+
 /// The watch of `K`'s objects in scope, read as [`trim::Slim`] projections and handed on as
 /// `K`s, reconnecting with [`watch_backoff`].
 fn watch<K>(
@@ -86,15 +102,13 @@ where
     K: trim::Projected + Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
 {
-    watcher::watcher(scoped::<trim::Slim<K>>(client, config), wc)
-        .backoff(watch_backoff())
-        .map_ok(|event| match event {
-            watcher::Event::Apply(obj) => watcher::Event::Apply(obj.0),
-            watcher::Event::Delete(obj) => watcher::Event::Delete(obj.0),
-            watcher::Event::Init => watcher::Event::Init,
-            watcher::Event::InitApply(obj) => watcher::Event::InitApply(obj.0),
-            watcher::Event::InitDone => watcher::Event::InitDone,
-        })
+    watch_as::<trim::Slim<K>>(client, config, wc).map_ok(|event| match event {
+        watcher::Event::Apply(obj) => watcher::Event::Apply(obj.0),
+        watcher::Event::Delete(obj) => watcher::Event::Delete(obj.0),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(obj) => watcher::Event::InitApply(obj.0),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    })
 }
 
 /// The Cluster API caches, shared by both kinds: their writers until [`Self::drive`] runs them,
@@ -220,15 +234,15 @@ trait Pipelined: InfraKind + trim::Projected {
     /// Streams of this kind's objects to reconcile, mapped from Cluster API objects' changes.
     fn owner_triggers(
         caches: &OwnerCaches,
-        own: &Store<Self>,
-    ) -> Result<Vec<BoxStream<'static, ObjectRef<Self>>>, Error>;
+        own: &Store<Packed<Self>>,
+    ) -> Result<Vec<BoxStream<'static, ObjectRef<Packed<Self>>>>, Error>;
 }
 
 /// `ObjectRef` of our object named by a Cluster API object's `spec.infrastructureRef`.
 fn infra_target<K: InfraKind>(
     reference: Option<&ContractRef>,
     namespace: Option<String>,
-) -> Option<ObjectRef<K>> {
+) -> Option<ObjectRef<Packed<K>>> {
     let r = reference?;
     (r.api_group == capm_api::GROUP && r.kind == K::KIND)
         .then(|| ObjectRef::new(&r.name).within(&namespace.unwrap_or_default()))
@@ -238,8 +252,8 @@ impl Pipelined for MailgunCluster {
     /// A `Cluster` asks for the `MailgunCluster` its `spec.infrastructureRef` names.
     fn owner_triggers(
         caches: &OwnerCaches,
-        _: &Store<Self>,
-    ) -> Result<Vec<BoxStream<'static, ObjectRef<Self>>>, Error> {
+        _: &Store<Packed<Self>>,
+    ) -> Result<Vec<BoxStream<'static, ObjectRef<Packed<Self>>>>, Error> {
         let by_cluster = caches
             .clusters()?
             .filter_map(|c| {
@@ -259,8 +273,8 @@ impl Pipelined for MailgunMachine {
     /// name.
     fn owner_triggers(
         caches: &OwnerCaches,
-        own: &Store<Self>,
-    ) -> Result<Vec<BoxStream<'static, ObjectRef<Self>>>, Error> {
+        own: &Store<Packed<Self>>,
+    ) -> Result<Vec<BoxStream<'static, ObjectRef<Packed<Self>>>>, Error> {
         let by_machine = caches
             .machines()?
             .filter_map(|m| {
@@ -276,7 +290,7 @@ impl Pipelined for MailgunMachine {
             .flat_map(move |cluster| {
                 let namespace = cluster.namespace().unwrap_or_default();
                 let name = cluster.name_any();
-                let targets: Vec<ObjectRef<Self>> = own
+                let targets: Vec<ObjectRef<Packed<Self>>> = own
                     .state()
                     .iter()
                     .filter(|m| {
@@ -356,7 +370,7 @@ fn controller<K: Pipelined>(
     if let Some(filter) = &config.watch_filter {
         wc = wc.labels(&format!("{}={filter}", names::WATCH_FILTER_LABEL));
     }
-    let (store, writer) = reflector::store::<K>();
+    let (store, writer) = reflector::store::<Packed<K>>();
     let (relisted_tx, relisted) = futures::channel::mpsc::unbounded();
     let forgetting = Arc::clone(ctx);
     let retrying = Arc::clone(ctx);
@@ -368,7 +382,7 @@ fn controller<K: Pipelined>(
     .retrying(move |uid| retrying.memory.has_failures(uid));
     let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
     let own_queue = queue.clone();
-    let own = watch::<K>(&ctx.client, config, wc)
+    let own = watch_as::<Packed<K>>(&ctx.client, config, wc)
         .reflect(writer)
         .filter_map(move |event| {
             future::ready(match event {
@@ -395,7 +409,7 @@ fn controller<K: Pipelined>(
     let wakes = ctx.poller.take_wakes::<K>().ok_or(Error::Wiring(
         "the delivery poller's wake-ups were taken twice",
     ))?;
-    triggers.push(wakes.boxed());
+    triggers.push(wakes.map(|r| packed_ref::<K>(&r)).boxed());
     let adds = count(&metrics.triggers);
     let trigger_queue = queue.clone();
     let triggers = futures::stream::select_all(triggers).inspect(move |obj| {
@@ -408,7 +422,11 @@ fn controller<K: Pipelined>(
         .with_config(controller::Config::default().concurrency(config.concurrency))
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)
-        .run(reconcile::<K>, error_policy::<K>, Arc::clone(ctx))
+        .run(
+            unpack_and_reconcile::<K>,
+            error_policy::<K>,
+            Arc::clone(ctx),
+        )
         .take_until(abort)
         .for_each(move |result| {
             log_result(K::CONTROLLER, &queue, result);
@@ -416,11 +434,11 @@ fn controller<K: Pipelined>(
         }))
 }
 
-fn log_result<K: InfraKind>(
-    controller: &'static str,
-    queue: &Workqueue,
-    result: Result<(ObjectRef<K>, Action), controller::Error<ReconcileError, watcher::Error>>,
-) {
+/// What kube-runtime's `Controller` reports for each reconcile of `K`.
+type Reconciled<K> =
+    Result<(ObjectRef<Packed<K>>, Action), controller::Error<ReconcileError, watcher::Error>>;
+
+fn log_result<K: InfraKind>(controller: &'static str, queue: &Workqueue, result: Reconciled<K>) {
     match result {
         // Logged by `reconcile`, in the object's span.
         Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
@@ -436,7 +454,22 @@ fn log_result<K: InfraKind>(
     }
 }
 
-fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>) -> Action {
+/// Reads the cached object back whole and reconciles it.
+async fn unpack_and_reconcile<K: Pipelined>(
+    cached: Arc<Packed<K>>,
+    ctx: Arc<Ctx>,
+) -> Result<Action, ReconcileError> {
+    let obj = cached
+        .unpack()
+        .map_err(|e| ReconcileError::Cache(e.to_string()))?;
+    reconcile::<K>(Arc::new(obj), ctx).await
+}
+
+fn error_policy<K: Pipelined>(
+    obj: Arc<Packed<K>>,
+    error: &ReconcileError,
+    ctx: Arc<Ctx>,
+) -> Action {
     if error.is_permanent() || matches!(error, ReconcileError::Gone) {
         // Retrying cannot help: the next change to the object (or the sync period) will.
         return Action::await_change();
@@ -446,7 +479,16 @@ fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>
         .queue_retries
         .with_label_values(&[K::CONTROLLER])
         .inc();
-    ctx.requeue(&*obj, delay)
+    ctx.requeue::<K>(&*obj, delay)
+}
+
+/// The cache's reference to the object `r` names.
+fn packed_ref<K: InfraKind>(r: &ObjectRef<K>) -> ObjectRef<Packed<K>> {
+    let reference = ObjectRef::new(&r.name);
+    match &r.namespace {
+        Some(namespace) => reference.within(namespace),
+        None => reference,
+    }
 }
 
 /// Resolves when `shutdown` has resolved while `store` never became ready: kube's applier holds

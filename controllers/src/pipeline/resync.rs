@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use futures::Stream;
 use kube::{
     Resource,
-    runtime::reflector::{ObjectRef, Store},
+    runtime::reflector::{ObjectRef, ObjectRefExtra, Store},
 };
 
 /// How long an empty store is waited on before it is looked at again: short, so that the first
@@ -42,10 +42,16 @@ where
     futures::stream::unfold((store, walk), move |(store, mut walk)| async move {
         loop {
             if walk.queue.is_empty() {
+                // Names only: the walk holds a reference to every object for a whole period,
+                // and their UIDs and versions are not needed to ask for a reconcile.
                 walk.queue = store
                     .state()
                     .iter()
-                    .map(|o| ObjectRef::from_obj(&**o))
+                    .map(|o| {
+                        let mut reference = ObjectRef::from_obj(&**o);
+                        reference.extra = ObjectRefExtra::default();
+                        reference
+                    })
                     .collect();
                 if walk.queue.is_empty() {
                     tokio::time::sleep(period.min(EMPTY_RECHECK)).await;

@@ -1,6 +1,7 @@
 //! The memory floor of kube-runtime's caches: what two reflector stores (the provider's
-//! `MailgunCluster` cache and its `Cluster` cache) cost per Cluster + MailgunCluster pair when
-//! the objects carry nothing but a name, a namespace, a UID and a `resourceVersion`.
+//! `MailgunCluster` cache, of packed objects, and its `Cluster` cache) cost per Cluster +
+//! MailgunCluster pair when the objects carry nothing but a name, a namespace, a UID and a
+//! `resourceVersion` (and the spec a MailgunCluster must have).
 //!
 //! Measured in this process, on the resident set (so the allocator's own overhead counts, as it
 //! does for the provider): `pairs` objects of each kind are applied to a `Writer` the way the
@@ -11,7 +12,10 @@
 //! trims.
 
 use capm_api::v1beta1::MailgunCluster;
-use capm_controllers::capi::{Cluster, ClusterSpec, ContractRef};
+use capm_controllers::{
+    capi::{Cluster, ClusterSpec, ContractRef},
+    packed::Packed,
+};
 use kube::{
     Resource,
     api::ObjectMeta,
@@ -31,14 +35,14 @@ pub struct Floor {
     /// Resident bytes per pair for the two stores, objects with names only.
     pub bytes_per_pair: f64,
     /// The same with objects as the provider caches a finished pair (its `MailgunCluster` read
-    /// through the watches' slim projection: record, finalizer, owner, spec, status with five
-    /// conditions and `status.mail`; its partial `Cluster` type with the infrastructure
-    /// reference).
+    /// through the watches' slim projection and packed: record, finalizer, owner, spec, status
+    /// with five conditions and `status.mail`; its partial `Cluster` type with the
+    /// infrastructure reference).
     pub finished_bytes_per_pair: f64,
 }
 
-/// A finished `MailgunCluster` as the provider's cache keeps it (the shape of
-/// `target/bench/bench-provider-object.json` after the cache's trimming), for object `i`.
+/// A finished `MailgunCluster` as the provider reads it (the shape of
+/// `target/bench/bench-provider-object.json` without `managedFields`), for object `i`.
 fn finished(i: usize) -> serde_json::Value {
     let uid = uid(i);
     let id = format!("<mailguncluster.{uid}@mg.bench.example.com>");
@@ -130,9 +134,9 @@ fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
     let (bytes, stores) = fill(
         pairs,
         move |i| {
-            let mgc: capm_controllers::trim::Slim<MailgunCluster> =
-                serde_json::from_value(finished(i))?;
-            Ok(mgc.0)
+            Ok(serde_json::from_value::<Packed<MailgunCluster>>(finished(
+                i,
+            ))?)
         },
         |i| {
             let mut cluster = Cluster::new(
@@ -165,7 +169,7 @@ fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
                 "spec": { "priority": "Urgent", "request": "", "requester": "a@example.com" },
             }))?;
             mgc.metadata = meta(i);
-            Ok(mgc)
+            Ok(Packed::pack(mgc)?)
         },
         |i| {
             let mut cluster = Cluster::new("", ClusterSpec::default());
@@ -179,13 +183,13 @@ fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
 /// watch events, and returns the growth of the resident set per pair with the stores.
 fn fill<C>(
     pairs: usize,
-    mgc: impl Fn(usize) -> anyhow::Result<MailgunCluster>,
+    mgc: impl Fn(usize) -> anyhow::Result<Packed<MailgunCluster>>,
     cluster: impl Fn(usize) -> C,
 ) -> anyhow::Result<(f64, Kept)>
 where
     C: Resource<DynamicType = ()> + Clone + 'static,
 {
-    let (mgc_reader, mut mgc_writer) = reflector::store::<MailgunCluster>();
+    let (mgc_reader, mut mgc_writer) = reflector::store::<Packed<MailgunCluster>>();
     let (cluster_reader, mut cluster_writer) = reflector::store::<C>();
     // A first batch, so what grows once (the tables' first allocation, the allocator's arenas)
     // is not counted per pair.

@@ -1011,7 +1011,7 @@ async fn main() -> anyhow::Result<()> {
             floor.bytes_per_pair
         );
         println!(
-            "  the same stores holding finished pairs as the provider caches them (slim projections): {:.0} bytes per pair",
+            "  the same stores holding finished pairs as the provider caches them (MailgunClusters packed): {:.0} bytes per pair",
             floor.finished_bytes_per_pair
         );
         let smallest_peer = figures[..figures.len() - 1]
