@@ -23,7 +23,10 @@ mod provider;
 pub mod release;
 pub mod topology;
 
-pub use provider::{ChartProvider, fulfil_command, route_webhook_service, start_chart_provider};
+pub use provider::{
+    ChartProvider, fulfil_command, install_chart_and_provider, mailgun_values,
+    route_webhook_service, start_chart_provider,
+};
 
 /// What a Mailgun contract server stored, as the ledger reads it (arrival order from 1), each
 /// with its text body.

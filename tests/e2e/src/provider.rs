@@ -199,3 +199,58 @@ fn shell_words(line: &str) -> Result<Vec<String>> {
         .map(str::to_owned)
         .collect())
 }
+
+/// The chart's values for a Mailgun backend: `recipient`, the contract server at `base_url` for
+/// `domain`, its key in the Secret `mailgun-credentials` of the release's namespace.
+pub fn mailgun_values(recipient: &str, domain: &str, base_url: &str) -> String {
+    format!(
+        "mail:\n  recipient: {recipient}\n  backend: mailgun\n  mailgun:\n    domain: {domain}\n    \
+         baseURL: {base_url}\n    apiKeySecret: {{name: mailgun-credentials}}\n"
+    )
+}
+
+/// What a test installs as a user would: `helm install <release>` of the chart into `namespace`
+/// (created, restricted) with `values` (YAML), the Secret `mailgun-credentials` holding
+/// `api_key` beside it; then the provider run from this build as the chart's Deployment
+/// `fullname` runs it (its ServiceAccount's token, see [`start_chart_provider`]) with the
+/// webhook Service routed to it.
+///
+/// # Errors
+/// When Helm, the API server or the provider fails.
+pub async fn install_chart_and_provider(
+    cp: &capm_test_support::ControlPlane,
+    (namespace, release, fullname): (&str, &str, &str),
+    api_key: &str,
+    values: &str,
+    dir: &Path,
+) -> Result<ChartProvider> {
+    let admin = cp.client().await?;
+    crate::create_namespace(&admin, namespace, true).await?;
+    crate::create_secret(
+        &admin,
+        namespace,
+        "mailgun-credentials",
+        &[("api-key", api_key)],
+    )
+    .await?;
+    let values_file = dir.join("values.yaml");
+    fs::write(&values_file, values)?;
+    crate::helm_chart(
+        cp.kubeconfig(),
+        "install",
+        release,
+        namespace,
+        &values_file,
+        &[],
+    )?;
+    let sa_kubeconfig = crate::service_account_kubeconfig(cp, namespace, fullname, dir)?;
+    let provider = start_chart_provider(&admin, namespace, fullname, &sa_kubeconfig, dir).await?;
+    route_webhook_service(
+        &admin,
+        namespace,
+        &format!("{fullname}-webhook"),
+        provider.webhook_port,
+    )
+    .await?;
+    Ok(provider)
+}

@@ -21,7 +21,6 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fs,
     path::Path,
     time::{Duration, Instant},
 };
@@ -30,10 +29,9 @@ use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     AuditedRequest, all_audited_requests,
     clusterctl::{LocalRepository, yaml_docs},
-    create_namespace, create_secret, dynamic_api, eventually, fulfil_command, helm_chart,
+    create_namespace, dynamic_api, eventually, fulfil_command, install_chart_and_provider,
     ledger::{Kind, Ledger, Object, Received, Which, parse_message_id},
-    mailgun_ledger, mailgun_mails, route_webhook_service, service_account_kubeconfig,
-    start_capi_manager_with, start_chart_provider,
+    mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager_with,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -361,34 +359,15 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
     let kubeconfig = world.cp.kubeconfig().to_owned();
 
     // The chart (CRDs, admission policies, RBAC), the provider as its ServiceAccount.
-    create_namespace(&admin, NS, true).await?;
+    let provider = install_chart_and_provider(
+        &world.cp,
+        (NS, RELEASE, FULLNAME),
+        api_key(world),
+        &mailgun_values(RECIPIENT, DOMAIN, &world.mailgun.base_url()),
+        dir,
+    )
+    .await?;
     create_namespace(&admin, USER_NS, false).await?;
-    create_secret(
-        &admin,
-        NS,
-        "mailgun-credentials",
-        &[("api-key", api_key(world))],
-    )
-    .await?;
-    let values = dir.join("values.yaml");
-    fs::write(
-        &values,
-        format!(
-            "mail:\n  recipient: {RECIPIENT}\n  backend: mailgun\n  mailgun:\n    domain: {DOMAIN}\n    \
-             baseURL: {}\n    apiKeySecret: {{name: mailgun-credentials}}\n",
-            world.mailgun.base_url()
-        ),
-    )?;
-    helm_chart(&kubeconfig, "install", RELEASE, NS, &values, &[])?;
-    let sa_kubeconfig = service_account_kubeconfig(&world.cp, NS, FULLNAME, dir)?;
-    let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, dir).await?;
-    route_webhook_service(
-        &admin,
-        NS,
-        &format!("{FULLNAME}-webhook"),
-        provider.webhook_port,
-    )
-    .await?;
     let capi =
         start_capi_manager_with(&kubeconfig, dir, &["--feature-gates=ClusterTopology=true"])?;
     let _providers = TestProviders::start(&admin, USER_NS);

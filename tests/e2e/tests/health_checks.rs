@@ -30,10 +30,9 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    create_namespace, create_secret, dynamic_api, dynamic_object, fulfil_command, helm_chart,
+    create_namespace, dynamic_api, dynamic_object, fulfil_command, install_chart_and_provider,
     ledger::{Kind, Ledger, Object, Which, parse_message_id},
-    mailgun_ledger, mailgun_mails, route_webhook_service, service_account_kubeconfig,
-    start_capi_manager, start_chart_provider,
+    mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -207,34 +206,15 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
 
     // The chart and the provider as its ServiceAccount; Cluster API; the test control plane and
     // bootstrap providers.
-    create_namespace(&admin, NS, true).await?;
+    let provider = install_chart_and_provider(
+        &world.cp,
+        (NS, RELEASE, FULLNAME),
+        world.mailgun.api_key(),
+        &mailgun_values(RECIPIENT, DOMAIN, &world.mailgun.base_url()),
+        dir,
+    )
+    .await?;
     create_namespace(&admin, USER_NS, false).await?;
-    create_secret(
-        &admin,
-        NS,
-        "mailgun-credentials",
-        &[("api-key", world.mailgun.api_key())],
-    )
-    .await?;
-    let values = dir.join("values.yaml");
-    fs::write(
-        &values,
-        format!(
-            "mail:\n  recipient: {RECIPIENT}\n  backend: mailgun\n  mailgun:\n    domain: {DOMAIN}\n    \
-             baseURL: {}\n    apiKeySecret: {{name: mailgun-credentials}}\n",
-            world.mailgun.base_url()
-        ),
-    )?;
-    helm_chart(&kubeconfig, "install", RELEASE, NS, &values, &[])?;
-    let sa_kubeconfig = service_account_kubeconfig(&world.cp, NS, FULLNAME, dir)?;
-    let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, dir).await?;
-    route_webhook_service(
-        &admin,
-        NS,
-        &format!("{FULLNAME}-webhook"),
-        provider.webhook_port,
-    )
-    .await?;
     let capi = start_capi_manager(&kubeconfig, dir)?;
     let _providers = TestProviders::start(&admin, USER_NS);
 

@@ -25,8 +25,8 @@ use anyhow::{Context, Result, ensure};
 use capm_api::names::MAIL_ANNOTATION;
 use capm_e2e::{
     ChartProvider, Proc, clusterctl::yaml_docs, create_namespace, create_secret, dynamic_api,
-    dynamic_object, eventually, fulfil_command, helm_chart, route_webhook_service,
-    service_account_kubeconfig, start_capi_manager, start_chart_provider,
+    dynamic_object, eventually, fulfil_command, install_chart_and_provider, mailgun_values,
+    start_capi_manager,
 };
 use capm_mail_servers::{MailgunServer, StoredMessage};
 use capm_test_support::{ControlPlane, Options, install_crds};
@@ -75,34 +75,19 @@ impl Management {
         let default_backend = MailgunServer::start(&format!("key-{name}-default"), &domain)?;
 
         // The chart, as a user installs it.
-        create_namespace(&admin, NS, true).await?;
-        create_secret(
-            &admin,
-            NS,
-            "mailgun-credentials",
-            &[("api-key", default_backend.api_key())],
-        )
-        .await?;
-        let values = dir.join("values.yaml");
-        fs::write(
-            &values,
-            format!(
-                "mail:\n  recipient: ops@{name}.example.com\n  backend: mailgun\n  mailgun:\n    \
-                 domain: {domain}\n    baseURL: {}\n    apiKeySecret: {{name: mailgun-credentials}}\n",
-                default_backend.base_url()
+        let provider = install_chart_and_provider(
+            &cp,
+            (NS, RELEASE, FULLNAME),
+            default_backend.api_key(),
+            &mailgun_values(
+                &format!("ops@{name}.example.com"),
+                &domain,
+                &default_backend.base_url(),
             ),
-        )?;
-        helm_chart(cp.kubeconfig(), "install", RELEASE, NS, &values, &[])?;
-        let sa_kubeconfig = service_account_kubeconfig(&cp, NS, FULLNAME, &dir)?;
-        let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, &dir).await?;
-        cp.adopt(provider.proc.pid())?;
-        route_webhook_service(
-            &admin,
-            NS,
-            &format!("{FULLNAME}-webhook"),
-            provider.webhook_port,
+            &dir,
         )
         .await?;
+        cp.adopt(provider.proc.pid())?;
         let capi = start_capi_manager(cp.kubeconfig(), &dir)?;
         cp.adopt(capi.pid())?;
         let management = Self {
