@@ -24,8 +24,8 @@ pub mod release;
 pub mod topology;
 
 pub use provider::{
-    ChartProvider, fulfil_command, install_chart_and_provider, mailgun_values,
-    route_webhook_service, start_chart_provider,
+    CHART_NAMESPACE, ChartProvider, FULLNAME, RELEASE, fulfil_command, install_chart_and_provider,
+    mailgun_values, route_webhook_service, start_chart_provider,
 };
 
 /// What a Mailgun contract server stored, as the ledger reads it (arrival order from 1), each

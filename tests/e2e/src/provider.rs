@@ -200,6 +200,13 @@ fn shell_words(line: &str) -> Result<Vec<String>> {
         .collect())
 }
 
+/// The namespace the tests install the chart into (the provider's namespace).
+pub const CHART_NAMESPACE: &str = "capm-system";
+/// The Helm release name the tests install the chart as.
+pub const RELEASE: &str = "capm";
+/// The chart's full name for [`RELEASE`]: its Deployment, ServiceAccount and Services.
+pub const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
+
 /// The chart's values for a Mailgun backend: `recipient`, the contract server at `base_url` for
 /// `domain`, its key in the Secret `mailgun-credentials` of the release's namespace.
 pub fn mailgun_values(recipient: &str, domain: &str, base_url: &str) -> String {
@@ -209,21 +216,21 @@ pub fn mailgun_values(recipient: &str, domain: &str, base_url: &str) -> String {
     )
 }
 
-/// What a test installs as a user would: `helm install <release>` of the chart into `namespace`
-/// (created, restricted) with `values` (YAML), the Secret `mailgun-credentials` holding
-/// `api_key` beside it; then the provider run from this build as the chart's Deployment
-/// `fullname` runs it (its ServiceAccount's token, see [`start_chart_provider`]) with the
+/// What a test installs as a user would: `helm install` [`RELEASE`] of the chart into
+/// [`CHART_NAMESPACE`] (created, restricted) with `values` (YAML), the Secret
+/// `mailgun-credentials` holding `api_key` beside it; then the provider run from this build as
+/// the chart's Deployment [`FULLNAME`] runs it (its ServiceAccount's token, see [`start_chart_provider`]) with the
 /// webhook Service routed to it.
 ///
 /// # Errors
 /// When Helm, the API server or the provider fails.
 pub async fn install_chart_and_provider(
     cp: &capm_test_support::ControlPlane,
-    (namespace, release, fullname): (&str, &str, &str),
     api_key: &str,
     values: &str,
     dir: &Path,
 ) -> Result<ChartProvider> {
+    let (namespace, release, fullname) = (CHART_NAMESPACE, RELEASE, FULLNAME);
     let admin = cp.client().await?;
     crate::create_namespace(&admin, namespace, true).await?;
     crate::create_secret(

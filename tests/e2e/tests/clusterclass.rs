@@ -42,9 +42,6 @@ use kube::{
 };
 use serde_json::{Value, json};
 
-const NS: &str = "capm-system";
-const RELEASE: &str = "capm";
-const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const USER_NS: &str = "team-topology";
 const DOMAIN: &str = "mg.topology.example.com";
 const RECIPIENT: &str = "infrastructure-team@example.com";
@@ -361,7 +358,6 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
     // The chart (CRDs, admission policies, RBAC), the provider as its ServiceAccount.
     let provider = install_chart_and_provider(
         &world.cp,
-        (NS, RELEASE, FULLNAME),
         api_key(world),
         &mailgun_values(RECIPIENT, DOMAIN, &world.mailgun.base_url()),
         dir,

@@ -17,10 +17,10 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::monitoring::{Sample, crd_metric_samples, sample_value};
 use capm_e2e::{
-    AUDIT_POLICY, HttpsScrape, Prometheus, audited_requests, create_cluster_pair, create_namespace,
-    create_secret, dynamic_api, dynamic_object, eventually, helm_chart, https_get,
-    promtool_check_metrics, route_webhook_service, service_account_kubeconfig, start_capi_manager,
-    start_chart_provider,
+    AUDIT_POLICY, CHART_NAMESPACE as NS, FULLNAME, HttpsScrape, Prometheus, RELEASE,
+    audited_requests, create_cluster_pair, create_namespace, create_secret, dynamic_api,
+    dynamic_object, eventually, helm_chart, https_get, promtool_check_metrics,
+    route_webhook_service, service_account_kubeconfig, start_capi_manager, start_chart_provider,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::pki::CertificateAuthority;
@@ -34,9 +34,6 @@ use kube::{
     core::ObjectMeta,
 };
 
-const NS: &str = "capm-system";
-const RELEASE: &str = "capm";
-const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const USER_NS: &str = "team-a";
 const RECIPIENT: &str = "infrastructure-team@example.com";
 

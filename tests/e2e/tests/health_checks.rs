@@ -44,9 +44,6 @@ use kube::{
 };
 use serde_json::{Value, json};
 
-const NS: &str = "capm-system";
-const RELEASE: &str = "capm";
-const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const USER_NS: &str = "team-health";
 const DOMAIN: &str = "mg.health.example.com";
 const RECIPIENT: &str = "infrastructure-team@example.com";
@@ -208,7 +205,6 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
     // bootstrap providers.
     let provider = install_chart_and_provider(
         &world.cp,
-        (NS, RELEASE, FULLNAME),
         world.mailgun.api_key(),
         &mailgun_values(RECIPIENT, DOMAIN, &world.mailgun.base_url()),
         dir,

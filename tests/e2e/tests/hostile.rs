@@ -33,8 +33,8 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_api::names;
 use capm_e2e::{
-    Proc, chart_dir, create_namespace, free_port, helm, host_ip, provider_binary,
-    service_account_kubeconfig,
+    CHART_NAMESPACE as NS, FULLNAME, Proc, RELEASE, chart_dir, create_namespace, free_port, helm,
+    host_ip, provider_binary, service_account_kubeconfig,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer};
 use capm_test_support::{ControlPlane, Options, provider::Launch};
@@ -47,9 +47,6 @@ use kube::{
 };
 use serde_json::{Value, json};
 
-const NS: &str = "capm-system";
-const RELEASE: &str = "capm";
-const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 const TEAM: &str = "team-a";
 const RECIPIENT: &str = "ops@example.com";
 const DOMAIN: &str = "mg.example.com";

@@ -24,9 +24,9 @@ use std::{
 use anyhow::{Context, Result, ensure};
 use capm_api::names::MAIL_ANNOTATION;
 use capm_e2e::{
-    ChartProvider, Proc, clusterctl::yaml_docs, create_namespace, create_secret, dynamic_api,
-    dynamic_object, eventually, fulfil_command, install_chart_and_provider, mailgun_values,
-    start_capi_manager,
+    CHART_NAMESPACE as NS, ChartProvider, Proc, clusterctl::yaml_docs, create_namespace,
+    create_secret, dynamic_api, dynamic_object, eventually, fulfil_command,
+    install_chart_and_provider, mailgun_values, start_capi_manager,
 };
 use capm_mail_servers::{MailgunServer, StoredMessage};
 use capm_test_support::{ControlPlane, Options, install_crds};
@@ -37,9 +37,6 @@ use kube::{
 };
 use serde_json::{Value, json};
 
-const NS: &str = "capm-system";
-const RELEASE: &str = "capm";
-const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 /// The tenant's namespace: what `clusterctl move -n` moves.
 const TENANT_NS: &str = "team-a";
 const IDENTITY: &str = "team-a-mail";
@@ -77,7 +74,6 @@ impl Management {
         // The chart, as a user installs it.
         let provider = install_chart_and_provider(
             &cp,
-            (NS, RELEASE, FULLNAME),
             default_backend.api_key(),
             &mailgun_values(
                 &format!("ops@{name}.example.com"),

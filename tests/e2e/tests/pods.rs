@@ -19,8 +19,8 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    Prometheus, create_cluster_pair, create_namespace, create_secret, dynamic_api, eventually,
-    helm,
+    CHART_NAMESPACE as NS, FULLNAME, Prometheus, RELEASE, create_cluster_pair, create_namespace,
+    create_secret, dynamic_api, eventually, helm,
     pods::{check_no_restarts, leader, on_a_node, provider_pods, ready},
     provider_binary,
     release::{Registry, Release, key_pair, release, verify_signature},
@@ -34,11 +34,8 @@ use kube::{
     api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams},
 };
 
-const NS: &str = "capm-system";
 const USER_NS: &str = "team-a";
 const REQUESTER: &str = "pods@example.com";
-const RELEASE: &str = "capm";
-const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 /// The chart names the Lease after the release.
 const LEASE: &str = "capm-cluster-api-provider-mailgun-leader";
 const DOMAIN: &str = "mg.e2e.example.com";
