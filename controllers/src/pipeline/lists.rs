@@ -20,13 +20,16 @@
 use std::collections::{HashMap, HashSet};
 
 use futures::channel::mpsc;
+
 use kube::{
     Resource, ResourceExt,
     runtime::{
-        reflector::{ObjectRef, ObjectRefExtra, Store},
+        reflector::{ObjectRef, Store},
         watcher,
     },
 };
+
+use super::packed::by_name;
 
 /// What the store held when a list began, and what the list brought so far.
 struct Listing<K: Resource<DynamicType = ()> + 'static> {
@@ -122,11 +125,7 @@ where
                     .get(&reference)
                     .is_some_and(|(u, rv)| *u == uid && *rv == obj.resource_version());
                 if !unchanged {
-                    // By name: a reconcile reads the store's copy, and a list of thousands
-                    // waits here and then in the scheduler.
-                    let mut reference = reference;
-                    reference.extra = ObjectRefExtra::default();
-                    listing.changed.push(reference);
+                    listing.changed.push(by_name(&reference));
                 }
                 listing.seen.insert(uid);
                 None

@@ -409,7 +409,7 @@ fn controller<K: Pipelined>(
     let wakes = ctx.poller.take_wakes::<K>().ok_or(Error::Wiring(
         "the delivery poller's wake-ups were taken twice",
     ))?;
-    triggers.push(wakes.map(|r| packed_ref::<K>(&r)).boxed());
+    triggers.push(wakes.map(|r| packed::by_name(&r)).boxed());
     let adds = count(&metrics.triggers);
     let trigger_queue = queue.clone();
     let triggers = futures::stream::select_all(triggers).inspect(move |obj| {
@@ -480,15 +480,6 @@ fn error_policy<K: Pipelined>(
         .with_label_values(&[K::CONTROLLER])
         .inc();
     ctx.requeue::<K>(&*obj, delay)
-}
-
-/// The cache's reference to the object `r` names.
-fn packed_ref<K: InfraKind>(r: &ObjectRef<K>) -> ObjectRef<Packed<K>> {
-    let reference = ObjectRef::new(&r.name);
-    match &r.namespace {
-        Some(namespace) => reference.within(namespace),
-        None => reference,
-    }
 }
 
 /// Resolves when `shutdown` has resolved while `store` never became ready: kube's applier holds

@@ -19,7 +19,7 @@
 use std::{borrow::Cow, cell::RefCell, fmt, marker::PhantomData};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::Resource;
+use kube::{Resource, runtime::reflector::ObjectRef};
 use miniz_oxide::deflate::core::{
     CompressorOxide, TDEFLFlush, TDEFLStatus, compress_to_output, create_comp_flags_from_zip_params,
 };
@@ -125,6 +125,18 @@ impl<K: Projected + Serialize + DeserializeOwned> Packed<K> {
     pub fn packed_len(&self) -> usize {
         self.body.len()
     }
+}
+
+/// The reference to the object `r` names, by name and namespace only, as the pipeline queues it:
+/// a reconcile reads the store's copy, so the UID and `resourceVersion` kube's `ObjectRef` may
+/// carry are not needed, and queued references can be many (a list of thousands waits in the
+/// scheduler; the sync walk holds one per object for a whole period).
+pub(crate) fn by_name<F: Resource, T: Resource<DynamicType = ()>>(
+    r: &ObjectRef<F>,
+) -> ObjectRef<T> {
+    let mut reference = ObjectRef::new(&r.name);
+    reference.namespace.clone_from(&r.namespace);
+    reference
 }
 
 /// `input` deflated (raw deflate, no header), through one compressor per thread: a compressor's

@@ -13,8 +13,10 @@ use tokio::time::Instant;
 use futures::Stream;
 use kube::{
     Resource,
-    runtime::reflector::{ObjectRef, ObjectRefExtra, Store},
+    runtime::reflector::{ObjectRef, Store},
 };
+
+use super::packed::by_name;
 
 /// How long an empty store is waited on before it is looked at again: short, so that the first
 /// walk begins right after the first list (a minute's wait here delayed it by up to a minute,
@@ -42,16 +44,10 @@ where
     futures::stream::unfold((store, walk), move |(store, mut walk)| async move {
         loop {
             if walk.queue.is_empty() {
-                // Names only: the walk holds a reference to every object for a whole period,
-                // and their UIDs and versions are not needed to ask for a reconcile.
                 walk.queue = store
                     .state()
                     .iter()
-                    .map(|o| {
-                        let mut reference = ObjectRef::from_obj(&**o);
-                        reference.extra = ObjectRefExtra::default();
-                        reference
-                    })
+                    .map(|o| by_name(&ObjectRef::from_obj(&**o)))
                     .collect();
                 if walk.queue.is_empty() {
                     tokio::time::sleep(period.min(EMPTY_RECHECK)).await;
