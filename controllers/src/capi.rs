@@ -5,8 +5,10 @@
 //! Unknown fields are ignored; the types are never written back.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::{CustomResource, runtime::reflector::Store};
+use kube::CustomResource;
 use serde::{Deserialize, Serialize};
+
+use crate::compact::OwnerCache;
 
 /// The Cluster API core group.
 pub const GROUP: &str = "cluster.x-k8s.io";
@@ -15,9 +17,9 @@ pub const GROUP: &str = "cluster.x-k8s.io";
 #[derive(Clone)]
 pub struct Owners {
     /// Cached `Cluster`s.
-    pub clusters: Store<Cluster>,
+    pub clusters: OwnerCache<Cluster>,
     /// Cached `Machine`s.
-    pub machines: Store<Machine>,
+    pub machines: OwnerCache<Machine>,
 }
 
 /// A contract-versioned reference (`spec.infrastructureRef` in v1beta2).

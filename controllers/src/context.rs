@@ -250,8 +250,9 @@ impl Ctx {
         let ctx = Arc::clone(self);
         tokio::spawn(async move {
             let listed = async {
-                ctx.owners.clusters.wait_until_ready().await.is_ok()
-                    && ctx.owners.machines.wait_until_ready().await.is_ok()
+                ctx.owners.clusters.wait_until_ready().await;
+                ctx.owners.machines.wait_until_ready().await;
+                true
             };
             // Past the bound, reconciles go on as before this wait existed (a missing owner is
             // rechecked, never acted on destructively), rather than each waiting the bound.
@@ -340,15 +341,17 @@ mod tests {
 
     fn ctx() -> Ctx {
         ctx_over(
-            kube::runtime::reflector::store().0,
-            kube::runtime::reflector::store().0,
+            crate::compact::OwnerCache::new(""),
+            crate::compact::OwnerCache::new(""),
         )
     }
 
     use crate::capi::{Cluster, Machine};
-    use kube::runtime::reflector::Store;
 
-    fn ctx_over(clusters: Store<Cluster>, machines: Store<Machine>) -> Ctx {
+    fn ctx_over(
+        clusters: crate::compact::OwnerCache<Cluster>,
+        machines: crate::compact::OwnerCache<Machine>,
+    ) -> Ctx {
         let client =
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
@@ -370,8 +373,10 @@ mod tests {
     #[tokio::test]
     async fn reconciles_wait_for_both_owner_caches_first_list_and_all_are_released() {
         use kube::runtime::watcher::Event;
-        let (clusters, mut cluster_writer) = kube::runtime::reflector::store::<Cluster>();
-        let (machines, mut machine_writer) = kube::runtime::reflector::store::<Machine>();
+        let clusters = crate::compact::OwnerCache::<Cluster>::new("");
+        let cluster_writer = clusters.clone();
+        let machines = crate::compact::OwnerCache::<Machine>::new("");
+        let machine_writer = machines.clone();
         let ctx = Arc::new(ctx_over(clusters, machines));
         ctx.watch_owner_caches();
         let waiters: Vec<_> = (0..16)
@@ -385,15 +390,15 @@ mod tests {
             waiters.iter().all(|w| !w.is_finished()),
             "released before any list"
         );
-        cluster_writer.apply_watcher_event(&Event::Init);
-        cluster_writer.apply_watcher_event(&Event::InitDone);
+        cluster_writer.apply(&Event::Init);
+        cluster_writer.apply(&Event::InitDone);
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
             waiters.iter().all(|w| !w.is_finished()),
             "released before the Machine list"
         );
-        machine_writer.apply_watcher_event(&Event::Init);
-        machine_writer.apply_watcher_event(&Event::InitDone);
+        machine_writer.apply(&Event::Init);
+        machine_writer.apply(&Event::InitDone);
         for waiter in waiters {
             tokio::time::timeout(Duration::from_secs(5), waiter)
                 .await

@@ -10,6 +10,7 @@
 
 //!
 //! The modules, each importing only those listed before it (`make lint` checks it):
+//! - how objects are kept: `compact` (short keys, deflated bodies, the Cluster API caches);
 //! - what the provider reads and how it reports: [`capi`] (Cluster API's objects), `kinds` (what
 //!   differs between our two kinds), `status`, `events`, `workqueue` (controller-runtime's queue
 //!   series for kube-runtime's scheduler), [`Metrics`], [`Config`];
@@ -21,6 +22,7 @@
 //! - the wiring: `pipeline` (watch → cache → triggers → controller, one per kind): [`run`].
 
 pub mod capi;
+pub mod compact;
 mod config;
 mod context;
 mod delivery;

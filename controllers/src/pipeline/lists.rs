@@ -19,8 +19,6 @@
 
 use std::collections::{HashMap, HashSet};
 
-use futures::channel::mpsc;
-
 use kube::{
     Resource, ResourceExt,
     runtime::{
@@ -44,12 +42,15 @@ struct Listing<K: Resource<DynamicType = ()> + 'static> {
 /// A predicate on objects' UIDs.
 type UidFilter = Box<dyn Fn(&str) -> bool + Send + Sync>;
 
+/// Where reconciles are asked for.
+type Ask<K> = Box<dyn Fn(&ObjectRef<K>) + Send + Sync>;
+
 /// Turns a reflected watch stream's events into the objects to reconcile (see the module docs).
 pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
     store: Store<K>,
     listing: Option<Listing<K>>,
-    /// Where the reconciles a completed list asks for go (`Controller::reconcile_on`).
-    relisted: mpsc::UnboundedSender<ObjectRef<K>>,
+    /// Asks for the reconciles a completed list needs (the pipeline's [`super::paced::Pacer`]).
+    relisted: Ask<K>,
     /// Called with the UID of each object that is gone (a deletion, or absent from a list).
     forget: Box<dyn Fn(&str) + Send + Sync>,
     /// Whether an unchanged object is asked for too after a list: one waiting out a retry
@@ -62,16 +63,16 @@ where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
     /// An adapter over the reflector store `store`; the reconciles it asks for after each list
-    /// are sent to `relisted`.
+    /// are asked of `relisted`.
     pub(crate) fn new(
         store: Store<K>,
-        relisted: mpsc::UnboundedSender<ObjectRef<K>>,
+        relisted: impl Fn(&ObjectRef<K>) + Send + Sync + 'static,
         forget: impl Fn(&str) + Send + Sync + 'static,
     ) -> Self {
         Self {
             store,
             listing: None,
-            relisted,
+            relisted: Box::new(relisted),
             forget: Box::new(forget),
             retry: None,
         }
@@ -158,10 +159,8 @@ where
                         first = ?listing.changed.iter().chain(&waiting).take(20).map(|r| r.name.as_str()).collect::<Vec<_>>(),
                         "A list is complete: reconciling what it changed"
                     );
-                    for reference in listing.changed.into_iter().chain(waiting) {
-                        // The receiver lives as long as the controller; a closed one means
-                        // it stopped.
-                        let _ = self.relisted.unbounded_send(reference);
+                    for reference in listing.changed.iter().chain(&waiting) {
+                        (self.relisted)(reference);
                     }
                 }
                 None
@@ -175,7 +174,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use capm_api::v1beta1::MailgunCluster;
-    use futures::StreamExt;
+    use futures::{StreamExt, channel::mpsc};
     use kube::runtime::reflector;
 
     use super::*;
@@ -199,7 +198,7 @@ mod tests {
             let (tx, relisted) = mpsc::unbounded();
             let forgotten = Arc::new(Mutex::new(Vec::new()));
             let f = forgotten.clone();
-            let adapter = AfterLists::new(store.clone(), tx, move |uid| {
+            let adapter = AfterLists::new(store.clone(), asker(tx), move |uid| {
                 f.lock().unwrap().push(uid.to_owned());
             });
             Self {
@@ -226,6 +225,13 @@ mod tests {
             }
             out
         }
+    }
+
+    /// What the pipeline's pacer would be asked, sent to a channel.
+    fn asker(
+        tx: mpsc::UnboundedSender<ObjectRef<MailgunCluster>>,
+    ) -> impl Fn(&ObjectRef<MailgunCluster>) + Send + Sync + 'static {
+        move |r| tx.unbounded_send(r.clone()).expect("the test reads")
     }
 
     fn list(rig: &mut Rig, objects: &[MailgunCluster]) {
@@ -303,8 +309,10 @@ mod tests {
     #[test]
     fn a_relist_also_asks_for_unchanged_objects_waiting_out_a_retry() {
         let mut rig = Rig::new();
-        rig.adapter = AfterLists::new(rig.store.clone(), rig.adapter.relisted.clone(), |_| {})
-            .retrying(|uid| uid == "u2");
+        let (tx, relisted) = mpsc::unbounded();
+        rig.relisted = relisted;
+        rig.adapter =
+            AfterLists::new(rig.store.clone(), asker(tx), |_| {}).retrying(|uid| uid == "u2");
         list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);
         rig.asked();
         list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);

@@ -5,15 +5,18 @@
 //! reflector store (one snapshot per object) → [`lists::AfterLists`] (a list's objects are
 //! reconciled once the store holds the list) → kube-runtime's `Controller`, which also takes the
 //! reconciles the Cluster API objects ask for ([`Pipelined::owner_triggers`]), the delivery
-//! poller's wake-ups and the sync period's ([`resync`]). The Cluster API caches are shared by
-//! both kinds and listed before any reconcile judges an owner ([`OwnerCaches`]).
+//! poller's wake-ups and the sync period's ([`resync`]). What a list asks for (of our objects or
+//! of the Cluster API objects) waits in the [`paced::Pacer`] and enters the controller a window
+//! at a time. The Cluster API caches ([`crate::compact::OwnerCache`]) are shared by both kinds
+//! and listed before any reconcile judges an owner ([`OwnerCaches`]).
 
 mod lists;
+mod paced;
 pub mod packed;
 mod resync;
 pub mod trim;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{collections::HashSet, future::Future, sync::Arc, time::Duration};
 
 use capm_api::{
     names,
@@ -27,7 +30,7 @@ use kube::{
     runtime::{
         Controller, WatchStreamExt,
         controller::{self, Action},
-        reflector::{self, ObjectRef, Store, store::Writer},
+        reflector::{self, ObjectRef, Store},
         utils::{Backoff, ResetTimerBackoff},
         watcher::{self, ExponentialBackoff},
     },
@@ -38,6 +41,7 @@ use self::packed::Packed;
 use crate::{
     Config, Error, Leadership, Metrics,
     capi::{Cluster, ContractRef, Machine, Owners},
+    compact::{Key, OwnerCache},
     context::{Ctx, ReconcileError},
     events::Events,
     kinds::InfraKind,
@@ -119,20 +123,39 @@ where
 /// right after it changed, a common thing here), answers `Pending` without asking to be woken
 /// again (kube-runtime 5.0.0, `ReflectHandle::poll_next`). That subscriber then never yields
 /// again: a controller stopped hearing of Clusters for good, and an unpaused Cluster never had its
-/// request mailed (the partition test found it). Here the objects themselves are sent.
+/// request mailed (the partition test found it). Here the changed objects themselves are sent,
+/// and after a list the keys of every object ([`Heard`]).
 struct OwnerCaches {
-    clusters: Writer<Cluster>,
-    machines: Writer<Machine>,
     owners: Owners,
     cluster_subscribers: Subscribers<Cluster>,
     machine_subscribers: Subscribers<Machine>,
 }
 
+/// What a cache's change brings a subscriber.
+enum Heard<K> {
+    /// One object changed (an `Apply`).
+    Changed(Arc<K>),
+    /// A list is complete: the keys of every object it holds, read back from the cache one at a
+    /// time as the subscriber gets to them, their reconciles paced ([`paced`]).
+    Listed(Arc<[Key]>),
+}
+
+impl<K> Clone for Heard<K> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Changed(obj) => Self::Changed(Arc::clone(obj)),
+            Self::Listed(keys) => Self::Listed(Arc::clone(keys)),
+        }
+    }
+}
+
 /// Where one cache's changes go: one channel per subscriber.
-type Subscribers<K> = Arc<std::sync::Mutex<Vec<futures::channel::mpsc::UnboundedSender<Arc<K>>>>>;
+type Subscribers<K> = Arc<std::sync::Mutex<Vec<futures::channel::mpsc::UnboundedSender<Heard<K>>>>>;
 
 /// A new subscriber of `subscribers`.
-fn subscribe<K: Send + Sync + 'static>(subscribers: &Subscribers<K>) -> BoxStream<'static, Arc<K>> {
+fn subscribe<K: Send + Sync + 'static>(
+    subscribers: &Subscribers<K>,
+) -> BoxStream<'static, Heard<K>> {
     let (tx, rx) = futures::channel::mpsc::unbounded();
     subscribers
         .lock()
@@ -141,38 +164,58 @@ fn subscribe<K: Send + Sync + 'static>(subscribers: &Subscribers<K>) -> BoxStrea
     rx.boxed()
 }
 
-/// Sends what `event` (already applied to `store`) changed to every subscriber: the object of an
-/// `Apply`, every object after a list (`InitDone`); nothing for a deletion.
-fn fan_out<K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static>(
+/// Applies `event` to `cache` and sends what it changed to every subscriber: the object of an
+/// `Apply`, the keys of every object after a list (`InitDone`); nothing for a deletion.
+fn apply_and_fan_out<K>(
     event: &watcher::Event<K>,
-    store: &Store<K>,
+    cache: &OwnerCache<K>,
     subscribers: &Subscribers<K>,
-) {
-    let objects: Vec<Arc<K>> = match event {
-        watcher::Event::Apply(obj) => vec![Arc::new(obj.clone())],
-        watcher::Event::InitDone => store.state(),
+) where
+    K: Resource<DynamicType = ()> + Clone + serde::Serialize + serde::de::DeserializeOwned,
+    K: Send + Sync + 'static,
+{
+    cache.apply(event);
+    let heard = match event {
+        watcher::Event::Apply(obj) => Heard::Changed(Arc::new(obj.clone())),
+        watcher::Event::InitDone => Heard::Listed(cache.keys().into()),
         _ => return,
     };
     let mut subscribers = subscribers.lock().unwrap_or_else(|e| e.into_inner());
     // A subscriber gone (its controller stopped) is dropped.
-    subscribers.retain(|tx| {
-        objects
-            .iter()
-            .all(|obj| tx.unbounded_send(Arc::clone(obj)).is_ok())
-    });
+    subscribers.retain(|tx| tx.unbounded_send(heard.clone()).is_ok());
+}
+
+/// The reconciles `heard` asks for, by `target` (an object's infrastructure): the changed
+/// object's, or each listed object's, read back from `cache` one at a time.
+fn targets<K, T>(
+    cache: OwnerCache<K>,
+    heard: Heard<K>,
+    target: impl Fn(&K) -> Option<T> + Send + 'static,
+) -> impl futures::Stream<Item = (T, bool)> + Send + 'static
+where
+    K: Resource<DynamicType = ()> + serde::Serialize + serde::de::DeserializeOwned,
+    K: Send + Sync + 'static,
+    T: Send + 'static,
+{
+    let each: Box<dyn Iterator<Item = (T, bool)> + Send> = match heard {
+        Heard::Changed(obj) => Box::new(target(&obj).map(|t| (t, false)).into_iter()),
+        Heard::Listed(keys) => Box::new(
+            (0..keys.len())
+                .filter_map(move |i| cache.get_key(&keys[i]))
+                .filter_map(move |obj| target(&obj))
+                .map(|t| (t, true)),
+        ),
+    };
+    futures::stream::iter(each)
 }
 
 impl OwnerCaches {
     fn new() -> Self {
-        let (cluster_store, clusters) = reflector::store::<Cluster>();
-        let (machine_store, machines) = reflector::store::<Machine>();
         let owners = Owners {
-            clusters: cluster_store,
-            machines: machine_store,
+            clusters: OwnerCache::new(<Cluster as trim::Projected>::DICTIONARY),
+            machines: OwnerCache::new(<Machine as trim::Projected>::DICTIONARY),
         };
         Self {
-            clusters,
-            machines,
             owners,
             cluster_subscribers: Subscribers::default(),
             machine_subscribers: Subscribers::default(),
@@ -180,16 +223,16 @@ impl OwnerCaches {
     }
 
     /// The `Cluster`s as they change, and all of them after each list.
-    fn clusters(&self) -> Result<BoxStream<'static, Arc<Cluster>>, Error> {
+    fn clusters(&self) -> Result<BoxStream<'static, Heard<Cluster>>, Error> {
         Ok(subscribe(&self.cluster_subscribers))
     }
 
     /// The `Machine`s, as [`Self::clusters`].
-    fn machines(&self) -> Result<BoxStream<'static, Arc<Machine>>, Error> {
+    fn machines(&self) -> Result<BoxStream<'static, Heard<Machine>>, Error> {
         Ok(subscribe(&self.machine_subscribers))
     }
 
-    /// Runs both watches into their stores until `shutdown`. The Cluster API objects are not
+    /// Runs both watches into their caches until `shutdown`. The Cluster API objects are not
     /// filtered by `--watch-filter`: our objects decide what is reconciled.
     async fn drive(
         self,
@@ -198,24 +241,20 @@ impl OwnerCaches {
         shutdown: impl Future<Output = ()> + Send,
     ) {
         let wc = watcher::Config::default().page_size(PAGE_SIZE);
-        let (cluster_store, cluster_subscribers) =
+        let (cluster_cache, cluster_subscribers) =
             (self.owners.clusters.clone(), self.cluster_subscribers);
-        let clusters = watch::<Cluster>(&client, &config, wc.clone())
-            .reflect(self.clusters)
-            .map(move |event| {
-                if let Ok(event) = &event {
-                    fan_out(event, &cluster_store, &cluster_subscribers);
-                }
-            });
-        let (machine_store, machine_subscribers) =
+        let clusters = watch::<Cluster>(&client, &config, wc.clone()).map(move |event| {
+            if let Ok(event) = &event {
+                apply_and_fan_out(event, &cluster_cache, &cluster_subscribers);
+            }
+        });
+        let (machine_cache, machine_subscribers) =
             (self.owners.machines.clone(), self.machine_subscribers);
-        let machines = watch::<Machine>(&client, &config, wc)
-            .reflect(self.machines)
-            .map(move |event| {
-                if let Ok(event) = &event {
-                    fan_out(event, &machine_store, &machine_subscribers);
-                }
-            });
+        let machines = watch::<Machine>(&client, &config, wc).map(move |event| {
+            if let Ok(event) = &event {
+                apply_and_fan_out(event, &machine_cache, &machine_subscribers);
+            }
+        });
         let both = futures::stream::select(clusters, machines);
         futures::pin_mut!(both);
         let mut shutdown = std::pin::pin!(shutdown);
@@ -228,6 +267,10 @@ impl OwnerCaches {
     }
 }
 
+/// A reconcile a Cluster API object asks for, and whether a list of them brought it (then it
+/// waits its turn in the [`paced::Pacer`]).
+type Trigger<K> = (ObjectRef<Packed<K>>, bool);
+
 /// What differs between the kinds' pipelines: which Cluster API objects ask for their
 /// reconciles.
 trait Pipelined: InfraKind + trim::Projected {
@@ -235,7 +278,7 @@ trait Pipelined: InfraKind + trim::Projected {
     fn owner_triggers(
         caches: &OwnerCaches,
         own: &Store<Packed<Self>>,
-    ) -> Result<Vec<BoxStream<'static, ObjectRef<Packed<Self>>>>, Error>;
+    ) -> Result<Vec<BoxStream<'static, Trigger<Self>>>, Error>;
 }
 
 /// `ObjectRef` of our object named by a Cluster API object's `spec.infrastructureRef`.
@@ -253,14 +296,14 @@ impl Pipelined for MailgunCluster {
     fn owner_triggers(
         caches: &OwnerCaches,
         _: &Store<Packed<Self>>,
-    ) -> Result<Vec<BoxStream<'static, ObjectRef<Packed<Self>>>>, Error> {
+    ) -> Result<Vec<BoxStream<'static, Trigger<Self>>>, Error> {
+        let cache = caches.owners.clusters.clone();
         let by_cluster = caches
             .clusters()?
-            .filter_map(|c| {
-                future::ready(infra_target(
-                    c.spec.infrastructure_ref.as_ref(),
-                    c.namespace(),
-                ))
+            .flat_map(move |heard| {
+                targets(cache.clone(), heard, |c: &Cluster| {
+                    infra_target(c.spec.infrastructure_ref.as_ref(), c.namespace())
+                })
             })
             .boxed();
         Ok(vec![by_cluster])
@@ -274,30 +317,44 @@ impl Pipelined for MailgunMachine {
     fn owner_triggers(
         caches: &OwnerCaches,
         own: &Store<Packed<Self>>,
-    ) -> Result<Vec<BoxStream<'static, ObjectRef<Packed<Self>>>>, Error> {
+    ) -> Result<Vec<BoxStream<'static, Trigger<Self>>>, Error> {
+        let cache = caches.owners.machines.clone();
         let by_machine = caches
             .machines()?
-            .filter_map(|m| {
-                future::ready(infra_target(
-                    m.spec.infrastructure_ref.as_ref(),
-                    m.namespace(),
-                ))
+            .flat_map(move |heard| {
+                targets(cache.clone(), heard, |m: &Machine| {
+                    infra_target(m.spec.infrastructure_ref.as_ref(), m.namespace())
+                })
             })
             .boxed();
         let own = own.clone();
         let by_cluster = caches
             .clusters()?
-            .flat_map(move |cluster| {
-                let namespace = cluster.namespace().unwrap_or_default();
-                let name = cluster.name_any();
-                let targets: Vec<ObjectRef<Packed<Self>>> = own
+            .flat_map(move |heard| {
+                // The Clusters by key, and whether a list brought them.
+                let (clusters, listed): (HashSet<Key>, bool) = match heard {
+                    Heard::Changed(c) => (
+                        HashSet::from([Key::new(
+                            c.namespace().as_deref().unwrap_or_default(),
+                            &c.name_any(),
+                        )]),
+                        false,
+                    ),
+                    Heard::Listed(keys) => (keys.iter().cloned().collect(), true),
+                };
+                // One pass over our objects, however many Clusters a list brought.
+                let targets: Vec<Trigger<Self>> = own
                     .state()
                     .iter()
                     .filter(|m| {
-                        m.namespace().as_deref() == Some(namespace.as_str())
-                            && m.labels().get(names::CLUSTER_NAME_LABEL) == Some(&name)
+                        m.labels().get(names::CLUSTER_NAME_LABEL).is_some_and(|c| {
+                            clusters.contains(&Key::new(
+                                m.namespace().as_deref().unwrap_or_default(),
+                                c,
+                            ))
+                        })
                     })
-                    .map(|m| ObjectRef::from_obj(&**m))
+                    .map(|m| (packed::by_name(&ObjectRef::from_obj(&**m)), listed))
                     .collect();
                 futures::stream::iter(targets)
             })
@@ -371,12 +428,16 @@ fn controller<K: Pipelined>(
         wc = wc.labels(&format!("{}={filter}", names::WATCH_FILTER_LABEL));
     }
     let (store, writer) = reflector::store::<Packed<K>>();
-    let (relisted_tx, relisted) = futures::channel::mpsc::unbounded();
+    // Enough to keep every worker busy while the next few wait in the scheduler.
+    let pacer = paced::Pacer::new(2 * usize::from(config.concurrency));
     let forgetting = Arc::clone(ctx);
     let retrying = Arc::clone(ctx);
-    let mut after_lists = lists::AfterLists::new(store.clone(), relisted_tx, move |uid| {
-        forgetting.forget(uid)
-    })
+    let asking = pacer.clone();
+    let mut after_lists = lists::AfterLists::new(
+        store.clone(),
+        move |r| asking.ask(r),
+        move |uid| forgetting.forget(uid),
+    )
     // An object whose reconciles failed while the API server was away (a partition, a restart)
     // would otherwise wait out the retry delay it built up, unchanged and so not asked for.
     .retrying(move |uid| retrying.memory.has_failures(uid));
@@ -403,8 +464,18 @@ fn controller<K: Pipelined>(
             })
         });
 
-    let mut triggers = K::owner_triggers(caches, &store)?;
-    triggers.push(relisted.boxed());
+    let asking = pacer.clone();
+    let by_owners = futures::stream::select_all(K::owner_triggers(caches, &store)?).filter_map(
+        move |(reference, listed)| {
+            future::ready(if listed {
+                asking.ask(&reference);
+                None
+            } else {
+                Some(reference)
+            })
+        },
+    );
+    let mut triggers = vec![by_owners.boxed(), pacer.stream().boxed()];
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
     let wakes = ctx.poller.take_wakes::<K>().ok_or(Error::Wiring(
         "the delivery poller's wake-ups were taken twice",
@@ -429,6 +500,14 @@ fn controller<K: Pipelined>(
         )
         .take_until(abort)
         .for_each(move |result| {
+            match &result {
+                Ok((reference, _)) => pacer.finished(reference),
+                Err(
+                    controller::Error::ObjectNotFound(reference)
+                    | controller::Error::ReconcilerFailed(_, reference),
+                ) => pacer.finished(reference),
+                Err(_) => {}
+            }
             log_result(K::CONTROLLER, &queue, result);
             future::ready(())
         }))
@@ -568,18 +647,18 @@ async fn preflight(client: &Client, config: &Config) -> Result<(), Error> {
 #[cfg(test)]
 mod fan_out_tests {
     use super::*;
+    use kube::runtime::reflector::store::Writer;
 
     /// An object changed and deleted before its subscriber reads still reaches the subscriber,
     /// and the subscriber keeps hearing of later changes (kube-runtime's shared-store subscriber
     /// stopped for good in that case).
     #[tokio::test]
     async fn a_change_then_a_deletion_never_stops_a_subscriber() {
-        let (store, mut writer) = reflector::store::<MailgunCluster>();
+        let cache = OwnerCache::<MailgunCluster>::new("");
         let subscribers = Subscribers::<MailgunCluster>::default();
         let mut heard = futures::stream::select_all([subscribe(&subscribers)]);
-        let mut apply = |event: watcher::Event<MailgunCluster>| {
-            writer.apply_watcher_event(&event);
-            fan_out(&event, &store, &subscribers);
+        let apply = |event: watcher::Event<MailgunCluster>| {
+            apply_and_fan_out(&event, &cache, &subscribers);
         };
         apply(watcher::Event::Init);
         apply(watcher::Event::InitApply(test_object("a", "ua", "1")));
@@ -587,15 +666,23 @@ mod fan_out_tests {
         apply(watcher::Event::Apply(test_object("b", "ub", "2")));
         apply(watcher::Event::Delete(test_object("b", "ub", "2")));
         apply(watcher::Event::Apply(test_object("c", "uc", "3")));
-        let mut names = Vec::new();
+        let mut names: Vec<(String, bool)> = Vec::new();
         for _ in 0..3 {
             let obj = tokio::time::timeout(Duration::from_secs(1), heard.next())
                 .await
                 .expect("the subscriber hears every change")
                 .expect("open");
-            names.push(obj.name_any());
+            names.extend(
+                targets(cache.clone(), obj, |o: &MailgunCluster| Some(o.name_any()))
+                    .collect::<Vec<_>>()
+                    .await,
+            );
         }
-        assert_eq!(names, ["a", "b", "c"]);
+        assert_eq!(
+            names,
+            [("a".into(), true), ("b".into(), false), ("c".into(), false)],
+            "each object, marked when a list brought it"
+        );
     }
 
     /// The kube-runtime behaviour this module works around (docs/kube-runtime-subscriber.md):

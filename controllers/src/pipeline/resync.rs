@@ -16,7 +16,7 @@ use kube::{
     runtime::reflector::{ObjectRef, Store},
 };
 
-use super::packed::by_name;
+use crate::compact::Key;
 
 /// How long an empty store is waited on before it is looked at again: short, so that the first
 /// walk begins right after the first list (a minute's wait here delayed it by up to a minute,
@@ -47,7 +47,7 @@ where
                 walk.queue = store
                     .state()
                     .iter()
-                    .map(|o| by_name(&ObjectRef::from_obj(&**o)))
+                    .map(|o| Key::of(&ObjectRef::from_obj(&**o)))
                     .collect();
                 if walk.queue.is_empty() {
                     tokio::time::sleep(period.min(EMPTY_RECHECK)).await;
@@ -67,15 +67,16 @@ where
             }
             tokio::time::sleep_until(walk.next).await;
             if let Some(next) = walk.queue.pop_front() {
-                return Some((next, (store, walk)));
+                return Some((next.to_ref(), (store, walk)));
             }
         }
     })
 }
 
-/// Where a walk is: the objects left, their spacing and the next deadline.
-struct Walk<K: Resource<DynamicType = ()> + 'static> {
-    queue: VecDeque<ObjectRef<K>>,
+/// Where a walk is: the objects left (one short key each: the walk holds every object's for a
+/// whole period), their spacing and the next deadline.
+struct Walk {
+    queue: VecDeque<Key>,
     gap: Duration,
     next: Instant,
 }

@@ -72,6 +72,17 @@ pub struct Keep {
 pub trait Projected: Resource {
     /// What it keeps of its metadata.
     const KEEP: Keep;
+    /// A typical object of the kind as the caches pack it (JSON, without name, namespace, UID
+    /// and `resourceVersion`): the packed bodies refer back into it, so only what differs from
+    /// it takes room ([`super::packed`]). Any text is correct; a closer one packs smaller.
+    const DICTIONARY: &'static str;
+}
+
+/// The status conditions our kinds write, as the caches see them (see [`Projected::DICTIONARY`]).
+macro_rules! conditions_dictionary {
+    () => {
+        r#""status":{"conditions":[{"lastTransitionTime":"2026-01-01T00:00:00Z","message":"","reason":"NotPaused","status":"False","type":"Paused"},{"lastTransitionTime":"2026-01-01T00:00:00Z","message":"","reason":"MailSent","status":"True","type":"MailSent"},{"lastTransitionTime":"2026-01-01T00:00:00Z","message":"","reason":"DeliveryPending","status":"Unknown","type":"MailDelivered"},{"lastTransitionTime":"2026-01-01T00:00:00Z","message":"","reason":"WaitingForFulfillment","status":"False","type":"Provisioned"},{"lastTransitionTime":"2026-01-01T00:00:00Z","message":"","reason":"WaitingForFulfillment","status":"False","type":"Ready"}],"observedGeneration":1,"initialization":{"provisioned":true},"mail":{"messageID":"<mailguncluster.00000000-0000-4000-8000-000000000000@","state":"Sent","sentAt":"2026-01-01T00:00:00Z","deliveredAt":"","failure":""}}}Delivered DeliveryDelayed DeliveryFailed PartlyDelivered DeliveryUnknown NotTrackable DeletionMailSent OwnerMismatch OwnerDeleting WaitingForOwner WaitingForClusterInfrastructure WaitingForBootstrapData MailPending MailFailed Deleting InvalidSpec IdentityNotFound"#
+    };
 }
 
 impl Projected for MailgunCluster {
@@ -80,6 +91,10 @@ impl Projected for MailgunCluster {
         labels: <Self as InfraKind>::CACHED_LABELS,
         finalizers_and_owners: true,
     };
+    const DICTIONARY: &'static str = concat!(
+        r#"{"apiVersion":"infrastructure.cluster.x-k8s.io/v1beta1","kind":"MailgunCluster","metadata":{"annotations":{"mailgun.infrastructure.cluster.x-k8s.io/mail":"{\"at\":\"2026-01-01T00:00:00Z\",\"messageId\":\"<mailguncluster.00000000-0000-4000-8000-000000000000@\",\"state\":\"sent\"}"},"creationTimestamp":"2026-01-01T00:00:00Z","finalizers":["mailguncluster.infrastructure.cluster.x-k8s.io"],"generation":1,"ownerReferences":[{"apiVersion":"cluster.x-k8s.io/v1beta2","blockOwnerDeletion":true,"controller":true,"kind":"Cluster","name":"","uid":"00000000-0000-4000-9000-000000000000"}]},"spec":{"priority":"Urgent","request":"One cluster please.","requester":"@example.com","controlPlaneEndpoint":{"host":"","port":6443},"identityRef":{"name":""}},"#,
+        conditions_dictionary!()
+    );
 }
 
 impl Projected for MailgunMachine {
@@ -88,6 +103,10 @@ impl Projected for MailgunMachine {
         labels: <Self as InfraKind>::CACHED_LABELS,
         finalizers_and_owners: true,
     };
+    const DICTIONARY: &'static str = concat!(
+        r#"{"apiVersion":"infrastructure.cluster.x-k8s.io/v1beta1","kind":"MailgunMachine","metadata":{"annotations":{"mailgun.infrastructure.cluster.x-k8s.io/mail":"{\"at\":\"2026-01-01T00:00:00Z\",\"messageId\":\"<mailgunmachine.00000000-0000-4000-8000-000000000000@\",\"state\":\"sent\"}"},"creationTimestamp":"2026-01-01T00:00:00Z","finalizers":["mailgunmachine.infrastructure.cluster.x-k8s.io"],"generation":1,"ownerReferences":[{"apiVersion":"cluster.x-k8s.io/v1beta2","blockOwnerDeletion":true,"controller":true,"kind":"Machine","name":"","uid":"00000000-0000-4000-9000-000000000000"}]},"spec":{"priority":"Urgent","request":"One machine please.","requester":"@example.com","providerID":"","failureDomain":"","addresses":[{"type":"InternalIP","address":""}]},"#,
+        conditions_dictionary!()
+    );
 }
 
 impl Projected for Cluster {
@@ -96,6 +115,7 @@ impl Projected for Cluster {
         labels: &[],
         finalizers_and_owners: false,
     };
+    const DICTIONARY: &'static str = r#"{"apiVersion":"cluster.x-k8s.io/v1beta2","kind":"Cluster","metadata":{"creationTimestamp":"2026-01-01T00:00:00Z","generation":1,"name":"","namespace":"","resourceVersion":"","uid":"00000000-0000-4000-9000-000000000000"},"spec":{"paused":null,"infrastructureRef":{"apiGroup":"infrastructure.cluster.x-k8s.io","kind":"MailgunCluster","name":""}},"status":{"initialization":{"infrastructureProvisioned":true}}}"#;
 }
 
 impl Projected for Machine {
@@ -104,6 +124,7 @@ impl Projected for Machine {
         labels: &MACHINE_LABELS,
         finalizers_and_owners: false,
     };
+    const DICTIONARY: &'static str = r#"{"apiVersion":"cluster.x-k8s.io/v1beta2","kind":"Machine","metadata":{"creationTimestamp":"2026-01-01T00:00:00Z","generation":1,"labels":{"cluster.x-k8s.io/cluster-name":""},"name":"","namespace":"","resourceVersion":"","uid":"00000000-0000-4000-9000-000000000000"},"spec":{"clusterName":"","bootstrap":{"dataSecretName":""},"failureDomain":null,"infrastructureRef":{"apiGroup":"infrastructure.cluster.x-k8s.io","kind":"MailgunMachine","name":""}}}"#;
 }
 
 /// An object read as its kind's projection: what the watches deserialise and the caches hold.

@@ -269,13 +269,15 @@ async fn reconcile_once(
     log: Log,
 ) -> Outcome {
     let (client, server) = fake_api(&obj, &owner, Arc::clone(&log));
-    let (clusters, mut cluster_writer) = kube::runtime::reflector::store::<Cluster>();
-    let (machines, mut machine_writer) = kube::runtime::reflector::store::<Machine>();
-    cluster_writer.apply_watcher_event(&Event::Init);
-    cluster_writer.apply_watcher_event(&Event::InitApply(owner));
-    cluster_writer.apply_watcher_event(&Event::InitDone);
-    machine_writer.apply_watcher_event(&Event::Init);
-    machine_writer.apply_watcher_event(&Event::InitDone);
+    let clusters = crate::compact::OwnerCache::<Cluster>::new("");
+    let cluster_writer = clusters.clone();
+    let machines = crate::compact::OwnerCache::<Machine>::new("");
+    let machine_writer = machines.clone();
+    cluster_writer.apply(&Event::Init);
+    cluster_writer.apply(&Event::InitApply(owner));
+    cluster_writer.apply(&Event::InitDone);
+    machine_writer.apply(&Event::Init);
+    machine_writer.apply(&Event::InitDone);
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         Arc::new(mailer),

@@ -1,23 +1,24 @@
-//! The memory floor of kube-runtime's caches: what two reflector stores (the provider's
-//! `MailgunCluster` cache, of packed objects, and its `Cluster` cache) cost per Cluster +
-//! MailgunCluster pair when the objects carry nothing but a name, a namespace, a UID and a
-//! `resourceVersion` (and the spec a MailgunCluster must have).
+//! The memory floor of the provider's caches: what its `MailgunCluster` cache (kube-runtime's
+//! reflector store of packed objects, which its controller reads) and its `Cluster` cache (the
+//! provider's own `OwnerCache` of deflated objects) cost per Cluster + MailgunCluster pair when
+//! the objects carry nothing but a name, a namespace, a UID and a `resourceVersion` (and the
+//! spec a MailgunCluster must have), and when they are finished.
 //!
 //! Measured in this process, on the resident set (so the allocator's own overhead counts, as it
-//! does for the provider): `pairs` objects of each kind are applied to a `Writer` the way the
-//! reflector applies watch events, and the growth of `VmRSS` is divided by `pairs`. Every
-//! `Store<K>` entry holds an `Arc<K>` (the typed object with its whole `ObjectMeta`), an
-//! `ObjectRef` key with its own copies of the name, namespace, UID and `resourceVersion`, and a
-//! hash-table slot; a controller's cache cannot be smaller than that per object, whatever it
-//! trims.
+//! does for the provider): `pairs` objects of each kind are applied the way the watches apply
+//! them, and the growth of `VmRSS` is divided by `pairs`. Every reflector `Store<K>` entry holds
+//! an `Arc<K>` (the object with its whole `ObjectMeta`), an `ObjectRef` key with its own copies
+//! of the name, namespace, UID and `resourceVersion`, and a hash-table slot: kube-runtime's
+//! controller cannot read a smaller cache, whatever it trims.
 
 use capm_api::v1beta1::MailgunCluster;
 use capm_controllers::{
     capi::{Cluster, ClusterSpec, ContractRef},
+    compact::OwnerCache,
     packed::Packed,
+    trim::Projected,
 };
 use kube::{
-    Resource,
     api::ObjectMeta,
     runtime::{reflector, watcher},
 };
@@ -181,16 +182,13 @@ fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
 
 /// Applies `pairs` pairs (after a first thousand) to two fresh stores, as the reflector applies
 /// watch events, and returns the growth of the resident set per pair with the stores.
-fn fill<C>(
+fn fill(
     pairs: usize,
     mgc: impl Fn(usize) -> anyhow::Result<Packed<MailgunCluster>>,
-    cluster: impl Fn(usize) -> C,
-) -> anyhow::Result<(f64, Kept)>
-where
-    C: Resource<DynamicType = ()> + Clone + 'static,
-{
+    cluster: impl Fn(usize) -> Cluster,
+) -> anyhow::Result<(f64, Kept)> {
     let (mgc_reader, mut mgc_writer) = reflector::store::<Packed<MailgunCluster>>();
-    let (cluster_reader, mut cluster_writer) = reflector::store::<C>();
+    let clusters = OwnerCache::<Cluster>::new(Cluster::DICTIONARY);
     // A first batch, so what grows once (the tables' first allocation, the allocator's arenas)
     // is not counted per pair.
     let warm = 1000;
@@ -200,15 +198,15 @@ where
             before = rss_bytes()?;
         }
         mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc(i)?));
-        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster(i)));
+        clusters.apply(&watcher::Event::Apply(cluster(i)));
     }
     let after = rss_bytes()?;
     anyhow::ensure!(
-        mgc_reader.state().len() == warm + pairs && cluster_reader.state().len() == warm + pairs,
-        "the stores do not hold every object"
+        mgc_reader.state().len() == warm + pairs && clusters.keys().len() == warm + pairs,
+        "the caches do not hold every object"
     );
     Ok((
         (after - before) / pairs as f64,
-        (Box::new(mgc_writer), Box::new(cluster_writer)),
+        (Box::new(mgc_writer), Box::new(clusters)),
     ))
 }
