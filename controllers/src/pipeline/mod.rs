@@ -430,17 +430,23 @@ fn controller<K: Pipelined>(
     let (store, writer) = reflector::store::<Packed<K>>();
     // Enough to keep every worker busy while the next few wait in the scheduler.
     let pacer = paced::Pacer::new(2 * usize::from(config.concurrency));
+    // A list's reconcile is a trigger, and enters the queue's series, when it is asked for: the
+    // `workqueue_*` series show the whole backlog, and its wait, as before the pacer.
+    let asker = || {
+        let (pacer, adds, queue) = (pacer.clone(), count(&metrics.triggers), queue.clone());
+        move |r: &ObjectRef<Packed<K>>| {
+            adds.inc();
+            queue.added(name, &workqueue::key(r.namespace.as_deref(), &r.name));
+            pacer.ask(r);
+        }
+    };
     let forgetting = Arc::clone(ctx);
     let retrying = Arc::clone(ctx);
-    let asking = pacer.clone();
-    let mut after_lists = lists::AfterLists::new(
-        store.clone(),
-        move |r| asking.ask(r),
-        move |uid| forgetting.forget(uid),
-    )
-    // An object whose reconciles failed while the API server was away (a partition, a restart)
-    // would otherwise wait out the retry delay it built up, unchanged and so not asked for.
-    .retrying(move |uid| retrying.memory.has_failures(uid));
+    let mut after_lists =
+        lists::AfterLists::new(store.clone(), asker(), move |uid| forgetting.forget(uid))
+            // An object whose reconciles failed while the API server was away (a partition, a restart)
+            // would otherwise wait out the retry delay it built up, unchanged and so not asked for.
+            .retrying(move |uid| retrying.memory.has_failures(uid));
     let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
     let own_queue = queue.clone();
     let own = watch_as::<Packed<K>>(&ctx.client, config, wc)
@@ -464,18 +470,18 @@ fn controller<K: Pipelined>(
             })
         });
 
-    let asking = pacer.clone();
+    let ask = asker();
     let by_owners = futures::stream::select_all(K::owner_triggers(caches, &store)?).filter_map(
         move |(reference, listed)| {
             future::ready(if listed {
-                asking.ask(&reference);
+                ask(&reference);
                 None
             } else {
                 Some(reference)
             })
         },
     );
-    let mut triggers = vec![by_owners.boxed(), pacer.stream().boxed()];
+    let mut triggers = vec![by_owners.boxed()];
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
     let wakes = ctx.poller.take_wakes::<K>().ok_or(Error::Wiring(
         "the delivery poller's wake-ups were taken twice",
@@ -487,6 +493,8 @@ fn controller<K: Pipelined>(
         adds.inc();
         trigger_queue.added(name, &workqueue::key(obj.namespace.as_deref(), &obj.name));
     });
+    // Counted when asked for (`ask`).
+    let triggers = futures::stream::select(triggers, pacer.stream());
 
     let abort = abort_if_never_ready(shutdown.clone(), store.clone());
     Ok(Controller::for_stream(own, store)
