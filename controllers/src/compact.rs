@@ -18,7 +18,7 @@ use std::{
     cell::RefCell,
     collections::HashMap,
     marker::PhantomData,
-    sync::{Arc, RwLock},
+    sync::{Arc, Mutex, RwLock},
 };
 
 use kube::{
@@ -107,17 +107,10 @@ pub(crate) fn deflate(dictionary: &[u8], input: &[u8]) -> Vec<u8> {
 ///
 /// # Errors
 /// When `body` does not inflate after the dictionary (not written by [`deflate`] with it).
-pub(crate) fn inflate(dictionary: &[u8], body: &[u8]) -> Result<Vec<u8>, UnpackError> {
-    let mut stream = with_compressor(|compressor| {
-        let mut prefix = Vec::with_capacity(dictionary.len() / 2 + body.len());
-        if !dictionary.is_empty() {
-            compress_to_output(compressor, dictionary, TDEFLFlush::Sync, |chunk| {
-                prefix.extend_from_slice(chunk);
-                true
-            });
-        }
-        prefix
-    });
+pub(crate) fn inflate(dictionary: &'static [u8], body: &[u8]) -> Result<Vec<u8>, UnpackError> {
+    let prefix = prefix_of(dictionary);
+    let mut stream = Vec::with_capacity(prefix.len() + body.len());
+    stream.extend_from_slice(&prefix);
     stream.extend_from_slice(body);
     let mut whole = miniz_oxide::inflate::decompress_to_vec(&stream)
         .map_err(|e| UnpackError::Inflate(e.status))?;
@@ -128,6 +121,33 @@ pub(crate) fn inflate(dictionary: &[u8], body: &[u8]) -> Result<Vec<u8>, UnpackE
     }
     whole.drain(..dictionary.len());
     Ok(whole)
+}
+
+/// The dictionary's own output, as [`deflate`] leaves it out: computed once per dictionary (a
+/// handful of them, one per kind), not on every read.
+fn prefix_of(dictionary: &'static [u8]) -> Arc<[u8]> {
+    type Prefixes = Vec<(&'static [u8], Arc<[u8]>)>;
+    static PREFIXES: Mutex<Prefixes> = Mutex::new(Vec::new());
+    let mut prefixes = PREFIXES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, prefix)) = prefixes
+        .iter()
+        .find(|(known, _)| std::ptr::eq(*known, dictionary))
+    {
+        return Arc::clone(prefix);
+    }
+    let prefix: Arc<[u8]> = with_compressor(|compressor| {
+        let mut prefix = Vec::with_capacity(dictionary.len() / 2);
+        if !dictionary.is_empty() {
+            compress_to_output(compressor, dictionary, TDEFLFlush::Sync, |chunk| {
+                prefix.extend_from_slice(chunk);
+                true
+            });
+        }
+        prefix
+    })
+    .into();
+    prefixes.push((dictionary, Arc::clone(&prefix)));
+    prefix
 }
 
 /// Runs `f` with this thread's compressor, reset.

@@ -428,8 +428,10 @@ fn controller<K: Pipelined>(
         wc = wc.labels(&format!("{}={filter}", names::WATCH_FILTER_LABEL));
     }
     let (store, writer) = reflector::store::<Packed<K>>();
-    // Enough to keep every worker busy while the next few wait in the scheduler.
-    let pacer = paced::Pacer::new(2 * usize::from(config.concurrency));
+    // Enough to keep every worker busy while the next ones wait in the scheduler: a finished
+    // object's reconcile takes well under a millisecond, about what handing the next one over
+    // takes. A few hundred scheduler entries are a few hundred KB at most.
+    let pacer = paced::Pacer::new(8 * usize::from(config.concurrency));
     // A list's reconcile is a trigger, and enters the queue's series, when it is asked for: the
     // `workqueue_*` series show the whole backlog, and its wait, as before the pacer.
     let asker = || {

@@ -172,18 +172,21 @@ mod tests {
         assert_eq!(pacer.len(), (0, 1));
     }
 
+    /// What `paced` yields next, when it waits on its own first and `then` wakes it.
+    async fn woken(mut paced: Paced<MailgunCluster>, then: impl FnOnce()) -> Option<String> {
+        let waiting = tokio::spawn(async move { paced.next().await.map(|r| r.name) });
+        tokio::task::yield_now().await;
+        then();
+        tokio::time::timeout(std::time::Duration::from_secs(1), waiting)
+            .await
+            .expect("woken")
+            .expect("no panic")
+    }
+
     #[tokio::test]
     async fn an_ask_wakes_a_waiting_stream() {
         let pacer = Pacer::new(4);
-        let mut paced = pacer.stream::<MailgunCluster>();
-        let asker = pacer.clone();
-        let waiting = tokio::spawn(async move { paced.next().await.map(|r| r.name) });
-        tokio::task::yield_now().await;
-        asker.ask(&r("late"));
-        let got = tokio::time::timeout(std::time::Duration::from_secs(1), waiting)
-            .await
-            .expect("woken")
-            .expect("no panic");
+        let got = woken(pacer.stream(), || pacer.ask(&r("late"))).await;
         assert_eq!(got.as_deref(), Some("late"));
     }
 
@@ -194,14 +197,7 @@ mod tests {
         pacer.ask(&r("a"));
         pacer.ask(&r("b"));
         assert_eq!(paced.next().await.map(|r| r.name).as_deref(), Some("a"));
-        let finisher = pacer.clone();
-        let waiting = tokio::spawn(async move { paced.next().await.map(|r| r.name) });
-        tokio::task::yield_now().await;
-        finisher.finished(&r("a"));
-        let got = tokio::time::timeout(std::time::Duration::from_secs(1), waiting)
-            .await
-            .expect("woken")
-            .expect("no panic");
+        let got = woken(paced, || pacer.finished(&r("a"))).await;
         assert_eq!(got.as_deref(), Some("b"));
     }
 }
