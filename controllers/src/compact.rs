@@ -102,8 +102,8 @@ pub(crate) fn deflate(dictionary: &[u8], input: &[u8]) -> Vec<u8> {
     })
 }
 
-/// What [`deflate`] was given, from what it returned: the dictionary's output (computed here the
-/// same way) and `body` inflated as one stream, the dictionary cut off.
+/// What [`deflate`] was given, from what it returned: the dictionary's output ([`prefix_of`])
+/// and `body` inflated as one stream, the dictionary cut off.
 ///
 /// # Errors
 /// When `body` does not inflate after the dictionary (not written by [`deflate`] with it).
