@@ -22,7 +22,7 @@ use std::{
 };
 
 use kube::{
-    Resource, ResourceExt,
+    Resource,
     runtime::{reflector::ObjectRef, watcher},
 };
 use miniz_oxide::deflate::core::{
@@ -42,6 +42,15 @@ impl Key {
     /// The key of `r` (kind and any UID or `resourceVersion` dropped).
     pub fn of<K: Resource>(r: &ObjectRef<K>) -> Self {
         Self::new(r.namespace.as_deref().unwrap_or_default(), &r.name)
+    }
+
+    /// The key of `obj` (its name and namespace, borrowed from its metadata).
+    pub fn of_object<K: Resource>(obj: &K) -> Self {
+        let meta = obj.meta();
+        Self::new(
+            meta.namespace.as_deref().unwrap_or_default(),
+            meta.name.as_deref().unwrap_or_default(),
+        )
     }
 
     /// The key of the object `name` in `namespace`.
@@ -207,13 +216,6 @@ where
         }
     }
 
-    fn key(obj: &K) -> Key {
-        Key::new(
-            obj.namespace().as_deref().unwrap_or_default(),
-            &obj.name_any(),
-        )
-    }
-
     fn pack(&self, obj: &K) -> Option<Box<[u8]>> {
         match serde_json::to_vec(obj) {
             Ok(json) => Some(deflate(self.dictionary, &json).into_boxed_slice()),
@@ -232,11 +234,11 @@ where
         match event {
             watcher::Event::Apply(obj) => {
                 if let Some(body) = self.pack(obj) {
-                    entries.objects.insert(Self::key(obj), body);
+                    entries.objects.insert(Key::of_object(obj), body);
                 }
             }
             watcher::Event::Delete(obj) => {
-                entries.objects.remove(&Self::key(obj));
+                entries.objects.remove(&Key::of_object(obj));
             }
             watcher::Event::Init => entries.listing = Some(HashMap::new()),
             watcher::Event::InitApply(obj) => {
@@ -244,7 +246,7 @@ where
                     entries
                         .listing
                         .get_or_insert_with(HashMap::new)
-                        .insert(Self::key(obj), body);
+                        .insert(Key::of_object(obj), body);
                 }
             }
             watcher::Event::InitDone => {
@@ -335,7 +337,7 @@ mod tests {
         let text = br#"{"apiVersion":"cluster.x-k8s.io/v1beta2","kind":"Cluster","spec":{}}"#;
         let body = deflate(DICTIONARY.as_bytes(), text);
         assert_eq!(inflate(DICTIONARY.as_bytes(), &body).unwrap(), text);
-        assert!(inflate(b"another dictionary", &body).map_or(true, |t| t != text));
+        assert!(!inflate(b"another dictionary", &body).is_ok_and(|t| t == text));
         assert_eq!(inflate(&[], &deflate(&[], text)).unwrap(), text);
     }
 

@@ -331,26 +331,22 @@ impl Pipelined for MailgunMachine {
         let by_cluster = caches
             .clusters()?
             .flat_map(move |heard| {
-                // The Clusters by key, and whether a list brought them.
-                let (clusters, listed): (HashSet<Key>, bool) = match heard {
-                    Heard::Changed(c) => (
-                        HashSet::from([Key::new(
-                            c.namespace().as_deref().unwrap_or_default(),
-                            &c.name_any(),
-                        )]),
-                        false,
-                    ),
-                    Heard::Listed(keys) => (keys.iter().cloned().collect(), true),
+                // The Clusters' keys, and whether a list brought them.
+                let (keys, listed): (Arc<[Key]>, bool) = match heard {
+                    Heard::Changed(c) => (Arc::new([Key::of_object(&*c)]), false),
+                    Heard::Listed(keys) => (keys, true),
                 };
-                // One pass over our objects, however many Clusters a list brought.
+                // One pass over our objects, however many Clusters a list brought, looked up
+                // by namespace and name as borrowed from each.
+                let clusters: HashSet<(&str, &str)> = keys.iter().map(Key::parts).collect();
                 let targets: Vec<Trigger<Self>> = own
                     .state()
                     .iter()
                     .filter(|m| {
                         m.labels().get(names::CLUSTER_NAME_LABEL).is_some_and(|c| {
-                            clusters.contains(&Key::new(
-                                m.namespace().as_deref().unwrap_or_default(),
-                                c,
+                            clusters.contains(&(
+                                m.meta().namespace.as_deref().unwrap_or_default(),
+                                c.as_str(),
                             ))
                         })
                     })

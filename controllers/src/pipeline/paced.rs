@@ -6,7 +6,9 @@
 //! reference there, and the scheduler keeps the capacity it grew to for the life of the process
 //! (7 MB after a list of 10 000, as heaptrack measured). The [`Pacer`] keeps them instead, as
 //! one short key each and without duplicates, and lets at most a window of them into the
-//! scheduler at a time: one more each time one of them has been reconciled. Reconciles asked for
+//! scheduler at a time: one more each time one of them has been reconciled. An object asked for
+//! again while its earlier reconcile is handed and unfinished is handed again, as kube's
+//! scheduler would take a second trigger: none is dropped. Reconciles asked for
 //! by a change (a watch event, a wake-up, a retry) do not wait behind a list: they do not come
 //! through here.
 
@@ -71,7 +73,9 @@ impl Pacer {
     /// the pacer had handed it.
     pub(crate) fn finished<K: Resource>(&self, r: &ObjectRef<K>) {
         let mut state = self.lock();
-        if state.handed.remove(&Key::of(r))
+        // Most reconciles are not the pacer's: no key is built for them.
+        if !state.handed.is_empty()
+            && state.handed.remove(&Key::of(r))
             && !state.waiting.is_empty()
             && let Some(waker) = state.waker.take()
         {
@@ -107,16 +111,16 @@ impl<K: Resource<DynamicType = ()>> Stream for Paced<K> {
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let mut state = self.pacer.lock();
         let state = &mut *state;
-        while state.handed.len() < state.window {
+        if state.handed.len() < state.window
             // The first asked is handed first, but for the one moved into its place.
-            let Some(key) = state.waiting.swap_remove_index(0) else {
-                break;
-            };
-            // One already handed and not finished is not handed twice: its reconcile reads the
-            // store when it runs, after the ask.
-            if state.handed.insert(key.clone()) {
-                return Poll::Ready(Some(key.to_ref()));
-            }
+            && let Some(key) = state.waiting.swap_remove_index(0)
+        {
+            // One handed before and not finished yet is handed again: its reconcile may already
+            // be running against the snapshot before this ask, and kube's scheduler runs it
+            // once more after it (or folds the two, if it has not started).
+            let reference = key.to_ref();
+            state.handed.insert(key);
+            return Poll::Ready(Some(reference));
         }
         state.waker = Some(cx.waker().clone());
         Poll::Pending
@@ -170,6 +174,22 @@ mod tests {
         all.sort();
         assert_eq!(all, ["a", "b", "c", "d"], "each once");
         assert_eq!(pacer.len(), (0, 1));
+    }
+
+    /// A list asks again for an object whose reconcile the pacer handed and which has not
+    /// finished (it may be running against the snapshot before the list): it is handed again,
+    /// not dropped.
+    #[test]
+    fn an_object_asked_again_while_handed_is_handed_again() {
+        let pacer = Pacer::new(2);
+        let mut paced = pacer.stream::<MailgunCluster>();
+        pacer.ask(&r("a"));
+        assert_eq!(ready(&mut paced), ["a"]);
+        pacer.ask(&r("a"));
+        assert_eq!(ready(&mut paced), ["a"], "handed again");
+        assert_eq!(pacer.len(), (0, 1), "one place in the window");
+        pacer.finished(&r("a"));
+        assert_eq!(pacer.len(), (0, 0));
     }
 
     /// What `paced` yields next, when it waits on its own first and `then` wakes it.

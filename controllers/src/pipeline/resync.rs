@@ -44,11 +44,7 @@ where
     futures::stream::unfold((store, walk), move |(store, mut walk)| async move {
         loop {
             if walk.queue.is_empty() {
-                walk.queue = store
-                    .state()
-                    .iter()
-                    .map(|o| Key::of(&ObjectRef::from_obj(&**o)))
-                    .collect();
+                walk.queue = store.state().iter().map(|o| Key::of_object(&**o)).collect();
                 if walk.queue.is_empty() {
                     tokio::time::sleep(period.min(EMPTY_RECHECK)).await;
                     walk.next = Instant::now();

@@ -270,14 +270,12 @@ async fn reconcile_once(
 ) -> Outcome {
     let (client, server) = fake_api(&obj, &owner, Arc::clone(&log));
     let clusters = crate::compact::OwnerCache::<Cluster>::new("");
-    let cluster_writer = clusters.clone();
     let machines = crate::compact::OwnerCache::<Machine>::new("");
-    let machine_writer = machines.clone();
-    cluster_writer.apply(&Event::Init);
-    cluster_writer.apply(&Event::InitApply(owner));
-    cluster_writer.apply(&Event::InitDone);
-    machine_writer.apply(&Event::Init);
-    machine_writer.apply(&Event::InitDone);
+    clusters.apply(&Event::Init);
+    clusters.apply(&Event::InitApply(owner));
+    clusters.apply(&Event::InitDone);
+    machines.apply(&Event::Init);
+    machines.apply(&Event::InitDone);
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         Arc::new(mailer),
