@@ -57,9 +57,9 @@ impl Shard {
         format!("{}-cluster-api-provider-mailgun", self.release)
     }
 
-    /// The chart names the Lease after the release and the filter.
+    /// The chart names the Lease after the filter.
     fn lease(&self) -> String {
-        format!("{}-{}-leader", self.fullname(), self.filter)
+        format!("cluster-api-provider-mailgun-{}-leader", self.filter)
     }
 
     fn domain(&self) -> &str {
