@@ -34,7 +34,7 @@ use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
 use k8s_openapi::api::{apps::v1::Deployment, coordination::v1::Lease};
 use kube::{
     Api, ResourceExt,
-    api::{ListParams, Patch, PatchParams},
+    api::ListParams,
 };
 use serde_json::json;
 
@@ -229,17 +229,13 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     // 3. The provider as the installed Deployment runs it. The test's Mailgun is the contract
     //    server: the one change to the Deployment, `--mailgun-base-url` (a user never needs it).
     let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NS);
-    deployments
-        .patch(
-            NAME,
-            &PatchParams::default(),
-            &Patch::Json::<()>(serde_json::from_value(json!([{
-                "op": "add",
-                "path": "/spec/template/spec/containers/0/args/-",
-                "value": format!("--mailgun-base-url={}", mailgun.base_url()),
-            }]))?),
-        )
-        .await?;
+    let patch = json!([{
+        "op": "add",
+        "path": "/spec/template/spec/containers/0/args/-",
+        "value": format!("--mailgun-base-url={}", mailgun.base_url()),
+    }])
+    .to_string();
+    cp.kubectl_output(&["-n", NS, "patch", "deployment", NAME, "--type=json", "-p", &patch])?;
     let sa_kubeconfig = service_account_kubeconfig(&cp, NS, NAME, dir)?;
     let provider = start_chart_provider(&admin, NS, NAME, &sa_kubeconfig, dir).await?;
     cp.adopt(provider.proc.pid())?;

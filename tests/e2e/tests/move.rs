@@ -357,7 +357,7 @@ async fn story(source: &Management, target: &Management, tenant: &MailgunServer)
     let started = Instant::now();
 
     // The tenant's identity and its Secret in the provider's namespace. The Secret names the
-    // identity as its owner, as the README tells users: `clusterctl move` then carries it with
+    // identity as its owner, as docs/multi-tenancy.md tells users: `clusterctl move` then carries it with
     // the identity (it moves what a move-hierarchy object owns, and looks for Secrets in the
     // infrastructure providers' namespaces).
     create_namespace(&source.admin, TENANT_NS, false).await?;
