@@ -28,7 +28,7 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     AuditedRequest, all_audited_requests,
-    clusterctl::{LocalRepository, yaml_docs},
+    clusterctl::LocalRepository,
     create_namespace, dynamic_api, eventually, fulfil_command, install_chart_and_provider,
     ledger::{Kind, Ledger, Object, Received, Which, parse_message_id},
     mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager_with,
@@ -40,7 +40,7 @@ use kube::{
     Api, Client, ResourceExt,
     api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams},
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 const USER_NS: &str = "team-topology";
 const DOMAIN: &str = "mg.topology.example.com";
