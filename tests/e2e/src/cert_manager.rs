@@ -46,9 +46,12 @@ impl CertManager {
         let kubectl = process::binary("kubectl")?;
         let crds = crds.to_string_lossy().into_owned();
         crate::run(
-            Command::new(&kubectl)
-                .env("KUBECONFIG", kubeconfig)
-                .args(["apply", "--server-side", "-f", &crds]),
+            Command::new(&kubectl).env("KUBECONFIG", kubeconfig).args([
+                "apply",
+                "--server-side",
+                "-f",
+                &crds,
+            ]),
             "kubectl apply cert-manager's CRDs",
         )?;
         crate::run(
@@ -68,7 +71,10 @@ impl CertManager {
             "--leader-elect=false",
             "--cluster-resource-namespace=kube-system",
             &format!("--metrics-listen-address=127.0.0.1:{}", free_port()?),
-            &format!("--internal-healthz-listen-address=127.0.0.1:{}", free_port()?),
+            &format!(
+                "--internal-healthz-listen-address=127.0.0.1:{}",
+                free_port()?
+            ),
         ]);
         let controller = Proc::spawn(
             "cert-manager-controller",

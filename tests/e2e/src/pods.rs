@@ -174,7 +174,9 @@ pub const KUBECTL_IMAGE: &str = "registry.k8s.io/kubectl:v1.36.4";
 /// When no node runs here, kubectl is missing or `ctr` fails.
 pub fn load_kubectl_image(cp: &ControlPlane) -> Result<()> {
     use capm_test_support::image::{self, Entry, Image, Kind};
-    let dir = cp.dir().context("the control plane has no state directory")?;
+    let dir = cp
+        .dir()
+        .context("the control plane has no state directory")?;
     let kubectl = capm_test_support::process::binary("kubectl")?;
     let img = Image {
         name: KUBECTL_IMAGE.to_owned(),

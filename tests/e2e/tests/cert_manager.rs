@@ -26,9 +26,7 @@ use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options};
 use k8s_openapi::{
     ByteString,
-    api::{
-        admissionregistration::v1::ValidatingWebhookConfiguration, core::v1::Secret,
-    },
+    api::{admissionregistration::v1::ValidatingWebhookConfiguration, core::v1::Secret},
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
 };
 use kube::{Api, Client, api::ListParams};
@@ -46,19 +44,25 @@ async fn injected(client: &Client, ca: &[u8]) -> Result<Vec<(String, bool)>> {
         if crd.spec.group != GROUP {
             continue;
         }
-        let Some(webhook) = crd.spec.conversion.as_ref().and_then(|c| c.webhook.as_ref()) else {
+        let Some(webhook) = crd
+            .spec
+            .conversion
+            .as_ref()
+            .and_then(|c| c.webhook.as_ref())
+        else {
             continue;
         };
-        let bundle = webhook.client_config.as_ref().and_then(|c| c.ca_bundle.as_ref());
+        let bundle = webhook
+            .client_config
+            .as_ref()
+            .and_then(|c| c.ca_bundle.as_ref());
         out.push((
             format!("CRD {}", crd.metadata.name.unwrap_or_default()),
             bundle.is_some_and(|ByteString(b)| b == ca),
         ));
     }
     let configs: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-    let config = configs
-        .get(&format!("{FULLNAME}-v1alpha1-writes"))
-        .await?;
+    let config = configs.get(&format!("{FULLNAME}-v1alpha1-writes")).await?;
     for webhook in config.webhooks.unwrap_or_default() {
         out.push((
             format!("ValidatingWebhookConfiguration webhook {}", webhook.name),
@@ -122,10 +126,7 @@ async fn read_as_v1alpha1(client: &Client, name: &str, what: &str) -> Result<Str
         Ok(old.get(name).await.ok())
     })
     .await?;
-    Ok(converted
-        .types
-        .map(|t| t.api_version)
-        .unwrap_or_default())
+    Ok(converted.types.map(|t| t.api_version).unwrap_or_default())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -140,13 +141,22 @@ async fn chart_webhook_certificate_from_cert_manager() -> Result<()> {
     let cm = CertManager::start(cp.kubeconfig(), dir)?;
     cp.adopt(cm.controller.pid())?;
     cp.adopt(cm.cainjector.pid())?;
-    println!("cert-manager: CRDs served, controller and cainjector started in {:.1} s", t0.elapsed().as_secs_f64());
+    println!(
+        "cert-manager: CRDs served, controller and cainjector started in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
 
     // The chart as a user installs it beside cert-manager.
     let mailgun = MailgunServer::start("key-cert-manager-e2e", DOMAIN)?;
     create_namespace(&admin, NS, true).await?;
     create_namespace(&admin, USER_NS, false).await?;
-    create_secret(&admin, NS, "mailgun-credentials", &[("api-key", mailgun.api_key())]).await?;
+    create_secret(
+        &admin,
+        NS,
+        "mailgun-credentials",
+        &[("api-key", mailgun.api_key())],
+    )
+    .await?;
     let values = dir.join("values.yaml");
     std::fs::write(
         &values,
@@ -184,23 +194,36 @@ async fn chart_webhook_certificate_from_cert_manager() -> Result<()> {
     let objects = wait_injected(&admin, &ca1, "the CA injected")
         .await
         .with_context(|| format!("cainjector log:\n{}", cm.cainjector.tail(30)))?;
-    println!("CA injected, {:.1} s after helm install, into: {objects:?}", t0.elapsed().as_secs_f64());
+    println!(
+        "CA injected, {:.1} s after helm install, into: {objects:?}",
+        t0.elapsed().as_secs_f64()
+    );
 
     // 3. The provider serves the issued certificate, and a v1alpha1 read converts through it.
     let sa_kubeconfig = service_account_kubeconfig(&cp, NS, FULLNAME, dir)?;
     let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, dir).await?;
     cp.adopt(provider.proc.pid())?;
-    route_webhook_service(&admin, NS, &format!("{FULLNAME}-webhook"), provider.webhook_port)
-        .await?;
+    route_webhook_service(
+        &admin,
+        NS,
+        &format!("{FULLNAME}-webhook"),
+        provider.webhook_port,
+    )
+    .await?;
     let port = provider.webhook_port;
-    eventually(Duration::from_secs(30), "the webhook serving the issued certificate", || async {
-        Ok((served_certificate(port).ok() == Some(first_pem(&tls1)?)).then_some(()))
-    })
+    eventually(
+        Duration::from_secs(30),
+        "the webhook serving the issued certificate",
+        || async { Ok((served_certificate(port).ok() == Some(first_pem(&tls1)?)).then_some(())) },
+    )
     .await
     .with_context(|| format!("provider log:\n{}", provider.proc.tail(30)))?;
     create_cluster_pair(&admin, USER_NS, "first", "cert-manager@example.com").await?;
     let version = read_as_v1alpha1(&admin, "first", "a v1alpha1 read through the webhook").await?;
-    ensure!(version.ends_with("/v1alpha1"), "conversion answered {version}");
+    ensure!(
+        version.ends_with("/v1alpha1"),
+        "conversion answered {version}"
+    );
     println!("read as {version} through the webhook with cert-manager's certificate");
 
     // 4. A renewal, picked up by the same process.
@@ -215,7 +238,10 @@ async fn chart_webhook_certificate_from_cert_manager() -> Result<()> {
         cert_manager::secret_text(&secret, "ca.crt")?,
         cert_manager::secret_text(&secret, "tls.crt")?,
     );
-    ensure!(tls2 != tls1, "the renewal left the same certificate in the Secret");
+    ensure!(
+        tls2 != tls1,
+        "the renewal left the same certificate in the Secret"
+    );
     println!(
         "renewed: revision {}, {:.1} s after asking; new CA: {}",
         cert.data["status"]["revision"],
@@ -225,17 +251,29 @@ async fn chart_webhook_certificate_from_cert_manager() -> Result<()> {
     wait_injected(&admin, &ca2, "the renewed CA injected")
         .await
         .with_context(|| format!("cainjector log:\n{}", cm.cainjector.tail(30)))?;
-    println!("renewed CA injected {:.1} s after asking", t0.elapsed().as_secs_f64());
+    println!(
+        "renewed CA injected {:.1} s after asking",
+        t0.elapsed().as_secs_f64()
+    );
     // The kubelet updates the mounted Secret; here the test writes it as the kubelet would.
     refresh_secret_mounts(&admin, NS, FULLNAME, dir).await?;
-    eventually(Duration::from_secs(30), "the webhook serving the renewed certificate", || async {
-        Ok((served_certificate(port).ok() == Some(first_pem(&tls2)?)).then_some(()))
-    })
+    eventually(
+        Duration::from_secs(30),
+        "the webhook serving the renewed certificate",
+        || async { Ok((served_certificate(port).ok() == Some(first_pem(&tls2)?)).then_some(())) },
+    )
     .await
     .with_context(|| format!("provider log:\n{}", provider.proc.tail(30)))?;
-    let version =
-        read_as_v1alpha1(&admin, "first", "a v1alpha1 read with the renewed certificate").await?;
-    ensure!(version.ends_with("/v1alpha1"), "conversion answered {version}");
+    let version = read_as_v1alpha1(
+        &admin,
+        "first",
+        "a v1alpha1 read with the renewed certificate",
+    )
+    .await?;
+    ensure!(
+        version.ends_with("/v1alpha1"),
+        "conversion answered {version}"
+    );
     provider.proc.check_alive()?;
     ensure!(provider.proc.pid() == pid, "the provider was restarted");
     let log = provider.proc.log();

@@ -119,7 +119,15 @@ fn bad_values_are_refused_with_the_field_named() {
 /// for an item `@key=path`), written to `file`.
 fn render_to(file: &std::path::Path, sets: &[&str]) -> Result<String> {
     let (chart, values) = (chart(), ci_values("mailgun-values.yaml"));
-    let mut args = vec!["template", "capm", chart.as_str(), "-n", "capm-system", "-f", &values];
+    let mut args = vec![
+        "template",
+        "capm",
+        chart.as_str(),
+        "-n",
+        "capm-system",
+        "-f",
+        &values,
+    ];
     for set in sets {
         match set.strip_prefix('@') {
             Some(file) => args.extend(["--set-file", file]),
@@ -157,14 +165,21 @@ fn gitops_settings_render_identically_twice() -> Result<()> {
     let ca_set = format!("@webhook.caBundle={}", ca_file.display());
     let settings: [(&str, Vec<&str>); 2] = [
         ("cert-manager", vec!["webhook.certManager.enabled=true"]),
-        ("own CA", vec![ca_set.as_str(), "webhook.certSecret=capm-webhook-tls"]),
+        (
+            "own CA",
+            vec![ca_set.as_str(), "webhook.certSecret=capm-webhook-tls"],
+        ),
     ];
     for (name, sets) in &settings {
         let (a, b) = (work.path().join("a.yaml"), work.path().join("b.yaml"));
         let first = render_to(&a, sets)?;
         render_to(&b, sets)?;
         let d = diff(&a, &b)?;
-        println!("{name}: two renders, {} lines each, diff -u: {} lines", first.lines().count(), d.lines().count());
+        println!(
+            "{name}: two renders, {} lines each, diff -u: {} lines",
+            first.lines().count(),
+            d.lines().count()
+        );
         ensure!(d.is_empty(), "{name}: two renders differ:\n{d}");
         let docs = yaml_docs(&first)?;
         ensure!(
@@ -217,7 +232,10 @@ fn gitops_settings_render_identically_twice() -> Result<()> {
     render_to(&a, &[])?;
     render_to(&b, &[])?;
     let d = diff(&a, &b)?;
-    println!("default self-signed: diff -u of two renders: {} lines", d.lines().count());
+    println!(
+        "default self-signed: diff -u of two renders: {} lines",
+        d.lines().count()
+    );
     ensure!(
         d.contains("caBundle") && d.contains("tls.key"),
         "the default's renders were expected to differ in the CA and key:\n{d}"
@@ -226,9 +244,16 @@ fn gitops_settings_render_identically_twice() -> Result<()> {
     // Half a CA, or both ways at once, is refused.
     for (sets, want) in [
         (vec![ca_set.as_str()], "- webhook.certSecret:"),
-        (vec!["webhook.certSecret=capm-webhook-tls"], "- webhook.caBundle:"),
         (
-            vec![ca_set.as_str(), "webhook.certSecret=x", "webhook.certManager.enabled=true"],
+            vec!["webhook.certSecret=capm-webhook-tls"],
+            "- webhook.caBundle:",
+        ),
+        (
+            vec![
+                ca_set.as_str(),
+                "webhook.certSecret=x",
+                "webhook.certManager.enabled=true",
+            ],
             "choose one",
         ),
     ] {

@@ -88,7 +88,6 @@ fn infra(client: &Client, kind: &str) -> Api<DynamicObject> {
     api(client, INFRA, "v1beta1", kind)
 }
 
-
 impl World {
     fn mails(&self) -> Result<Vec<(Received, String)>> {
         mailgun_mails(&self.mailgun)
@@ -681,7 +680,6 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
 fn api_key(world: &World) -> &str {
     world.mailgun.api_key()
 }
-
 
 /// Checks the one request mail of `uid`: the Cluster's priority in its subject, `request` in its
 /// body, sent for the Cluster's requester.

@@ -23,19 +23,16 @@ use capm_e2e::{
     FULLNAME, RELEASE,
     cert_manager::{self, CertManager},
     clusterctl::{LocalRepository, cluster_api_module, yaml_docs},
-    create_namespace, dynamic_api, eventually, helm, helm_chart, mailgun_ledger,
+    create_namespace, dynamic_api, eventually, helm, helm_chart,
     ledger::Kind,
-    route_webhook_service, run_with_input, service_account_kubeconfig, start_capi_manager_with,
-    start_chart_provider,
+    mailgun_ledger, route_webhook_service, run_with_input, service_account_kubeconfig,
+    start_capi_manager_with, start_chart_provider,
     topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
 use k8s_openapi::api::{apps::v1::Deployment, coordination::v1::Lease};
-use kube::{
-    Api, ResourceExt,
-    api::ListParams,
-};
+use kube::{Api, ResourceExt, api::ListParams};
 use serde_json::json;
 
 /// Where clusterctl installs the provider (the components' one Namespace).
@@ -75,7 +72,11 @@ fn clusterctl(repo: &LocalRepository, args: &[&str], env: &[(&str, &str)]) -> Re
 
 /// The Cluster API core provider as `clusterctl init` would have left it: its CRDs labelled for
 /// clusterctl, clusterctl's inventory CRD and a `Provider` entry for it.
-fn core_provider_in_inventory(cp: &ControlPlane, module_dir: &std::path::Path, version: &str) -> Result<()> {
+fn core_provider_in_inventory(
+    cp: &ControlPlane,
+    module_dir: &std::path::Path,
+    version: &str,
+) -> Result<()> {
     let crds = cp.kubectl_output(&["get", "crd", "-o", "name"])?;
     for crd in crds.lines().filter_map(|l| l.rsplit('/').next()) {
         if crd.ends_with(".cluster.x-k8s.io") && !crd.ends_with(&format!(".{INFRA}")) {
@@ -92,7 +93,13 @@ fn core_provider_in_inventory(cp: &ControlPlane, module_dir: &std::path::Path, v
     let inventory_crd = module_dir.join("cmd/clusterctl/config/manifest/clusterctl-api.yaml");
     let crd = inventory_crd.to_string_lossy();
     cp.kubectl_output(&["apply", "--server-side", "-f", &crd])?;
-    cp.kubectl_output(&["wait", "--for=condition=Established", "--timeout=30s", "-f", &crd])?;
+    cp.kubectl_output(&[
+        "wait",
+        "--for=condition=Established",
+        "--timeout=30s",
+        "-f",
+        &crd,
+    ])?;
     let list = json!({"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "capi-system"}},
         {"apiVersion": "clusterctl.cluster.x-k8s.io/v1alpha3", "kind": "Provider",
@@ -104,7 +111,11 @@ fn core_provider_in_inventory(cp: &ControlPlane, module_dir: &std::path::Path, v
     ]});
     let mut kubectl = cp.kubectl()?;
     kubectl.args(["apply", "--server-side", "-f", "-"]);
-    run_with_input(&mut kubectl, &list.to_string(), "the core provider's inventory entry")?;
+    run_with_input(
+        &mut kubectl,
+        &list.to_string(),
+        "the core provider's inventory entry",
+    )?;
     Ok(())
 }
 
@@ -115,34 +126,38 @@ async fn one_request_each(
     mailgun: &MailgunServer,
     objects: usize,
 ) -> Result<Vec<(String, String)>> {
-    eventually(Duration::from_secs(120), &format!("{objects} objects mailed once each"), || async {
-        let mut uids = Vec::new();
-        for kind in ["MailgunCluster", "MailgunMachine"] {
-            for o in dynamic_api(client, USER_NS, INFRA, "v1beta1", kind)
-                .list(&ListParams::default())
-                .await?
-                .items
-            {
-                uids.push((kind.to_owned(), o.name_any(), o.uid().unwrap_or_default()));
+    eventually(
+        Duration::from_secs(120),
+        &format!("{objects} objects mailed once each"),
+        || async {
+            let mut uids = Vec::new();
+            for kind in ["MailgunCluster", "MailgunMachine"] {
+                for o in dynamic_api(client, USER_NS, INFRA, "v1beta1", kind)
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                {
+                    uids.push((kind.to_owned(), o.name_any(), o.uid().unwrap_or_default()));
+                }
             }
-        }
-        let ledger = mailgun_ledger(mailgun, DOMAIN)?;
-        let requests = |uid: &str| {
-            ledger
-                .entries
-                .iter()
-                .filter(|(o, _)| o.uid == uid)
-                .map(|(_, e)| e.requests.len())
-                .sum::<usize>()
-        };
-        ensure!(
-            ledger.entries.values().all(|e| e.requests.len() <= 1),
-            "a second request mail: {:?}",
-            ledger.entries
-        );
-        let done = uids.len() >= objects && uids.iter().all(|(_, _, uid)| requests(uid) == 1);
-        Ok(done.then(|| uids.into_iter().map(|(k, n, _)| (k, n)).collect()))
-    })
+            let ledger = mailgun_ledger(mailgun, DOMAIN)?;
+            let requests = |uid: &str| {
+                ledger
+                    .entries
+                    .iter()
+                    .filter(|(o, _)| o.uid == uid)
+                    .map(|(_, e)| e.requests.len())
+                    .sum::<usize>()
+            };
+            ensure!(
+                ledger.entries.values().all(|e| e.requests.len() <= 1),
+                "a second request mail: {:?}",
+                ledger.entries
+            );
+            let done = uids.len() >= objects && uids.iter().all(|(_, _, uid)| requests(uid) == 1);
+            Ok(done.then(|| uids.into_iter().map(|(k, n, _)| (k, n)).collect()))
+        },
+    )
     .await
 }
 
@@ -184,23 +199,38 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     let t0 = Instant::now();
     let init = clusterctl(
         &repo,
-        &["init", "--infrastructure", "mailgun", "--config", &repo.config, "--kubeconfig", &kubeconfig],
+        &[
+            "init",
+            "--infrastructure",
+            "mailgun",
+            "--config",
+            &repo.config,
+            "--kubeconfig",
+            &kubeconfig,
+        ],
         &[
             ("MAIL_RECIPIENT", "infrastructure-team@example.com"),
             ("MAILGUN_DOMAIN", DOMAIN),
             ("MAILGUN_API_KEY", API_KEY),
         ],
     )?;
-    println!("clusterctl init ({:.1} s):\n{init}", t0.elapsed().as_secs_f64());
+    println!(
+        "clusterctl init ({:.1} s):\n{init}",
+        t0.elapsed().as_secs_f64()
+    );
     ensure!(
         init.contains("Skipping installing cert-manager as it is already installed"),
         "clusterctl accepted the running cert-manager:\n{init}"
     );
-    ensure!(!init.contains(API_KEY), "the API key is in clusterctl's output");
+    ensure!(
+        !init.contains(API_KEY),
+        "the API key is in clusterctl's output"
+    );
     let providers = cp.kubectl_output(&["get", "providers.clusterctl.cluster.x-k8s.io", "-A"])?;
     println!("{providers}");
     ensure!(
-        providers.contains("infrastructure-mailgun") && providers.contains(&format!("v{}", env!("CARGO_PKG_VERSION"))),
+        providers.contains("infrastructure-mailgun")
+            && providers.contains(&format!("v{}", env!("CARGO_PKG_VERSION"))),
         "the inventory has the provider:\n{providers}"
     );
 
@@ -235,11 +265,26 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
         "value": format!("--mailgun-base-url={}", mailgun.base_url()),
     }])
     .to_string();
-    cp.kubectl_output(&["-n", NS, "patch", "deployment", NAME, "--type=json", "-p", &patch])?;
+    cp.kubectl_output(&[
+        "-n",
+        NS,
+        "patch",
+        "deployment",
+        NAME,
+        "--type=json",
+        "-p",
+        &patch,
+    ])?;
     let sa_kubeconfig = service_account_kubeconfig(&cp, NS, NAME, dir)?;
     let provider = start_chart_provider(&admin, NS, NAME, &sa_kubeconfig, dir).await?;
     cp.adopt(provider.proc.pid())?;
-    route_webhook_service(&admin, NS, &format!("{NAME}-webhook"), provider.webhook_port).await?;
+    route_webhook_service(
+        &admin,
+        NS,
+        &format!("{NAME}-webhook"),
+        provider.webhook_port,
+    )
+    .await?;
 
     // 4. clusterctl generate cluster, both flavors, applied as a user would.
     create_namespace(&admin, USER_NS, false).await?;
@@ -249,7 +294,10 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     let default = repo.generate_cluster("plain", "", USER_NS, &[], &vars)?;
     let mut kubectl = cp.kubectl()?;
     kubectl.args(["apply", "-f", "-"]);
-    println!("{}", run_with_input(&mut kubectl, &default, "applying the default flavor")?);
+    println!(
+        "{}",
+        run_with_input(&mut kubectl, &default, "applying the default flavor")?
+    );
     let mailed = one_request_each(&admin, &mailgun, 1)
         .await
         .with_context(|| format!("provider log:\n{}", provider.proc.tail(30)))?;
@@ -279,7 +327,13 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     // The default Cluster's MailgunCluster, the topology Cluster's and its one machine's.
     let mailed = one_request_each(&admin, &mailgun, 3)
         .await
-        .with_context(|| format!("provider log:\n{}\ncapi log:\n{}", provider.proc.tail(30), capi.tail(30)))?;
+        .with_context(|| {
+            format!(
+                "provider log:\n{}\ncapi log:\n{}",
+                provider.proc.tail(30),
+                capi.tail(30)
+            )
+        })?;
     println!("both flavors: one request mail each: {mailed:?}");
     ensure!(
         mailed.iter().filter(|(k, _)| k == "MailgunCluster").count() == 2
@@ -322,9 +376,17 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
             && lease_arg(&second.chart_args) == lease_arg(&provider.chart_args),
         "both installs name the Lease {LEASE}"
     );
-    eventually(Duration::from_secs(30), "the Helm install standing by", || async {
-        Ok(second.proc.log().contains("Another replica leads; standing by").then_some(()))
-    })
+    eventually(
+        Duration::from_secs(30),
+        "the Helm install standing by",
+        || async {
+            Ok(second
+                .proc
+                .log()
+                .contains("Another replica leads; standing by")
+                .then_some(()))
+        },
+    )
     .await
     .with_context(|| format!("Helm install's provider log:\n{}", second.proc.tail(20)))?;
     let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
@@ -355,14 +417,25 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     let mailed = one_request_each(&admin, &mailgun, 4).await?;
     println!("two installs, one Lease ({LEASE}, held by {holder}), one mail each: {mailed:?}");
     drop(second);
-    helm(Some(cp.kubeconfig()), &["uninstall", RELEASE, "-n", NS, "--wait"])?;
+    helm(
+        Some(cp.kubeconfig()),
+        &["uninstall", RELEASE, "-n", NS, "--wait"],
+    )?;
     let before_delete = mailgun_ledger(&mailgun, DOMAIN)?.entries.len();
 
     // 6. clusterctl delete --infrastructure mailgun: the provider goes, the CRDs and the
     //    objects stay (no --include-crd), nothing is released.
     let delete = clusterctl(
         &repo,
-        &["delete", "--infrastructure", "mailgun", "--config", &repo.config, "--kubeconfig", &kubeconfig],
+        &[
+            "delete",
+            "--infrastructure",
+            "mailgun",
+            "--config",
+            &repo.config,
+            "--kubeconfig",
+            &kubeconfig,
+        ],
         &[],
     )?;
     println!("clusterctl delete:\n{delete}");
@@ -383,12 +456,18 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     ensure!(left.items.len() == 3, "the MailgunClusters are kept");
     let ledger = mailgun_ledger(&mailgun, DOMAIN)?;
     ensure!(
-        ledger.entries.len() == before_delete && ledger.entries.values().all(|e| e.releases.is_empty()),
+        ledger.entries.len() == before_delete
+            && ledger.entries.values().all(|e| e.releases.is_empty()),
         "no mail after the delete: {:?}",
         ledger.entries
     );
     ensure!(
-        ledger.entries.keys().filter(|o| o.kind == Kind::Cluster).count() == 3,
+        ledger
+            .entries
+            .keys()
+            .filter(|o| o.kind == Kind::Cluster)
+            .count()
+            == 3,
         "{:?}",
         ledger.entries
     );
@@ -398,7 +477,10 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
         .filter_map(|c| c["metadata"]["name"].as_str().map(str::to_owned))
         .filter(|n| n.ends_with(&format!(".{INFRA}")) && n.starts_with("mailgun"))
         .collect();
-    println!("kept CRDs: {kept:?}; the whole test {:.1} s", started.elapsed().as_secs_f64());
+    println!(
+        "kept CRDs: {kept:?}; the whole test {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     ensure!(kept.len() == 5, "our five CRDs are kept: {kept:?}");
     cm.check_alive()?;
     capi.check_alive()?;

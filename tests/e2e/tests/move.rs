@@ -297,7 +297,6 @@ impl Management {
     }
 }
 
-
 /// A condition of an object's `status.conditions`, as (status, reason).
 fn condition(obj: &DynamicObject, type_: &str) -> Option<(String, String)> {
     obj.data["status"]["conditions"]
