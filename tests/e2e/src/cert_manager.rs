@@ -64,6 +64,7 @@ impl CertManager {
             ]),
             "kubectl wait for cert-manager's CRDs",
         )?;
+        let kubeconfig_path = kubeconfig;
         let kubeconfig = format!("--kubeconfig={}", kubeconfig.display());
         let mut controller = Command::new(controller_bin);
         controller.args([
@@ -82,6 +83,8 @@ impl CertManager {
             dir.join("cert-manager-controller.log"),
         )?;
         let mut cainjector = Command::new(cainjector_bin);
+        // Its client is controller-runtime's, which reads KUBECONFIG (the flag alone is not used).
+        cainjector.env("KUBECONFIG", kubeconfig_path);
         cainjector.args([
             kubeconfig.as_str(),
             "--leader-elect=false",

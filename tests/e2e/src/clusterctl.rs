@@ -133,7 +133,7 @@ impl LocalRepository {
 /// When go.mod names no version or `go mod download` fails.
 pub fn cluster_api_module() -> Result<(PathBuf, String)> {
     let go_mod = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../hack/tools/cluster-api/go.mod");
-    let text = fs::read_to_string(&go_mod)?;
+    let text = std::fs::read_to_string(&go_mod)?;
     let version = text
         .lines()
         .find_map(|l| l.trim().strip_prefix("sigs.k8s.io/cluster-api v"))
