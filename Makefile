@@ -65,9 +65,10 @@ fmt: ## Format the code
 	$(CARGO) fmt --all
 
 .PHONY: lint
-lint: ## cargo fmt --check, clippy with warnings denied, no import circle in controllers/src
+lint: ## cargo fmt --check, clippy and rustdoc with warnings denied, controllers/src imports in its declared layer order
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace -q
 	$(PYTHON) hack/module-cycles.py controllers/src
 
 .PHONY: unit

@@ -74,6 +74,8 @@ const DEFAULT_WEBHOOK_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
 /// from MAILGUN_API_KEY / SMTP_PASSWORD.
 // Each setting is declared here once: its flag, variable, default and parser. The file's
 // values become the flags' defaults (see `Settings::resolve`), so nothing else lists them.
+// The field docs are `--help` texts, written for a terminal, not for rustdoc.
+#[allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
 #[derive(Debug, Parser)]
 #[command(name = "cluster-api-provider-mailgun", version, about, long_about)]
 pub struct Args {

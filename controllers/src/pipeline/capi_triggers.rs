@@ -286,7 +286,7 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    use super::super::test_object;
+    use super::super::tests::test_object;
 
     /// An object changed and deleted before its subscriber reads still reaches the subscriber,
     /// and the subscriber keeps hearing of later changes (kube-runtime's shared-store subscriber

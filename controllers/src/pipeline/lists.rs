@@ -177,7 +177,7 @@ mod tests {
 
     use super::*;
 
-    use super::super::test_object as object;
+    use super::super::tests::test_object as object;
 
     /// Feeds `events` through a reflector writer and the adapter, as the pipeline does; returns
     /// what passed straight through, what the lists asked for (with what the store held for

@@ -71,22 +71,6 @@ pub async fn run(
     Ok(())
 }
 
-/// A `MailgunCluster` in namespace `ns` for the pipeline's tests.
-#[cfg(test)]
-fn test_object(name: &str, uid: &str, rv: &str) -> MailgunCluster {
-    let mut o = MailgunCluster::new(
-        name,
-        serde_json::from_value(serde_json::json!({
-            "priority": "Urgent", "request": "r", "requester": "a@example.com",
-        }))
-        .expect("a valid spec"),
-    );
-    o.metadata.namespace = Some("ns".into());
-    o.metadata.uid = Some(uid.into());
-    o.metadata.resource_version = Some(rv.into());
-    o
-}
-
 /// Fails start-up with a clear message when the CRDs are missing or not readable.
 async fn preflight(client: &Client, config: &Config) -> Result<(), Error> {
     let lp = ListParams::default().limit(1);
@@ -125,4 +109,24 @@ async fn preflight(client: &Client, config: &Config) -> Result<(), Error> {
             .map(drop),
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `MailgunCluster` in namespace `ns` for the pipeline's tests.
+    pub(super) fn test_object(name: &str, uid: &str, rv: &str) -> MailgunCluster {
+        let mut o = MailgunCluster::new(
+            name,
+            serde_json::from_value(serde_json::json!({
+                "priority": "Urgent", "request": "r", "requester": "a@example.com",
+            }))
+            .expect("a valid spec"),
+        );
+        o.metadata.namespace = Some("ns".into());
+        o.metadata.uid = Some(uid.into());
+        o.metadata.resource_version = Some(rv.into());
+        o
+    }
 }

@@ -90,7 +90,7 @@ mod tests {
     use kube::runtime::{reflector, watcher};
 
     fn object(name: &str) -> MailgunCluster {
-        super::super::test_object(name, name, "1")
+        super::super::tests::test_object(name, name, "1")
     }
 
     #[tokio::test(start_paused = true)]

@@ -5,7 +5,7 @@
 //!
 //! - our objects keep their spec, status and metadata, but not `managedFields`, and only the
 //!   annotations in [`READ_ANNOTATIONS`] and the labels their kind names
-//!   ([`InfraKind::CACHED_LABELS`]). Finalizers and owner references stay: they are written back.
+//!   (`InfraKind::CACHED_LABELS`). Finalizers and owner references stay: they are written back.
 //! - Cluster API `Cluster`s and `Machine`s (read, never written) are partial types already
 //!   ([`crate::capi`]); they keep no `managedFields`, annotations, finalizers or owner
 //!   references, and Machines only the `cluster.x-k8s.io/cluster-name` label.
