@@ -94,7 +94,7 @@ verify-generated: tools-helm ## Fail when committed generated files are stale
 	  || { echo "config/rbac/rbac.yaml is stale: run make generate" >&2; exit 1; }
 	@echo "config/rbac/rbac.yaml is up to date"
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && hack/render-observability.sh "$$tmp" \
-	  && for f in metrics/crd-metrics-config.yaml metrics/kube-state-metrics.yaml prometheus/rules.yaml grafana/cluster-api-provider-mailgun.json; do \
+	  && for f in metrics/crd-metrics-config.yaml metrics/kube-state-metrics.yaml metrics/kube-state-metrics-chart-values.yaml prometheus/rules.yaml grafana/cluster-api-provider-mailgun.json; do \
 	    diff -u config/$$f "$$tmp/$$f" || { echo "config/$$f is stale: run make generate" >&2; exit 1; }; done
 	@echo "config/metrics, config/prometheus/rules.yaml and config/grafana are up to date"
 
