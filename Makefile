@@ -47,7 +47,7 @@ deps-release: deps-py ## Install what `make release` needs: deps-py, cargo-cyclo
 	  $(CARGO) install --locked cargo-cyclonedx --version $(CARGO_CYCLONEDX_VERSION); fi
 
 .PHONY: tools
-tools: deps-node ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause; the release: registry, crane, cosign), cached by go.sum hash
+tools: deps-node ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause; the release: registry, crane, cosign; the monitoring test: kube-state-metrics), cached by go.sum hash
 	hack/tools/build.sh
 
 # The demo needs no node: without runc (cgo, libseccomp-dev from `make deps`) and containerd it
