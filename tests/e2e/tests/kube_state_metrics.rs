@@ -151,7 +151,9 @@ async fn create_machine(admin: &Client, cluster: &str, name: &str) -> Result<()>
 fn request_mail(server: &MailgunServer, kind: &str, name: &str) -> Result<Option<String>> {
     Ok(mailgun_mails(server)?
         .into_iter()
-        .find(|(m, _)| m.subject.contains(&format!("New {kind} {name} ")) && m.subject.contains("requested"))
+        .find(|(m, _)| {
+            m.subject.contains(&format!("New {kind} {name} ")) && m.subject.contains("requested")
+        })
         .map(|(_, body)| body))
 }
 
@@ -167,7 +169,9 @@ fn fulfil(cp: &ControlPlane, body: &str, fill: &[(&str, &str)]) -> Result<()> {
 
 /// Unix seconds of an RFC 3339 time.
 fn unix(time: &Value) -> Result<f64> {
-    let text = time.as_str().with_context(|| format!("{time} is not a time"))?;
+    let text = time
+        .as_str()
+        .with_context(|| format!("{time} is not a time"))?;
     Ok(text.parse::<jiff::Timestamp>()?.as_second() as f64)
 }
 
@@ -188,7 +192,42 @@ struct Expect<'a> {
     info: &'a [(&'a str, &'a str)],
 }
 
-impl Expect<'_> {
+impl<'a> Expect<'a> {
+    fn cluster(
+        object: &'a DynamicObject,
+        mailed: bool,
+        provisioned: bool,
+        paused: bool,
+        info: &'a [(&'a str, &'a str)],
+    ) -> Self {
+        Self {
+            prefix: "capi_mailguncluster",
+            object,
+            paused,
+            provisioned,
+            mailed,
+            owner_kind: "Cluster",
+            info,
+        }
+    }
+
+    /// A mailed machine, fulfilled or not.
+    fn machine(
+        object: &'a DynamicObject,
+        provisioned: bool,
+        info: &'a [(&'a str, &'a str)],
+    ) -> Self {
+        Self {
+            prefix: "capi_mailgunmachine",
+            object,
+            paused: false,
+            provisioned,
+            mailed: true,
+            owner_kind: "Machine",
+            info,
+        }
+    }
+
     fn check(&self, samples: &[Sample], seen: &mut BTreeSet<String>) -> Result<()> {
         let o = self.object;
         let name = o.name_any();
@@ -200,14 +239,17 @@ impl Expect<'_> {
             ("namespace", ns.as_str()),
             ("uid", uid.as_str()),
         ];
-        let with = |extra: &[(&'static str, &str)]| -> Vec<(&str, String)> {
+        let with = |extra: &[(&str, &str)]| -> Vec<(String, String)> {
             base.iter()
-                .map(|(k, v)| (*k, (*v).to_owned()))
-                .chain(extra.iter().map(|(k, v)| (*k, (*v).to_owned())))
+                .chain(extra.iter())
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect()
         };
-        let mut check = |family: &str, labels: Vec<(&str, String)>, want: Option<f64>| {
-            let labels: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut check = |family: &str, labels: Vec<(String, String)>, want: Option<f64>| {
+            let labels: Vec<(&str, &str)> = labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
             let metric = format!("{p}_{family}");
             let got = sample_value(samples, &metric, &labels);
             ensure!(
@@ -222,7 +264,7 @@ impl Expect<'_> {
         let cluster_name = o.labels().get("cluster.x-k8s.io/cluster-name").cloned();
         let mut info = with(self.info);
         if let Some(c) = &cluster_name {
-            info.push(("cluster_name", c.clone()));
+            info.push(("cluster_name".to_owned(), c.clone()));
         }
         check("info", info, Some(1.0))?;
         let created = o
@@ -387,7 +429,12 @@ async fn kube_state_metrics_and_prometheus_on_the_real_series() -> Result<()> {
     let result = story(&cp, dir).await;
     if let Err(e) = &result {
         eprintln!("failed: {e:#}");
-        for name in ["provider.log", "capi-manager.log", "kube-state-metrics.log", "prometheus/prometheus.log"] {
+        for name in [
+            "provider.log",
+            "capi-manager.log",
+            "kube-state-metrics.log",
+            "prometheus/prometheus.log",
+        ] {
             eprintln!(
                 "--- last lines of {name}:\n{}",
                 capm_test_support::process::tail(&dir.join(name), 30)
@@ -410,8 +457,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         "{}metrics:\n  prometheusRule:\n    waitingForHumanSeconds: {WAITING_SECONDS}\n",
         mailgun_values(RECIPIENT, DOMAIN, &mailgun.base_url())
     );
-    let provider =
-        install_chart_and_provider(cp, mailgun.api_key(), &values_text, dir).await?;
+    let provider = install_chart_and_provider(cp, mailgun.api_key(), &values_text, dir).await?;
     let values = dir.join("values.yaml");
     create_namespace(&admin, USER_NS, false).await?;
     // The core manager, its diagnostics on a port Prometheus is given (the last flag wins).
@@ -423,12 +469,25 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     )?;
 
     // Identities: the tenant's (its own Mailgun domain and key) and one no namespace may use.
-    create_secret(&admin, NS, "tenant-mailgun", &[("api-key", tenant.api_key())]).await?;
+    create_secret(
+        &admin,
+        NS,
+        "tenant-mailgun",
+        &[("api-key", tenant.api_key())],
+    )
+    .await?;
     let identities = Api::<DynamicObject>::all_with(
         admin.clone(),
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(INFRA, "v1beta1", "MailgunClusterIdentity")),
+        &ApiResource::from_gvk(&GroupVersionKind::gvk(
+            INFRA,
+            "v1beta1",
+            "MailgunClusterIdentity",
+        )),
     );
-    for (name, allowed) in [("tenant", json!({"list": [USER_NS]})), ("closed", Value::Null)] {
+    for (name, allowed) in [
+        ("tenant", json!({"list": [USER_NS]})),
+        ("closed", Value::Null),
+    ] {
         let mut spec = json!({
             "mailgun": {"domain": TENANT_DOMAIN, "baseURL": tenant.base_url(),
                 "apiKeySecretRef": {"name": "tenant-mailgun", "key": "api-key"}},
@@ -438,16 +497,28 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         if !allowed.is_null() {
             spec["allowedNamespaces"] = allowed;
         }
-        let mut identity =
-            dynamic_object(&format!("{INFRA}/v1beta1"), "MailgunClusterIdentity", "", name, spec)?;
+        let mut identity = dynamic_object(
+            &format!("{INFRA}/v1beta1"),
+            "MailgunClusterIdentity",
+            "",
+            name,
+            spec,
+        )?;
         identity.metadata.namespace = None;
         identities.create(&Default::default(), &identity).await?;
     }
 
-    let identity = |name: &str| json!({"identityRef": {"kind": "MailgunClusterIdentity", "name": name}});
+    let identity =
+        |name: &str| json!({"identityRef": {"kind": "MailgunClusterIdentity", "name": name}});
     create_pair(&admin, "waiting", identity("tenant"), &[]).await?;
     create_pair(&admin, "fulfilled", json!({}), &[]).await?;
-    create_pair(&admin, "paused", json!({}), &[("cluster.x-k8s.io/paused", "")]).await?;
+    create_pair(
+        &admin,
+        "paused",
+        json!({}),
+        &[("cluster.x-k8s.io/paused", "")],
+    )
+    .await?;
     create_pair(&admin, "refused", identity("closed"), &[]).await?;
     create_pair(&admin, "released", json!({}), &[]).await?;
 
@@ -492,7 +563,10 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     fulfil(
         cp,
         &body,
-        &[("<scheme>://<id>", "mailgun://fulfilled-m0"), ("<ip>", "192.0.2.10")],
+        &[
+            ("<scheme>://<id>", "mailgun://fulfilled-m0"),
+            ("<ip>", "192.0.2.10"),
+        ],
     )?;
     eventually(wait, "the request mail of fulfilled-m1", || async {
         alive()?;
@@ -500,24 +574,38 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     })
     .await?;
     // "released": held by the test's finalizer, deleted, released by mail.
-    clusters
-        .patch(
-            "released",
-            &PatchParams::default(),
-            &Patch::<Value>::Json(serde_json::from_value(json!([
-                {"op": "add", "path": "/metadata/finalizers/-", "value": HOLD}
-            ]))?),
-        )
-        .await?;
-    clusters.delete("released", &DeleteParams::default()).await?;
-    eventually(wait, "the release mail of released, its finalizer gone", || async {
-        alive()?;
-        let released = mailgun_mails(&mailgun)?
-            .iter()
-            .any(|(m, _)| m.subject.contains("Cluster released") && m.subject.contains("no longer needed"));
+    eventually(wait, "the test's finalizer on released", || async {
         let o = clusters.get("released").await?;
-        Ok((released && o.finalizers() == [HOLD.to_owned()]).then_some(()))
+        let mut finalizers = o.finalizers().to_vec();
+        finalizers.push(HOLD.to_owned());
+        // With the resourceVersion read: a conflict with the provider's write is tried again.
+        let patch = json!({"metadata": {"finalizers": finalizers,
+            "resourceVersion": o.resource_version()}});
+        match clusters
+            .patch("released", &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => Ok(Some(())),
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     })
+    .await?;
+    clusters
+        .delete("released", &DeleteParams::default())
+        .await?;
+    eventually(
+        wait,
+        "the release mail of released, its finalizer gone",
+        || async {
+            alive()?;
+            let released = mailgun_mails(&mailgun)?.iter().any(|(m, _)| {
+                m.subject.contains("Cluster released") && m.subject.contains("no longer needed")
+            });
+            let o = clusters.get("released").await?;
+            Ok((released && o.finalizers() == [HOLD.to_owned()]).then_some(()))
+        },
+    )
     .await?;
 
     // kube-state-metrics as the stock chart would run it with the documented values: a
@@ -543,7 +631,11 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     ]});
     let mut kubectl = cp.kubectl()?;
     kubectl.args(["apply", "-f", "-"]);
-    run_with_input(&mut kubectl, &rbac.to_string(), "kubectl apply (kube-state-metrics RBAC)")?;
+    run_with_input(
+        &mut kubectl,
+        &rbac.to_string(),
+        "kubectl apply (kube-state-metrics RBAC)",
+    )?;
     let ksm_kubeconfig = service_account_kubeconfig(cp, KSM_NS, "kube-state-metrics", dir)?;
     let ksm_config = dir.join("crd-metrics-config.yaml");
     fs::write(&ksm_config, serde_yaml_ng::to_string(&config)?)?;
@@ -551,12 +643,19 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     let mut cmd = Command::new(capm_test_support::process::binary("kube-state-metrics")?);
     cmd.arg(format!("--kubeconfig={}", ksm_kubeconfig.display()))
         .arg("--custom-resource-state-only")
-        .arg(format!("--custom-resource-state-config-file={}", ksm_config.display()))
+        .arg(format!(
+            "--custom-resource-state-config-file={}",
+            ksm_config.display()
+        ))
         .arg("--host=127.0.0.1")
         .arg(format!("--port={ksm_port}"))
         .arg("--telemetry-host=127.0.0.1")
         .arg(format!("--telemetry-port={}", free_port()?));
-    let ksm = Proc::spawn("kube-state-metrics", cmd, dir.join("kube-state-metrics.log"))?;
+    let ksm = Proc::spawn(
+        "kube-state-metrics",
+        cmd,
+        dir.join("kube-state-metrics.log"),
+    )?;
     let ksm_addr = format!("127.0.0.1:{ksm_port}");
 
     // Every family, for every object, as its state means.
@@ -569,7 +668,6 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         };
         let samples = parse_exposition(&exposition)?;
         let mut seen = BTreeSet::new();
-        let cluster_info = |host: &'static str| [("control_plane_endpoint_host", host), ("priority", "Urgent")];
         let waiting = clusters.get("waiting").await?;
         let fulfilled = clusters.get("fulfilled").await?;
         let paused = clusters.get("paused").await?;
@@ -577,39 +675,29 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         let released = clusters.get("released").await?;
         let m0 = machines.get("fulfilled-m0").await?;
         let m1 = machines.get("fulfilled-m1").await?;
-        let cluster = |object, mailed, provisioned, paused, info| Expect {
-            prefix: "capi_mailguncluster",
-            object,
-            paused,
-            provisioned,
-            mailed,
-            owner_kind: "Cluster",
-            info,
-        };
+        let plain = [("priority", "Urgent")];
+        let fulfilled_info = [
+            ("priority", "Urgent"),
+            ("control_plane_endpoint_host", "api.fulfilled.example.com"),
+        ];
+        let released_info = [
+            ("priority", "Urgent"),
+            ("control_plane_endpoint_host", "api.released.example.com"),
+        ];
+        let m0_info = [
+            ("priority", "Urgent"),
+            ("provider_id", "mailgun://fulfilled-m0"),
+            ("failure_domain", "rack-1"),
+        ];
+        let m1_info = [("priority", "Urgent"), ("failure_domain", "rack-1")];
         let expectations = [
-            cluster(&waiting, true, false, false, &[("priority", "Urgent")][..]),
-            cluster(&fulfilled, true, true, false, &cluster_info("api.fulfilled.example.com")[..]),
-            cluster(&paused, false, false, true, &[("priority", "Urgent")][..]),
-            cluster(&refused, false, false, false, &[("priority", "Urgent")][..]),
-            cluster(&released, true, true, false, &cluster_info("api.released.example.com")[..]),
-            Expect {
-                prefix: "capi_mailgunmachine",
-                object: &m0,
-                paused: false,
-                provisioned: true,
-                mailed: true,
-                owner_kind: "Machine",
-                info: &[("priority", "Urgent"), ("provider_id", "mailgun://fulfilled-m0"), ("failure_domain", "rack-1")],
-            },
-            Expect {
-                prefix: "capi_mailgunmachine",
-                object: &m1,
-                paused: false,
-                provisioned: false,
-                mailed: true,
-                owner_kind: "Machine",
-                info: &[("priority", "Urgent"), ("failure_domain", "rack-1")],
-            },
+            Expect::cluster(&waiting, true, false, false, &plain),
+            Expect::cluster(&fulfilled, true, true, false, &fulfilled_info),
+            Expect::cluster(&paused, false, false, true, &plain),
+            Expect::cluster(&refused, false, false, false, &plain),
+            Expect::cluster(&released, true, true, false, &released_info),
+            Expect::machine(&m0, true, &m0_info),
+            Expect::machine(&m1, false, &m1_info),
         ];
         let mut last = None;
         for e in &expectations {
@@ -626,7 +714,10 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
             }
             None => {
                 let missing: Vec<_> = declared.difference(&seen).collect();
-                ensure!(missing.is_empty(), "families declared and not checked: {missing:?}");
+                ensure!(
+                    missing.is_empty(),
+                    "families declared and not checked: {missing:?}"
+                );
                 Ok(Some((samples, exposition)))
             }
         }
@@ -666,7 +757,11 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
 
     // Prometheus: the provider as the chart's ServiceMonitor scrapes it, the core manager, and
     // kube-state-metrics (labels of its own, honored, as kube-prometheus-stack scrapes it).
-    let monitor = render(&values, &["metrics.serviceMonitor.enabled=true"], "templates/servicemonitor.yaml")?;
+    let monitor = render(
+        &values,
+        &["metrics.serviceMonitor.enabled=true"],
+        "templates/servicemonitor.yaml",
+    )?;
     let ours: Vec<&Value> = monitor
         .iter()
         .filter(|o| o["apiVersion"] != "monitoring.coreos.com/v1")
@@ -683,9 +778,14 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         .find(|o| o["kind"] == "ServiceMonitor")
         .context("no ServiceMonitor rendered")?;
     let endpoint = &sm["spec"]["endpoints"][0];
-    ensure!(endpoint["scheme"] == "https" && endpoint["bearerTokenFile"].is_null(), "{endpoint}");
+    ensure!(
+        endpoint["scheme"] == "https" && endpoint["bearerTokenFile"].is_null(),
+        "{endpoint}"
+    );
     let credentials = &endpoint["authorization"]["credentials"];
-    let token_secret = credentials["name"].as_str().context("authorization secret")?;
+    let token_secret = credentials["name"]
+        .as_str()
+        .context("authorization secret")?;
     let token_key = credentials["key"].as_str().context("authorization key")?;
     let token = eventually(wait, "the scraper's token in its Secret", || async {
         secret_key(&admin, NS, token_secret, token_key).await
@@ -696,8 +796,12 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     let ca = secret_key(
         &admin,
         NS,
-        tls["ca"]["secret"]["name"].as_str().context("tlsConfig.ca.secret.name")?,
-        tls["ca"]["secret"]["key"].as_str().context("tlsConfig.ca.secret.key")?,
+        tls["ca"]["secret"]["name"]
+            .as_str()
+            .context("tlsConfig.ca.secret.name")?,
+        tls["ca"]["secret"]["key"]
+            .as_str()
+            .context("tlsConfig.ca.secret.key")?,
     )
     .await?
     .context("the CA the ServiceMonitor names")?;
@@ -705,7 +809,11 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     let (token_file, ca_file) = (dir.join("scraper.token"), dir.join("metrics-ca.crt"));
     fs::write(&token_file, token.trim())?;
     fs::write(&ca_file, ca)?;
-    let rule = render(&values, &["metrics.prometheusRule.enabled=true"], "templates/prometheusrule.yaml")?;
+    let rule = render(
+        &values,
+        &["metrics.prometheusRule.enabled=true"],
+        "templates/prometheusrule.yaml",
+    )?;
     let rules_file = dir.join("rules.yaml");
     fs::write(&rules_file, serde_yaml_ng::to_string(&rule[0]["spec"])?)?;
     let provider_job = format!("{FULLNAME}-metrics");
@@ -726,7 +834,10 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     let prometheus = Prometheus::start_with_config(&dir.join("prometheus"), &config).await?;
     eventually(Duration::from_secs(60), "all three targets up", || async {
         let up = prometheus.query_labelled("up == 1")?;
-        let jobs: BTreeSet<_> = up.iter().filter_map(|(l, _)| l.get("job").cloned()).collect();
+        let jobs: BTreeSet<_> = up
+            .iter()
+            .filter_map(|(l, _)| l.get("job").cloned())
+            .collect();
         Ok((jobs.len() == 3).then_some(jobs))
     })
     .await?;
@@ -754,7 +865,10 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
             .map(|a| {
                 (
                     (
-                        a["labels"]["alertname"].as_str().unwrap_or_default().to_owned(),
+                        a["labels"]["alertname"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
                         a["labels"]["name"].as_str().unwrap_or_default().to_owned(),
                     ),
                     a["state"].as_str().unwrap_or_default().to_owned(),
@@ -769,7 +883,10 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
             let data = prometheus.api("alerts")?;
             let now = alerts(&data)?;
             let unexpected: Vec<_> = now.keys().filter(|k| !expected.contains(*k)).collect();
-            ensure!(unexpected.is_empty(), "unexpected alerts: {now:?}\n{data:#}");
+            ensure!(
+                unexpected.is_empty(),
+                "unexpected alerts: {now:?}\n{data:#}"
+            );
             let firing = now.iter().filter(|(_, s)| *s == "firing").count();
             Ok((firing == expected.len()).then_some(data))
         },

@@ -97,8 +97,7 @@ fn every_alert_has_a_runbook_section_and_selects_the_providers_series() -> Resul
     let dir = config_dir().join("prometheus");
     let text = std::fs::read_to_string(dir.join("rules.yaml"))?;
     let file: serde_json::Value = serde_yaml_ng::from_str(&text)?;
-    let runbooks =
-        std::fs::read_to_string(config_dir().join("../docs/runbooks.md"))?;
+    let runbooks = std::fs::read_to_string(config_dir().join("../docs/runbooks.md"))?;
     // GitHub's anchors of `## Name` headings: the name in lower case.
     let anchors: Vec<String> = runbooks
         .lines()
@@ -108,7 +107,9 @@ fn every_alert_has_a_runbook_section_and_selects_the_providers_series() -> Resul
     let mut alerts = Vec::new();
     for rule in file["groups"][0]["rules"].as_array().into_iter().flatten() {
         let alert = rule["alert"].as_str().unwrap_or_default();
-        let url = rule["annotations"]["runbook_url"].as_str().unwrap_or_default();
+        let url = rule["annotations"]["runbook_url"]
+            .as_str()
+            .unwrap_or_default();
         let (page, anchor) = url.split_once('#').unwrap_or_default();
         ensure!(
             page.ends_with("/docs/runbooks.md") && anchor == alert.to_lowercase(),
