@@ -1,8 +1,11 @@
 //! The monitoring files the project ships, checked without a cluster: the alert rules pass
-//! their `promtool test rules` unit tests; every dashboard query is valid PromQL to promtool;
-//! every kube-state-metrics series the rules and the dashboard read is one that
-//! config/metrics/crd-metrics-config.yaml defines. (The provider's own series they read are
-//! checked against a real scrape in `end_to_end.rs`.)
+//! their `promtool test rules` unit tests (with the Cluster API core manager's series beside the
+//! provider's); every alert has its runbook section and reads the provider's series through its
+//! job and namespace; every dashboard query is valid PromQL to promtool and filters by the
+//! dashboard's variables; every kube-state-metrics series the rules and the dashboard read is one
+//! that config/metrics/crd-metrics-config.yaml defines. (The provider's own series they read are
+//! checked against a real scrape in `end_to_end.rs`; kube-state-metrics's and the alerts on
+//! real series in `kube_state_metrics.rs`.)
 
 use std::fmt::Write as _;
 
