@@ -29,7 +29,7 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api,
-    api::{DynamicObject, Patch, PatchParams, PostParams},
+    api::{Patch, PatchParams, PostParams},
     core::ObjectMeta,
 };
 
