@@ -878,38 +878,52 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     .iter()
     .map(|(a, n)| ((*a).to_owned(), (*n).to_owned()))
     .collect();
+    // (alert, object name or controller) -> state.
     let alerts = |data: &Value| -> Result<BTreeMap<(String, String), String>> {
         Ok(data["alerts"]
             .as_array()
             .context("no alerts")?
             .iter()
             .map(|a| {
+                let l = &a["labels"];
+                let subject = l["name"].as_str().or_else(|| l["controller"].as_str());
                 (
                     (
-                        a["labels"]["alertname"]
-                            .as_str()
-                            .unwrap_or_default()
-                            .to_owned(),
-                        a["labels"]["name"].as_str().unwrap_or_default().to_owned(),
+                        l["alertname"].as_str().unwrap_or_default().to_owned(),
+                        subject.unwrap_or_default().to_owned(),
                     ),
                     a["state"].as_str().unwrap_or_default().to_owned(),
                 )
             })
             .collect())
     };
+    // The one alert allowed to be pending: the refused cluster's reconciles fail and are retried
+    // (IdentityNotAllowed), so the provider's mailguncluster controller's error ratio is high;
+    // its 15 minutes keep it from firing here, and that it is pending is the rule working.
+    let allowed_pending = (
+        "CapmReconcileErrors".to_owned(),
+        "mailguncluster".to_owned(),
+    );
+    let check = |now: &BTreeMap<(String, String), String>| -> Result<bool> {
+        for (key, state) in now {
+            ensure!(
+                expected.contains(key) || (*key == allowed_pending && state == "pending"),
+                "unexpected alert {key:?} {state}: {now:?}"
+            );
+        }
+        let firing: BTreeSet<_> = now
+            .iter()
+            .filter(|(_, s)| *s == "firing")
+            .map(|(k, _)| k.clone())
+            .collect();
+        Ok(firing == expected)
+    };
     let answer = eventually(
         Duration::from_secs(WAITING_SECONDS * 3 + 60),
         "the waiting-for-a-human alerts firing",
         || async {
             let data = prometheus.api("alerts")?;
-            let now = alerts(&data)?;
-            let unexpected: Vec<_> = now.keys().filter(|k| !expected.contains(*k)).collect();
-            ensure!(
-                unexpected.is_empty(),
-                "unexpected alerts: {now:?}\n{data:#}"
-            );
-            let firing = now.iter().filter(|(_, s)| *s == "firing").count();
-            Ok((firing == expected.len()).then_some(data))
+            Ok(check(&alerts(&data)?)?.then_some(data))
         },
     )
     .await?;
@@ -917,24 +931,24 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     for _ in 0..15 {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let data = prometheus.api("alerts")?;
-        let now = alerts(&data)?;
-        ensure!(
-            now.keys().cloned().collect::<BTreeSet<_>>() == expected
-                && now.values().all(|s| s == "firing"),
-            "the alerts changed: {data:#}"
-        );
+        ensure!(check(&alerts(&data)?)?, "the alerts changed: {data:#}");
     }
     let rules = prometheus.api("rules")?;
-    let inactive: Vec<_> = rules["groups"]
+    let states: Vec<_> = rules["groups"]
         .as_array()
         .into_iter()
         .flatten()
         .flat_map(|g| g["rules"].as_array().into_iter().flatten())
-        .filter(|r| r["state"] == "inactive")
-        .filter_map(|r| r["name"].as_str())
+        .map(|r| {
+            format!(
+                "{} {}",
+                r["name"].as_str().unwrap_or_default(),
+                r["state"].as_str().unwrap_or_default()
+            )
+        })
         .collect();
-    println!("inactive alerts: {inactive:?}");
-    ensure!(inactive.len() == 6, "{rules:#}");
+    println!("rule states: {states:?}");
+    ensure!(states.len() == 8, "{rules:#}");
     drop(ksm);
     Ok(())
 }
