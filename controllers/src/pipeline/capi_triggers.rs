@@ -42,20 +42,12 @@ use crate::{
 };
 
 /// What a Cluster API store's change brings a subscriber.
+#[derive(Clone)]
 pub(crate) enum Heard<K> {
     /// One object changed (an `Apply`).
     Changed(Arc<K>),
     /// A list is complete: every object in the store may have changed.
     Listed,
-}
-
-impl<K> Clone for Heard<K> {
-    fn clone(&self) -> Self {
-        match self {
-            Self::Changed(obj) => Self::Changed(Arc::clone(obj)),
-            Self::Listed => Self::Listed,
-        }
-    }
 }
 
 /// Where one store's changes go: one channel per subscriber.
@@ -87,6 +79,24 @@ where
         let (tx, rx) = unbounded();
         lock(&self.subscribers).push(tx);
         rx.boxed()
+    }
+
+    /// `events` trimmed by `trim`, applied to the store and fanned out to the subscribers.
+    fn reflect(
+        self,
+        events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+        trim: fn(&mut K),
+    ) -> impl futures::Stream<Item = ()> + Send {
+        let Self {
+            writer,
+            subscribers,
+            ..
+        } = self;
+        events.modify(trim).reflect(writer).map(move |event| {
+            if let Ok(event) = &event {
+                fan_out(event, &subscribers);
+            }
+        })
     }
 }
 
@@ -157,33 +167,14 @@ impl CapiWatches {
         config: Config,
         shutdown: impl Future<Output = ()> + Send,
     ) {
-        let wc = list_config();
-        let Watched {
-            writer,
-            subscribers,
-            ..
-        } = self.clusters;
-        let clusters = watch::<Cluster>(&client, &config, wc.clone())
-            .modify(trim::cluster)
-            .reflect(writer)
-            .map(move |event| {
-                if let Ok(event) = &event {
-                    fan_out(event, &subscribers);
-                }
-            });
-        let Watched {
-            writer,
-            subscribers,
-            ..
-        } = self.machines;
-        let machines = watch::<Machine>(&client, &config, wc)
-            .modify(trim::machine)
-            .reflect(writer)
-            .map(move |event| {
-                if let Ok(event) = &event {
-                    fan_out(event, &subscribers);
-                }
-            });
+        let clusters = self.clusters.reflect(
+            watch::<Cluster>(&client, &config, list_config()),
+            trim::cluster,
+        );
+        let machines = self.machines.reflect(
+            watch::<Machine>(&client, &config, list_config()),
+            trim::machine,
+        );
         let both = futures::stream::select(clusters, machines);
         futures::pin_mut!(both);
         let mut shutdown = std::pin::pin!(shutdown);

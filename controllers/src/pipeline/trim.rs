@@ -40,15 +40,17 @@ pub fn ours<K: InfraKind>(obj: &mut K) {
 
 /// A Cluster API `Cluster` as its cache keeps it.
 pub fn cluster(obj: &mut Cluster) {
-    let meta = obj.meta_mut();
-    keep(meta, &[], &[]);
-    (meta.finalizers, meta.owner_references) = (None, None);
+    read_only(obj.meta_mut(), &[]);
 }
 
 /// A Cluster API `Machine` as its cache keeps it.
 pub fn machine(obj: &mut Machine) {
-    let meta = obj.meta_mut();
-    keep(meta, &[], &[names::CLUSTER_NAME_LABEL]);
+    read_only(obj.meta_mut(), &[names::CLUSTER_NAME_LABEL]);
+}
+
+/// An object the provider never writes: no annotations, finalizers or owner references either.
+fn read_only(meta: &mut ObjectMeta, labels: &[&str]) {
+    keep(meta, &[], labels);
     (meta.finalizers, meta.owner_references) = (None, None);
 }
 

@@ -52,8 +52,8 @@ where
     }
 }
 
-/// The watch of `K`'s objects in scope, reconnecting with [`watch_backoff`]. Each reconnect
-/// and each list's end is logged at debug level (target `capm_controllers::watch`).
+/// The watch of `K`'s objects in scope, reconnecting with [`watch_backoff`]. Each list's start
+/// and end, and each failure, is logged at debug level (target `capm_controllers::watch`).
 pub(crate) fn watch<K>(
     client: &Client,
     config: &Config,
@@ -67,10 +67,10 @@ where
     watcher::watcher(scoped::<K>(client, config), wc)
         .inspect(move |event| match event {
             Ok(watcher::Event::Init) => {
-                debug!(target: "capm_controllers::watch", %kind, "Watch connected: listing");
+                debug!(target: "capm_controllers::watch", %kind, "Listing");
             }
             Ok(watcher::Event::InitDone) => {
-                debug!(target: "capm_controllers::watch", %kind, "List complete: watching");
+                debug!(target: "capm_controllers::watch", %kind, "List complete");
             }
             Err(error) => {
                 debug!(target: "capm_controllers::watch", %kind, %error, "Watch failed: backing off");
