@@ -47,7 +47,7 @@ deps-release: deps-py ## Install what `make release` needs: deps-py, cargo-cyclo
 	  $(CARGO) install --locked cargo-cyclonedx --version $(CARGO_CYCLONEDX_VERSION); fi
 
 .PHONY: tools
-tools: deps-node ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause; the release: registry, crane, cosign; cert-manager from its source snapshot), cached by go.sum (or snapshot) hash
+tools: deps-node ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause; the release: registry, crane, cosign; the monitoring test: kube-state-metrics; cert-manager from its source snapshot), cached by go.sum (or snapshot) hash
 	hack/tools/build.sh
 
 # The demo needs no node: without runc (cgo, libseccomp-dev from `make deps`) and containerd it
@@ -65,9 +65,10 @@ fmt: ## Format the code
 	$(CARGO) fmt --all
 
 .PHONY: lint
-lint: ## cargo fmt --check, clippy with warnings denied, no import circle in controllers/src
+lint: ## cargo fmt --check, clippy and rustdoc with warnings denied, controllers/src imports in its declared layer order
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace -q
 	$(PYTHON) hack/module-cycles.py controllers/src
 
 .PHONY: unit
@@ -94,7 +95,7 @@ verify-generated: tools-helm ## Fail when committed generated files are stale
 	  || { echo "config/rbac/rbac.yaml is stale: run make generate" >&2; exit 1; }
 	@echo "config/rbac/rbac.yaml is up to date"
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && hack/render-observability.sh "$$tmp" \
-	  && for f in metrics/crd-metrics-config.yaml metrics/kube-state-metrics.yaml prometheus/rules.yaml grafana/cluster-api-provider-mailgun.json; do \
+	  && for f in metrics/crd-metrics-config.yaml metrics/kube-state-metrics.yaml metrics/kube-state-metrics-chart-values.yaml prometheus/rules.yaml grafana/cluster-api-provider-mailgun.json; do \
 	    diff -u config/$$f "$$tmp/$$f" || { echo "config/$$f is stale: run make generate" >&2; exit 1; }; done
 	@echo "config/metrics, config/prometheus/rules.yaml and config/grafana are up to date"
 

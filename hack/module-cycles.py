@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Fails when the modules of a crate import each other in a circle.
+"""Fails when the modules of a crate import against their declared order, or in a circle.
 
     hack/module-cycles.py controllers/src
 
 Reads every `crate::` path of every file under the crate's `src/` (in `use` trees, braces
 included, and in expressions), maps each file to its module (`a/b.rs` and `a/b/mod.rs` are
-`a::b`) and each path to the longest module it names, and reports every cycle of the module
-graph (an edge A -> B: A names something of B; a module naming its own submodules, or a parent
-module re-exporting, counts too). Test modules (`#[cfg(test)]` to the end of the file) are left
-out: tests may reach anywhere. Exit 1 with the cycles printed, 0 with the module count.
+`a::b`) and each path to the longest module it names (an edge A -> B: A names something of B; a
+module naming its own submodules, or a parent module re-exporting, counts too). Test modules
+(from the `#[cfg(test)]` line before a `mod` to the end of the file) are left out: tests may
+reach anywhere; a `#[cfg(test)]` item elsewhere does not end the production code.
+
+The order: `lib.rs`'s doc lists the top-level modules in layers, one list item per layer, lowest
+first, each item starting with its modules in backticks (`` //! - `a`, `b`: what they are ``).
+A module may import its own layer's and lower layers' modules, never a higher layer's; within a
+layer, and among a module's submodules, no circle. Exit 1 with each offending import printed,
+0 with the module count.
 
 Written here rather than installing cargo-modules (its rust-analyzer dependency takes longer to
 build than the whole workspace): the crate's paths are simple enough to read as text.
@@ -30,8 +36,18 @@ def strip(text: str) -> str:
     text = re.sub(r"//[^\n]*", "", text)
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     text = re.sub(r'"(\\.|[^"\\])*"', '""', text)
-    cut = re.search(r"#\[cfg\(test\)\]", text)
+    cut = re.search(r"#\[cfg\(test\)\]\s*(pub(\([\w:]+\))?\s+)?mod\s+\w+", text)
     return text[: cut.start()] if cut else text
+
+
+def layers(lib: Path) -> list[list[str]]:
+    """The declared layers: the doc's list items, each one's leading backticked names."""
+    out = []
+    for line in lib.read_text().splitlines():
+        m = re.match(r"^//!\s*-\s*((?:\[?`[\w:]+`\]?(?:\s*,\s*|\s+and\s+)?)+)", line)
+        if m:
+            out.append(re.findall(r"`([\w:]+)`", m.group(1)))
+    return out
 
 
 def use_paths(tree: str, prefix: str = ""):
@@ -64,15 +80,25 @@ def use_paths(tree: str, prefix: str = ""):
 
 
 def main() -> int:
-    src = Path(sys.argv[1] if len(sys.argv) > 1 else "controllers/src")
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    src = Path(args[0] if args else "controllers/src")
     files = sorted(src.rglob("*.rs"))
     modules = {module_of(src, f) for f in files}
+    # The root's re-exports (`pub use a::{B, C}`): `crate::B` names module `a`.
+    reexports = {}
+    for m in re.finditer(r"pub use ([^;]+);", strip((src / "lib.rs").read_text())):
+        for p in use_paths(m.group(1)):
+            parts = p.split("::")
+            if len(parts) > 1:
+                reexports[parts[-1]] = parts[0]
     edges: dict[str, set[str]] = {m: set() for m in modules}
 
     def resolve(path: str, here: str) -> str | None:
         parts = [p for p in path.split("::") if p]
         if parts and parts[0] == "crate":
             parts = parts[1:]
+            if parts and parts[0] in reexports:
+                parts = [reexports[parts[0]]] + parts[1:]
         elif parts and parts[0] in ("super", "self"):
             base = here.split("::") if here else []
             while parts and parts[0] in ("super", "self"):
@@ -91,6 +117,8 @@ def main() -> int:
 
     for f in files:
         here = module_of(src, f)
+        if here.split("::")[-1] == "tests":
+            continue  # a test module in a file of its own
         text = strip(f.read_text())
         paths = []
         for m in re.finditer(r"\buse\s+((?:crate|super|self)\b[^;]*);", text):
@@ -135,13 +163,43 @@ def main() -> int:
         if v not in index:
             visit(v)
     n_edges = sum(len(e) for e in edges.values())
+    if "--graph" in sys.argv:
+        for a in sorted(edges):
+            print(a, "->", ", ".join(sorted(edges[a])))
+    declared = layers(src / "lib.rs")
+    placed = {m: i for i, names in enumerate(declared) for m in names}
+
+    def layer_of(module):
+        """The layer of the longest declared prefix of `module`, and that prefix."""
+        parts = module.split("::")
+        for n in range(len(parts), 0, -1):
+            name = "::".join(parts[:n])
+            if name in placed:
+                return placed[name], name
+        return None, None
+
+    unplaced = sorted(m for m in modules if m and layer_of(m)[0] is None)
+    against = []
+    for a in sorted(edges):
+        for b in sorted(edges[a]):
+            (la, na), (lb, nb) = layer_of(a), layer_of(b)
+            if la is not None and lb is not None and lb > la:
+                against.append(f"  {a} -> {b}: `{nb}` is listed after `{na}`")
+    if unplaced or against:
+        if unplaced:
+            print(f"{src}/lib.rs: modules not in the declared order: {', '.join(unplaced)}", file=sys.stderr)
+        if against:
+            print(f"{src}: imports against the declared order (lib.rs):", file=sys.stderr)
+            print("\n".join(against), file=sys.stderr)
+        return 1
     if sccs:
         print(f"{src}: import circles among {len(modules)} modules ({n_edges} imports):", file=sys.stderr)
         for comp in sccs:
             inside = [f"{a} -> {b}" for a in comp for b in sorted(edges[a]) if b in comp]
             print(f"  circle of {', '.join(comp)}: {'; '.join(inside)}", file=sys.stderr)
         return 1
-    print(f"{src}: {len(modules)} modules, {n_edges} imports, no import circle")
+    print(f"{src}: {len(modules)} modules in {len(declared)} layers, {n_edges} imports, "
+          "none against the declared order, no import circle")
     return 0
 
 

@@ -6,7 +6,7 @@
 //! [`CONVERSION_DATA_ANNOTATION`] (the control plane endpoint, the failure domain, addresses)
 //! would otherwise reach storage without meeting a single `v1beta1` rule.
 //!
-//! The chart registers [`review`] (at [`VALIDATE_PATH`]) for `v1beta1` only, with
+//! The chart registers [`review_json`] (at [`VALIDATE_PATH`]) for `v1beta1` only, with
 //! `matchPolicy: Equivalent`, so the API server sends the converted `v1beta1` object and the
 //! stored one, and with a `matchConditions` expression that limits it to requests made through
 //! `v1alpha1`: `v1beta1` traffic never depends on the webhook. For those requests it:

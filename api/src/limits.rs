@@ -42,7 +42,7 @@ pub const REQUESTER_PATTERN: &str = r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za
 /// Maximum length of the local part of `spec.requester` (RFC 5321).
 pub const MAX_REQUESTER_LOCAL_LENGTH: usize = 64;
 /// The CEL rule bounding the local part of `spec.requester` (an RE2 pattern cannot bound the
-/// length of a repeated group); [`Validate`] checks the same.
+/// length of a repeated group); [`crate::validation::Validate`] checks the same.
 pub const REQUESTER_LOCAL_PART_RULE: &str = "self.indexOf('@') <= 64";
 /// `spec.request`: any text without control characters other than tab, line feed and carriage
 /// return (it becomes the mail body, never a header), and without the Unicode line and

@@ -485,7 +485,7 @@ pub struct MailgunClusterIdentitySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub smtp: Option<IdentitySmtp>,
     /// from (optional with mailgun, required with smtp): the mails' From, an address on the
-    /// sending domain (DMARC). Default with mailgun: cluster-api-provider-mailgun@<domain>.
+    /// sending domain (DMARC). Default with mailgun: `cluster-api-provider-mailgun@<domain>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 3, max = MAX_REQUESTER_LENGTH), pattern(REQUESTER_PATTERN))]
     pub from: Option<String>,

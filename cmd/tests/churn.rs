@@ -4,7 +4,7 @@
 //! Each round creates pairs (a `Cluster` and its `MailgunCluster`) that are mailed, then deleted
 //! and released, and `MailgunCluster`s without an owner that are deleted at once (never mailed).
 //! After every round:
-//! - the per-object memory holds no live object (`capm_remembered_objects{state="live"}` is 0)
+//! - the per-object ledger holds no live object (`capm_remembered_objects{state="live"}` is 0)
 //!   and its tombstones are bounded by the objects that went;
 //! - the ledger has exactly one request and one release per mailed object;
 //! - the process's anonymous resident memory (`RssAnon`: the heap, not the binary's pages) is

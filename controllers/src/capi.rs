@@ -1,25 +1,23 @@
 //! The Cluster API core objects (`Cluster`, `Machine`) this provider reads.
 //!
 //! Partial types: only the fields the provider contract names are deserialised, so this crate
-//! carries no copy of Cluster API's types and the caches hold a few hundred bytes per object.
-//! Unknown fields are ignored; the types are never written back.
+//! carries no copy of Cluster API's types and the caches hold little per object. Unknown fields
+//! are ignored; the types are never written back.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::CustomResource;
+use kube::{CustomResource, runtime::reflector::Store};
 use serde::{Deserialize, Serialize};
-
-use crate::compact::OwnerCache;
 
 /// The Cluster API core group.
 pub const GROUP: &str = "cluster.x-k8s.io";
 
-/// The caches of the Cluster API objects the reconciles read (never written).
+/// The reflector stores of the Cluster API objects the reconciles read (never written).
 #[derive(Clone)]
-pub struct Owners {
+pub struct Stores {
     /// Cached `Cluster`s.
-    pub clusters: OwnerCache<Cluster>,
+    pub clusters: Store<Cluster>,
     /// Cached `Machine`s.
-    pub machines: OwnerCache<Machine>,
+    pub machines: Store<Machine>,
 }
 
 /// A contract-versioned reference (`spec.infrastructureRef` in v1beta2).

@@ -1,5 +1,5 @@
-//! What every reconcile shares: the clients, the owner caches, the leadership, the per-object
-//! memory ([`crate::memory`]) and why a reconcile failed.
+//! What every reconcile shares: the clients, the Cluster API stores, the leadership, what the
+//! process notes per object ([`crate::ledger`]) and why a reconcile failed.
 
 use std::{sync::Arc, time::Duration};
 
@@ -8,11 +8,10 @@ use kube::{Client, Resource, ResourceExt, runtime::controller::Action};
 use tokio::sync::watch;
 
 use crate::{
-    Config, Leadership, Metrics,
-    capi::Owners,
-    events::Events,
+    Config, Leadership, Metrics, capi,
+    events::{EventType, Events},
     kinds::InfraKind,
-    memory::Memory,
+    ledger::Ledger,
     poller::{Poller, Timings},
     sendonce::decide::Withheld,
     workqueue,
@@ -79,9 +78,6 @@ pub enum ReconcileError {
     /// The object is gone: nothing more to do or write.
     #[error("the object is gone")]
     Gone,
-    /// The cached copy of the object did not read back (a bug); the next change replaces it.
-    #[error("reading the cached object: {0}")]
-    Cache(String),
 }
 
 impl From<crate::identity::IdentityError> for ReconcileError {
@@ -103,7 +99,7 @@ impl ReconcileError {
     pub fn is_permanent(&self) -> bool {
         match self {
             Self::Mail(e) => e.kind() == ErrorKind::Permanent,
-            Self::Message(_) | Self::InvalidSpec(_) | Self::Cache(_) => true,
+            Self::Message(_) | Self::InvalidSpec(_) => true,
             Self::Withheld(w) => *w == Withheld::PermanentlyRefused,
             Self::Kube { .. }
             | Self::Conflict(_)
@@ -163,24 +159,25 @@ pub struct Ctx {
     pub config: Config,
     /// Metrics.
     pub metrics: Metrics,
-    /// The Cluster API caches.
-    pub owners: Owners,
+    /// The Cluster API stores.
+    pub capi: capi::Stores,
     /// This process's standing as leader, consulted right before every write and send; its
     /// identity is recorded with every mail intent.
     pub leadership: Leadership,
     /// The process's one delivery poller (its task is started by the runner).
     pub poller: Arc<Poller>,
-    /// What this process remembers about each object, by UID.
-    pub(crate) memory: Memory,
-    /// True once the `Cluster` and `Machine` caches have finished their first list
-    /// ([`Self::watch_owner_caches`]). A `watch` channel and not `Store::wait_until_ready` in
+    /// Retry state and tombstones, by UID.
+    pub(crate) ledger: Ledger,
+    /// True once the Cluster API stores have finished their first list
+    /// ([`Self::wait_for_capi_lists`]). A `watch` channel and not `Store::wait_until_ready` in
     /// each reconcile: kube-runtime's delayed init wakes only the last of several concurrent
     /// waiters, which would strand the others.
-    owner_caches: watch::Sender<bool>,
+    capi_listed: watch::Sender<bool>,
 }
 
-/// The longest a reconcile waits for the owner caches' first list before judging owners anyway.
-const OWNER_CACHES_WAIT: Duration = Duration::from_secs(30);
+/// The longest a reconcile waits for the Cluster API stores' first list before judging owners
+/// anyway.
+const CAPI_LIST_WAIT: Duration = Duration::from_secs(30);
 
 impl Ctx {
     /// Checked right before every write and every send: a replica that cannot prove it still
@@ -205,7 +202,7 @@ impl Ctx {
         config: Config,
         leadership: Leadership,
         metrics: Metrics,
-        owners: Owners,
+        capi: capi::Stores,
     ) -> Self {
         let poller = Arc::new(Poller::new(
             mailer.clone(),
@@ -234,51 +231,62 @@ impl Ctx {
             identities,
             poller,
             leadership,
-            memory: Memory::counted(metrics.remembered.clone()),
+            ledger: Ledger::counted(metrics.remembered.clone()),
             events,
             config,
             metrics,
-            owners,
-            owner_caches: watch::Sender::new(false),
+            capi,
+            capi_listed: watch::Sender::new(false),
         }
     }
 
-    /// Marks the owner caches ready once both have finished their first list. Called once by
-    /// the runner; a newly elected leader starts its caches at election, and until the first
-    /// list completes a missing owner means "not listed yet", not "absent".
-    pub fn watch_owner_caches(self: &Arc<Self>) {
+    /// Marks the Cluster API stores listed once both have finished their first list. Called
+    /// once by the runner; until the first list completes a missing owner means "not listed
+    /// yet", not "absent".
+    pub fn wait_for_capi_lists(self: &Arc<Self>) {
         let ctx = Arc::clone(self);
         tokio::spawn(async move {
+            // An error: a store's writer is gone (shutting down).
             let listed = async {
-                ctx.owners.clusters.wait_until_ready().await;
-                ctx.owners.machines.wait_until_ready().await;
-                true
+                ctx.capi.clusters.wait_until_ready().await.is_ok()
+                    && ctx.capi.machines.wait_until_ready().await.is_ok()
             };
-            // Past the bound, reconciles go on as before this wait existed (a missing owner is
-            // rechecked, never acted on destructively), rather than each waiting the bound.
-            if !matches!(
-                tokio::time::timeout(OWNER_CACHES_WAIT, listed).await,
-                Ok(true)
-            ) {
+            // Past the bound, reconciles judge owners from what the stores hold (a missing owner
+            // is rechecked, never acted on destructively), rather than each waiting the bound.
+            if !matches!(tokio::time::timeout(CAPI_LIST_WAIT, listed).await, Ok(true)) {
                 tracing::warn!(
                     "The Cluster API caches have not finished their first list after \
-                     {OWNER_CACHES_WAIT:?}; owners are judged from what they hold so far"
+                     {CAPI_LIST_WAIT:?}; owners are judged from what they hold so far"
                 );
             }
-            ctx.owner_caches.send_replace(true);
+            ctx.capi_listed.send_replace(true);
         });
     }
 
-    /// Waits (at most [`OWNER_CACHES_WAIT`]) until the owner caches have been listed once, so
-    /// no reconcile judges an owner missing from a cache that has not been filled yet: that
+    /// Waits (at most [`CAPI_LIST_WAIT`]) until the Cluster API stores have been listed once,
+    /// so no reconcile judges an owner missing from a store that has not been filled yet: that
     /// judgement flapped `Ready` to `WaitingForOwner` and back on every leader change.
-    pub async fn owner_caches_ready(&self) {
-        let mut rx = self.owner_caches.subscribe();
-        if tokio::time::timeout(OWNER_CACHES_WAIT, rx.wait_for(|ready| *ready))
+    pub async fn capi_listed(&self) {
+        let mut rx = self.capi_listed.subscribe();
+        if tokio::time::timeout(CAPI_LIST_WAIT, rx.wait_for(|ready| *ready))
             .await
             .is_err()
         {
-            tracing::debug!("Owner caches not listed after {OWNER_CACHES_WAIT:?}; going on");
+            tracing::debug!("Cluster API stores not listed after {CAPI_LIST_WAIT:?}; going on");
+        }
+    }
+
+    /// Publishes an Event about `obj`; a refusal is logged, never fails the reconcile.
+    pub async fn publish<K: InfraKind>(
+        &self,
+        obj: &K,
+        type_: EventType,
+        reason: &'static str,
+        note: String,
+    ) {
+        let regarding = obj.object_ref(&());
+        if let Err(e) = self.events.publish(&regarding, type_, reason, &note).await {
+            tracing::warn!(error = %e, "Could not record an event");
         }
     }
 
@@ -297,7 +305,7 @@ impl Ctx {
     /// (`backoff_base` doubling up to `backoff_max`), never less than a backend's `Retry-After`.
     /// Waits return their own delay and leave the count alone. After a mail backend's failure
     /// the delay also gates sends: a reconcile triggered earlier by a watch event does not send
-    /// before it ran out ([`Memory::backoff_left`]).
+    /// before it ran out ([`Ledger::backoff_left`]).
     pub fn retry_delay(&self, uid: &str, error: &ReconcileError) -> Duration {
         let (base, max) = (self.config.backoff_base, self.config.backoff_max);
         match error {
@@ -312,7 +320,7 @@ impl Ctx {
         // (a partition, a restart) the next trigger may send at once, or a cut of a minute
         // would delay every mail by the backoff it built up.
         let gate_sends = matches!(error, ReconcileError::Mail(_));
-        self.memory.failed(uid, gate_sends, |failures| {
+        self.ledger.failed(uid, gate_sends, |failures| {
             let exponential = base
                 .saturating_mul(1u32 << (failures.max(1) - 1).min(20))
                 .min(max);
@@ -324,10 +332,10 @@ impl Ctx {
     }
 
     /// The object with this UID is gone (its finalizer removed, the watch or a list says so):
-    /// everything remembered about it is forgotten, in one place, and every cached copy of it
-    /// is stale from now on.
+    /// everything noted about it is forgotten, in one place, and every cached copy of it is
+    /// stale from now on.
     pub fn forget(&self, uid: &str) {
-        self.memory.forget(uid);
+        self.ledger.forget(uid);
         self.poller.forget(uid);
         self.identities.forget(uid);
         self.events.forget(uid);
@@ -340,18 +348,13 @@ mod tests {
     use capm_mailer::MockMailer;
 
     fn ctx() -> Ctx {
-        ctx_over(
-            crate::compact::OwnerCache::new(""),
-            crate::compact::OwnerCache::new(""),
-        )
+        ctx_over(reflector::store().0, reflector::store().0)
     }
 
     use crate::capi::{Cluster, Machine};
+    use kube::runtime::reflector::{self, Store};
 
-    fn ctx_over(
-        clusters: crate::compact::OwnerCache<Cluster>,
-        machines: crate::compact::OwnerCache<Machine>,
-    ) -> Ctx {
+    fn ctx_over(clusters: Store<Cluster>, machines: Store<Machine>) -> Ctx {
         let client =
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
@@ -364,25 +367,23 @@ mod tests {
             config,
             Leadership::unelected("t"),
             metrics,
-            Owners { clusters, machines },
+            capi::Stores { clusters, machines },
         )
     }
 
     /// Many reconciles wait at once (the applier runs up to `concurrency` of them); every one of
     /// them must be released when both caches finish their first list, and none before.
     #[tokio::test]
-    async fn reconciles_wait_for_both_owner_caches_first_list_and_all_are_released() {
+    async fn reconciles_wait_for_both_capi_stores_first_list_and_all_are_released() {
         use kube::runtime::watcher::Event;
-        let clusters = crate::compact::OwnerCache::<Cluster>::new("");
-        let cluster_writer = clusters.clone();
-        let machines = crate::compact::OwnerCache::<Machine>::new("");
-        let machine_writer = machines.clone();
+        let (clusters, mut cluster_writer) = reflector::store::<Cluster>();
+        let (machines, mut machine_writer) = reflector::store::<Machine>();
         let ctx = Arc::new(ctx_over(clusters, machines));
-        ctx.watch_owner_caches();
+        ctx.wait_for_capi_lists();
         let waiters: Vec<_> = (0..16)
             .map(|_| {
                 let ctx = Arc::clone(&ctx);
-                tokio::spawn(async move { ctx.owner_caches_ready().await })
+                tokio::spawn(async move { ctx.capi_listed().await })
             })
             .collect();
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -390,15 +391,15 @@ mod tests {
             waiters.iter().all(|w| !w.is_finished()),
             "released before any list"
         );
-        cluster_writer.apply(&Event::Init);
-        cluster_writer.apply(&Event::InitDone);
+        cluster_writer.apply_watcher_event(&Event::Init);
+        cluster_writer.apply_watcher_event(&Event::InitDone);
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(
             waiters.iter().all(|w| !w.is_finished()),
             "released before the Machine list"
         );
-        machine_writer.apply(&Event::Init);
-        machine_writer.apply(&Event::InitDone);
+        machine_writer.apply_watcher_event(&Event::Init);
+        machine_writer.apply_watcher_event(&Event::InitDone);
         for waiter in waiters {
             tokio::time::timeout(Duration::from_secs(5), waiter)
                 .await
@@ -406,7 +407,7 @@ mod tests {
                 .unwrap();
         }
         // Later reconciles do not wait at all.
-        tokio::time::timeout(Duration::from_millis(50), ctx.owner_caches_ready())
+        tokio::time::timeout(Duration::from_millis(50), ctx.capi_listed())
             .await
             .expect("waited after the caches were listed");
     }
@@ -436,7 +437,7 @@ mod tests {
             ctx.retry_delay("b", &transient()),
             Duration::from_millis(100)
         );
-        ctx.memory.succeeded("a");
+        ctx.ledger.succeeded("a");
         assert_eq!(
             ctx.retry_delay("a", &transient()),
             Duration::from_millis(100)
@@ -454,7 +455,7 @@ mod tests {
             source: None,
         });
         assert_eq!(ctx.retry_delay("c", &limited), Duration::from_secs(7));
-        let left = ctx.memory.backoff_left("c");
+        let left = ctx.ledger.backoff_left("c");
         assert!(
             left > Duration::from_secs(6) && left <= Duration::from_secs(7),
             "{left:?}"
@@ -477,9 +478,9 @@ mod tests {
             ctx.retry_delay("d", &ReconcileError::Conflict("x")),
             Duration::from_millis(100)
         );
-        assert_eq!(ctx.memory.backoff_left("d"), Duration::ZERO);
-        ctx.memory.succeeded("c");
-        assert_eq!(ctx.memory.backoff_left("c"), Duration::ZERO);
+        assert_eq!(ctx.ledger.backoff_left("d"), Duration::ZERO);
+        ctx.ledger.succeeded("c");
+        assert_eq!(ctx.ledger.backoff_left("c"), Duration::ZERO);
     }
 
     #[tokio::test]
@@ -493,19 +494,19 @@ mod tests {
         };
         assert_eq!(ctx.retry_delay("p", &cut_off), Duration::from_millis(100));
         assert_eq!(ctx.retry_delay("p", &cut_off), Duration::from_millis(200));
-        assert_eq!(ctx.memory.backoff_left("p"), Duration::ZERO);
+        assert_eq!(ctx.ledger.backoff_left("p"), Duration::ZERO);
         ctx.retry_delay("p", &transient());
-        assert!(ctx.memory.backoff_left("p") > Duration::ZERO);
+        assert!(ctx.ledger.backoff_left("p") > Duration::ZERO);
     }
 
     #[tokio::test]
     async fn forgetting_an_object_clears_its_backoff_and_its_delivery_tracking() {
         let ctx = ctx();
         ctx.retry_delay("u", &transient());
-        assert!(ctx.memory.backoff_left("u") > Duration::ZERO);
+        assert!(ctx.ledger.backoff_left("u") > Duration::ZERO);
         ctx.forget("u");
-        assert_eq!(ctx.memory.backoff_left("u"), Duration::ZERO);
-        assert_eq!(ctx.memory.len(), 0);
-        assert!(ctx.memory.is_stale("u", Some("1")));
+        assert_eq!(ctx.ledger.backoff_left("u"), Duration::ZERO);
+        assert_eq!(ctx.ledger.len(), 0);
+        assert!(ctx.ledger.is_stale("u", Some("1")));
     }
 }

@@ -33,9 +33,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use tracing::{debug, warn};
 
-use crate::{
-    context::Ctx, events::EventType, kinds::InfraKind, sendonce::execute::publish, status::Status,
-};
+use crate::{context::Ctx, events::EventType, kinds::InfraKind, status::Status};
 
 /// The final `MailDelivered` reasons: no more questions once one of them is shown.
 const FINAL: &[&str] = &[
@@ -281,13 +279,7 @@ async fn show<K: InfraKind>(
             reason = shown.reason,
             "The request mail could not be delivered to every recipient; not resent"
         );
-        publish(
-            ctx,
-            obj,
-            EventType::Warning,
-            shown.reason,
-            shown.message.clone(),
-        )
-        .await;
+        ctx.publish(obj, EventType::Warning, shown.reason, shown.message.clone())
+            .await;
     }
 }

@@ -1,10 +1,13 @@
-//! Kubernetes Events (`events.k8s.io/v1`) about our objects.
+//! Kubernetes Events (`events.k8s.io/v1`) about our objects, through kube's `Recorder`.
 //!
-//! What kube's `Recorder` does, with a compact series memory: an event repeated for the same
-//! object version, type and reason within [`SERIES_TTL`] becomes a series (`series.count`) on the
-//! first event instead of a new Event. kube's `Recorder` keeps a clone of every published Event
-//! and its key (several KiB each, six minutes long), which made events the largest part of the
-//! provider's heap while a backlog drains; this keeps the few strings a series patch needs.
+//! The `Recorder` turns an event repeated for the same object version, type and reason within
+//! six minutes into a series (`series.count`) on the first Event. Each object has a `Recorder`
+//! of its own, by UID, dropped when the object is gone ([`Events::forget`]) or has had no Event
+//! for six minutes: a shared one keeps every Event it published for six minutes with no way to
+//! let a gone object's go (`docs/kube-runtime-recorder.md`). Two things it does not do are done
+//! here: a note from a peer is cleaned and cut to the API server's 1 KiB, and an object whose
+//! name leaves no room for the Recorder's `.<nanoseconds>` suffix (over 236 characters) gets its
+//! Event under a shortened name, without a series (the API server refuses the Recorder's name).
 
 use std::{
     collections::HashMap,
@@ -13,167 +16,94 @@ use std::{
 };
 
 use k8s_openapi::{
-    api::{
-        core::v1::ObjectReference,
-        events::v1::{Event, EventSeries},
-    },
+    api::{core::v1::ObjectReference, events::v1::Event as K8sEvent},
     apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
     jiff::Timestamp,
 };
+pub use kube::runtime::events::EventType;
 use kube::{
     Api, Client,
-    api::{Patch, PatchParams, PostParams},
+    api::PostParams,
+    runtime::events::{Event, Recorder, Reporter},
 };
-use serde_json::json;
-
-/// How long an event can grow into a series (as kube's `Recorder` and client-go).
-pub const SERIES_TTL: Duration = Duration::from_secs(6 * 60);
-
-/// Normal or Warning.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EventType {
-    /// Something expected happened.
-    Normal,
-    /// Something went wrong.
-    Warning,
-}
-
-impl EventType {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Normal => "Normal",
-            Self::Warning => "Warning",
-        }
-    }
-}
-
-/// What makes two events about one object (by UID) the same (the reporter is the same for
-/// every event of one publisher): the object's `resourceVersion`, the type and the reason.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct SeriesKey {
-    resource_version: Box<str>,
-    type_: EventType,
-    reason: &'static str,
-}
-
-/// The first event of a possible series: enough to patch it.
-#[derive(Debug)]
-struct SeriesEntry {
-    namespace: Box<str>,
-    name: Box<str>,
-    count: i32,
-    last_observed: Instant,
-}
 
 /// Longest object name the API server accepts (a DNS subdomain).
 const MAX_NAME_LENGTH: usize = 253;
+/// Room the Recorder's suffix takes: a dot and up to 16 hexadecimal digits.
+const SUFFIX_LENGTH: usize = 17;
 /// events.k8s.io/v1 `note`: at most 1 KiB.
 const MAX_NOTE_BYTES: usize = 1024;
+/// The action of every Event: what a controller does.
+const ACTION: &str = "Reconcile";
+/// How long an Event can grow into a series (kube's `Recorder`, as client-go).
+const SERIES_TTL: Duration = Duration::from_secs(6 * 60);
 
-/// `<object name>.<nanoseconds in hex>`, as client-go names events, with the object name
-/// shortened when the result would exceed [`MAX_NAME_LENGTH`]: cut to fit, then stripped of
-/// trailing `.` and `-` so every label still ends in a letter or digit. Deterministic (the same
-/// inputs give the same name), unlike client-go's fallback to a random UUID, and the event name
-/// still starts with the object's. Object names are DNS subdomains already, so nothing else
-/// needs escaping.
-fn event_name(object: &str, nanos: i128) -> String {
-    let suffix = format!(".{nanos:x}");
-    let room = MAX_NAME_LENGTH.saturating_sub(suffix.len());
-    let mut end = object.len().min(room);
-    while !object.is_char_boundary(end) {
-        end -= 1;
-    }
-    let prefix = object[..end].trim_end_matches(['.', '-']);
-    format!("{prefix}{suffix}")
-}
-
-/// Publishes events for one reporting controller and instance.
+/// Publishes Events for one reporting controller and instance.
 pub struct Events {
     client: Client,
-    controller: String,
-    instance: String,
-    series: Mutex<Series>,
+    reporter: Reporter,
+    recorders: Mutex<Recorders>,
 }
 
+/// Each object's `Recorder` by UID, with its last use.
 #[derive(Default)]
-struct Series {
-    /// By the object's UID, so that a gone object's entries go at once ([`Events::forget`]).
-    /// An object has one or two (one per version, type and reason it was told of): a short list
-    /// each, not a table (a hash table of one entry took over 500 bytes).
-    entries: HashMap<Box<str>, Vec<(SeriesKey, SeriesEntry)>>,
+struct Recorders {
+    by_uid: HashMap<Box<str>, (Recorder, Instant)>,
     pruned: Option<Instant>,
-}
-
-impl Series {
-    fn get(&self, uid: &str, key: &SeriesKey) -> Option<&SeriesEntry> {
-        self.entries
-            .get(uid)?
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, e)| e)
-    }
-
-    fn get_mut(&mut self, uid: &str, key: &SeriesKey) -> Option<&mut SeriesEntry> {
-        self.entries
-            .get_mut(uid)?
-            .iter_mut()
-            .find(|(k, _)| k == key)
-            .map(|(_, e)| e)
-    }
-
-    fn insert(&mut self, uid: String, key: SeriesKey, entry: SeriesEntry) {
-        if let Some(e) = self.get_mut(&uid, &key) {
-            *e = entry;
-            return;
-        }
-        let of_object = self.entries.entry(uid.into_boxed_str()).or_default();
-        of_object.reserve_exact(1);
-        of_object.push((key, entry));
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.entries.values().map(Vec::len).sum()
-    }
-
-    /// Drops the entries that can no longer grow, at most once per tenth of the TTL (lookups
-    /// check the age themselves, so this only bounds memory).
-    fn prune(&mut self, now: Instant) {
-        if self
-            .pruned
-            .is_some_and(|at| now.duration_since(at) < SERIES_TTL / 10)
-        {
-            return;
-        }
-        self.entries.retain(|_, of_object| {
-            of_object.retain(|(_, e)| now.duration_since(e.last_observed) < SERIES_TTL);
-            of_object.shrink_to_fit();
-            !of_object.is_empty()
-        });
-        if self.entries.capacity() > 2 * self.entries.len() + 16 {
-            self.entries.shrink_to_fit();
-        }
-        self.pruned = Some(now);
-    }
-}
-
-fn lock(m: &Mutex<Series>) -> std::sync::MutexGuard<'_, Series> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Events {
     /// A publisher reporting as `controller` / `instance`.
     pub fn new(client: Client, controller: impl Into<String>, instance: impl Into<String>) -> Self {
+        let reporter = Reporter {
+            controller: controller.into(),
+            instance: Some(instance.into()),
+        };
         Self {
             client,
-            controller: controller.into(),
-            instance: instance.into(),
-            series: Mutex::default(),
+            reporter,
+            recorders: Mutex::default(),
         }
     }
 
-    /// Publishes one event about `regarding` (action `Reconcile`), or counts it in the series of
-    /// an identical recent one.
+    /// The `Recorder` of the object `uid`; those unused for [`SERIES_TTL`] go (looked for at most
+    /// every tenth of it): none of their Events can grow into a series any more.
+    fn recorder(&self, uid: &str) -> Recorder {
+        let now = Instant::now();
+        let mut recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
+        if recorders
+            .pruned
+            .is_none_or(|at| now.duration_since(at) >= SERIES_TTL / 10)
+        {
+            recorders
+                .by_uid
+                .retain(|_, (_, used)| now.duration_since(*used) < SERIES_TTL);
+            recorders.pruned = Some(now);
+        }
+        let (recorder, used) = recorders.by_uid.entry(uid.into()).or_insert_with(|| {
+            (
+                Recorder::new(self.client.clone(), self.reporter.clone()),
+                now,
+            )
+        });
+        *used = now;
+        recorder.clone()
+    }
+
+    /// The object with this UID is gone: its Events can no longer grow into series.
+    pub fn forget(&self, uid: &str) {
+        let mut recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
+        recorders.by_uid.remove(uid);
+    }
+
+    #[cfg(test)]
+    fn recorders(&self) -> usize {
+        let recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
+        recorders.by_uid.len()
+    }
+
+    /// Publishes one Event about `regarding`, or counts it in the series of an identical
+    /// recent one.
     ///
     /// # Errors
     /// The API server's refusal.
@@ -182,181 +112,94 @@ impl Events {
         regarding: &ObjectReference,
         type_: EventType,
         reason: &'static str,
-        note: String,
+        note: &str,
     ) -> Result<(), kube::Error> {
-        let uid = regarding.uid.clone().unwrap_or_default();
-        let key = SeriesKey {
-            resource_version: regarding
-                .resource_version
-                .as_deref()
-                .unwrap_or_default()
-                .into(),
-            type_,
-            reason,
-        };
-        // The API server refuses notes over 1 KiB; a peer's words in one are made inert here.
-        let note = capm_mailer::text::clean(&note, MAX_NOTE_BYTES);
-        let started = Instant::now();
-        let repeat = {
-            let mut series = lock(&self.series);
-            series.prune(started);
-            series
-                .get(&uid, &key)
-                .filter(|e| started.duration_since(e.last_observed) < SERIES_TTL)
-                .map(|e| (e.namespace.clone(), e.name.clone(), e.count + 1))
-        };
-        let now = Timestamp::now();
-        match repeat {
-            Some((namespace, name, count)) => {
-                let series = EventSeries {
-                    count,
-                    last_observed_time: MicroTime(now),
-                };
-                Api::<Event>::namespaced(self.client.clone(), &namespace)
-                    .patch(
-                        &name,
-                        &PatchParams::default(),
-                        &Patch::Merge(json!({ "series": series })),
-                    )
-                    .await?;
-                let mut series = lock(&self.series);
-                if let Some(entry) = series.get_mut(&uid, &key) {
-                    entry.count = entry.count.max(count);
-                    entry.last_observed = started;
-                }
-            }
-            None => {
-                let namespace = regarding
-                    .namespace
-                    .clone()
-                    .unwrap_or_else(|| "default".to_owned());
-                let name = event_name(
-                    regarding.name.as_deref().unwrap_or(&self.controller),
-                    now.as_nanosecond(),
-                );
-                let event = Event {
-                    action: Some("Reconcile".into()),
-                    reason: Some(reason.into()),
-                    event_time: Some(MicroTime(now)),
-                    regarding: Some(regarding.clone()),
-                    note: Some(note),
-                    metadata: ObjectMeta {
-                        namespace: Some(namespace.clone()),
-                        name: Some(name.clone()),
-                        ..ObjectMeta::default()
-                    },
-                    reporting_controller: Some(self.controller.clone()),
-                    reporting_instance: Some(self.instance.clone()),
-                    type_: Some(type_.as_str().into()),
-                    ..Event::default()
-                };
-                Api::<Event>::namespaced(self.client.clone(), &namespace)
-                    .create(&PostParams::default(), &event)
-                    .await?;
-                lock(&self.series).insert(
-                    uid,
-                    key,
-                    SeriesEntry {
-                        namespace: namespace.into(),
-                        name: name.into(),
-                        count: 1,
-                        last_observed: started,
-                    },
-                );
-            }
+        let note = capm_mailer::text::clean(note, MAX_NOTE_BYTES);
+        let name = regarding.name.as_deref().unwrap_or_default();
+        if name.len() + SUFFIX_LENGTH <= MAX_NAME_LENGTH {
+            let event = Event {
+                type_,
+                reason: reason.into(),
+                note: Some(note),
+                action: ACTION.into(),
+                secondary: None,
+            };
+            let uid = regarding.uid.as_deref().unwrap_or_default();
+            return self.recorder(uid).publish(&event, regarding).await;
         }
-        Ok(())
+        let now = Timestamp::now();
+        let namespace = regarding.namespace.as_deref().unwrap_or("default");
+        let event = K8sEvent {
+            action: Some(ACTION.into()),
+            reason: Some(reason.into()),
+            event_time: Some(MicroTime(now)),
+            regarding: Some(regarding.clone()),
+            note: Some(note),
+            metadata: ObjectMeta {
+                name: Some(short_name(name, now.as_nanosecond())),
+                ..ObjectMeta::default()
+            },
+            reporting_controller: Some(self.reporter.controller.clone()),
+            reporting_instance: self.reporter.instance.clone(),
+            type_: Some(match type_ {
+                EventType::Normal => "Normal".into(),
+                EventType::Warning => "Warning".into(),
+            }),
+            ..K8sEvent::default()
+        };
+        Api::<K8sEvent>::namespaced(self.client.clone(), namespace)
+            .create(&PostParams::default(), &event)
+            .await
+            .map(drop)
     }
+}
 
-    /// The object with this UID is gone: its events can no longer grow into series.
-    pub fn forget(&self, uid: &str) {
-        lock(&self.series).entries.remove(uid);
+/// `<object name>.<nanoseconds in hex>` with the object name cut to fit [`MAX_NAME_LENGTH`]
+/// and stripped of trailing `.` and `-`, so every label still ends in a letter or digit.
+fn short_name(object: &str, nanos: i128) -> String {
+    let suffix = format!(".{nanos:x}");
+    let mut end = object.len().min(MAX_NAME_LENGTH - suffix.len());
+    while !object.is_char_boundary(end) {
+        end -= 1;
     }
-
-    #[cfg(test)]
-    fn remembered(&self) -> usize {
-        lock(&self.series).len()
-    }
+    format!("{}{suffix}", object[..end].trim_end_matches(['.', '-']))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn key() -> SeriesKey {
-        SeriesKey {
-            resource_version: "1".into(),
-            type_: EventType::Warning,
-            reason: "MailFailed",
-        }
-    }
-
-    fn entry(at: Instant) -> SeriesEntry {
-        SeriesEntry {
-            namespace: "ns".into(),
-            name: "n.1".into(),
-            count: 1,
-            last_observed: at,
-        }
+    #[tokio::test]
+    async fn each_object_has_its_recorder_until_it_is_forgotten() {
+        let client =
+            Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+        let events = Events::new(client, "c", "i");
+        events.recorder("a");
+        events.recorder("b");
+        events.recorder("a");
+        assert_eq!(events.recorders(), 2);
+        events.forget("a");
+        assert_eq!(events.recorders(), 1);
     }
 
     #[test]
-    fn event_names_fit_and_end_labels_in_alphanumerics() {
-        assert_eq!(event_name("demo", 255), "demo.ff");
+    fn short_names_fit_and_end_labels_in_alphanumerics() {
         let nanos = 0x18ea_a61c_bbc0_5adf_i128;
         for object in [
             "a".repeat(253),
             format!("{}.b", "a".repeat(235)),
             format!("{}-{}", "c".repeat(236), "d".repeat(16)),
         ] {
-            let name = event_name(&object, nanos);
+            let name = short_name(&object, nanos);
             assert!(name.len() <= MAX_NAME_LENGTH, "{name}");
-            assert!(name.ends_with(".18eaa61cbbc05adf"), "{name}");
-            let prefix = name.trim_end_matches(".18eaa61cbbc05adf");
+            let prefix = name.strip_suffix(".18eaa61cbbc05adf").expect("the suffix");
             assert!(object.starts_with(prefix));
             assert!(!prefix.ends_with(['.', '-']), "{name}");
-            assert_eq!(event_name(&object, nanos), name, "deterministic");
         }
     }
 
-    #[test]
-    fn prune_drops_expired_entries_and_is_rate_limited() {
-        let start = Instant::now();
-        let mut series = Series::default();
-        series.insert("old".into(), key(), entry(start));
-        series.prune(start);
-        assert_eq!(series.len(), 1);
-        let later = start + SERIES_TTL / 2;
-        series.insert("new".into(), key(), entry(later));
-        let expired = start + SERIES_TTL + Duration::from_secs(1);
-        series.prune(expired);
-        assert_eq!(series.len(), 1);
-        assert!(series.get("new", &key()).is_some());
-        assert!(
-            !series.entries.contains_key("old"),
-            "an emptied object goes"
-        );
-        // Within a tenth of the TTL of the last prune nothing is scanned.
-        series.insert("old".into(), key(), entry(start));
-        series.prune(expired + Duration::from_secs(1));
-        assert_eq!(series.len(), 2);
-    }
-
-    #[tokio::test]
-    async fn a_gone_objects_series_are_forgotten_at_once() {
-        let client =
-            Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
-        let events = Events::new(client, "c", "i");
-        let now = Instant::now();
-        lock(&events.series).insert("a".into(), key(), entry(now));
-        lock(&events.series).insert("b".into(), key(), entry(now));
-        events.forget("a");
-        assert_eq!(events.remembered(), 1);
-        assert!(lock(&events.series).get("b", &key()).is_some());
-    }
-
-    /// Issue 14 item 7: a 253-character object name (the longest the API server allows) still
-    /// gets its event, on the real API server.
+    /// A 253-character object name (the longest the API server allows) still gets its Event,
+    /// on the real API server, and a short name's repeat becomes a series.
     #[tokio::test]
     #[ignore = "needs the local control plane: `make test` runs it, `make unit` does not"]
     async fn events_about_objects_with_the_longest_names_are_accepted() {
@@ -364,14 +207,13 @@ mod tests {
             .await
             .unwrap();
         let events = Events::new(ns.client.clone(), "mailguncluster-controller", "i-1");
-        for (i, name) in [
+        let names = [
             "a".repeat(253),
             format!("{}.b", "a".repeat(236)),
             format!("{}-{}", "c".repeat(240), "d".repeat(12)),
-        ]
-        .into_iter()
-        .enumerate()
-        {
+            "short".to_owned(),
+        ];
+        for (i, name) in names.iter().enumerate() {
             let regarding = ObjectReference {
                 api_version: Some("infrastructure.cluster.x-k8s.io/v1beta1".into()),
                 kind: Some("MailgunCluster".into()),
@@ -382,39 +224,39 @@ mod tests {
                 ..ObjectReference::default()
             };
             events
-                .publish(&regarding, EventType::Normal, "MailSent", "sent".into())
+                .publish(&regarding, EventType::Normal, "MailSent", "sent")
                 .await
                 .unwrap_or_else(|e| panic!("event about {} characters: {e}", name.len()));
         }
-        let list = Api::<Event>::namespaced(ns.client.clone(), &ns.name)
-            .list(&Default::default())
-            .await
-            .unwrap();
-        assert_eq!(list.items.len(), 3);
-        for event in &list.items {
-            let name = event.metadata.name.clone().unwrap();
-            assert!(name.len() <= 253, "{name}");
-        }
-    }
-
-    #[tokio::test]
-    async fn a_refused_event_is_not_remembered() {
-        let client =
-            Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
-        let events = Events::new(client, "c", "i");
-        let regarding = ObjectReference {
-            uid: Some("u".into()),
-            name: Some("n".into()),
-            namespace: Some("ns".into()),
+        let short = ObjectReference {
+            uid: Some("uid-3".into()),
+            name: Some("short".into()),
+            namespace: Some(ns.name.clone()),
+            api_version: Some("infrastructure.cluster.x-k8s.io/v1beta1".into()),
+            kind: Some("MailgunCluster".into()),
             resource_version: Some("1".into()),
             ..ObjectReference::default()
         };
-        assert!(
-            events
-                .publish(&regarding, EventType::Normal, "MailSent", "x".into())
-                .await
-                .is_err()
-        );
-        assert_eq!(events.remembered(), 0);
+        events
+            .publish(&short, EventType::Normal, "MailSent", "sent")
+            .await
+            .unwrap();
+        let list = Api::<K8sEvent>::namespaced(ns.client.clone(), &ns.name)
+            .list(&Default::default())
+            .await
+            .unwrap();
+        assert_eq!(list.items.len(), 4, "one Event per object");
+        for event in &list.items {
+            let name = event.metadata.name.clone().unwrap();
+            assert!(name.len() <= MAX_NAME_LENGTH, "{name}");
+            assert_eq!(event.reporting_instance.as_deref(), Some("i-1"));
+        }
+        let series = list
+            .items
+            .iter()
+            .find(|e| e.metadata.name.as_deref().unwrap().starts_with("short."))
+            .and_then(|e| e.series.as_ref())
+            .map(|s| s.count);
+        assert_eq!(series, Some(2), "the repeat is a series");
     }
 }

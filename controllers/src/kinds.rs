@@ -12,7 +12,7 @@ use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    capi::{self, Cluster, ContractRef, Machine, Owners},
+    capi::{self, Cluster, ContractRef, Machine, Stores},
     status::Status,
     workqueue,
 };
@@ -91,15 +91,15 @@ pub trait InfraKind:
     /// guarantees for the objects it owns).
     fn owner_refers_to(owner: &Self::Owner, obj: &Self) -> bool;
     /// The owner object from the caches.
-    fn owner_in_cache(owners: &Owners, namespace: &str, name: &str) -> Option<Arc<Self::Owner>>;
+    fn owner_in_cache(capi: &Stores, namespace: &str, name: &str) -> Option<Arc<Self::Owner>>;
     /// The `Cluster` that pauses this object.
-    fn cluster_in_cache(owners: &Owners, obj: &Self, owner: &Self::Owner) -> Option<Arc<Cluster>>;
+    fn cluster_in_cache(capi: &Stores, obj: &Self, owner: &Self::Owner) -> Option<Arc<Cluster>>;
     /// What must hold before the request is mailed; `Ok` carries the request mail.
-    fn request_mail(&self, owners: &Owners, owner: &Self::Owner) -> Result<MailText, Wait>;
+    fn request_mail(&self, capi: &Stores, owner: &Self::Owner) -> Result<MailText, Wait>;
     /// The "no longer needed" mail.
     fn deletion_mail(&self) -> MailText;
     /// The mail identity the object wants now (`spec.identityRef`; a machine: its Cluster's).
-    fn wanted_identity(&self, owners: &Owners) -> Wanted;
+    fn wanted_identity(&self, capi: &Stores) -> Wanted;
 
     /// A span naming the object `key` (`namespace/name`) the way Cluster API's logs do: the
     /// kind as the key (`MailgunCluster="ns/name"`), with the `controller`, and `Cluster` (and
@@ -182,17 +182,17 @@ impl InfraKind for MailgunCluster {
     fn owner_refers_to(owner: &Cluster, obj: &Self) -> bool {
         refers_to(owner.spec.infrastructure_ref.as_ref(), Self::KIND, obj)
     }
-    fn owner_in_cache(owners: &Owners, namespace: &str, name: &str) -> Option<Arc<Cluster>> {
-        owners.clusters.get(&ObjectRef::new(name).within(namespace))
+    fn owner_in_cache(capi: &Stores, namespace: &str, name: &str) -> Option<Arc<Cluster>> {
+        capi.clusters.get(&ObjectRef::new(name).within(namespace))
     }
-    fn cluster_in_cache(owners: &Owners, obj: &Self, owner: &Cluster) -> Option<Arc<Cluster>> {
+    fn cluster_in_cache(capi: &Stores, obj: &Self, owner: &Cluster) -> Option<Arc<Cluster>> {
         Self::owner_in_cache(
-            owners,
+            capi,
             &obj.namespace().unwrap_or_default(),
             &owner.name_any(),
         )
     }
-    fn request_mail(&self, _: &Owners, _: &Cluster) -> Result<MailText, Wait> {
+    fn request_mail(&self, _: &Stores, _: &Cluster) -> Result<MailText, Wait> {
         let name = self.name_any();
         Ok(MailText {
             subject: format!("[{}] New Cluster {name} requested", self.spec.priority),
@@ -211,7 +211,7 @@ impl InfraKind for MailgunCluster {
             ),
         })
     }
-    fn wanted_identity(&self, _: &Owners) -> Wanted {
+    fn wanted_identity(&self, _: &Stores) -> Wanted {
         Wanted::Named(self.spec.identity_ref.as_ref().map(|r| r.name.clone()))
     }
     fn deletion_mail(&self) -> MailText {
@@ -276,21 +276,21 @@ impl InfraKind for MailgunMachine {
     fn owner_refers_to(owner: &Machine, obj: &Self) -> bool {
         refers_to(owner.spec.infrastructure_ref.as_ref(), Self::KIND, obj)
     }
-    fn owner_in_cache(owners: &Owners, namespace: &str, name: &str) -> Option<Arc<Machine>> {
-        owners.machines.get(&ObjectRef::new(name).within(namespace))
+    fn owner_in_cache(capi: &Stores, namespace: &str, name: &str) -> Option<Arc<Machine>> {
+        capi.machines.get(&ObjectRef::new(name).within(namespace))
     }
-    fn cluster_in_cache(owners: &Owners, obj: &Self, owner: &Machine) -> Option<Arc<Cluster>> {
+    fn cluster_in_cache(capi: &Stores, obj: &Self, owner: &Machine) -> Option<Arc<Cluster>> {
         let cluster = owner.cluster_name()?;
-        MailgunCluster::owner_in_cache(owners, &obj.namespace().unwrap_or_default(), &cluster)
+        MailgunCluster::owner_in_cache(capi, &obj.namespace().unwrap_or_default(), &cluster)
     }
-    fn request_mail(&self, owners: &Owners, machine: &Machine) -> Result<MailText, Wait> {
+    fn request_mail(&self, capi: &Stores, machine: &Machine) -> Result<MailText, Wait> {
         let Some(cluster_name) = machine.cluster_name() else {
             return Err(Wait {
                 reason: names::reasons::WAITING_FOR_CLUSTER_INFRASTRUCTURE,
                 message: "the owner Machine names no Cluster".into(),
             });
         };
-        let provisioned = Self::cluster_in_cache(owners, self, machine)
+        let provisioned = Self::cluster_in_cache(capi, self, machine)
             .is_some_and(|c| c.infrastructure_provisioned());
         if !provisioned {
             return Err(Wait {
@@ -341,12 +341,12 @@ impl InfraKind for MailgunMachine {
     /// The identity of its Cluster's `MailgunCluster`. A Cluster not in the cache (gone, for a
     /// release whose request's identity is gone too) or of another infrastructure: the
     /// provider's own.
-    fn wanted_identity(&self, owners: &Owners) -> Wanted {
+    fn wanted_identity(&self, capi: &Stores) -> Wanted {
         let namespace = self.namespace().unwrap_or_default();
         let cluster = self
             .labels()
             .get(names::CLUSTER_NAME_LABEL)
-            .and_then(|c| MailgunCluster::owner_in_cache(owners, &namespace, c));
+            .and_then(|c| MailgunCluster::owner_in_cache(capi, &namespace, c));
         match cluster
             .as_ref()
             .and_then(|c| c.spec.infrastructure_ref.as_ref())

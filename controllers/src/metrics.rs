@@ -44,7 +44,7 @@ const RECONCILE_BUCKETS: &[f64] = &[
 /// - `capm_mail_abandoned_total{backend}`: sends dropped before their commit point because this
 ///   process could no longer prove it leads (frozen or cut off mid-send); the backend accepted
 ///   nothing, and the replica that leads sends instead.
-/// - `capm_remembered_objects{state}`: the per-object memory's size: `live` objects remembered
+/// - `capm_remembered_objects{state}`: the per-object ledger's size: `live` objects remembered
 ///   (retry delays, expected versions, mails' lookup state), `tombstone` UIDs of gone objects
 ///   kept for ten minutes so stale copies are ignored. Both fall back when objects go: a `live`
 ///   count that only grows is a leak.
@@ -96,7 +96,7 @@ impl Metrics {
         let remembered = IntGaugeVec::new(
             Opts::new(
                 "capm_remembered_objects",
-                "Objects in the per-object memory (live) and UIDs of gone objects kept to ignore stale copies (tombstone)",
+                "Objects in the per-object ledger (live) and UIDs of gone objects kept to ignore stale copies (tombstone)",
             ),
             &["state"],
         )?;

@@ -3,29 +3,22 @@
 //! `reconcile_delete`, then one status write at the end when something changed. The mails
 //! themselves go through [`crate::sendonce`].
 
+mod delete;
+mod normal;
+
 use std::{sync::Arc, time::Instant};
 
-use capm_api::{
-    names::{self, conditions, reasons},
-    v1beta1::{Initialization, MailState, MailStatus},
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use capm_api::names::{self, conditions, reasons};
 use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
-use tracing::{Instrument, debug, info, warn};
+use tracing::{Instrument, debug, warn};
 
+use self::{delete::reconcile_delete, normal::reconcile_normal};
 use crate::{
     capi,
     context::{Ctx, ReconcileError},
-    delivery,
-    events::EventType,
-    kinds::{InfraKind, MailText},
-    sendonce::{
-        Which,
-        decide::{Release, Withheld, release_needed},
-        execute::{OwnerCheck, Tracked, ensure_sent, patch_metadata, publish, read_records},
-        records::IntentState,
-    },
+    kinds::InfraKind,
+    sendonce::execute::OwnerCheck,
     status::{Readiness, Status},
     workqueue::{self, Running},
 };
@@ -137,7 +130,7 @@ pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Actio
         Err(e) => e.metric_label(),
     };
     if result.is_ok() {
-        ctx.memory.succeeded(&obj.uid().unwrap_or_default());
+        ctx.ledger.succeeded(&obj.uid().unwrap_or_default());
     }
     drop(guard);
     result
@@ -145,7 +138,7 @@ pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Actio
 
 async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    if ctx.memory.is_stale(&uid, obj.resource_version().as_deref()) {
+    if ctx.ledger.is_stale(&uid, obj.resource_version().as_deref()) {
         // Our own newer write is on its way to the cache (or the object is gone); its event
         // triggers the next pass.
         debug!(resource_version = ?obj.resource_version(),
@@ -153,7 +146,7 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
         return Ok(Action::await_change());
     }
     // An owner missing from a cache that has not finished its first list is not missing.
-    ctx.owner_caches_ready().await;
+    ctx.capi_listed().await;
     // A replica that cannot prove it leads writes nothing at all.
     ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();
@@ -212,7 +205,7 @@ async fn write_status<K: InfraKind>(
         )
         .await
         .map_err(ReconcileError::kube("writing status"))?;
-    ctx.memory.expect_version(
+    ctx.ledger.expect_version(
         &obj.uid().unwrap_or_default(),
         written.resource_version().as_deref(),
     );
@@ -241,7 +234,7 @@ fn owner_of<K: InfraKind>(obj: &K, ctx: &Ctx) -> Owner<K::Owner> {
             K::OWNER_KIND
         ));
     };
-    let Some(owner) = K::owner_in_cache(&ctx.owners, &namespace, &reference.name) else {
+    let Some(owner) = K::owner_in_cache(&ctx.capi, &namespace, &reference.name) else {
         return Owner::NotSeen(format!(
             "waiting for the owner {} {} to be seen",
             K::OWNER_KIND,
@@ -299,7 +292,7 @@ async fn steps<K: InfraKind>(
         }
     };
 
-    let cluster = K::cluster_in_cache(&ctx.owners, obj, &owner);
+    let cluster = K::cluster_in_cache(&ctx.capi, obj, &owner);
     let paused = report.annotations.contains_key(names::PAUSED_ANNOTATION)
         || cluster.as_deref().is_some_and(capi::Cluster::paused);
     if paused {
@@ -328,325 +321,6 @@ async fn steps<K: InfraKind>(
         };
         reconcile_normal(obj, ctx, report, &owner, &check).await
     }
-}
-
-/// Removes release records from an object that is not being deleted: we write them only during
-/// deletion, so these were written by someone else (and would suppress the release later).
-async fn strip_foreign_release_records<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    tracked: &mut Tracked,
-) -> Result<(), ReconcileError> {
-    let keys = [
-        names::DELETION_MAIL_ANNOTATION,
-        names::DELETION_MAIL_INTENT_ANNOTATION,
-        names::DELETION_MAIL_SENT_ANNOTATION,
-    ];
-    let present: Vec<&str> = keys
-        .into_iter()
-        .filter(|k| tracked.annotations.contains_key(*k))
-        .collect();
-    if present.is_empty() {
-        return Ok(());
-    }
-    let mut annotations = serde_json::Map::new();
-    for k in &present {
-        annotations.insert((*k).to_owned(), serde_json::Value::Null);
-    }
-    let metadata = json!({
-        "resourceVersion": tracked.resource_version,
-        "annotations": annotations,
-    });
-    patch_metadata(
-        obj,
-        ctx,
-        tracked,
-        metadata,
-        "removing release records of an object not being deleted",
-    )
-    .await?;
-    publish(
-        ctx,
-        obj,
-        EventType::Warning,
-        reasons::FOREIGN_RECORD,
-        format!(
-            "removed {} (written only while this provider deletes an object)",
-            present.join(", ")
-        ),
-    )
-    .await;
-    Ok(())
-}
-
-/// The object is wanted: its spec checked, its request mailed (`MailSent`), its fulfilment
-/// shown (`Provisioned`); `Ready` summarises them. One function per condition, in Cluster API's
-/// way.
-async fn reconcile_normal<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    report: &mut Report,
-    owner: &K::Owner,
-    check: &OwnerCheck,
-) -> Result<Pass, ReconcileError> {
-    check_spec(obj, report)?;
-    let text = match obj.request_mail(&ctx.owners, owner) {
-        Ok(text) => text,
-        Err(wait) => {
-            report.block(wait.reason, wait.message);
-            return Ok(Pass::wait());
-        }
-    };
-    if let Some(stop) = reconcile_mail_sent(obj, ctx, report, &text, check).await? {
-        return Ok(stop);
-    }
-    reconcile_provisioned(obj, ctx, &mut report.status).await;
-    report.ready = Readiness::Summary;
-    // Delivery news comes from the poller, which wakes this object's reconcile.
-    Ok(Pass::wait())
-}
-
-/// A spec the CRD's schema let through but the provider cannot use blocks `Ready`.
-fn check_spec<K: InfraKind>(obj: &K, report: &mut Report) -> Result<(), ReconcileError> {
-    let invalid = obj.validate();
-    if invalid.is_empty() {
-        return Ok(());
-    }
-    let message = invalid
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ");
-    report.block(reasons::INVALID_SPEC, message.clone());
-    Err(ReconcileError::InvalidSpec(message))
-}
-
-/// `MailSent`: the request mailed exactly once ([`ensure_sent`]), `status.mail` and the
-/// delivery tracking. `Ok(None)`: sent, go on; `Ok(Some(_))`: this pass stops here.
-async fn reconcile_mail_sent<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    report: &mut Report,
-    text: &MailText,
-    check: &OwnerCheck,
-) -> Result<Option<Pass>, ReconcileError> {
-    let mut tracked = Tracked::of(obj, report.annotations.clone());
-    strip_foreign_release_records(obj, ctx, &mut tracked).await?;
-    let found = read_records(&tracked.annotations, K::KIND, Which::Request);
-    for (key, why) in &found.ignored {
-        debug!(key, %why, "Ignoring an annotation this provider did not write");
-    }
-    let wanted = obj.wanted_identity(&ctx.owners);
-    let sent = ensure_sent(
-        obj,
-        ctx,
-        &mut tracked,
-        Which::Request,
-        text,
-        Some(check),
-        &wanted,
-    )
-    .await;
-    let status = &mut report.status;
-    let outcome = match sent {
-        Ok(outcome) => outcome,
-        Err(ReconcileError::Withheld(Withheld::OwnerDeleting)) => {
-            let message = format!(
-                "the owner {} is being deleted: no request is mailed",
-                K::OWNER_KIND
-            );
-            report.block(reasons::OWNER_DELETING, message);
-            return Ok(Some(Pass::wait()));
-        }
-        Err(ReconcileError::Withheld(Withheld::PermanentlyRefused)) => {
-            // Status already says MailFailed; nothing new until the object changes.
-            report.ready = Readiness::Summary;
-            return Ok(Some(Pass::wait()));
-        }
-        Err(error @ (ReconcileError::Withheld(_) | ReconcileError::Gone)) => return Err(error),
-        Err(error @ ReconcileError::Identity { reason, .. }) => {
-            // Nothing was written for the mail: it waits for a usable identity (retried with
-            // backoff; creating or fixing the identity or its Secret lets it go out).
-            status.set_condition(conditions::MAIL_SENT, false, reason, error.to_string());
-            report.block(reason, error.to_string());
-            return Err(error);
-        }
-        Err(error) => {
-            let intent = read_records(&tracked.annotations, K::KIND, Which::Request).intent;
-            mail_not_sent(status, intent.map(|i| i.message_id), &error);
-            report.ready = Readiness::Summary;
-            return Err(error);
-        }
-    };
-    let previous = status.mail.take().unwrap_or_default();
-    let same = previous.message_id.as_deref() == Some(outcome.message_id.as_str());
-    // A delivery outcome already shown stays (it moves the state past `Sent`).
-    let state = delivery::final_state(status)
-        .filter(|_| same)
-        .unwrap_or(MailState::Sent);
-    status.mail = Some(MailStatus {
-        message_id: Some(outcome.message_id.clone()),
-        state: Some(state),
-        sent_at: outcome
-            .at
-            .map(Time)
-            .or_else(|| previous.sent_at.filter(|_| same)),
-    });
-    // The Message-Id is in status.mail.messageID, once.
-    status.set_condition(conditions::MAIL_SENT, true, reasons::MAIL_SENT, "");
-    let sent_at = status
-        .mail
-        .as_ref()
-        .and_then(|m| m.sent_at.as_ref())
-        .map(|t| t.0)
-        .or_else(|| {
-            read_records(&tracked.annotations, K::KIND, Which::Request)
-                .intent
-                .and_then(|i| i.at)
-        });
-    delivery::track(
-        obj,
-        ctx,
-        status,
-        &outcome.message_id,
-        sent_at,
-        outcome.identity.as_deref(),
-    )
-    .await;
-    Ok(None)
-}
-
-/// `MailSent=False` after a failed send: `Failed` for good or `Pending` (retried), with the
-/// Message-Id of the intent when one was recorded.
-fn mail_not_sent(status: &mut Status, message_id: Option<String>, error: &ReconcileError) {
-    let (state, reason) = if error.is_permanent() {
-        (MailState::Failed, reasons::MAIL_FAILED)
-    } else {
-        (MailState::Pending, reasons::MAIL_PENDING)
-    };
-    let mail = status.mail.get_or_insert_with(MailStatus::default);
-    mail.state = Some(state);
-    if let Some(id) = message_id {
-        mail.message_id = Some(id);
-    }
-    let message = if error.is_permanent() {
-        format!("{error}; not retried automatically (restart the provider to retry)")
-    } else {
-        error.to_string()
-    };
-    status.set_condition(conditions::MAIL_SENT, false, reason, &message);
-}
-
-/// `Provisioned`: what the human provided (`status.initialization`, the machines' addresses),
-/// with an event the first time.
-async fn reconcile_provisioned<K: InfraKind>(obj: &K, ctx: &Ctx, status: &mut Status) {
-    let Some(what) = obj.fulfilment() else {
-        // The reason says it; README and `kubectl explain` say how to fulfil.
-        status.set_condition(
-            conditions::PROVISIONED,
-            false,
-            reasons::WAITING_FOR_FULFILLMENT,
-            "",
-        );
-        return;
-    };
-    status.initialization = Some(Initialization {
-        provisioned: Some(true),
-    });
-    if let Some(addresses) = obj.addresses() {
-        status.addresses = Some(addresses);
-    }
-    let message = format!("fulfilled: {what}");
-    let newly = status
-        .condition(conditions::PROVISIONED)
-        .is_none_or(|c| c.status != "True");
-    status.set_condition(
-        conditions::PROVISIONED,
-        true,
-        reasons::PROVISIONED,
-        &message,
-    );
-    if newly {
-        publish(ctx, obj, EventType::Normal, reasons::PROVISIONED, message).await;
-    }
-}
-
-async fn reconcile_delete<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    report: &mut Report,
-) -> Result<Pass, ReconcileError> {
-    let mut tracked = Tracked::of(obj, report.annotations.clone());
-    // A request that went out, or may have (outcome unknown), is released. One that was never
-    // attempted, or whose every attempt was refused (recorded durably in the intent), is not:
-    // nothing reached the human.
-    let request = read_records(&tracked.annotations, K::KIND, Which::Request);
-    let release = release_needed(
-        request.sent.is_some(),
-        request.intent.as_ref().map(|i| i.state),
-    );
-    if release == Release::Needed {
-        let text = obj.deletion_mail();
-        let wanted = obj.wanted_identity(&ctx.owners);
-        if let Err(error) = ensure_sent(
-            obj,
-            ctx,
-            &mut tracked,
-            Which::Deletion,
-            &text,
-            None,
-            &wanted,
-        )
-        .await
-        {
-            let message = match &error {
-                ReconcileError::Withheld(Withheld::PermanentlyRefused) => {
-                    "the release mail was refused permanently; not retried automatically \
-                     (restart the provider to retry, or remove the finalizer by hand to give up)"
-                        .to_owned()
-                }
-                other => other.to_string(),
-            };
-            report.block(reasons::DELETING, message);
-            return match error {
-                ReconcileError::Withheld(Withheld::PermanentlyRefused) => Ok(Pass::wait()),
-                other => Err(other),
-            };
-        }
-    } else if request
-        .intent
-        .is_some_and(|i| i.state == IntentState::Refused)
-    {
-        debug!("The request was never accepted: no release mail");
-    }
-    let remaining: Vec<String> = tracked
-        .finalizers
-        .iter()
-        .filter(|f| *f != K::FINALIZER)
-        .cloned()
-        .collect();
-    ctx.ensure_leading()?;
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    match api
-        .patch(
-            &obj.name_any(),
-            &crate::context::patch_params(),
-            &Patch::Merge(json!({
-                "metadata": { "resourceVersion": tracked.resource_version, "finalizers": remaining }
-            })),
-        )
-        .await
-    {
-        Ok(_) => info!("Finalizer removed"),
-        Err(kube::Error::Api(s)) if s.code == 404 => {
-            debug!("Already gone");
-        }
-        Err(e) => return Err(ReconcileError::from_write("removing the finalizer")(e)),
-    }
-    Ok(Pass {
-        action: Action::await_change(),
-        gone: true,
-    })
 }
 
 #[cfg(test)]

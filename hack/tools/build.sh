@@ -3,13 +3,16 @@
 # and caches them.
 #
 #   hack/tools/build.sh [kubernetes|kubernetes-node|etcd|helm|cluster-api|runc|containerd|cni|
-#                        registry|crane|cosign|cert-manager ...]
+#                        registry|crane|cosign|kube-state-metrics|cert-manager ...]
 #   (default: all)
 #
 # Each tool module under hack/tools/<name>/ is built into
 #   $CAPM_TOOLS_CACHE/<name>-<sha256 of go.mod+go.sum, 16 hex>/bin
 # (default cache: ~/.cache/cluster-api-provider-mailgun/tools). A folder that already holds every
-# binary is reused and nothing is built. `bin/` at the repository root gets symlinks to the
+# binary is reused and nothing is built. kube-state-metrics comes from the module proxy like the
+# others; when the proxy does not serve k8s.io/kube-state-metrics/v2, from its source tarball in
+# $CAPM_SOURCES (default ../shared/sources next to the checkout; see its README), its
+# dependencies from the proxy, cached in kube-state-metrics-src-<sha256 of the tarball, 16 hex>. `bin/` at the repository root gets symlinks to the
 # current binaries, and the Cluster API CRDs are copied to bin/capi-crds/ (the kubeadm providers'
 # template CRDs to bin/capi-kubeadm-crds/).
 set -euo pipefail
@@ -19,7 +22,8 @@ cache=${CAPM_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cluster-api-provider-m
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
 tools=("$@")
-[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni registry crane cosign cert-manager)
+[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni registry crane cosign kube-state-metrics cert-manager)
+sources=${CAPM_SOURCES:-$root/../shared/sources}
 
 key() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
 
@@ -53,7 +57,9 @@ binaries() {
     registry) echo "registry github.com/distribution/distribution/v3/cmd/registry" ;;
     crane) echo "crane github.com/google/go-containerregistry/cmd/crane" ;;
     cosign) echo "cosign github.com/sigstore/cosign/v2/cmd/cosign" ;;
-    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni registry crane cosign cert-manager)" >&2; return 1 ;;
+    # The monitoring tests: the custom-resource metrics of config/metrics, served by the real thing.
+    kube-state-metrics) echo "kube-state-metrics k8s.io/kube-state-metrics/v2" ;;
+    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni registry crane cosign kube-state-metrics cert-manager)" >&2; return 1 ;;
   esac
 }
 
@@ -90,8 +96,40 @@ ldflags() {
     cosign)
       local v; v=$(module_version cosign github.com/sigstore/cosign/v2)
       echo "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$v -X sigs.k8s.io/release-utils/version.gitTreeState=clean" ;;
+    kube-state-metrics)
+      # What its Makefile stamps: `kube-state-metrics --version` and its build_info metric.
+      # Read from go.mod: the tarball build must not need the proxy to serve the module.
+      local v cg; v=$(ksm_required k8s.io/kube-state-metrics/v2); cg=$(ksm_required k8s.io/client-go)
+      echo "-s -w -X github.com/prometheus/common/version.Version=$v -X github.com/prometheus/common/version.Branch=release -X k8s.io/kube-state-metrics/v2/pkg/app.ClientGoVersion=$cg" ;;
     *) echo "-s -w" ;;
   esac
+}
+
+# ksm_required <module>: its version in hack/tools/kube-state-metrics/go.mod.
+ksm_required() { awk -v m="$1" '$1 == m { print $2 }' "$here/kube-state-metrics/go.mod"; }
+
+# The kube-state-metrics source tarball (the fallback when the proxy does not serve the module).
+ksm_tarball() { local v; v=$(ksm_required k8s.io/kube-state-metrics/v2); echo "$sources/kube-state-metrics-${v#v}.src.tar.gz"; }
+
+# ksm_from_proxy: whether the module proxy serves the kube-state-metrics module hack/tools names.
+ksm_from_proxy() { (cd "$here/kube-state-metrics" && go mod download k8s.io/kube-state-metrics/v2 >/dev/null 2>&1); }
+
+# ksm_build_tarball <dir>: unpack the tarball and build its main package, its go.mod and go.sum
+# as released (dependencies from the proxy), stamped like the proxy build.
+ksm_build_tarball() {
+  local dir=$1 tarball work status=0 t0
+  tarball=$(ksm_tarball)
+  [ -r "$tarball" ] || { echo "    kube-state-metrics: the proxy does not serve the module and $tarball is missing (set CAPM_SOURCES)" >&2; return 1; }
+  t0=$(date +%s)
+  work=$(mktemp -d)
+  tar -xzf "$tarball" -C "$work"
+  echo "    kube-state-metrics: go build . in $(basename "$tarball")"
+  (cd "$work"/kube-state-metrics-* && go build -trimpath -tags "$(tags kube-state-metrics)" \
+    -ldflags "$(ldflags kube-state-metrics)" -o "$dir/kube-state-metrics.tmp.$$" .) || status=$?
+  rm -rf "$work"
+  [ "$status" -eq 0 ] || { echo "    kube-state-metrics: go build failed after $(elapsed "$t0")" >&2; return "$status"; }
+  mv "$dir/kube-state-metrics.tmp.$$" "$dir/kube-state-metrics"
+  echo "    kube-state-metrics: built in $(elapsed "$t0")"
 }
 
 # Build tags and cgo per tool: runc needs cgo and libseccomp (`make deps`) to apply the
@@ -144,13 +182,13 @@ build_one() {
 # The module proxy serves cert-manager's main module but not its binaries' modules (cmd/controller,
 # cmd/cainjector), and not the Venafi client the controller imports; so they are built from a
 # source snapshot of v1.21.1 with only the Venafi issuer removed ($CAPM_CERT_MANAGER_SRC, default
-# ../shared/sources/ beside the repository; its PATCHED.md lists the change), dependencies from
+# in $CAPM_SOURCES; its PATCHED.md lists the change), dependencies from
 # the module proxy. Cached in $cache/cert-manager-<sha256 of the tarball, 16 hex>/; the tarball's
 # hash is pinned so a different snapshot is refused rather than cached under a new key unseen.
 # Linked into bin/: cert-manager-controller, cert-manager-cainjector; CRDs in bin/cert-manager-crds/.
 cert_manager_version=v1.21.1
 cert_manager_sha256=a4fe12245fbfe5fe19dd206dfa10789c54427dbf9990e15b1f8df77503d3e2ef
-cert_manager_src=${CAPM_CERT_MANAGER_SRC:-$root/../shared/sources/cert-manager-1.21.1-novenafi.src.tar.gz}
+cert_manager_src=${CAPM_CERT_MANAGER_SRC:-$sources/cert-manager-1.21.1-novenafi.src.tar.gz}
 build_cert_manager() {
   local sum dir src name t0 start status
   [ -f "$cert_manager_src" ] || { echo "cert-manager: source snapshot $cert_manager_src not found (set CAPM_CERT_MANAGER_SRC)" >&2; return 1; }
@@ -202,6 +240,11 @@ for tool in "${tools[@]}"; do
   if [ "$tool" = cert-manager ]; then build_cert_manager; continue; fi
   binaries "$tool" >/dev/null
   dir="$cache/$tool-$(key "$tool")/bin"
+  from_tarball=
+  if [ "$tool" = kube-state-metrics ] && [ ! -x "$dir/kube-state-metrics" ] && ! ksm_from_proxy; then
+    from_tarball=1
+    dir="$cache/$tool-src-$(sha256sum "$(ksm_tarball)" 2>/dev/null | cut -c1-16)/bin"
+  fi
   missing=()
   while read -r name pkg; do
     [ -x "$dir/$name" ] || missing+=("$name $pkg")
@@ -212,10 +255,14 @@ for tool in "${tools[@]}"; do
     echo "==> $tool: building ${#missing[@]} binar$([ ${#missing[@]} -eq 1 ] && echo y || echo ies) into $dir (cold: minutes; later runs reuse them)"
     mkdir -p "$dir"
     start=$(date +%s)
-    for entry in "${missing[@]}"; do
-      read -r name pkg <<<"$entry"
-      build_one "$tool" "$name" "$pkg" "$dir"
-    done
+    if [ -n "$from_tarball" ]; then
+      ksm_build_tarball "$dir"
+    else
+      for entry in "${missing[@]}"; do
+        read -r name pkg <<<"$entry"
+        build_one "$tool" "$name" "$pkg" "$dir"
+      done
+    fi
     echo "==> $tool: built in $(elapsed "$start")"
   fi
   while read -r name _; do ln -sfn "$dir/$name" "$root/bin/$name"; done < <(binaries "$tool")

@@ -93,6 +93,30 @@ The self-signed webhook CA and serving certificate, generated once per render an
 Secret and the CRDs' caBundle (they are in different templates). An existing Secret is reused so
 that `helm upgrade` does not rotate the certificate. Returns a dict: caCert, tlsCert, tlsKey.
 */}}
+{{- define "capm.metricsServiceName" -}}
+{{ include "capm.fullname" . }}-metrics
+{{- end }}
+
+{{/*
+The PromQL matchers that select the provider's own series (metrics.prometheusRule.selector):
+by default the job and namespace the chart's ServiceMonitor and PodMonitor give them.
+*/}}
+{{- define "capm.metricsSelector" -}}
+{{- if .Values.metrics.prometheusRule.selector -}}
+{{ .Values.metrics.prometheusRule.selector }}
+{{- else -}}
+job="{{ include "capm.metricsServiceName" . }}", namespace="{{ .Release.Namespace }}"
+{{- end }}
+{{- end }}
+
+{{/*
+Where the metrics endpoint's certificate and its CA come from: metrics.certSecret, else the
+chart's own (the webhook's Secret, whose certificate also names the metrics Service).
+*/}}
+{{- define "capm.metricsCertSecretName" -}}
+{{- default (include "capm.webhookSecretName" .) .Values.metrics.certSecret }}
+{{- end }}
+
 {{- define "capm.selfSignedCert" -}}
 {{- if not (hasKey .Values "__capmWebhookCert") }}
 {{- $secret := lookup "v1" "Secret" .Release.Namespace (include "capm.webhookSecretName" .) }}
@@ -103,6 +127,9 @@ that `helm upgrade` does not rotate the certificate. Returns a dict: caCert, tls
 {{- $days := int .Values.webhook.selfSignedValidityDays }}
 {{- $ca := genCA (printf "%s-ca" $svc) $days }}
 {{- $dns := list $svc (printf "%s.%s" $svc .Release.Namespace) (printf "%s.%s.svc" $svc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $svc .Release.Namespace) }}
+{{- /* The same certificate serves the metrics Service unless metrics.certSecret is set. */}}
+{{- $metricsSvc := include "capm.metricsServiceName" . }}
+{{- $dns = concat $dns (list (printf "%s.%s.svc" $metricsSvc .Release.Namespace) (printf "%s.%s.svc.cluster.local" $metricsSvc .Release.Namespace)) }}
 {{- $cert := genSignedCert (printf "%s.%s.svc" $svc .Release.Namespace) nil $dns $days $ca }}
 {{- $_ := set .Values "__capmWebhookCert" (dict "caCert" $ca.Cert "tlsCert" $cert.Cert "tlsKey" $cert.Key) }}
 {{- end }}
@@ -154,3 +181,36 @@ clean with its defaults while `helm install` and `helm template` refuse them.
 {{- fail (printf "missing required values:\n  - %s" (join "\n  - " $missing)) -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+One scrape endpoint of the ServiceMonitor or the PodMonitor: HTTPS with the scraper's token,
+verified against the CA, unless metrics.insecure.
+*/}}
+{{- define "capm.scrapeEndpoint" -}}
+{{- $fullname := include "capm.fullname" . }}
+{{- if .Values.metrics.insecure }}
+scheme: http
+{{- else }}
+scheme: https
+authorization:
+  type: Bearer
+  credentials:
+    name: {{ $fullname }}-metrics-scraper-token
+    key: token
+tlsConfig:
+  {{- with .Values.metrics.serviceMonitor.tlsConfig }}
+  {{- toYaml . | nindent 2 }}
+  {{- else }}
+  # Verified against the CA of the certificate the provider serves (the chart's, or
+  # metrics.certSecret's ca.crt), for the metrics Service's name.
+  ca:
+    secret:
+      name: {{ include "capm.metricsCertSecretName" . }}
+      key: ca.crt
+  serverName: {{ include "capm.metricsServiceName" . }}.{{ .Release.Namespace }}.svc
+  {{- end }}
+{{- end }}
+path: /metrics
+interval: {{ .Values.metrics.serviceMonitor.interval }}
+scrapeTimeout: {{ .Values.metrics.serviceMonitor.scrapeTimeout }}
+{{- end }}

@@ -39,12 +39,14 @@ macro_rules! field {
 }
 pub(crate) use field;
 
+mod controllers;
 mod file;
 mod mailer;
 #[cfg(test)]
 mod tests;
 mod values;
 
+use controllers::{controllers_error, identity_secret_namespace};
 use file::{FLAG_ONLY, file_error, read_file, snake_to_camel};
 pub use mailer::mailer_error;
 use mailer::{default_message_id_domain, resolve_mailer};
@@ -72,6 +74,8 @@ const DEFAULT_WEBHOOK_CERT_DIR: &str = "/tmp/k8s-webhook-server/serving-certs";
 /// from MAILGUN_API_KEY / SMTP_PASSWORD.
 // Each setting is declared here once: its flag, variable, default and parser. The file's
 // values become the flags' defaults (see `Settings::resolve`), so nothing else lists them.
+// The field docs are `--help` texts, written for a terminal, not for rustdoc.
+#[allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
 #[derive(Debug, Parser)]
 #[command(name = "cluster-api-provider-mailgun", version, about, long_about)]
 pub struct Args {
@@ -644,14 +648,8 @@ impl Settings {
             None
         };
 
-        controllers.identity_secret_namespace = args
-            .identity_secret_namespace
-            .or_else(|| env("POD_NAMESPACE"))
-            .or_else(in_cluster_namespace)
-            .map(|ns| {
-                self::namespace(&ns).map_err(|r| invalid(field!(identity_secret_namespace), r.0))
-            })
-            .transpose()?;
+        controllers.identity_secret_namespace =
+            identity_secret_namespace(args.identity_secret_namespace, env)?;
 
         let webhook = (args.webhook_port != 0).then(|| Webhook {
             bind: SocketAddr::from((Ipv4Addr::UNSPECIFIED, args.webhook_port)),
@@ -672,45 +670,6 @@ impl Settings {
             kubeconfig: args.kubeconfig,
         })
     }
-}
-
-/// The flag (and variable) that sets a field of the controllers' configuration.
-fn controllers_flag(field: capm_controllers::Field) -> Field {
-    use capm_controllers::Field as C;
-    match field {
-        C::Recipients => field!(mail_recipients),
-        C::MailFrom => field!(mail_from),
-        C::MessageIdDomain => field!(message_id_domain),
-        C::Concurrency => field!(concurrency),
-        C::BackoffBase => field!(backoff_base),
-        C::BackoffMax => field!(backoff_max),
-        C::LookupGrace => field!(lookup_grace),
-        C::SyncPeriod => field!(sync_period),
-        C::DeliveryPollBase => field!(delivery_poll_base),
-        C::DeliveryPollMax => field!(delivery_poll_max),
-        C::DeliveryRetention => field!(mailgun_events_retention),
-    }
-}
-
-/// The controllers' refusal of a field, named by its flag. A sender or Message-Id domain that
-/// is missing because the backend gives no default (`*_defaulted_none`) says so.
-fn controllers_error(
-    error: &capm_controllers::Invalid,
-    mail_from_defaulted_none: bool,
-    message_id_domain_defaulted_none: bool,
-) -> SettingsError {
-    use capm_controllers::Field as C;
-    let reason = match error.field {
-        C::MailFrom if mail_from_defaulted_none => "required for the SMTP backend: an address on \
-            the domain the relay sends for (a requester's address in From fails DMARC at the \
-            receivers)"
-            .to_owned(),
-        C::MessageIdDomain if message_id_domain_defaulted_none => {
-            "required: the SMTP relay's host cannot serve as Message-Id domain".to_owned()
-        }
-        _ => error.reason(|field| controllers_flag(field).to_string()),
-    };
-    invalid(controllers_flag(error.field), reason)
 }
 
 fn parse(command: Command, argv: &[OsString]) -> Result<Args, clap::Error> {

@@ -27,8 +27,6 @@ use kube::{
     },
 };
 
-use super::packed::by_name;
-
 /// What the store held when a list began, and what the list brought so far.
 struct Listing<K: Resource<DynamicType = ()> + 'static> {
     /// Each object of the old snapshot: its UID and `resourceVersion`.
@@ -49,7 +47,7 @@ type Ask<K> = Box<dyn Fn(&ObjectRef<K>) + Send + Sync>;
 pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
     store: Store<K>,
     listing: Option<Listing<K>>,
-    /// Asks for the reconciles a completed list needs (the pipeline's [`super::paced::Pacer`]).
+    /// Asks for the reconciles a completed list needs (the controller's triggers).
     relisted: Ask<K>,
     /// Called with the UID of each object that is gone (a deletion, or absent from a list).
     forget: Box<dyn Fn(&str) + Send + Sync>,
@@ -126,7 +124,7 @@ where
                     .get(&reference)
                     .is_some_and(|(u, rv)| *u == uid && *rv == obj.resource_version());
                 if !unchanged {
-                    listing.changed.push(by_name(&reference));
+                    listing.changed.push(reference);
                 }
                 listing.seen.insert(uid);
                 None
@@ -179,7 +177,7 @@ mod tests {
 
     use super::*;
 
-    use super::super::test_object as object;
+    use super::super::tests::test_object as object;
 
     /// Feeds `events` through a reflector writer and the adapter, as the pipeline does; returns
     /// what passed straight through, what the lists asked for (with what the store held for
@@ -227,7 +225,7 @@ mod tests {
         }
     }
 
-    /// What the pipeline's pacer would be asked, sent to a channel.
+    /// What the controller's triggers would be sent, sent to a channel.
     fn asker(
         tx: mpsc::UnboundedSender<ObjectRef<MailgunCluster>>,
     ) -> impl Fn(&ObjectRef<MailgunCluster>) + Send + Sync + 'static {

@@ -16,11 +16,8 @@ use kube::{
     runtime::reflector::{ObjectRef, Store},
 };
 
-use crate::compact::Key;
-
 /// How long an empty store is waited on before it is looked at again: short, so that the first
-/// walk begins right after the first list (a minute's wait here delayed it by up to a minute,
-/// as the bench showed); looking at an empty store costs nothing.
+/// walk begins right after the first list; looking at an empty store costs nothing.
 const EMPTY_RECHECK: Duration = Duration::from_secs(2);
 
 /// The objects of `store` in turn, one every `period / n` (`n`: the objects when the walk
@@ -44,7 +41,11 @@ where
     futures::stream::unfold((store, walk), move |(store, mut walk)| async move {
         loop {
             if walk.queue.is_empty() {
-                walk.queue = store.state().iter().map(|o| Key::of_object(&**o)).collect();
+                walk.queue = store
+                    .state()
+                    .iter()
+                    .map(|o| ObjectRef::from_obj(&**o))
+                    .collect();
                 if walk.queue.is_empty() {
                     tokio::time::sleep(period.min(EMPTY_RECHECK)).await;
                     walk.next = Instant::now();
@@ -53,7 +54,7 @@ where
                 walk.gap = gap_for(period, walk.queue.len());
             }
             // Deadlines, not delays: the time the consumer takes between two objects does not
-            // stretch the period (a relative sleep made a 60 s walk over 1000 objects take 90 s).
+            // stretch the period.
             // A walk that fell more than a gap behind (a stalled process) resumes from now
             // rather than catching up in a burst.
             walk.next += walk.gap;
@@ -63,16 +64,15 @@ where
             }
             tokio::time::sleep_until(walk.next).await;
             if let Some(next) = walk.queue.pop_front() {
-                return Some((next.to_ref(), (store, walk)));
+                return Some((next, (store, walk)));
             }
         }
     })
 }
 
-/// Where a walk is: the objects left (one short key each: the walk holds every object's for a
-/// whole period), their spacing and the next deadline.
-struct Walk {
-    queue: VecDeque<Key>,
+/// Where a walk is: the objects left, their spacing and the next deadline.
+struct Walk<K: Resource<DynamicType = ()>> {
+    queue: VecDeque<ObjectRef<K>>,
     gap: Duration,
     next: Instant,
 }
@@ -90,7 +90,7 @@ mod tests {
     use kube::runtime::{reflector, watcher};
 
     fn object(name: &str) -> MailgunCluster {
-        super::super::test_object(name, name, "1")
+        super::super::tests::test_object(name, name, "1")
     }
 
     #[tokio::test(start_paused = true)]

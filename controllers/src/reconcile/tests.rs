@@ -21,14 +21,14 @@ use http::{Request, Response, StatusCode};
 use kube::{
     Client,
     client::Body,
-    runtime::{controller::Action, watcher::Event},
+    runtime::{controller::Action, reflector, watcher::Event},
 };
 use serde_json::{Value, json};
 
 use super::reconcile;
 use crate::{
     Config, Leadership, Metrics,
-    capi::{Cluster, Machine, Owners},
+    capi::{Cluster, Machine, Stores},
     context::{Ctx, ReconcileError},
     events::Events,
     sendonce::records::{self, Sent},
@@ -269,13 +269,13 @@ async fn reconcile_once(
     log: Log,
 ) -> Outcome {
     let (client, server) = fake_api(&obj, &owner, Arc::clone(&log));
-    let clusters = crate::compact::OwnerCache::<Cluster>::new("");
-    let machines = crate::compact::OwnerCache::<Machine>::new("");
-    clusters.apply(&Event::Init);
-    clusters.apply(&Event::InitApply(owner));
-    clusters.apply(&Event::InitDone);
-    machines.apply(&Event::Init);
-    machines.apply(&Event::InitDone);
+    let (clusters, mut cluster_writer) = reflector::store::<Cluster>();
+    let (machines, mut machine_writer) = reflector::store::<Machine>();
+    cluster_writer.apply_watcher_event(&Event::Init);
+    cluster_writer.apply_watcher_event(&Event::InitApply(owner));
+    cluster_writer.apply_watcher_event(&Event::InitDone);
+    machine_writer.apply_watcher_event(&Event::Init);
+    machine_writer.apply_watcher_event(&Event::InitDone);
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         Arc::new(mailer),
@@ -283,9 +283,9 @@ async fn reconcile_once(
         config(),
         Leadership::unelected("t"),
         Metrics::register(&prometheus::Registry::new()).expect("metrics register"),
-        Owners { clusters, machines },
+        Stores { clusters, machines },
     ));
-    ctx.watch_owner_caches();
+    ctx.wait_for_capi_lists();
     let result = tokio::time::timeout(
         Duration::from_secs(10),
         reconcile(Arc::new(obj), Arc::clone(&ctx)),

@@ -27,7 +27,7 @@
 //!   decision predates the finalizer) is released right away if its request went out, without a
 //!   durable record (counted in `capm_mail_orphan_releases_total`).
 //!
-//! [`decide`](decide::decide) is the whole decision as a pure function; [`execute`] performs it.
+//! `decide::decide` is the whole decision as a pure function; `execute` performs it.
 
 pub(crate) mod decide;
 pub(crate) mod execute;

@@ -357,6 +357,61 @@ pub fn to_value<T: Serialize>(record: &T) -> String {
     serde_json::to_string(record).unwrap_or_default()
 }
 
+/// One mail's durable records as found, each either believed or ignored with the reason.
+pub(crate) struct Records {
+    pub(crate) intent: Option<Intent>,
+    pub(crate) sent: Option<Sent>,
+    /// Annotations present but not believed: key and reason.
+    pub(crate) ignored: Vec<(&'static str, RecordError)>,
+}
+
+/// Reads one mail's records from `annotations`: its one record, or release 0.1's intent and
+/// sent annotations when there is no record we believe.
+pub(crate) fn read_records(
+    annotations: &std::collections::BTreeMap<String, String>,
+    kind: &str,
+    which: Which,
+) -> Records {
+    let mut ignored = Vec::new();
+    if let Some(value) = annotations.get(which.record_key()) {
+        match parse_record(value, kind, which) {
+            Ok((intent, sent)) => {
+                return Records {
+                    intent: Some(intent),
+                    sent,
+                    ignored,
+                };
+            }
+            Err(e) => ignored.push((which.record_key(), e)),
+        }
+    }
+    let intent =
+        annotations
+            .get(which.intent_key())
+            .and_then(|v| match parse_intent(v, kind, which) {
+                Ok(i) => Some(i),
+                Err(e) => {
+                    ignored.push((which.intent_key(), e));
+                    None
+                }
+            });
+    let sent =
+        annotations
+            .get(which.sent_key())
+            .and_then(|v| match parse_sent(v, intent.as_ref()) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    ignored.push((which.sent_key(), e));
+                    None
+                }
+            });
+    Records {
+        intent,
+        sent,
+        ignored,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

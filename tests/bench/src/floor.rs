@@ -1,8 +1,8 @@
-//! The memory floor of the provider's caches: what its `MailgunCluster` cache (kube-runtime's
-//! reflector store of packed objects, which its controller reads) and its `Cluster` cache (the
-//! provider's own `OwnerCache` of deflated objects) cost per Cluster + MailgunCluster pair when
-//! the objects carry nothing but a name, a namespace, a UID and a `resourceVersion` (and the
-//! spec a MailgunCluster must have), and when they are finished.
+//! The memory floor of the provider's caches: what its `MailgunCluster` and `Cluster` caches
+//! (kube-runtime's reflector stores of objects trimmed as the watches trim them) cost per
+//! Cluster + MailgunCluster pair when the objects carry nothing but a name, a namespace, a UID
+//! and a `resourceVersion` (and the spec a MailgunCluster must have), and when they are
+//! finished.
 //!
 //! Measured in this process, on the resident set (so the allocator's own overhead counts, as it
 //! does for the provider): `pairs` objects of each kind are applied the way the watches apply
@@ -14,9 +14,7 @@
 use capm_api::v1beta1::MailgunCluster;
 use capm_controllers::{
     capi::{Cluster, ClusterSpec, ContractRef},
-    compact::OwnerCache,
-    packed::Packed,
-    trim::Projected,
+    trim,
 };
 use kube::{
     api::ObjectMeta,
@@ -35,10 +33,10 @@ pub struct Floor {
     pub pairs: usize,
     /// Resident bytes per pair for the two stores, objects with names only.
     pub bytes_per_pair: f64,
-    /// The same with objects as the provider caches a finished pair (its `MailgunCluster` read
-    /// through the watches' slim projection and packed: record, finalizer, owner, spec, status
-    /// with five conditions and `status.mail`; its partial `Cluster` type with the
-    /// infrastructure reference).
+    /// The same with objects as the provider caches a finished pair (its `MailgunCluster`
+    /// trimmed as the watch trims it: record, finalizer, owner, spec, status with five
+    /// conditions and `status.mail`; its partial `Cluster` type with the infrastructure
+    /// reference).
     pub finished_bytes_per_pair: f64,
 }
 
@@ -135,9 +133,9 @@ fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
     let (bytes, stores) = fill(
         pairs,
         move |i| {
-            Ok(serde_json::from_value::<Packed<MailgunCluster>>(finished(
-                i,
-            ))?)
+            let mut mgc = serde_json::from_value::<MailgunCluster>(finished(i))?;
+            trim::ours(&mut mgc);
+            Ok(mgc)
         },
         |i| {
             let mut cluster = Cluster::new(
@@ -170,7 +168,7 @@ fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
                 "spec": { "priority": "Urgent", "request": "", "requester": "a@example.com" },
             }))?;
             mgc.metadata = meta(i);
-            Ok(Packed::pack(mgc)?)
+            Ok(mgc)
         },
         |i| {
             let mut cluster = Cluster::new("", ClusterSpec::default());
@@ -184,11 +182,11 @@ fn minimal(pairs: usize) -> anyhow::Result<(f64, Kept)> {
 /// watch events, and returns the growth of the resident set per pair with the stores.
 fn fill(
     pairs: usize,
-    mgc: impl Fn(usize) -> anyhow::Result<Packed<MailgunCluster>>,
+    mgc: impl Fn(usize) -> anyhow::Result<MailgunCluster>,
     cluster: impl Fn(usize) -> Cluster,
 ) -> anyhow::Result<(f64, Kept)> {
-    let (mgc_reader, mut mgc_writer) = reflector::store::<Packed<MailgunCluster>>();
-    let clusters = OwnerCache::<Cluster>::new(Cluster::DICTIONARY);
+    let (mgc_reader, mut mgc_writer) = reflector::store::<MailgunCluster>();
+    let (cluster_reader, mut cluster_writer) = reflector::store::<Cluster>();
     // A first batch, so what grows once (the tables' first allocation, the allocator's arenas)
     // is not counted per pair.
     let warm = 1000;
@@ -198,15 +196,17 @@ fn fill(
             before = rss_bytes()?;
         }
         mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc(i)?));
-        clusters.apply(&watcher::Event::Apply(cluster(i)));
+        let mut cluster = cluster(i);
+        trim::cluster(&mut cluster);
+        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
     }
     let after = rss_bytes()?;
     anyhow::ensure!(
-        mgc_reader.state().len() == warm + pairs && clusters.keys().len() == warm + pairs,
+        mgc_reader.state().len() == warm + pairs && cluster_reader.state().len() == warm + pairs,
         "the caches do not hold every object"
     );
     Ok((
         (after - before) / pairs as f64,
-        (Box::new(mgc_writer), Box::new(clusters)),
+        (Box::new(mgc_writer), Box::new(cluster_writer)),
     ))
 }

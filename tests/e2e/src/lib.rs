@@ -692,11 +692,6 @@ impl Prometheus {
         targets: &[String],
         https: Option<&HttpsScrape>,
     ) -> Result<Self> {
-        let bin = which("prometheus").context(
-            "prometheus not found: install Debian's package (`make deps` does: apt-get install prometheus)",
-        )?;
-        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let config = dir.join("prometheus.yml");
         let targets = targets
             .iter()
             .map(|t| format!("\"{t}\""))
@@ -712,14 +707,26 @@ impl Prometheus {
                 s.server_name
             ),
         };
-        fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
-                 scrape_configs:\n  - job_name: cluster-api-provider-mailgun\n{security}    \
-                 static_configs:\n      - targets: [{targets}]\n"
-            ),
+        let text = format!(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
+             scrape_configs:\n  - job_name: cluster-api-provider-mailgun\n{security}    \
+             static_configs:\n      - targets: [{targets}]\n"
+        );
+        Self::start_with_config(dir, &text).await
+    }
+
+    /// Starts it with a fresh TSDB in `dir` and `config` as its configuration file (scrape jobs,
+    /// rule files: paths in it are as written).
+    ///
+    /// # Errors
+    /// When it is not installed, refuses the configuration or does not become ready.
+    pub async fn start_with_config(dir: &Path, config_text: &str) -> Result<Self> {
+        let bin = which("prometheus").context(
+            "prometheus not found: install Debian's package (`make deps` does: apt-get install prometheus)",
         )?;
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let config = dir.join("prometheus.yml");
+        fs::write(&config, config_text)?;
         let addr = format!("127.0.0.1:{}", free_port()?);
         let mut cmd = Command::new(bin);
         cmd.arg(format!("--config.file={}", config.display()))
@@ -744,6 +751,43 @@ impl Prometheus {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         Ok(Self { proc, addr })
+    }
+
+    /// `GET /api/v1/<path>` of its HTTP API: the `data` of the answer.
+    ///
+    /// # Errors
+    /// When Prometheus died or the answer is not a success.
+    pub fn api(&self, path: &str) -> Result<serde_json::Value> {
+        self.proc.check_alive()?;
+        let (status, body) = http_get(&self.addr, &format!("/api/v1/{path}"))?;
+        ensure!(status == 200, "{path}: HTTP {status}: {body}");
+        let mut v: serde_json::Value = serde_json::from_str(&body)?;
+        ensure!(v["status"] == "success", "{path}: {body}");
+        Ok(v["data"].take())
+    }
+
+    /// An instant PromQL query; each sample's labels and value.
+    ///
+    /// # Errors
+    /// When the query fails.
+    pub fn query_labelled(
+        &self,
+        promql: &str,
+    ) -> Result<Vec<(std::collections::BTreeMap<String, String>, f64)>> {
+        let data = self.api(&format!("query?query={}", url_encode(promql)))?;
+        data["result"]
+            .as_array()
+            .context("no data.result in the query response")?
+            .iter()
+            .map(|r| {
+                let labels = serde_json::from_value(r["metric"].clone())?;
+                let value = r["value"][1]
+                    .as_str()
+                    .and_then(|s| s.parse::<f64>().ok())
+                    .context("a sample without a value")?;
+                Ok((labels, value))
+            })
+            .collect()
     }
 
     /// An instant PromQL query; the samples' values.

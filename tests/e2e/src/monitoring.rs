@@ -1,7 +1,7 @@
 //! The monitoring files the project ships (config/prometheus/rules.yaml, config/grafana/'s
 //! dashboard, config/metrics/'s kube-state-metrics configuration) read the way the tests check
 //! them: the PromQL expressions they hold, the series names those expressions read, the series
-//! names kube-state-metrics derives from the configuration.
+//! names the kube-state-metrics configuration declares; and the samples of a real scrape.
 
 use std::{
     collections::BTreeSet,
@@ -235,128 +235,66 @@ pub fn shipped_series_names() -> Result<BTreeSet<(String, String)>> {
     Ok(out)
 }
 
-/// One series kube-state-metrics would export: name, labels, value.
+/// One sample of a Prometheus text exposition: name, labels, value.
 pub type Sample = (String, std::collections::BTreeMap<String, String>, f64);
 
-/// The series `config` (a CustomResourceStateMetrics configuration) gives `object` (a custom
-/// resource as the API server returns it), following kube-state-metrics's documented rules for
-/// the parts the configuration uses: resource-level `labelsFromPath`; `Gauge`, `StateSet` and
-/// `Info` metrics with `path`, `labelsFromPath`, `valueFrom`, `list`, `labelName` and
-/// `nilIsZero`; a list at `path` gives one series per element; values are numbers, booleans
-/// (1/0) or RFC 3339 times (Unix seconds). This is not kube-state-metrics (which cannot be built
-/// here): it shows that every path the configuration names resolves on real objects.
+/// The samples of a Prometheus text exposition (`name{label="value",...} value [timestamp]`
+/// lines; label values unescaped).
 ///
 /// # Errors
-/// When the configuration is malformed or a value cannot be read as a number.
-pub fn crd_metric_samples(
-    config: &serde_json::Value,
-    object: &serde_json::Value,
-) -> Result<Vec<Sample>> {
-    use serde_json::Value;
-    use std::collections::BTreeMap;
-
-    fn at<'a>(v: &'a Value, path: &Value) -> Option<&'a Value> {
-        path.as_array()
-            .into_iter()
-            .flatten()
-            .try_fold(v, |v, key| v.get(key.as_str()?))
-            .filter(|v| !v.is_null())
-    }
-    fn text(v: &Value) -> Option<String> {
-        match v {
-            Value::String(s) => Some(s.clone()),
-            Value::Bool(b) => Some(b.to_string()),
-            Value::Number(n) => Some(n.to_string()),
-            _ => None,
-        }
-    }
-    fn number(v: &Value) -> Result<f64> {
-        Ok(match v {
-            Value::Number(n) => n.as_f64().context("a number")?,
-            Value::Bool(b) => f64::from(u8::from(*b)),
-            Value::String(s) => match s.parse::<f64>() {
-                Ok(n) => n,
-                Err(_) => s
-                    .parse::<jiff::Timestamp>()
-                    .with_context(|| format!("{s:?} is neither a number nor a time"))?
-                    .as_second() as f64,
-            },
-            other => anyhow::bail!("{other} is not a value"),
-        })
-    }
-    fn labels(v: &Value, spec: &Value, into: &mut BTreeMap<String, String>) {
-        for (label, path) in spec.as_object().into_iter().flatten() {
-            if let Some(value) = at(v, path).and_then(text) {
-                into.insert(label.clone(), value);
-            }
-        }
-    }
-
-    let kind = object["kind"].as_str().context("an object without kind")?;
+/// When a sample line is malformed.
+pub fn parse_exposition(exposition: &str) -> Result<Vec<Sample>> {
     let mut out = Vec::new();
-    for resource in config["spec"]["resources"]
-        .as_array()
-        .context("no resources")?
-    {
-        if resource["groupVersionKind"]["kind"] != kind {
+    for line in exposition.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let prefix = resource["metricNamePrefix"]
-            .as_str()
-            .context("metricNamePrefix")?;
-        let mut common = BTreeMap::new();
-        labels(object, &resource["labelsFromPath"], &mut common);
-        for metric in resource["metrics"].as_array().context("metrics")? {
-            let name = format!("{prefix}_{}", metric["name"].as_str().context("name")?);
-            let each = &metric["each"];
-            let kind = each["type"].as_str().context("each.type")?;
-            let spec = match kind {
-                "Gauge" => &each["gauge"],
-                "StateSet" => &each["stateSet"],
-                "Info" => &each["info"],
-                other => anyhow::bail!("{name}: type {other} is not handled"),
-            };
-            let found = match spec.get("path") {
-                Some(path) => at(object, path),
-                None => Some(object),
-            };
-            let elements: Vec<&Value> = match found {
-                Some(Value::Array(items)) => items.iter().collect(),
-                Some(v) => vec![v],
-                None if kind == "Gauge" && spec["nilIsZero"] == true => {
-                    out.push((name, common.clone(), 0.0));
-                    continue;
-                }
-                None => continue,
-            };
-            for element in elements {
-                let mut series = common.clone();
-                labels(element, &spec["labelsFromPath"], &mut series);
-                let value = match spec.get("valueFrom") {
-                    Some(path) => at(element, path),
-                    None => Some(element),
-                };
-                match kind {
-                    "Gauge" => {
-                        if let Some(v) = value {
-                            out.push((name.clone(), series, number(v)?));
-                        }
+        let bad = || format!("a malformed sample line: {line:?}");
+        let name_end = line.find(['{', ' ']).with_context(bad)?;
+        let name = line[..name_end].to_owned();
+        let mut labels = std::collections::BTreeMap::new();
+        let mut rest = &line[name_end..];
+        if let Some(body) = rest.strip_prefix('{') {
+            let mut chars = body.char_indices();
+            let mut key = String::new();
+            let mut end = None;
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '}' if key.is_empty() => {
+                        end = Some(i);
+                        break;
                     }
-                    "StateSet" => {
-                        let state = value.and_then(text);
-                        let label = spec["labelName"].as_str().context("labelName")?;
-                        for item in spec["list"].as_array().context("list")? {
-                            let item = item.as_str().context("a list item")?;
-                            let mut series = series.clone();
-                            series.insert(label.to_owned(), item.to_owned());
-                            let on = state.as_deref() == Some(item);
-                            out.push((name.clone(), series, f64::from(u8::from(on))));
+                    ',' | ' ' if key.is_empty() => {}
+                    '=' => {
+                        let Some((_, '"')) = chars.next() else {
+                            anyhow::bail!(bad());
+                        };
+                        let mut value = String::new();
+                        loop {
+                            match chars.next().with_context(bad)? {
+                                (_, '\\') => match chars.next().with_context(bad)?.1 {
+                                    'n' => value.push('\n'),
+                                    other => value.push(other),
+                                },
+                                (_, '"') => break,
+                                (_, other) => value.push(other),
+                            }
                         }
+                        labels.insert(std::mem::take(&mut key), value);
                     }
-                    _ => out.push((name.clone(), series, 1.0)),
+                    other => key.push(other),
                 }
             }
+            rest = &body[end.with_context(bad)? + 1..];
         }
+        let value = rest.split_whitespace().next().with_context(bad)?;
+        let value = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse().with_context(bad)?,
+        };
+        out.push((name, labels, value));
     }
     Ok(out)
 }
@@ -403,71 +341,15 @@ mod tests {
     }
 
     #[test]
-    fn crd_metrics_follow_the_configuration() {
-        let config: serde_json::Value = serde_yaml_ng::from_str(
-            &fs::read_to_string(config_dir().join("metrics/crd-metrics-config.yaml")).unwrap(),
+    fn exposition_samples_keep_labels_and_values() {
+        let samples = parse_exposition(
+            "# HELP a A.\n# TYPE a gauge\na{x=\"1\",y=\"q\\\"uote\"} 1.5\nb 2 1700000000000\nc{} +Inf\n",
         )
         .unwrap();
-        let object = serde_json::json!({
-            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-            "kind": "MailgunMachine",
-            "metadata": {"name": "m", "namespace": "ns", "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z",
-                         "labels": {"cluster.x-k8s.io/cluster-name": "c"},
-                         "annotations": {"cluster.x-k8s.io/paused": ""}},
-            "spec": {"priority": "Urgent"},
-            "status": {"mail": {"state": "Sent", "sentAt": "2026-01-01T00:01:00Z"},
-                       "conditions": [{"type": "Provisioned", "status": "False", "lastTransitionTime": "2026-01-01T00:01:00Z"}]},
-        });
-        let samples = crd_metric_samples(&config, &object).unwrap();
-        let value = |name: &str, with: &[(&str, &str)]| sample_value(&samples, name, with);
-        assert_eq!(
-            value("capi_mailgunmachine_created", &[("cluster_name", "c")]),
-            Some(1_767_225_600.0)
-        );
-        assert_eq!(
-            value("capi_mailgunmachine_status_mail_sent_at", &[]),
-            Some(1_767_225_660.0)
-        );
-        assert_eq!(
-            value(
-                "capi_mailgunmachine_status_mail_state",
-                &[("state", "Sent")]
-            ),
-            Some(1.0)
-        );
-        assert_eq!(
-            value(
-                "capi_mailgunmachine_status_mail_state",
-                &[("state", "Pending")]
-            ),
-            Some(0.0)
-        );
-        assert_eq!(
-            value("capi_mailgunmachine_status_provisioned", &[]),
-            Some(0.0)
-        );
-        assert_eq!(
-            value(
-                "capi_mailgunmachine_status_condition",
-                &[("type", "Provisioned"), ("status", "False")]
-            ),
-            Some(1.0)
-        );
-        assert_eq!(
-            value(
-                "capi_mailgunmachine_annotation_paused",
-                &[("paused_value", "")]
-            ),
-            Some(1.0)
-        );
-        assert_eq!(
-            value("capi_mailgunmachine_info", &[("priority", "Urgent")]),
-            Some(1.0)
-        );
-        assert!(
-            !samples
-                .iter()
-                .any(|(n, _, _)| n.starts_with("capi_mailguncluster") || n.ends_with("_owner"))
-        );
+        assert_eq!(sample_value(&samples, "a", &[("y", "q\"uote")]), Some(1.5));
+        assert_eq!(sample_value(&samples, "a", &[("x", "2")]), None);
+        assert_eq!(sample_value(&samples, "b", &[]), Some(2.0));
+        assert_eq!(sample_value(&samples, "c", &[]), Some(f64::INFINITY));
+        assert!(parse_exposition("d{x=1} 1").is_err());
     }
 }

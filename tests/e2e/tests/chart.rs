@@ -375,10 +375,79 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
                     .any(|r| r["expr"].as_str().is_some_and(|e| e.contains("> 3600"))),
                 "{rule}"
             );
+            // The alerts read the provider's series only: the job and namespace the
+            // ServiceMonitor and the PodMonitor give; each alert has its runbook.
+            let selector =
+                r#"job="capm-cluster-api-provider-mailgun-metrics", namespace="capm-system""#;
+            let rules = rule["spec"]["groups"][0]["rules"]
+                .as_array()
+                .context("rules")?;
+            ensure!(
+                rules.iter().all(|r| r["annotations"]["runbook_url"]
+                    .as_str()
+                    .is_some_and(|u| u.contains("/docs/runbooks.md#capm"))),
+                "{rule}"
+            );
+            ensure!(
+                rules
+                    .iter()
+                    .filter(|r| r["expr"].as_str().is_some_and(|e| e.contains(selector)))
+                    .count()
+                    == rules.len() - 2,
+                "every rule but the two on kube-state-metrics's series selects {selector}: {rule}"
+            );
+            // Both monitors: `authorization` with the scraper's token Secret, TLS verified
+            // against the chart's CA for the metrics Service's name; the job the rules select.
+            let monitor = |kind: &str, endpoints: &str| -> Result<serde_json::Value> {
+                let m = foreign
+                    .iter()
+                    .find(|o| o["kind"] == kind)
+                    .with_context(|| format!("no {kind}"))?;
+                Ok(m["spec"][endpoints][0].clone())
+            };
+            let sm = monitor("ServiceMonitor", "endpoints")?;
+            let pm = monitor("PodMonitor", "podMetricsEndpoints")?;
+            for endpoint in [&sm, &pm] {
+                ensure!(
+                    endpoint["scheme"] == "https"
+                        && endpoint["bearerTokenFile"].is_null()
+                        && endpoint["authorization"]["type"] == "Bearer"
+                        && endpoint["authorization"]["credentials"]["name"]
+                            == "capm-cluster-api-provider-mailgun-metrics-scraper-token"
+                        && endpoint["tlsConfig"]["ca"]["secret"]["name"]
+                            == "capm-cluster-api-provider-mailgun-webhook-cert"
+                        && endpoint["tlsConfig"]["ca"]["secret"]["key"] == "ca.crt"
+                        && endpoint["tlsConfig"]["serverName"]
+                            == "capm-cluster-api-provider-mailgun-metrics.capm-system.svc"
+                        && endpoint["tlsConfig"]["insecureSkipVerify"].is_null(),
+                    "{endpoint}"
+                );
+            }
+            ensure!(
+                pm["relabelings"][0]["targetLabel"] == "job"
+                    && pm["relabelings"][0]["replacement"]
+                        == "capm-cluster-api-provider-mailgun-metrics",
+                "{pm}"
+            );
+            ensure!(
+                ours.iter().any(|o| o["kind"] == "Secret"
+                    && o["type"] == "kubernetes.io/service-account-token"
+                    && o["metadata"]["name"]
+                        == "capm-cluster-api-provider-mailgun-metrics-scraper-token"),
+                "the scraper's token Secret"
+            );
             let cert = foreign
                 .iter()
                 .find(|o| o["kind"] == "Certificate")
                 .context("Certificate")?;
+            ensure!(
+                cert["spec"]["dnsNames"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|n| n == "capm-cluster-api-provider-mailgun-metrics.capm-system.svc"),
+                "the certificate names the metrics Service: {cert}"
+            );
             ensure!(
                 cert["spec"]["dnsNames"][0]
                     == "capm-cluster-api-provider-mailgun-webhook.capm-system.svc",

@@ -692,7 +692,7 @@ async fn settle(world: &World, expect: &Expect) -> Result<(Duration, Duration)> 
 
 /// Seed 20261125 found, in one `make test` run, a pair unpaused right before the cut never
 /// mailed: the controller had stopped hearing of Clusters (kube-runtime's shared-store subscriber,
-/// see docs/kube-runtime-subscriber.md); the owner caches now fan out their changes themselves.
+/// see docs/kube-runtime-subscriber.md); the Cluster API watches now fan out their changes themselves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_behind_a_partition_loses_no_mail() -> Result<()> {
     run(1, "one", 20261125).await

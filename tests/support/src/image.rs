@@ -252,7 +252,7 @@ impl Image {
         Ok(by_path.into_values().collect())
     }
 
-    /// The layer: an uncompressed tar of [`Self::tree`].
+    /// The layer: an uncompressed tar of the tree.
     ///
     /// # Errors
     /// A bad path, or one too long for a plain tar header.

@@ -1,7 +1,9 @@
-//! What this process remembers about each object, in one place, by UID.
+//! The ledger: what this process notes about each object, in one place, by UID (retry counts
+//! and backoff, the version its last write produced, when a mail's intent was first seen,
+//! refusals) and the tombstones of gone objects.
 //!
 //! Nothing here is durable: it only makes retries slower, lookups patient and writes fewer. It
-//! is forgotten in one call ([`Memory::forget`]) when the object is gone (its finalizer removed,
+//! is forgotten in one call ([`Ledger::forget`]) when the object is gone (its finalizer removed,
 //! a watch's deletion, a list that no longer has it), and a forgotten UID is never remembered
 //! again (for [`TOMBSTONE_TTL`], far longer than any cached copy of it can linger), so what a
 //! reconcile still in flight for a gone object records is dropped, not leaked.
@@ -21,7 +23,7 @@ pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
 
 /// What this process remembers about one mail of one object.
 #[derive(Debug, Clone, Copy, Default)]
-struct MailMemory {
+struct MailNotes {
     /// When this process first saw the mail's intent.
     first_seen: Option<Instant>,
     /// Since when lookups have answered "not found".
@@ -30,7 +32,7 @@ struct MailMemory {
     refused_at_generation: Option<i64>,
 }
 
-impl MailMemory {
+impl MailNotes {
     fn is_empty(&self) -> bool {
         self.first_seen.is_none()
             && self.not_found_since.is_none()
@@ -48,7 +50,7 @@ struct Object {
     /// The `resourceVersion` our own last write produced.
     expected_version: Option<u64>,
     /// The request mail and the release mail.
-    mails: [MailMemory; 2],
+    mails: [MailNotes; 2],
 }
 
 impl Object {
@@ -56,7 +58,7 @@ impl Object {
         self.failures == 0
             && self.not_before.is_none()
             && self.expected_version.is_none()
-            && self.mails.iter().all(MailMemory::is_empty)
+            && self.mails.iter().all(MailNotes::is_empty)
     }
 }
 
@@ -74,16 +76,16 @@ struct Inner {
     tombstones: HashMap<Box<str>, Instant>,
 }
 
-/// The per-object memory of the controllers, keyed by UID.
+/// The controllers' per-object notes, keyed by UID.
 #[derive(Default)]
-pub struct Memory {
+pub struct Ledger {
     inner: Mutex<Inner>,
     /// `capm_remembered_objects{state}`: `live` objects remembered, `tombstone` gone UIDs.
     gauge: Option<IntGaugeVec>,
 }
 
-impl Memory {
-    /// A memory whose size `gauge` (`{state}`: `live`, `tombstone`) shows.
+impl Ledger {
+    /// A ledger whose size `gauge` (`{state}`: `live`, `tombstone`) shows.
     pub fn counted(gauge: IntGaugeVec) -> Self {
         gauge.with_label_values(&["live"]).set(0);
         gauge.with_label_values(&["tombstone"]).set(0);
@@ -109,13 +111,13 @@ impl Memory {
         }
     }
 
-    /// Reads `uid`'s memory (a default one when there is none).
+    /// Reads `uid`'s notes (default ones when there is none).
     fn read<T>(&self, uid: &str, f: impl FnOnce(&Object) -> T) -> T {
         let inner = self.lock();
         f(inner.objects.get(uid).unwrap_or(&Object::default()))
     }
 
-    /// Changes `uid`'s memory; nothing for a gone object; an entry left empty is removed.
+    /// Changes `uid`'s notes; nothing for a gone object; an entry left empty is removed.
     fn change<T>(&self, uid: &str, f: impl FnOnce(&mut Object) -> T) -> Option<T> {
         let mut inner = self.lock();
         if inner.tombstones.contains_key(uid) {
@@ -249,7 +251,7 @@ impl Memory {
 
     /// The mail went out or was found: forget its attempts.
     pub fn clear_mail(&self, uid: &str, which: Which) {
-        self.change(uid, |o| o.mails[slot(which)] = MailMemory::default());
+        self.change(uid, |o| o.mails[slot(which)] = MailNotes::default());
     }
 
     /// The object `uid` is gone: everything about it is forgotten, and every cached copy of it
@@ -281,53 +283,53 @@ mod tests {
 
     #[test]
     fn a_gone_object_stays_stale_whatever_copy_arrives_and_is_not_remembered_again() {
-        let memory = Memory::default();
-        memory.expect_version("u1", Some("120"));
-        memory.mark_permanently_refused("u1", Which::Request, 3);
-        memory.forget("u1");
-        assert_eq!(memory.len(), 0);
-        assert!(memory.is_stale("u1", Some("100")));
-        assert!(memory.is_stale("u1", Some("121")));
-        assert!(!memory.is_stale("u2", Some("1")));
+        let ledger = Ledger::default();
+        ledger.expect_version("u1", Some("120"));
+        ledger.mark_permanently_refused("u1", Which::Request, 3);
+        ledger.forget("u1");
+        assert_eq!(ledger.len(), 0);
+        assert!(ledger.is_stale("u1", Some("100")));
+        assert!(ledger.is_stale("u1", Some("121")));
+        assert!(!ledger.is_stale("u2", Some("1")));
         // A reconcile still in flight records nothing for it.
-        memory.failed("u1", true, |_| Duration::from_secs(1));
-        memory.start_not_found("u1", Which::Deletion);
-        assert_eq!(memory.len(), 0);
-        assert!(!memory.permanently_refused("u1", Which::Request, 3));
+        ledger.failed("u1", true, |_| Duration::from_secs(1));
+        ledger.start_not_found("u1", Which::Deletion);
+        assert_eq!(ledger.len(), 0);
+        assert!(!ledger.permanently_refused("u1", Which::Request, 3));
     }
 
     #[test]
     fn permanent_refusals_are_remembered_per_generation_and_mail() {
-        let memory = Memory::default();
-        memory.mark_permanently_refused("u", Which::Request, 3);
-        assert!(memory.permanently_refused("u", Which::Request, 3));
-        assert!(!memory.permanently_refused("u", Which::Request, 4));
-        assert!(!memory.permanently_refused("u", Which::Deletion, 3));
-        memory.clear_mail("u", Which::Request);
-        assert!(!memory.permanently_refused("u", Which::Request, 3));
-        assert_eq!(memory.len(), 0, "an entry left empty is removed");
+        let ledger = Ledger::default();
+        ledger.mark_permanently_refused("u", Which::Request, 3);
+        assert!(ledger.permanently_refused("u", Which::Request, 3));
+        assert!(!ledger.permanently_refused("u", Which::Request, 4));
+        assert!(!ledger.permanently_refused("u", Which::Deletion, 3));
+        ledger.clear_mail("u", Which::Request);
+        assert!(!ledger.permanently_refused("u", Which::Request, 3));
+        assert_eq!(ledger.len(), 0, "an entry left empty is removed");
     }
 
     #[test]
     fn a_cache_older_than_our_write_is_stale_until_it_caught_up() {
-        let memory = Memory::default();
-        memory.expect_version("u1", Some("120"));
-        assert!(memory.is_stale("u1", Some("100")));
-        assert!(!memory.is_stale("u1", Some("120")));
+        let ledger = Ledger::default();
+        ledger.expect_version("u1", Some("120"));
+        assert!(ledger.is_stale("u1", Some("100")));
+        assert!(!ledger.is_stale("u1", Some("120")));
         assert!(
-            !memory.is_stale("u1", Some("100")),
+            !ledger.is_stale("u1", Some("100")),
             "the expectation is gone"
         );
-        assert_eq!(memory.len(), 0);
+        assert_eq!(ledger.len(), 0);
     }
 
     #[test]
     fn failures_count_per_object_and_gate_sends() {
-        let memory = Memory::default();
+        let ledger = Ledger::default();
         let counts: Vec<u32> = (0..3)
             .map(|_| {
                 let mut seen = 0;
-                memory.failed("a", true, |n| {
+                ledger.failed("a", true, |n| {
                     seen = n;
                     Duration::from_secs(5)
                 });
@@ -335,13 +337,13 @@ mod tests {
             })
             .collect();
         assert_eq!(counts, [1, 2, 3]);
-        assert!(memory.backoff_left("a") > Duration::from_secs(4));
-        assert_eq!(memory.backoff_left("b"), Duration::ZERO);
-        memory.succeeded("a");
-        assert_eq!(memory.backoff_left("a"), Duration::ZERO);
-        assert_eq!(memory.len(), 0);
+        assert!(ledger.backoff_left("a") > Duration::from_secs(4));
+        assert_eq!(ledger.backoff_left("b"), Duration::ZERO);
+        ledger.succeeded("a");
+        assert_eq!(ledger.backoff_left("a"), Duration::ZERO);
+        assert_eq!(ledger.len(), 0);
         // Counted, but no gate: the API server, not the mail backend, failed.
-        memory.failed("c", false, |_| Duration::from_secs(5));
-        assert_eq!(memory.backoff_left("c"), Duration::ZERO);
+        ledger.failed("c", false, |_| Duration::from_secs(5));
+        assert_eq!(ledger.backoff_left("c"), Duration::ZERO);
     }
 }

@@ -1,0 +1,346 @@
+//! The Cluster API watches, and the reconciles of our objects their changes ask for.
+//!
+//! One reflector store per Cluster API kind, shared by both controllers: it is what the
+//! reconciles read ([`crate::capi::Stores`]). Each change is fanned out to the controllers as
+//! it is applied ([`Heard`]), and each controller maps it to the objects of its kind that the
+//! changed object names ([`Pipelined::capi_triggers`]).
+//!
+//! Not kube-runtime's shared reflector (`reflect_shared` + `subscribe`): its subscriber stream
+//! looks each dispatched reference up in the store and, when the object is gone by then (deleted
+//! right after it changed, a common thing here), answers `Pending` without asking to be woken
+//! again (kube-runtime 5.0.0, `ReflectHandle::poll_next`; `docs/kube-runtime-subscriber.md`).
+//! Here the changed objects themselves are sent, and after a list the store is read.
+
+use std::{collections::HashSet, future::Future, sync::Arc};
+
+use capm_api::{
+    names,
+    v1beta1::{MailgunCluster, MailgunMachine},
+};
+use futures::{
+    StreamExt,
+    channel::mpsc::{UnboundedSender, unbounded},
+    stream::BoxStream,
+};
+use kube::{
+    Client, Resource, ResourceExt,
+    runtime::{
+        WatchStreamExt,
+        reflector::{self, ObjectRef, Store, store::Writer},
+        watcher,
+    },
+};
+
+use super::{
+    trim,
+    watch::{list_config, watch},
+};
+use crate::{
+    Config,
+    capi::{self, Cluster, ContractRef, Machine},
+    kinds::InfraKind,
+};
+
+/// What a Cluster API store's change brings a subscriber.
+#[derive(Clone)]
+pub(crate) enum Heard<K> {
+    /// One object changed (an `Apply`).
+    Changed(Arc<K>),
+    /// A list is complete: every object in the store may have changed.
+    Listed,
+}
+
+/// Where one store's changes go: one channel per subscriber.
+type Subscribers<K> = Arc<std::sync::Mutex<Vec<UnboundedSender<Heard<K>>>>>;
+
+/// One Cluster API kind: its store, the store's writer until [`CapiWatches::run`] takes it,
+/// and its subscribers.
+struct Watched<K: Resource<DynamicType = ()> + Clone + 'static> {
+    store: Store<K>,
+    writer: Writer<K>,
+    subscribers: Subscribers<K>,
+}
+
+impl<K> Watched<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+{
+    fn new() -> Self {
+        let (store, writer) = reflector::store();
+        Self {
+            store,
+            writer,
+            subscribers: Subscribers::default(),
+        }
+    }
+
+    /// The store's objects as they change, and the whole store after each list.
+    fn subscribe(&self) -> BoxStream<'static, Heard<K>> {
+        let (tx, rx) = unbounded();
+        lock(&self.subscribers).push(tx);
+        rx.boxed()
+    }
+
+    /// `events` trimmed by `trim`, applied to the store and fanned out to the subscribers.
+    fn reflect(
+        self,
+        events: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+        trim: fn(&mut K),
+    ) -> impl futures::Stream<Item = ()> + Send {
+        let Self {
+            writer,
+            subscribers,
+            ..
+        } = self;
+        events.modify(trim).reflect(writer).map(move |event| {
+            if let Ok(event) = &event {
+                fan_out(event, &subscribers);
+            }
+        })
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sends what `event` (already applied to the store) changed to every subscriber: the object
+/// of an `Apply`, [`Heard::Listed`] after a list; nothing for a deletion.
+fn fan_out<K>(event: &watcher::Event<K>, subscribers: &Subscribers<K>)
+where
+    K: Clone + Send + Sync + 'static,
+{
+    let heard = match event {
+        watcher::Event::Apply(obj) => Heard::Changed(Arc::new(obj.clone())),
+        watcher::Event::InitDone => Heard::Listed,
+        _ => return,
+    };
+    // A subscriber gone (its controller stopped) is dropped.
+    lock(subscribers).retain(|tx| tx.unbounded_send(heard.clone()).is_ok());
+}
+
+/// The reconciles `heard` asks for, by `target` (an object's infrastructure): the changed
+/// object's, or after a list every stored object's.
+fn targets<K, T>(
+    store: &Store<K>,
+    heard: Heard<K>,
+    target: impl Fn(&K) -> Option<T>,
+) -> futures::stream::Iter<std::vec::IntoIter<T>>
+where
+    K: Resource<DynamicType = ()> + Clone + 'static,
+    T: Send + 'static,
+{
+    let targets: Vec<T> = match heard {
+        Heard::Changed(obj) => target(&obj).into_iter().collect(),
+        Heard::Listed => store.state().iter().filter_map(|o| target(o)).collect(),
+    };
+    futures::stream::iter(targets)
+}
+
+/// The Cluster API watches, shared by both kinds (see the module docs).
+pub(crate) struct CapiWatches {
+    clusters: Watched<Cluster>,
+    machines: Watched<Machine>,
+}
+
+impl CapiWatches {
+    pub(crate) fn new() -> Self {
+        Self {
+            clusters: Watched::new(),
+            machines: Watched::new(),
+        }
+    }
+
+    /// The stores the reconciles read.
+    pub(crate) fn stores(&self) -> capi::Stores {
+        capi::Stores {
+            clusters: self.clusters.store.clone(),
+            machines: self.machines.store.clone(),
+        }
+    }
+
+    /// Runs both watches into their stores until `shutdown`. The Cluster API objects are not
+    /// filtered by `--watch-filter`: our objects decide what is reconciled.
+    pub(crate) async fn run(
+        self,
+        client: Client,
+        config: Config,
+        shutdown: impl Future<Output = ()> + Send,
+    ) {
+        let clusters = self.clusters.reflect(
+            watch::<Cluster>(&client, &config, list_config()),
+            trim::cluster,
+        );
+        let machines = self.machines.reflect(
+            watch::<Machine>(&client, &config, list_config()),
+            trim::machine,
+        );
+        let both = futures::stream::select(clusters, machines);
+        futures::pin_mut!(both);
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                next = both.next() => if next.is_none() { break },
+            }
+        }
+    }
+}
+
+/// What differs between the kinds' pipelines: which Cluster API objects ask for their
+/// reconciles.
+pub(crate) trait Pipelined: InfraKind {
+    /// Streams of this kind's objects to reconcile, mapped from Cluster API objects' changes.
+    fn capi_triggers(
+        watches: &CapiWatches,
+        own: &Store<Self>,
+    ) -> Vec<BoxStream<'static, ObjectRef<Self>>>;
+}
+
+/// Our object named by a Cluster API object's `spec.infrastructureRef`.
+fn infra_target<K: InfraKind>(
+    reference: Option<&ContractRef>,
+    namespace: Option<String>,
+) -> Option<ObjectRef<K>> {
+    let r = reference?;
+    (r.api_group == capm_api::GROUP && r.kind == K::KIND)
+        .then(|| ObjectRef::new(&r.name).within(&namespace.unwrap_or_default()))
+}
+
+impl Pipelined for MailgunCluster {
+    /// A `Cluster` asks for the `MailgunCluster` its `spec.infrastructureRef` names.
+    fn capi_triggers(
+        watches: &CapiWatches,
+        _: &Store<Self>,
+    ) -> Vec<BoxStream<'static, ObjectRef<Self>>> {
+        let store = watches.clusters.store.clone();
+        let by_cluster = watches.clusters.subscribe().flat_map(move |heard| {
+            targets(&store, heard, |c: &Cluster| {
+                infra_target(c.spec.infrastructure_ref.as_ref(), c.namespace())
+            })
+        });
+        vec![by_cluster.boxed()]
+    }
+}
+
+impl Pipelined for MailgunMachine {
+    /// A `Machine` asks for the `MailgunMachine` its `spec.infrastructureRef` names; a `Cluster`
+    /// (its infrastructure's readiness, its pause) for every `MailgunMachine` labelled with its
+    /// name.
+    fn capi_triggers(
+        watches: &CapiWatches,
+        own: &Store<Self>,
+    ) -> Vec<BoxStream<'static, ObjectRef<Self>>> {
+        let store = watches.machines.store.clone();
+        let by_machine = watches.machines.subscribe().flat_map(move |heard| {
+            targets(&store, heard, |m: &Machine| {
+                infra_target(m.spec.infrastructure_ref.as_ref(), m.namespace())
+            })
+        });
+        let (own, clusters) = (own.clone(), watches.clusters.store.clone());
+        let by_cluster = watches.clusters.subscribe().flat_map(move |heard| {
+            // The changed Clusters by namespace and name: one pass over our objects, however
+            // many Clusters a list brought.
+            let changed: Vec<Arc<Cluster>> = match heard {
+                Heard::Changed(c) => vec![c],
+                Heard::Listed => clusters.state(),
+            };
+            let changed: HashSet<(&str, &str)> = changed
+                .iter()
+                .map(|c| {
+                    let meta = c.meta();
+                    (
+                        meta.namespace.as_deref().unwrap_or_default(),
+                        meta.name.as_deref().unwrap_or_default(),
+                    )
+                })
+                .collect();
+            let targets: Vec<ObjectRef<Self>> = own
+                .state()
+                .iter()
+                .filter(|m| {
+                    m.labels().get(names::CLUSTER_NAME_LABEL).is_some_and(|c| {
+                        let namespace = m.meta().namespace.as_deref().unwrap_or_default();
+                        changed.contains(&(namespace, c.as_str()))
+                    })
+                })
+                .map(|m| ObjectRef::from_obj(&**m))
+                .collect();
+            futures::stream::iter(targets)
+        });
+        vec![by_machine.boxed(), by_cluster.boxed()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    use super::super::tests::test_object;
+
+    /// An object changed and deleted before its subscriber reads still reaches the subscriber,
+    /// and the subscriber keeps hearing of later changes (kube-runtime's shared-store subscriber
+    /// stopped for good in that case).
+    #[tokio::test]
+    async fn a_change_then_a_deletion_never_stops_a_subscriber() {
+        let mut watched = Watched::<MailgunCluster>::new();
+        let mut heard = futures::stream::select_all([watched.subscribe()]);
+        let mut apply = |event: watcher::Event<MailgunCluster>| {
+            watched.writer.apply_watcher_event(&event);
+            fan_out(&event, &watched.subscribers);
+        };
+        apply(watcher::Event::Init);
+        apply(watcher::Event::InitApply(test_object("a", "ua", "1")));
+        apply(watcher::Event::InitDone);
+        apply(watcher::Event::Apply(test_object("b", "ub", "2")));
+        apply(watcher::Event::Delete(test_object("b", "ub", "2")));
+        apply(watcher::Event::Apply(test_object("c", "uc", "3")));
+        let mut names: Vec<Vec<String>> = Vec::new();
+        for _ in 0..3 {
+            let obj = tokio::time::timeout(Duration::from_secs(1), heard.next())
+                .await
+                .expect("the subscriber hears every change")
+                .expect("open");
+            let mut each: Vec<String> =
+                targets(&watched.store, obj, |o: &MailgunCluster| Some(o.name_any()))
+                    .collect()
+                    .await;
+            each.sort();
+            names.push(each);
+        }
+        // After the list: what the store holds when the subscriber reads.
+        assert_eq!(names, [vec!["a", "c"], vec!["b"], vec!["c"]], "each object");
+    }
+
+    /// The kube-runtime behaviour this module works around (docs/kube-runtime-subscriber.md):
+    /// a shared store's subscriber that meets a reference to an object deleted meanwhile stops
+    /// yielding, although later changes were dispatched to it. This test fails the day
+    /// kube-runtime changes it.
+    #[tokio::test]
+    async fn kube_runtime_subscriber_stops_after_an_object_deleted_meanwhile() {
+        let writer = Writer::<MailgunCluster>::new_shared(16, ());
+        let subscriber = writer.subscribe().expect("a shared store");
+        let events = futures::stream::iter([
+            Ok(watcher::Event::Init),
+            Ok(watcher::Event::InitDone),
+            Ok(watcher::Event::Apply(test_object("b", "ub", "2"))),
+            Ok(watcher::Event::Delete(test_object("b", "ub", "2"))),
+            Ok(watcher::Event::Apply(test_object("c", "uc", "3"))),
+        ]);
+        // The reflector applies and dispatches everything before the subscriber reads.
+        let applied: Vec<Result<watcher::Event<MailgunCluster>, watcher::Error>> =
+            events.reflect_shared(writer).collect().await;
+        assert_eq!(applied.len(), 5);
+        // "c" was dispatched after "b", but the subscriber, finding "b" gone, answers `Pending`
+        // without asking to be woken: among other trigger streams (`select_all`, as a
+        // controller's triggers are), it is never polled again.
+        let mut triggers = futures::stream::select_all([subscriber.boxed()]);
+        let next = tokio::time::timeout(Duration::from_millis(300), triggers.next()).await;
+        assert!(
+            next.is_err(),
+            "kube-runtime's subscriber went on after a deleted object: {:?}",
+            next.map(|o| o.map(|o| o.name_any()))
+        );
+    }
+}

@@ -1,0 +1,98 @@
+//! `reconcile_delete`: the release mail, then our finalizer.
+
+use capm_api::names::reasons;
+use kube::{Api, ResourceExt, api::Patch, runtime::controller::Action};
+use serde_json::json;
+use tracing::{debug, info};
+
+use super::{Pass, Report};
+use crate::{
+    context::{Ctx, ReconcileError},
+    kinds::InfraKind,
+    sendonce::{
+        Which,
+        decide::{Release, Withheld, release_needed},
+        execute::{Tracked, ensure_sent},
+        records::{IntentState, read_records},
+    },
+};
+
+/// The object is going: its request released once (when it went out, or may have), then our
+/// finalizer removed.
+pub(super) async fn reconcile_delete<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    report: &mut Report,
+) -> Result<Pass, ReconcileError> {
+    let mut tracked = Tracked::of(obj, report.annotations.clone());
+    // A request that went out, or may have (outcome unknown), is released. One that was never
+    // attempted, or whose every attempt was refused (recorded durably in the intent), is not:
+    // nothing reached the human.
+    let request = read_records(&tracked.annotations, K::KIND, Which::Request);
+    let release = release_needed(
+        request.sent.is_some(),
+        request.intent.as_ref().map(|i| i.state),
+    );
+    if release == Release::Needed {
+        let text = obj.deletion_mail();
+        let wanted = obj.wanted_identity(&ctx.capi);
+        if let Err(error) = ensure_sent(
+            obj,
+            ctx,
+            &mut tracked,
+            Which::Deletion,
+            &text,
+            None,
+            &wanted,
+        )
+        .await
+        {
+            let message = match &error {
+                ReconcileError::Withheld(Withheld::PermanentlyRefused) => {
+                    "the release mail was refused permanently; not retried automatically \
+                     (restart the provider to retry, or remove the finalizer by hand to give up)"
+                        .to_owned()
+                }
+                other => other.to_string(),
+            };
+            report.block(reasons::DELETING, message);
+            return match error {
+                ReconcileError::Withheld(Withheld::PermanentlyRefused) => Ok(Pass::wait()),
+                other => Err(other),
+            };
+        }
+    } else if request
+        .intent
+        .is_some_and(|i| i.state == IntentState::Refused)
+    {
+        debug!("The request was never accepted: no release mail");
+    }
+    let remaining: Vec<String> = tracked
+        .finalizers
+        .iter()
+        .filter(|f| *f != K::FINALIZER)
+        .cloned()
+        .collect();
+    ctx.ensure_leading()?;
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
+    match api
+        .patch(
+            &obj.name_any(),
+            &crate::context::patch_params(),
+            &Patch::Merge(json!({
+                "metadata": { "resourceVersion": tracked.resource_version, "finalizers": remaining }
+            })),
+        )
+        .await
+    {
+        Ok(_) => info!("Finalizer removed"),
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            debug!("Already gone");
+        }
+        Err(e) => return Err(ReconcileError::from_write("removing the finalizer")(e)),
+    }
+    Ok(Pass {
+        action: Action::await_change(),
+        gone: true,
+    })
+}

@@ -1,0 +1,67 @@
+//! Which identity's backend a mail goes through.
+
+use capm_api::names::reasons;
+use tracing::info;
+
+use super::Tracked;
+use crate::{
+    context::{Ctx, ReconcileError},
+    identity::{IdentityError, Route, Wanted},
+    kinds::InfraKind,
+    sendonce::{Which, records::read_records},
+};
+
+/// The route of the identity the object wants now (`wanted`).
+pub(super) async fn current_route(
+    ctx: &Ctx,
+    wanted: &Wanted,
+    namespace: &str,
+) -> Result<Route, ReconcileError> {
+    let name = ctx.identities.wanted(wanted, namespace).await?;
+    Ok(ctx.identities.route(name.as_deref(), namespace).await?)
+}
+
+/// The route of the identity a record names (`None`: the provider's own configuration). When
+/// that identity is gone, the one the object wants now: the mail must still go out (a release)
+/// or be settled (a lookup) somewhere, and the recorded one can no longer say anything.
+pub(super) async fn recorded_route(
+    ctx: &Ctx,
+    recorded: Option<&str>,
+    wanted: &Wanted,
+    namespace: &str,
+) -> Result<Route, ReconcileError> {
+    match ctx.identities.route(recorded, namespace).await {
+        Err(IdentityError::Unusable { reason, .. })
+            if reason == reasons::IDENTITY_NOT_FOUND && recorded.is_some() =>
+        {
+            info!(
+                identity = recorded,
+                "The identity a mail's record names is gone; using the object's current one"
+            );
+            current_route(ctx, wanted, namespace).await
+        }
+        other => Ok(other?),
+    }
+}
+
+/// The route of a new intent of `which`: the object's current identity for the request; for the
+/// release, the identity the request went through (or the current one when that is gone).
+pub(super) async fn route_for_new<K: InfraKind>(
+    ctx: &Ctx,
+    tracked: &Tracked,
+    which: Which,
+    wanted: &Wanted,
+    namespace: &str,
+) -> Result<Route, ReconcileError> {
+    if which == Which::Deletion {
+        let request = read_records(&tracked.annotations, K::KIND, Which::Request);
+        if request.intent.is_some() || request.sent.is_some() {
+            let recorded = request
+                .sent
+                .and_then(|s| s.identity)
+                .or_else(|| request.intent.and_then(|i| i.identity));
+            return recorded_route(ctx, recorded.as_deref(), wanted, namespace).await;
+        }
+    }
+    current_route(ctx, wanted, namespace).await
+}
