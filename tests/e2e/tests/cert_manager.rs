@@ -5,11 +5,14 @@
 //! v1alpha1-writes webhook configuration; the provider (this build, run as the chart's Deployment
 //! runs it) serving the issued certificate; a MailgunCluster written as v1beta1 read as
 //! v1alpha1 through the webhook. Then a renewal: cert-manager issues a new certificate (and,
-//! self-signed, a new CA), the mounted Secret changes (as the kubelet updates it), and the same
-//! provider process serves the new certificate: no restart. Not checked (yet): the cainjector
-//! injecting the renewed CA (it had not within 90 s in the runs that waited for it) and a
-//! conversion after the renewal.
-
+//! self-signed, a new CA), the cainjector adds the new CA to every bundle, the mounted Secret
+//! changes (as the kubelet updates it), the same provider process serves the new certificate
+//! and the API server converts through it: no restart.
+//!
+//! The cainjector of cert-manager 1.21 *merges* a renewed CA into the bundle
+//! (`CAInjectorMerging`, GA and on by default): the bundle holds the old and the new CA until
+//! the old one expires, so the API server trusts the webhook before and after the provider picks
+//! up the new certificate. The checks therefore ask whether a bundle *contains* a CA.
 use std::{
     process::Command,
     time::{Duration, Instant},
@@ -37,8 +40,23 @@ const DOMAIN: &str = "mg.cert-manager.example.com";
 const SECRET: &str = "capm-cluster-api-provider-mailgun-webhook-cert";
 const GROUP: &str = "infrastructure.cluster.x-k8s.io";
 
-/// Where each injected CA bundle stands: (object, whether it equals `ca`).
-async fn injected(client: &Client, ca: &[u8]) -> Result<Vec<(String, bool)>> {
+/// The certificates of a PEM text, each without line breaks (for comparing).
+fn pem_certificates(text: &str) -> Vec<String> {
+    text.split("-----END CERTIFICATE-----")
+        .filter_map(|part| part.find("-----BEGIN CERTIFICATE-----").map(|i| &part[i..]))
+        .map(|cert| cert.chars().filter(|c| !c.is_whitespace()).collect())
+        .collect()
+}
+
+/// Whether the PEM bundle `bundle` holds every certificate of the PEM text `ca`.
+fn bundle_holds(bundle: &[u8], ca: &str) -> bool {
+    let held = pem_certificates(&String::from_utf8_lossy(bundle));
+    let wanted = pem_certificates(ca);
+    !wanted.is_empty() && wanted.iter().all(|c| held.contains(c))
+}
+
+/// Where each injected CA bundle stands: (object, whether its bundle holds `ca`).
+async fn injected(client: &Client, ca: &str) -> Result<Vec<(String, bool)>> {
     let mut out = Vec::new();
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for crd in crds.list(&ListParams::default()).await?.items {
@@ -59,7 +77,7 @@ async fn injected(client: &Client, ca: &[u8]) -> Result<Vec<(String, bool)>> {
             .and_then(|c| c.ca_bundle.as_ref());
         out.push((
             format!("CRD {}", crd.metadata.name.unwrap_or_default()),
-            bundle.is_some_and(|ByteString(b)| b == ca),
+            bundle.is_some_and(|ByteString(b)| bundle_holds(b, ca)),
         ));
     }
     let configs: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
@@ -71,17 +89,17 @@ async fn injected(client: &Client, ca: &[u8]) -> Result<Vec<(String, bool)>> {
                 .client_config
                 .ca_bundle
                 .as_ref()
-                .is_some_and(|ByteString(b)| b == ca),
+                .is_some_and(|ByteString(b)| bundle_holds(b, ca)),
         ));
     }
     Ok(out)
 }
 
-/// Waits until every CRD conversion webhook of our group (at least one) and the webhook
-/// configuration carry `ca`.
+/// Waits until the bundle of every CRD conversion webhook of our group (at least one) and of the
+/// webhook configuration holds `ca`.
 async fn wait_injected(client: &Client, ca: &str, what: &str) -> Result<Vec<String>> {
     eventually(Duration::from_secs(90), what, || async {
-        let all = injected(client, ca.as_bytes()).await?;
+        let all = injected(client, ca).await?;
         let crds = all.iter().filter(|(o, _)| o.starts_with("CRD ")).count();
         let ok = crds > 0 && all.len() > crds && all.iter().all(|(_, ok)| *ok);
         Ok(ok.then(|| all.into_iter().map(|(o, _)| o).collect()))
@@ -91,16 +109,10 @@ async fn wait_injected(client: &Client, ca: &str, what: &str) -> Result<Vec<Stri
 
 /// The first certificate of a PEM text, without line breaks (for comparing).
 fn first_pem(text: &str) -> Result<String> {
-    let begin = text
-        .find("-----BEGIN CERTIFICATE-----")
-        .context("no certificate in PEM text")?;
-    let end = text[begin..]
-        .find("-----END CERTIFICATE-----")
-        .context("unterminated certificate")?;
-    Ok(text[begin..begin + end]
-        .chars()
-        .filter(|c| !c.is_whitespace())
-        .collect())
+    pem_certificates(text)
+        .into_iter()
+        .next()
+        .context("no certificate in PEM text")
 }
 
 /// The certificate the provider's webhook serves on `port`, as `openssl s_client` sees it.
@@ -249,6 +261,15 @@ async fn chart_webhook_certificate_from_cert_manager() -> Result<()> {
         t0.elapsed().as_secs_f64(),
         ca2 != ca1
     );
+    ensure!(ca2 != ca1, "the renewal kept the CA");
+    let objects = wait_injected(&admin, &ca2, "the renewed CA injected")
+        .await
+        .with_context(|| format!("cainjector log:\n{}", cm.cainjector.tail(30)))?;
+    let old_kept = injected(&admin, &ca1).await?.iter().all(|(_, ok)| *ok);
+    println!(
+        "renewed CA injected, {:.1} s after asking, into: {objects:?}; the old CA kept beside it: {old_kept}",
+        t0.elapsed().as_secs_f64()
+    );
     // The kubelet updates the mounted Secret; here the test writes it as the kubelet would.
     refresh_secret_mounts(&admin, NS, FULLNAME, dir).await?;
     eventually(
@@ -270,6 +291,16 @@ async fn chart_webhook_certificate_from_cert_manager() -> Result<()> {
         "renewed certificate served {:.1} s after asking, same process (pid {pid})",
         t0.elapsed().as_secs_f64()
     );
+    // The API server converts through the renewed certificate, trusting the injected bundle.
+    create_cluster_pair(&admin, USER_NS, "second", "cert-manager@example.com").await?;
+    for name in ["first", "second"] {
+        let version = read_as_v1alpha1(&admin, name, "a v1alpha1 read after the renewal").await?;
+        ensure!(
+            version.ends_with("/v1alpha1"),
+            "conversion of {name} after the renewal answered {version}"
+        );
+    }
+    println!("read as v1alpha1 through the webhook serving the renewed certificate");
     cm.check_alive()?;
     Ok(())
 }
