@@ -10,7 +10,8 @@
 //! cert-manager issues the webhook certificate and injects its CA; the provider from this build
 //! runs as the installed Deployment runs it (its arguments, its mounted Secrets, its
 //! ServiceAccount's token); `clusterctl generate cluster` for the default and the `clusterclass`
-//! flavors, applied, get one request mail per Mailgun object; `clusterctl delete --infrastructure
+//! flavors, applied, get one request mail per Mailgun object (the machine once the human has
+//! answered its Cluster's mail); `clusterctl delete --infrastructure
 //! mailgun` removes the provider and keeps the CRDs and the objects (no release mail).
 
 use std::{
@@ -23,10 +24,10 @@ use capm_e2e::{
     FULLNAME, RELEASE,
     cert_manager::{self, CertManager},
     clusterctl::{LocalRepository, cluster_api_module, yaml_docs},
-    create_namespace, dynamic_api, eventually, helm, helm_chart,
-    ledger::Kind,
-    mailgun_ledger, route_webhook_service, run_with_input, service_account_kubeconfig,
-    start_capi_manager_with, start_chart_provider,
+    create_namespace, dynamic_api, eventually, fulfil_command, helm, helm_chart,
+    ledger::{Kind, Which, parse_message_id},
+    mailgun_ledger, mailgun_mails, route_webhook_service, run_with_input,
+    service_account_kubeconfig, start_capi_manager_with, start_chart_provider,
     topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -159,6 +160,25 @@ async fn one_request_each(
         },
     )
     .await
+}
+
+/// The human for every MailgunCluster's request mail: runs its `kubectl patch`, so that the
+/// Cluster's infrastructure is provisioned and its machines may ask.
+fn fulfil_cluster_requests(cp: &ControlPlane, mailgun: &MailgunServer) -> Result<()> {
+    for (mail, body) in mailgun_mails(mailgun)? {
+        let Some((object, Which::Request)) = parse_message_id(&mail.message_id, DOMAIN) else {
+            continue;
+        };
+        if object.kind != Kind::Cluster {
+            continue;
+        }
+        let host = format!("api-{}.example.com", &object.uid[..8.min(object.uid.len())]);
+        let command = fulfil_command(&body, &[("<host>", &host)])?;
+        let mut kubectl = cp.kubectl()?;
+        kubectl.args(&command[1..]);
+        capm_e2e::run(&mut kubectl, &command.join(" "))?;
+    }
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -324,6 +344,12 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
             "applying the clusterclass flavor",
         )?
     );
+    // The topology Cluster's MailgunCluster asks first; its machine waits for the Cluster's
+    // infrastructure, provisioned once the human has answered.
+    one_request_each(&admin, &mailgun, 2)
+        .await
+        .with_context(|| format!("provider log:\n{}", provider.proc.tail(30)))?;
+    fulfil_cluster_requests(&cp, &mailgun)?;
     // The default Cluster's MailgunCluster, the topology Cluster's and its one machine's.
     let mailed = one_request_each(&admin, &mailgun, 3)
         .await
