@@ -455,13 +455,11 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
             if listed
                 .iter()
                 .any(|c| c.metadata.deletion_timestamp.is_none())
-            {
-                if let Err(e) = clusters
+                && let Err(e) = clusters
                     .delete_collection(&DeleteParams::default(), &ListParams::default())
                     .await
-                {
-                    println!("deleting the Clusters: {e} (asked again)");
-                }
+            {
+                println!("deleting the Clusters: {e} (asked again)");
             }
             let left = listed.len()
                 + mailgun_clusters
