@@ -909,3 +909,27 @@ async fn a_sending_key_with_a_read_key_tracks_delivery() {
     };
     assert!(why.contains("the read key"), "{why}");
 }
+
+#[tokio::test]
+async fn a_key_file_rotated_in_place_is_used_without_a_new_mailer() {
+    let f = fixture();
+    let config = f.with_keys("key-revoked", None, MailgunEventsApi::Logs);
+    let mailer = MailgunMailer::new(&config).unwrap();
+    let err = mailer
+        .send(&message("<rotate-before@capm.test>"))
+        .await
+        .unwrap_err();
+    assert_eq!((err.kind(), err.code()), (ErrorKind::Permanent, Some(401)));
+    // The kubelet's way: the new file written beside, then renamed over the old name.
+    let SecretSource::File(path) = &config.api_key else {
+        unreachable!("with_keys writes files")
+    };
+    let next = path.with_extension("new");
+    std::fs::write(&next, format!("{KEY}\n")).unwrap();
+    std::fs::rename(&next, path).unwrap();
+    mailer
+        .send(&message("<rotate-after@capm.test>"))
+        .await
+        .unwrap();
+    assert_eq!(f.server.messages().unwrap().len(), 1);
+}
