@@ -218,32 +218,31 @@ pub enum Error {
     },
 }
 
-/// A configuration for the crate's unit tests: one recipient, a sender and Message-Ids on
-/// `domain`, short backoffs, the binary's other defaults.
 #[cfg(test)]
-pub(crate) fn for_tests(domain: &str) -> Config {
-    Config {
-        recipients: vec!["ops@example.com".into()],
-        mail_from: "capm@example.com".into(),
-        message_id_domain: domain.into(),
-        namespace: None,
-        watch_filter: None,
-        concurrency: 10,
-        backoff_base: Duration::from_millis(100),
-        backoff_max: Duration::from_secs(10),
-        instance: "t".into(),
-        lookup_grace: Duration::from_secs(10),
-        delivery_poll_base: Duration::from_secs(30),
-        delivery_poll_max: Duration::from_secs(30 * 60),
-        delivery_retention: Duration::from_secs(72 * 3600),
-        sync_period: Duration::from_secs(10 * 3600),
-        identity_secret_namespace: None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A configuration for the crate's unit tests: one recipient, a sender and Message-Ids on
+    /// `domain`, short backoffs, the binary's other defaults.
+    pub(crate) fn for_tests(domain: &str) -> Config {
+        Config {
+            recipients: vec!["ops@example.com".into()],
+            mail_from: "capm@example.com".into(),
+            message_id_domain: domain.into(),
+            namespace: None,
+            watch_filter: None,
+            concurrency: 10,
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(10),
+            instance: "t".into(),
+            lookup_grace: Duration::from_secs(10),
+            delivery_poll_base: Duration::from_secs(30),
+            delivery_poll_max: Duration::from_secs(30 * 60),
+            delivery_retention: Duration::from_secs(72 * 3600),
+            sync_period: Duration::from_secs(10 * 3600),
+            identity_secret_namespace: None,
+        }
+    }
 
     /// A unit-test configuration changed by `change` is refused with `expected`, also as the
     /// controllers' error.

@@ -358,7 +358,7 @@ mod tests {
         let client =
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
-        let config = crate::config::for_tests("example.com");
+        let config = crate::config::tests::for_tests("example.com");
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         Ctx::new(
             client,

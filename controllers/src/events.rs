@@ -96,12 +96,6 @@ impl Events {
         recorders.by_uid.remove(uid);
     }
 
-    #[cfg(test)]
-    fn recorders(&self) -> usize {
-        let recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
-        recorders.by_uid.len()
-    }
-
     /// Publishes one Event about `regarding`, or counts it in the series of an identical
     /// recent one.
     ///
@@ -168,6 +162,13 @@ fn short_name(object: &str, nanos: i128) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Events {
+        fn recorders(&self) -> usize {
+            let recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
+            recorders.by_uid.len()
+        }
+    }
 
     #[tokio::test]
     async fn each_object_has_its_recorder_until_it_is_forgotten() {

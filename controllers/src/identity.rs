@@ -1,13 +1,7 @@
-//! Mail identities: which backend, sender and recipients an object's mails go through.
-//!
-//! An object without an identity uses the process's own configuration (the default identity).
-//! One naming a `MailgunClusterIdentity` (a `MailgunCluster`'s `spec.identityRef`, or for a
-//! `MailgunMachine` its Cluster's `MailgunCluster`'s) goes through that identity's backend, if
-//! the identity allows the object's namespace. Identities are read when a mail is about to be
-//! sent or looked up, never watched; their Secrets are read from the provider's own namespace
-//! with `get` (no list, no watch), so a rotated key is used from the next send on. A backend is
-//! built once per identity and rebuilt when anything it was built from changes (the identity,
-//! or a Secret's value).
+//! Mail identities: which backend, sender and recipients an object's mails go through (README,
+//! "Tenants"). Identities and their Secrets are read with `get` when a mail is about to be sent
+//! or looked up, never watched, so a rotated key is used from the next send on; a backend is
+//! built once per identity and rebuilt when anything it was built from changes.
 
 use std::{
     collections::{BTreeMap, HashMap},

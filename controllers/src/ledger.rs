@@ -269,17 +269,18 @@ impl Ledger {
         }
         self.count(&inner);
     }
-
-    /// How many objects are remembered (gone ones not counted).
-    #[cfg(test)]
-    pub fn len(&self) -> usize {
-        self.lock().objects.len()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Ledger {
+        /// How many objects are remembered (gone ones not counted).
+        pub(crate) fn len(&self) -> usize {
+            self.lock().objects.len()
+        }
+    }
 
     #[test]
     fn a_gone_object_stays_stale_whatever_copy_arrives_and_is_not_remembered_again() {

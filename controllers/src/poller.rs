@@ -1,25 +1,9 @@
 //! One delivery poller for the process: it asks the mail backend what became of every open
 //! request mail, many per request where the backend can, and wakes an object's reconcile only
-//! when its outcome changed.
-//!
-//! - Reconciles register the mails they show as open ([`Poller::track`]) and read back what the
-//!   poller learned; they never ask the backend themselves, so no reconcile waits on it and no
-//!   object holds a timer of its own.
-//! - Each mail keeps its own schedule: first asked `delivery_poll_base` after the send (a
-//!   process that finds it older spreads its first questions over one base by UID), then
-//!   doubling up to `delivery_poll_max` while the outcome is open; never again once final.
-//! - The due mails go to the backend together, up to [`capm_mailer::Mailer::delivery_batch_size`]
-//!   per request (Mailgun's Logs API: 100), filled up with mails awaiting their first question
-//!   within one base that were sent at least one base ago (after a restart: asking them early
-//!   costs no request, and no first question comes sooner than one base after its send); one
-//!   request per [`REQUEST_GAP`] at most: the process's whole request budget.
-//! - A refusal with `Retry-After` (HTTP 429) pauses the whole poller, not one mail.
-//! - When the backend's retention has passed, the object is woken once more to show that its
-//!   outcome is no longer known.
-//! - Only a process that may act (the leader) asks; the schedule waits meanwhile.
-//!
-//! What it learns lives in memory only: the outcomes live in status (and a new process asks
-//! again, at most until the retention has passed).
+//! when its outcome changed. Reconciles register the mails they show as open ([`Poller::track`])
+//! and read back what the poller learned; they never ask the backend themselves, so no reconcile
+//! waits on it and no object holds a timer of its own. Its schedule, batches, request budget and
+//! pauses: docs/how-it-works.md, step 4.
 
 use std::{
     collections::HashMap,

@@ -37,16 +37,6 @@ pub struct Status {
 }
 
 impl Status {
-    /// Reads a typed status through JSON (the field names are the same): what each kind's
-    /// field-by-field `take_status` must agree with.
-    #[cfg(test)]
-    pub fn from_typed<T: Serialize>(status: Option<&T>) -> Self {
-        status
-            .and_then(|s| serde_json::to_value(s).ok())
-            .and_then(|v| serde_json::from_value(v).ok())
-            .unwrap_or_default()
-    }
-
     /// Whether writing `self` would change what the API server holds as `other`. Compared as
     /// JSON, not as values: a time kept to the nanosecond here is written to the second (as
     /// every `metav1.Time`), so a fresh `sentAt` equal to the stored one to the second is no
@@ -180,6 +170,17 @@ impl Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Status {
+        /// Reads a typed status through JSON (the field names are the same): what each kind's
+        /// field-by-field `shared_status` must agree with.
+        pub(crate) fn from_typed<T: Serialize>(status: Option<&T>) -> Self {
+            status
+                .and_then(|s| serde_json::to_value(s).ok())
+                .and_then(|v| serde_json::from_value(v).ok())
+                .unwrap_or_default()
+        }
+    }
 
     #[test]
     fn transition_time_moves_only_when_status_flips() {

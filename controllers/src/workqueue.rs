@@ -1,40 +1,11 @@
-//! controller-runtime's `workqueue_*` series for kube-runtime's scheduler, measured at its edges.
+//! controller-runtime's `workqueue_*` series for kube-runtime's scheduler, measured at its edges
+//! (what goes in and what comes out), per controller and keyed by `namespace/name` as the
+//! scheduler keys its slots. What each series means and where it differs from controller-runtime:
+//! README.md, "The work queue series".
 //!
-//! kube-runtime keeps its queue (the scheduler) to itself, so these series are kept from what
-//! goes in and what comes out, per controller (label `name`, the controller's name, as
-//! controller-runtime labels its queues), keyed by the object's `namespace/name` as the
-//! scheduler keys its slots:
-//!
-//! - `workqueue_adds_total`: a key entered the queue: a trigger (a watch event of our kind, a
-//!   Cluster API object's mapped request, a list's or the sync period's reconcile, a delivery
-//!   poller's wake-up) for a key not already waiting, or a requeue that came due. A trigger for a
-//!   key already waiting is folded into it, as kube's scheduler and client-go's queue both do,
-//!   and not counted (`capm_reconcile_triggers_total` counts every trigger).
-//! - `workqueue_depth`: keys waiting: triggered or due, their reconcile not started. A key
-//!   triggered while its reconcile runs waits too (both queues run it again after).
-//! - `workqueue_queue_duration_seconds`: from the key's first trigger (or its requeue's due
-//!   time) to the start of its reconcile, or to kube finding it gone from the cache (no
-//!   reconcile then, see below).
-//! - `workqueue_work_duration_seconds`: one reconcile, start to end (the same span as
-//!   `controller_runtime_reconcile_time_seconds`).
-//! - `workqueue_unfinished_work_seconds`, `workqueue_longest_running_processor_seconds`: the
-//!   sum and the maximum of the running reconciles' ages, computed at each scrape (client-go
-//!   updates them every 500 ms).
-//! - `workqueue_retries_total` (counted in the error policy): a requeue after an error.
-//!
-//! Where it differs from controller-runtime:
-//! - A requeue (`Action::requeue`) is recorded when the reconcile asks for it, and counted as an
-//!   add when it comes due at the next observation (a trigger, a start, a scrape), not by a
-//!   timer; its queue duration counts from the due time, as client-go's `AddAfter`.
-//! - kube-runtime does not run a reconcile for a key gone from its cache (controller-runtime's
-//!   reconciler is called and reads "not found"): such a key leaves the queue with a queue
-//!   duration and no work duration.
-//! - Every requeue must go through [`Workqueue::requeue`] (the error policy and
-//!   [`crate::context::Ctx::requeue`] do): kube's `Action` does not tell its delay. A reconcile
-//!   that ends without one cancels what it asked for on the way ([`Workqueue::no_requeue`]).
-//! - Per-key state is capped at [`MAX_KEYS`] per controller and map: past it, a new key is
-//!   counted as an add but not tracked (no depth, no queue duration). A key's state goes when
-//!   its reconcile starts or kube finds it gone.
+//! Every requeue must go through [`Workqueue::requeue`] (the error policy and
+//! [`crate::context::Ctx::requeue`] do): kube's `Action` does not tell its delay. A reconcile
+//! that ends without one cancels what it asked for on the way ([`Workqueue::no_requeue`]).
 
 use std::{
     collections::HashMap,

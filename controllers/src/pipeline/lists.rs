@@ -1,14 +1,10 @@
 //! Reconciles that follow each list of a kind's watch, against the list's snapshot.
 //!
-//! kube-runtime's reflector keeps a store's old contents until a list (the first, or a re-list
-//! after a watch could not resume: `410 Gone`, a restarted API server) is complete, and swaps
-//! the new contents in at its end (`InitDone`); but it passes every listed object downstream as
-//! it arrives (`InitApply`). A controller fed by those objects (`Controller::new`, or
-//! `for_stream` over `applied_objects()`) looks each of them up in the store at once: an object
-//! created while the watch was down is not there yet, so its reconcile is dropped
-//! (`ObjectNotFound`); one deleted meanwhile is reconciled against its old copy, which is not
-//! being deleted, so nothing happens. After the swap nothing triggers either again (see
-//! `docs/kube-runtime-relist.md` for a minimal reproduction).
+//! kube-runtime's reflector swaps a list's objects into the store only at its end (`InitDone`),
+//! but passes each one downstream as it arrives: a controller fed by those looks it up in the old
+//! store, drops the reconcile of an object created while the watch was down and reconciles one
+//! deleted meanwhile against its old copy, and nothing triggers either again after the swap
+//! (docs/kube-runtime-relist.md).
 //!
 //! [`AfterLists`] sits after the reflector and holds back what a list brings: it notes each
 //! listed object whose `resourceVersion` differs from the copy in the store before the list

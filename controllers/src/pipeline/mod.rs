@@ -1,11 +1,6 @@
 //! The watch/cache pipeline: one per kind, the same for both ([`controller`]), and the Cluster
-//! API watches they share ([`capi_triggers`]).
-//!
-//! For each of our kinds: watch (quick reconnects) → trimmed objects ([`trim`]) → reflector
-//! store → [`lists::AfterLists`] (a list's objects are reconciled once the store holds the list)
-//! → kube-runtime's `Controller`, which also takes the reconciles the Cluster API objects ask
-//! for, the delivery poller's wake-ups and the sync period's ([`resync`]). The Cluster API
-//! stores are shared by both kinds and listed before any reconcile judges an owner.
+//! API watches they share ([`capi_triggers`]), whose stores are listed before any reconcile
+//! judges an owner.
 
 mod capi_triggers;
 mod controller;

@@ -178,7 +178,7 @@ fn fake_api(object: &MailgunCluster, owner: &Cluster, log: Log) -> (Client, Arc<
 }
 
 fn config() -> Config {
-    crate::config::for_tests(DOMAIN)
+    crate::config::tests::for_tests(DOMAIN)
 }
 
 /// The owner `Cluster` "owner", naming `NAME` as its infrastructure.

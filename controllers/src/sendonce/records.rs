@@ -1,29 +1,9 @@
-//! The durable records of the send-once protocol, kept in our annotations.
-//!
-//! Metadata survives `clusterctl move` and backups (status does not), so everything the protocol
-//! must remember lives here, in **one annotation per mail** (`mail`, `deletion-mail`) that goes
-//! through the mail's life:
-//! - written before any send: `{"messageId":"<…>","state":"sending","writer":"<Lease identity>","at":"<RFC 3339>"}`
-//!   (`refused` instead of `sending` once an attempt was refused before anything was accepted);
-//! - rewritten once the backend accepted it: `{"messageId":"<…>","state":"sent","at":"<RFC 3339>"}`,
-//!   with `"backendId"` only when the backend's id is not our Message-Id.
-//!
-//! Times are kept to the second: an intent's rounded up (it looks younger, so a successor waits
-//! a little longer, never less), an acceptance's rounded down (as `status.mail.sentAt` shows it).
-//!
-//! Release 0.1 kept two annotations per mail, the **intent** (`mail-intent`) and the **sent
-//! record** (`mail-sent`), in the same JSON shapes or as bare ids. They are still read (an object
-//! mailed by 0.1 is not mailed again) and never written; the next write of a mail's record
-//! removes them.
-//!
-//! # Trust
-//! These annotations are on an object users may write. The chart's admission policy keeps users
-//! from changing them; independently of it, a value is believed only when it has our exact shape
-//! (Message-Id `<kind[-deleted].uid@domain>`, at most [`MAX_RECORD_BYTES`]), and a sent record
-//! only together with an intent naming the same Message-Id. Anything else is treated as absent
-//! and overwritten by our next write; it never reaches status. A moved object legitimately
-//! carries our records with the UID of its source object: the UID in a Message-Id is therefore
-//! not compared with the object's.
+//! The durable records of the send-once protocol, kept in our annotations: metadata survives
+//! `clusterctl move` and backups (status does not). One annotation per mail (`mail`,
+//! `deletion-mail`) goes through the mail's life; release 0.1's two per mail (`mail-intent`,
+//! `mail-sent`) are still read and never written. Their shapes, and when a value is believed
+//! (these annotations are on an object users may write): docs/how-it-works.md, step 2 and "Our
+//! annotations".
 
 use capm_mailer::MessageId;
 use k8s_openapi::jiff::Timestamp;
