@@ -97,30 +97,20 @@ impl Config {
     }
 }
 
-/// A [`Config`] field that [`Config::validate`] checks.
+/// A [`Config`] field that [`Config::validate`] checks; each variant is the field of its name.
+#[allow(missing_docs)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {
-    /// [`Config::recipients`].
     Recipients,
-    /// [`Config::mail_from`].
     MailFrom,
-    /// [`Config::message_id_domain`].
     MessageIdDomain,
-    /// [`Config::concurrency`].
     Concurrency,
-    /// [`Config::backoff_base`].
     BackoffBase,
-    /// [`Config::backoff_max`].
     BackoffMax,
-    /// [`Config::lookup_grace`].
     LookupGrace,
-    /// [`Config::sync_period`].
     SyncPeriod,
-    /// [`Config::delivery_poll_base`].
     DeliveryPollBase,
-    /// [`Config::delivery_poll_max`].
     DeliveryPollMax,
-    /// [`Config::delivery_retention`].
     DeliveryRetention,
 }
 

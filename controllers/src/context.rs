@@ -18,8 +18,7 @@ use crate::{
 };
 
 /// The field manager of every write to our objects, so `managedFields` (and whoever audits
-/// them) can tell the provider's writes from others' (without it the API server records them
-/// as "unknown").
+/// them) can tell the provider's writes from others' (not "unknown").
 pub const FIELD_MANAGER: &str = "cluster-api-provider-mailgun";
 
 /// Patch parameters naming [`FIELD_MANAGER`].
@@ -33,25 +32,20 @@ pub fn patch_params() -> kube::api::PatchParams {
 /// Why one reconcile failed (or waits); decides how soon it is retried.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
-    /// A Kubernetes API call failed.
     #[error("{context}: {source}")]
     Kube {
-        /// What was being done.
         context: &'static str,
-        /// The error.
         #[source]
         source: kube::Error,
     },
     /// A write lost an optimistic-concurrency race (HTTP 409); retried soon with fresh data.
     #[error("{0}: the object changed meanwhile (conflict); retrying with its new version")]
     Conflict(&'static str),
-    /// The mail backend failed.
     #[error("mail backend: {0}")]
     Mail(#[source] MailError),
     /// The mail could not be built from the object (a value the schema should have refused).
     #[error("building the mail: {0}")]
     Message(#[source] MessageError),
-    /// The object breaks a validation rule.
     #[error("invalid object: {0}")]
     InvalidSpec(String),
     /// The backend has no record of a mail whose outcome was unknown; wait before resending.
@@ -147,19 +141,14 @@ impl ReconcileError {
 
 /// Everything a reconcile needs.
 pub struct Ctx {
-    /// API client.
     pub client: Client,
-    /// The mail backend.
+    /// The provider's own mail backend; an identity's is in [`Self::identities`].
     pub mailer: Arc<dyn Mailer>,
-    /// Event publisher.
     pub events: Events,
     /// The mail identities' backends (`spec.identityRef`).
     pub(crate) identities: crate::identity::Identities,
-    /// Configuration.
     pub config: Config,
-    /// Metrics.
     pub metrics: Metrics,
-    /// The Cluster API stores.
     pub capi: capi::Stores,
     /// This process's standing as leader, consulted right before every write and send; its
     /// identity is recorded with every mail intent.
@@ -183,9 +172,6 @@ impl Ctx {
     /// Checked right before every write and every send: a replica that cannot prove it still
     /// leads (monotonic clock, see [`crate::Leadership::may_act`]) writes nothing at all. A
     /// reconcile frozen half-way (SIGSTOP, a long GC pause) checks again when it resumes.
-    ///
-    /// # Errors
-    /// [`Withheld::NotLeading`].
     pub fn ensure_leading(&self) -> Result<(), ReconcileError> {
         if self.leadership.may_act() {
             Ok(())
@@ -264,8 +250,8 @@ impl Ctx {
     }
 
     /// Waits (at most [`CAPI_LIST_WAIT`]) until the Cluster API stores have been listed once,
-    /// so no reconcile judges an owner missing from a store that has not been filled yet: that
-    /// judgement flapped `Ready` to `WaitingForOwner` and back on every leader change.
+    /// so no reconcile judges an owner missing from a store that has not been filled yet (a
+    /// new leader would flap `Ready` to `WaitingForOwner` and back).
     pub async fn capi_listed(&self) {
         let mut rx = self.capi_listed.subscribe();
         if tokio::time::timeout(CAPI_LIST_WAIT, rx.wait_for(|ready| *ready))
@@ -297,6 +283,7 @@ impl Ctx {
             K::CONTROLLER,
             &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
             delay,
+            std::time::Instant::now(),
         );
         Action::requeue(delay)
     }

@@ -33,15 +33,12 @@ pub enum IdentityError {
     Unusable {
         /// `IdentityNotFound`, `IdentityNotAllowed` or `IdentityInvalid`.
         reason: &'static str,
-        /// What is wrong.
         message: String,
     },
     /// The API server could not be asked.
     #[error("{context}: {source}")]
     Kube {
-        /// What was being read.
         context: &'static str,
-        /// The error.
         #[source]
         source: kube::Error,
     },
@@ -54,14 +51,11 @@ fn kube(context: &'static str) -> impl FnOnce(kube::Error) -> IdentityError {
 /// The most bytes of one Secret value an identity uses (keys and CA bundles are far smaller).
 const MAX_SECRET_VALUE_BYTES: usize = 64 * 1024;
 
-/// Where one object's mails go.
+/// Where one object's mails go: backend, `From`, recipients.
 #[derive(Clone)]
 pub(crate) struct Route {
-    /// The backend.
     pub mailer: Arc<dyn Mailer>,
-    /// The mails' `From`.
     pub from: String,
-    /// Who receives them.
     pub recipients: Vec<String>,
     /// The identity's name; `None` for the provider's own configuration.
     pub identity: Option<String>,
@@ -105,10 +99,8 @@ impl Identities {
         }
     }
 
-    /// The name of the identity `wanted` stands for (`None`: the provider's own).
-    ///
-    /// # Errors
-    /// [`IdentityError::Kube`] when a machine's `MailgunCluster` could not be read.
+    /// The name of the identity `wanted` stands for (`None`: the provider's own); an error when
+    /// a machine's `MailgunCluster` could not be read.
     pub(crate) async fn wanted(
         &self,
         wanted: &Wanted,
@@ -141,11 +133,8 @@ impl Identities {
     }
 
     /// The route of the identity `name` (`None`: the provider's own configuration) for an
-    /// object in `namespace`.
-    ///
-    /// # Errors
-    /// [`IdentityError::Unusable`] when it does not exist, does not allow `namespace`, or
-    /// cannot be used; [`IdentityError::Kube`] when the API server could not be asked.
+    /// object in `namespace`; [`IdentityError::Unusable`] when it does not exist, does not allow
+    /// `namespace`, or cannot be used.
     pub(crate) async fn route(
         &self,
         name: Option<&str>,

@@ -17,21 +17,17 @@ use crate::{
     workqueue,
 };
 
-/// Why a request cannot be mailed yet.
+/// Why a request cannot be mailed yet: the condition's reason and message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Wait {
-    /// Condition reason.
     pub reason: &'static str,
-    /// Condition message.
     pub message: String,
 }
 
-/// The subject and body of one mail.
+/// The subject and plain-text body of one mail.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MailText {
-    /// Subject line.
     pub subject: String,
-    /// Plain-text body.
     pub body: String,
 }
 

@@ -77,12 +77,13 @@ impl<'a> MetricsGuard<'a> {
             .active_workers
             .with_label_values(&[controller])
             .inc();
+        let started = Instant::now();
         Self {
             ctx,
             controller,
-            started: Instant::now(),
+            started,
             result: "cancelled",
-            running: ctx.metrics.workqueue.started(controller, key),
+            running: ctx.metrics.workqueue.started(controller, key, started),
         }
     }
 }
@@ -90,7 +91,7 @@ impl<'a> MetricsGuard<'a> {
 impl Drop for MetricsGuard<'_> {
     fn drop(&mut self) {
         let m = &self.ctx.metrics;
-        m.workqueue.finished(&self.running);
+        m.workqueue.finished(&self.running, Instant::now());
         m.active_workers.with_label_values(&[self.controller]).dec();
         m.reconcile_time
             .with_label_values(&[self.controller])

@@ -19,19 +19,14 @@ pub const MAX_CONDITION_MESSAGE_BYTES: usize = 1024;
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Status {
-    /// `status.initialization`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initialization: Option<Initialization>,
-    /// `status.conditions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conditions: Option<Vec<Condition>>,
-    /// `status.observedGeneration`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `status.addresses` (machines).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub addresses: Option<Vec<MachineAddress>>,
-    /// `status.mail`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mail: Option<MailStatus>,
 }
@@ -108,9 +103,7 @@ pub enum Readiness {
     /// The pass stopped for a reason no other condition records: the owner, the spec, a
     /// deletion in progress.
     Blocked {
-        /// The condition reason.
         reason: &'static str,
-        /// The condition message.
         message: String,
     },
     /// The mail step ran: `Ready` summarizes `MailSent` and `Provisioned`.

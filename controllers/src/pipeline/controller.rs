@@ -1,6 +1,6 @@
 //! One kind's pipeline: its watch into a reflector store, then kube-runtime's `Controller`.
 
-use std::{future::Future, sync::Arc};
+use std::{future::Future, sync::Arc, time::Instant};
 
 use capm_api::names;
 use futures::{FutureExt, StreamExt, channel::mpsc, future};
@@ -82,6 +82,7 @@ pub(super) fn controller<K: Pipelined>(
                         own_queue.added(
                             name,
                             &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
+                            Instant::now(),
                         );
                         Ok(obj)
                     })
@@ -101,7 +102,8 @@ pub(super) fn controller<K: Pipelined>(
     let trigger_queue = queue.clone();
     let triggers = futures::stream::select_all(triggers).inspect(move |obj| {
         adds.inc();
-        trigger_queue.added(name, &workqueue::key(obj.namespace.as_deref(), &obj.name));
+        let key = workqueue::key(obj.namespace.as_deref(), &obj.name);
+        trigger_queue.added(name, &key, Instant::now());
     });
 
     let abort = abort_if_never_ready(shutdown.clone(), store.clone());

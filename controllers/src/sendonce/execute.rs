@@ -58,7 +58,6 @@ impl Tracked {
 /// What [`ensure_sent`] established.
 #[derive(Debug, Clone)]
 pub(crate) struct Outcome {
-    /// Our Message-Id.
     pub(crate) message_id: String,
     /// When the backend accepted it, when known.
     pub(crate) at: Option<Timestamp>,

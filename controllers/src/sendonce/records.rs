@@ -210,7 +210,7 @@ pub enum RecordError {
 /// True when `id` is `<{kind}.{uid}@{domain}>` (request) or `<{kind}-deleted.{uid}@{domain}>`
 /// (deletion) with `kind` lower-cased, a UID-like middle and a host-name-like domain, and a
 /// valid Message-Id besides.
-pub fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
+fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
     let Some(inner) = id.strip_prefix('<').and_then(|s| s.strip_suffix('>')) else {
         return false;
     };
@@ -272,11 +272,8 @@ fn plausible_writer(writer: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b':'))
 }
 
-/// Reads an intent value.
-///
-/// # Errors
-/// A [`RecordError`] when the value is not one this provider writes for `kind` and `which`.
-pub fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, RecordError> {
+/// Reads release 0.1's intent annotation.
+fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, RecordError> {
     if value.len() > MAX_RECORD_BYTES {
         return Err(RecordError::TooLong);
     }
@@ -298,12 +295,8 @@ pub fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, Rec
     Ok(intent)
 }
 
-/// Reads a sent record and checks it against the intent it must follow.
-///
-/// # Errors
-/// A [`RecordError`] when the value is not one this provider writes, or does not match
-/// `intent`.
-pub fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordError> {
+/// Reads release 0.1's sent annotation and checks it against the intent it must follow.
+fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordError> {
     if value.len() > MAX_RECORD_BYTES {
         return Err(RecordError::TooLong);
     }
@@ -331,8 +324,7 @@ pub fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordEr
     Ok(sent)
 }
 
-/// The JSON value of a record.
-pub fn to_value<T: Serialize>(record: &T) -> String {
+fn to_value<T: Serialize>(record: &T) -> String {
     // Serialising these plain structs cannot fail; an empty string would be read as malformed.
     serde_json::to_string(record).unwrap_or_default()
 }
