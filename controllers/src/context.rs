@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use crate::{
     Config, Leadership, Metrics, capi,
     events::{EventType, Events},
+    identity::IdentityError,
     kinds::InfraKind,
     ledger::Ledger,
     poller::{Poller, Timings},
@@ -60,31 +61,14 @@ pub enum ReconcileError {
     /// A send was not started now (not leading, owner deleting, refused for good, backoff).
     #[error("mail withheld: {0:?}")]
     Withheld(Withheld),
-    /// The object's mail identity cannot be used (missing, not allowed, invalid): no mail.
-    /// Retried with backoff: creating or fixing the identity or its Secret makes it usable.
-    #[error("{message}")]
-    Identity {
-        /// The condition reason (`IdentityNotFound`, `IdentityNotAllowed`, `IdentityInvalid`).
-        reason: &'static str,
-        /// What is wrong, naming the field or Secret (never a value).
-        message: String,
-    },
+    /// The object's mail identity cannot be used (missing, not allowed, invalid: no mail), or
+    /// could not be read. Retried with backoff: creating or fixing the identity or its Secret
+    /// makes it usable.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
     /// The object is gone: nothing more to do or write.
     #[error("the object is gone")]
     Gone,
-}
-
-impl From<crate::identity::IdentityError> for ReconcileError {
-    fn from(e: crate::identity::IdentityError) -> Self {
-        match e {
-            crate::identity::IdentityError::Unusable { reason, message } => {
-                Self::Identity { reason, message }
-            }
-            crate::identity::IdentityError::Kube { context, source } => {
-                Self::Kube { context, source }
-            }
-        }
-    }
 }
 
 impl ReconcileError {
@@ -99,7 +83,7 @@ impl ReconcileError {
             | Self::Conflict(_)
             | Self::AwaitingLookup(_)
             | Self::AwaitingHandover(_)
-            | Self::Identity { .. }
+            | Self::Identity(_)
             | Self::Gone => false,
         }
     }

@@ -108,14 +108,8 @@ pub(crate) async fn track<K: InfraKind>(
     // intent's time is the best bound. Without either (records of an older or foreign writer)
     // the retention cannot be bounded: do not ask at all.
     let Some(sent_at) = sent_at else {
-        let unknown = Shown {
-            status: "Unknown",
-            reason: reasons::DELIVERY_UNKNOWN,
-            message: "no send time is recorded for the mail; its delivery is not asked about"
-                .to_owned(),
-            outcome: "unknown",
-        };
-        show(obj, ctx, via, status, &unknown).await;
+        let why = "no send time is recorded for the mail; its delivery is not asked about";
+        show(obj, ctx, via, status, &unknown(why.to_owned())).await;
         return;
     };
     let elapsed = Duration::from_millis(
@@ -129,17 +123,12 @@ pub(crate) async fn track<K: InfraKind>(
     let retention = ctx.config.delivery_retention;
     if elapsed >= retention {
         poller.forget(&uid);
-        let unknown = Shown {
-            status: "Unknown",
-            reason: reasons::DELIVERY_UNKNOWN,
-            message: format!(
-                "{backend} accepted the mail but reported no delivery outcome within the \
-                 {}s its events are kept; no longer asking",
-                retention.as_secs()
-            ),
-            outcome: "unknown",
-        };
-        show(obj, ctx, via, status, &unknown).await;
+        let why = format!(
+            "{backend} accepted the mail but reported no delivery outcome within the {}s its \
+             events are kept; no longer asking",
+            retention.as_secs()
+        );
+        show(obj, ctx, via, status, &unknown(why)).await;
         return;
     }
     let id = match MessageId::parse(message_id) {
@@ -214,6 +203,15 @@ fn not_trackable(backend: &str, why: Option<&str>) -> Shown {
             None => message,
         },
         outcome: "not_trackable",
+    }
+}
+
+fn unknown(message: String) -> Shown {
+    Shown {
+        status: "Unknown",
+        reason: reasons::DELIVERY_UNKNOWN,
+        message,
+        outcome: "unknown",
     }
 }
 

@@ -141,16 +141,11 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
         debug!(mail = which.label(), ?step, "Send-once step");
         match step {
             Step::Done => {
-                let sent = found.sent.unwrap_or_else(|| Sent {
-                    message_id: None,
-                    backend_id: id.clone(),
-                    at: None,
-                    identity: None,
-                });
+                let sent = found.sent.as_ref();
                 return Ok(Outcome {
-                    message_id: sent.message_id.unwrap_or(id),
-                    at: sent.at,
-                    identity: sent.identity,
+                    message_id: sent.and_then(|s| s.message_id.clone()).unwrap_or(id),
+                    at: sent.and_then(|s| s.at),
+                    identity: sent.and_then(|s| s.identity.clone()),
                 });
             }
             Step::Withhold(why) => return Err(withheld::<K>(ctx, why)),

@@ -69,15 +69,13 @@ pub struct Sent {
     pub identity: Option<String>,
 }
 
-/// What the one record of a mail says (the format written since release 0.2).
+/// What the one record of a mail says (the format written since release 0.2): an
+/// [`IntentState`], or that the backend accepted the mail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub enum RecordState {
-    /// An attempt may be in flight, or its outcome is unknown.
+enum RecordState {
     Sending,
-    /// Every attempt so far was refused before anything was accepted.
     Refused,
-    /// The backend accepted the mail.
     Sent,
 }
 
