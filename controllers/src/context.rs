@@ -141,15 +141,13 @@ pub struct Ctx {
     pub poller: Arc<Poller>,
     /// Retry state and tombstones, by UID.
     pub(crate) ledger: Ledger,
-    /// True once the Cluster API stores have finished their first list
-    /// ([`Self::wait_for_capi_lists`]). A `watch` channel and not `Store::wait_until_ready` in
-    /// each reconcile: kube-runtime's delayed init wakes only the last of several concurrent
-    /// waiters, which would strand the others.
+    /// True once the Cluster API stores have finished their first list. A `watch` channel, not
+    /// `Store::wait_until_ready` per reconcile: kube-runtime's delayed init wakes only the last
+    /// of several concurrent waiters, which would strand the others.
     capi_listed: watch::Sender<bool>,
 }
 
-/// The longest a reconcile waits for the Cluster API stores' first list before judging owners
-/// anyway.
+/// The longest a reconcile waits for the Cluster API stores' first list.
 const CAPI_LIST_WAIT: Duration = Duration::from_secs(30);
 
 impl Ctx {
@@ -164,7 +162,6 @@ impl Ctx {
         }
     }
 
-    /// A context over the given parts.
     pub fn new(
         client: Client,
         mailer: Arc<dyn Mailer>,
@@ -210,9 +207,8 @@ impl Ctx {
         }
     }
 
-    /// Marks the Cluster API stores listed once both have finished their first list. Called
-    /// once by the runner; until the first list completes a missing owner means "not listed
-    /// yet", not "absent".
+    /// Marks the Cluster API stores listed once both have finished their first list (called
+    /// once, by the runner): until then a missing owner means "not listed yet", not "absent".
     pub fn wait_for_capi_lists(self: &Arc<Self>) {
         let ctx = Arc::clone(self);
         tokio::spawn(async move {
@@ -303,8 +299,7 @@ impl Ctx {
     }
 
     /// The object with this UID is gone (its finalizer removed, the watch or a list says so):
-    /// everything noted about it is forgotten, in one place, and every cached copy of it is
-    /// stale from now on.
+    /// everything noted about it is forgotten, in one place.
     pub fn forget(&self, uid: &str) {
         self.ledger.forget(uid);
         self.poller.forget(uid);

@@ -56,7 +56,6 @@ pub trait InfraKind:
     const KIND: &'static str;
     /// The controller name in metrics and logs.
     const CONTROLLER: &'static str;
-    /// Our finalizer.
     const FINALIZER: &'static str;
     /// The Cluster API owner kind (`Cluster` / `Machine`).
     const OWNER_KIND: &'static str;
@@ -65,13 +64,10 @@ pub trait InfraKind:
 
     /// The object's status, as the shared [`Status`].
     fn shared_status(&self) -> Status;
-    /// `spec.priority`.
     fn priority(&self) -> Priority;
-    /// `spec.requester`.
     fn requester(&self) -> &str;
     /// What the human provided, once they did.
     fn fulfilment(&self) -> Option<String>;
-    /// The Cluster API owner type.
     type Owner: Resource<DynamicType = (), Scope = NamespaceResourceScope>
         + Clone
         + Debug

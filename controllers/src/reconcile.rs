@@ -67,7 +67,6 @@ struct MetricsGuard<'a> {
     controller: &'static str,
     started: Instant,
     result: &'static str,
-    /// This reconcile in the `workqueue_*` bookkeeping.
     running: Running,
 }
 

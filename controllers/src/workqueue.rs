@@ -19,8 +19,7 @@ use prometheus::{
     proto::MetricFamily,
 };
 
-/// The most keys remembered per controller, in the waiting and in the scheduled map each: far
-/// above the objects one provider holds (`make bench` runs a thousand).
+/// The most keys remembered per controller and map: far above the objects one provider holds.
 pub const MAX_KEYS: usize = 100_000;
 
 /// The queue and work duration buckets, as controller-runtime's: 10 ns to 1000 s, by tens.
@@ -99,9 +98,6 @@ impl Collector for Scraped {
 
 impl Workqueue {
     /// Creates the series and registers them in `registry`.
-    ///
-    /// # Errors
-    /// When a metric of the same name is already registered.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let name = ["name"];
         let histogram = |metric: &str, help: &str| -> Result<HistogramVec, prometheus::Error> {

@@ -62,10 +62,11 @@ pub(super) fn controller<K: Pipelined>(
         store.clone(),
         move |r: &ObjectRef<K>| drop(relisted.unbounded_send(r.clone())),
         move |uid| forgetting.forget(uid),
-    )
-    // An object whose reconciles failed while the API server was away (a partition, a restart)
-    // would otherwise wait out the retry delay it built up, unchanged and so not asked for.
-    .retrying(move |uid| retrying.ledger.has_failures(uid));
+        // An object whose reconciles failed while the API server was away (a partition, a
+        // restart) would otherwise wait out the retry delay it built up, unchanged and so not
+        // asked for.
+        move |uid| retrying.ledger.has_failures(uid),
+    );
     let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
     let own_queue = queue.clone();
     let own = watch::<K>(&ctx.client, config, wc)

@@ -49,7 +49,7 @@ pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
     forget: Box<dyn Fn(&str) + Send + Sync>,
     /// Whether an unchanged object is asked for too after a list: one waiting out a retry
     /// delay built up while the API server was away.
-    retry: Option<UidFilter>,
+    retry: UidFilter,
 }
 
 impl<K> AfterLists<K>
@@ -57,25 +57,20 @@ where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
     /// An adapter over the reflector store `store`; the reconciles it asks for after each list
-    /// are asked of `relisted`.
+    /// (also of the unchanged objects `retry` names by UID) are asked of `relisted`.
     pub(crate) fn new(
         store: Store<K>,
         relisted: impl Fn(&ObjectRef<K>) + Send + Sync + 'static,
         forget: impl Fn(&str) + Send + Sync + 'static,
+        retry: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Self {
         Self {
             store,
             listing: None,
             relisted: Box::new(relisted),
             forget: Box::new(forget),
-            retry: None,
+            retry: Box::new(retry),
         }
-    }
-
-    /// After each list, also asks for the unchanged objects `retry` names (by UID).
-    pub(crate) fn retrying(mut self, retry: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
-        self.retry = Some(Box::new(retry));
-        self
     }
 
     /// One event, already applied by the reflector. Returns the object to reconcile now, if any.
@@ -134,17 +129,14 @@ where
                         }
                     }
                     let changed: HashSet<ObjectRef<K>> = listing.changed.iter().cloned().collect();
-                    let waiting: Vec<ObjectRef<K>> = match &self.retry {
-                        Some(retry) => self
-                            .store
-                            .state()
-                            .iter()
-                            .filter(|o| retry(&o.uid().unwrap_or_default()))
-                            .map(|o| ObjectRef::from_obj(&**o))
-                            .filter(|r| !changed.contains(r))
-                            .collect(),
-                        None => Vec::new(),
-                    };
+                    let waiting: Vec<ObjectRef<K>> = self
+                        .store
+                        .state()
+                        .iter()
+                        .filter(|o| (self.retry)(&o.uid().unwrap_or_default()))
+                        .map(|o| ObjectRef::from_obj(&**o))
+                        .filter(|r| !changed.contains(r))
+                        .collect();
                     tracing::debug!(
                         kind = K::kind(&()).as_ref(),
                         listed = listing.seen.len(),
@@ -192,9 +184,8 @@ mod tests {
             let (tx, relisted) = mpsc::unbounded();
             let forgotten = Arc::new(Mutex::new(Vec::new()));
             let f = forgotten.clone();
-            let adapter = AfterLists::new(store.clone(), asker(tx), move |uid| {
-                f.lock().unwrap().push(uid.to_owned());
-            });
+            let forget = move |uid: &str| f.lock().unwrap().push(uid.to_owned());
+            let adapter = AfterLists::new(store.clone(), asker(tx), forget, |_| false);
             Self {
                 writer,
                 store,
@@ -305,8 +296,7 @@ mod tests {
         let mut rig = Rig::new();
         let (tx, relisted) = mpsc::unbounded();
         rig.relisted = relisted;
-        rig.adapter =
-            AfterLists::new(rig.store.clone(), asker(tx), |_| {}).retrying(|uid| uid == "u2");
+        rig.adapter = AfterLists::new(rig.store.clone(), asker(tx), |_| {}, |uid| uid == "u2");
         list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);
         rig.asked();
         list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);
