@@ -1,13 +1,11 @@
 //! Kubernetes Events (`events.k8s.io/v1`) about our objects, through kube's `Recorder`.
 //!
-//! The `Recorder` turns an event repeated for the same object version, type and reason within
-//! six minutes into a series (`series.count`) on the first Event. Each object has a `Recorder`
-//! of its own, by UID, dropped when the object is gone ([`Events::forget`]) or has had no Event
-//! for six minutes: a shared one keeps every Event it published for six minutes with no way to
-//! let a gone object's go (`docs/kube-runtime-recorder.md`). Two things it does not do are done
-//! here: a note from a peer is cleaned and cut to the API server's 1 KiB, and an object whose
-//! name leaves no room for the Recorder's `.<nanoseconds>` suffix (over 236 characters) gets its
-//! Event under a shortened name, without a series (the API server refuses the Recorder's name).
+//! Each object has a `Recorder` of its own, by UID, dropped when the object is gone
+//! ([`Events::forget`]) or has had no Event for six minutes: a shared one keeps every Event it
+//! published for six minutes (docs/kube-runtime-recorder.md). Done here, not by the `Recorder`:
+//! a note from a peer is cleaned and cut to 1 KiB, and an object whose name leaves no room for the
+//! `Recorder`'s `.<nanoseconds>` suffix (over 236 characters) gets its Event under a shortened
+//! name, without a series (the API server refuses the `Recorder`'s name).
 
 use std::{
     collections::HashMap,
@@ -97,10 +95,7 @@ impl Events {
     }
 
     /// Publishes one Event about `regarding`, or counts it in the series of an identical
-    /// recent one.
-    ///
-    /// # Errors
-    /// The API server's refusal.
+    /// recent one; an error is the API server's refusal.
     pub async fn publish(
         &self,
         regarding: &ObjectReference,

@@ -33,9 +33,8 @@ pub struct Status {
 
 impl Status {
     /// Whether writing `self` would change what the API server holds as `other`. Compared as
-    /// JSON, not as values: a time kept to the nanosecond here is written to the second (as
-    /// every `metav1.Time`), so a fresh `sentAt` equal to the stored one to the second is no
-    /// change, and no status patch goes out for it.
+    /// JSON: a time kept to the nanosecond here is written to the second (every `metav1.Time`),
+    /// so a fresh `sentAt` equal to the stored one to the second is no change.
     pub fn differs_on_the_wire(&self, other: &Self) -> bool {
         self != other && serde_json::to_value(self).ok() != serde_json::to_value(other).ok()
     }
@@ -45,10 +44,9 @@ impl Status {
         self.conditions.as_ref()?.iter().find(|c| c.type_ == type_)
     }
 
-    /// Sets a condition. `lastTransitionTime` changes only when `status` does, so a
-    /// reconcile that learns nothing new writes nothing. Conditions carry no `observedGeneration`
-    /// of their own: every condition is computed in the same pass, so `status.observedGeneration`
-    /// says it once for all of them (releases up to 0.1 wrote it on each).
+    /// Sets a condition. `lastTransitionTime` changes only when `status` does, so a reconcile
+    /// that learns nothing new writes nothing. No `observedGeneration` per condition: all are
+    /// computed in the same pass, so `status.observedGeneration` says it once for all of them.
     pub fn set_condition(
         &mut self,
         type_: &str,
@@ -108,8 +106,7 @@ pub enum Readiness {
     },
     /// The mail step ran: `Ready` summarizes `MailSent` and `Provisioned`.
     Summary,
-    /// Reconciliation is paused: a ready object stays ready; any other is not ready because it
-    /// is paused (not for whatever an earlier pass found).
+    /// Reconciliation is paused: a ready object stays ready, any other is not ready: paused.
     Paused,
 }
 
