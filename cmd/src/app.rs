@@ -205,7 +205,16 @@ fn diagnostics_tls(settings: &Settings) -> anyhow::Result<Option<TlsAcceptor>> {
     Ok(Some(TlsAcceptor::from(Arc::new(config))))
 }
 
-/// The client, its requests counted in `rest_client_requests_total`.
+/// How long any request to the API server may wait for its answer to start. The API server
+/// answers within milliseconds (a watch with its headers, a list with a page of 50); a request
+/// sent on a connection that a partition left silent (no reset, no close: a load balancer that
+/// dropped it) would otherwise wait forever, since kube's client has no read timeout by default.
+/// Failed, the request is retried as any failed request is (a watch by its backoff, a reconcile by
+/// its requeue).
+const API_RESPONSE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The client, its requests counted in `rest_client_requests_total` and bounded by
+/// [`API_RESPONSE_TIMEOUT`].
 async fn kube_client(
     kubeconfig: Option<&Path>,
     registry: &Registry,
@@ -230,6 +239,7 @@ async fn kube_client(
     Ok(kube::client::ClientBuilder::try_from(config)
         .context("building the Kubernetes client")?
         .with_layer(&counted)
+        .with_layer(&tower::timeout::TimeoutLayer::new(API_RESPONSE_TIMEOUT))
         .build())
 }
 

@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 use super::{
     capi_triggers::{CapiWatches, Pipelined},
     lists, resync, trim,
-    watch::{list_config, watch},
+    watch::{NoTriggerBackoff, list_config, watch},
 };
 use crate::{
     Error,
@@ -110,6 +110,7 @@ pub(super) fn controller<K: Pipelined>(
     let abort = abort_if_never_ready(shutdown.clone(), store.clone());
     Ok(Controller::for_stream(own, store)
         .with_config(controller::Config::default().concurrency(config.concurrency))
+        .trigger_backoff(NoTriggerBackoff)
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)
         .run(reconcile::<K>, error_policy::<K>, Arc::clone(ctx))

@@ -1,4 +1,5 @@
-//! The watches: paged lists, quick reconnects, each reconnect and list visible at debug level.
+//! The watches: paged lists, quick reconnects, a bounded wait on a silent connection, and each
+//! failure, list and return visible at debug level.
 
 use std::time::Duration;
 
@@ -18,9 +19,19 @@ use crate::Config;
 /// Page size of lists: small pages keep the peak memory of a large list low.
 const PAGE_SIZE: u32 = 50;
 
-/// The watcher configuration of every watch: paged lists.
+/// How long the API server keeps one watch request open before ending it; the watcher then
+/// resumes from where it was. kube-runtime treats a watch that sent nothing for this long plus
+/// 5 s as a dead connection: a partition that drops packets instead of closing connections (a
+/// load balancer that forgot them) is noticed within 35 s, where kube's default (290 s) would
+/// wait almost five minutes. client-go notices the same in about 30 s with HTTP/2 pings;
+/// kube-client speaks HTTP/1.1, which has none. The cost: one watch request per kind every 30 s.
+const WATCH_TIMEOUT_SECS: u32 = 30;
+
+/// The watcher configuration of every watch: paged lists, [`WATCH_TIMEOUT_SECS`].
 pub(crate) fn list_config() -> watcher::Config {
-    watcher::Config::default().page_size(PAGE_SIZE)
+    watcher::Config::default()
+        .page_size(PAGE_SIZE)
+        .timeout(WATCH_TIMEOUT_SECS)
 }
 
 /// How a watch that failed tries again: from a quarter second, doubling to two seconds (plus up
@@ -40,6 +51,29 @@ fn watch_backoff() -> impl Backoff {
     )
 }
 
+/// The backoff kube's `Controller` puts on its trigger streams (`Controller::trigger_backoff`):
+/// none. By default the Controller backs off the whole merged stream of triggers after any
+/// error with client-go's 0.8 s doubling to 30 s, on top of the own watch's [`watch_backoff`]:
+/// each wait of a partition's recovery was doubled (the own kind's first event came up to 12 s
+/// after the API server answered again, against 3 s for the Cluster watch) and every other
+/// trigger (Cluster API changes, the poller's wake-ups) waited with it. The own watch already
+/// waits between its attempts, so the Controller does not add a wait.
+/// `docs/kube-runtime-recorder.md` (report 4) reports it to kube-rs.
+pub(crate) struct NoTriggerBackoff;
+
+impl Iterator for NoTriggerBackoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        // `None` would end the stream: an immediate retry is `Some(ZERO)`.
+        Some(Duration::ZERO)
+    }
+}
+
+impl Backoff for NoTriggerBackoff {
+    fn reset(&mut self) {}
+}
+
 /// `K`'s endpoint in the configured scope: one namespace, or all.
 pub(crate) fn scoped<K>(client: &Client, config: &Config) -> Api<K>
 where
@@ -52,8 +86,9 @@ where
     }
 }
 
-/// The watch of `K`'s objects in scope, reconnecting with [`watch_backoff`]. Each list's start
-/// and end, and each failure, is logged at debug level (target `capm_controllers::watch`).
+/// The watch of `K`'s objects in scope, reconnecting with [`watch_backoff`]. Each failure, each
+/// list's start and end, and the first event after a failure are logged at debug level (target
+/// `capm_controllers::watch`): what a partition costs can be read off the log.
 pub(crate) fn watch<K>(
     client: &Client,
     config: &Config,
@@ -64,16 +99,25 @@ where
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
+    // Whether the last thing seen was a failure: the next event then says the watch is back.
+    let mut failed = false;
     watcher::watcher(scoped::<K>(client, config), wc)
         .inspect(move |event| match event {
             Ok(watcher::Event::Init) => {
+                failed = false;
                 debug!(target: "capm_controllers::watch", %kind, "Listing");
             }
             Ok(watcher::Event::InitDone) => {
+                failed = false;
                 debug!(target: "capm_controllers::watch", %kind, "List complete");
             }
             Err(error) => {
+                failed = true;
                 debug!(target: "capm_controllers::watch", %kind, %error, "Watch failed: backing off");
+            }
+            Ok(_) if failed => {
+                failed = false;
+                debug!(target: "capm_controllers::watch", %kind, "Watch resumed: first event");
             }
             Ok(_) => {}
         })

@@ -145,7 +145,10 @@ impl World {
         let r = &mut self.replicas[i];
         r.generation += 1;
         let mut launch = Launch::new(provider_binary()?, &r.kubeconfig)
-            .env("RUST_LOG", "info,capm_controllers=debug")
+            .env(
+                "RUST_LOG",
+                "info,capm_controllers=debug,kube_runtime::watcher=debug",
+            )
             .env("NO_COLOR", "1")
             .env("POD_NAME", &r.name)
             .env("MAIL_RECIPIENT", RECIPIENT)
@@ -483,20 +486,23 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
         for r in &world.replicas {
             r.proxy.restore();
         }
-        let restored = Instant::now();
+        let (restored, restored_ts) = (Instant::now(), jiff::Timestamp::now());
         println!(
             "  cut for {:.1} s (API server restarted in {:.1} s; restored at {}): {} new, {} \
              deleted, {} created and deleted, {} paused",
             cut_for.as_secs_f64(),
             took.as_secs_f64(),
-            jiff::Timestamp::now(),
+            restored_ts,
             expect.mailed.len(),
             expect.released.len(),
             expect.ghosts.len(),
             expect.paused.len()
         );
 
-        let settled = settle(&world, &expect).await;
+        let (reachable, settled) = tokio::join!(
+            api_reachable(&world.replicas[leader].kubeconfig, restored),
+            settle(&world, &expect)
+        );
         if let Err(e) = &settled {
             world.keep_logs(&format!("seed{seed}-cycle{cycle}"))?;
             for i in 0..world.replicas.len() {
@@ -539,9 +545,15 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
             log.contains("410") || log.contains("Expired") || log.contains("too old"),
             "cycle {cycle}: the leader's log shows no 410 answer"
         );
+        let watches: Vec<String> = first_signs_of_life(&log, restored_ts)
+            .iter()
+            .map(|(kind, (secs, what))| format!("{kind} {secs:.1} s ({what})"))
+            .collect();
         println!(
-            "  re-listed ({base:?} -> {after:?} completed lists); the new pairs mailed {:.1} s and \
-             everything settled {:.1} s after the restore",
+            "  re-listed ({base:?} -> {after:?} completed lists); after the restore: API reachable \
+             {:.2} s, {}, the new pairs mailed {:.1} s, everything settled {:.1} s",
+            reachable?.as_secs_f64(),
+            watches.join(", "),
             mailed.as_secs_f64(),
             recovery.as_secs_f64()
         );
@@ -702,6 +714,225 @@ async fn one_replica_behind_a_partition_loses_no_mail() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_the_leader_cut_lose_and_double_no_mail() -> Result<()> {
     run(2, "two", 20261126).await
+}
+
+/// How a partition ends connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Open connections are closed and new ones refused ([`TcpProxy::cut`]).
+    Closing,
+    /// Nothing passes and nothing is closed ([`TcpProxy::drop_packets`]).
+    Dropping,
+}
+
+/// Issue 44: what recovery from a partition costs, without an API-server restart, read off the
+/// provider's log. Cycles cut the one replica off (connections closed, `PARTITION_CLOSING_CYCLES`
+/// of `PARTITION_CUT_SECS` each, default 10 of 10 s; then connections silently dropped,
+/// `PARTITION_DROPPING_CYCLES` of 45 s, default 2) while new pairs come and existing ones are
+/// relabelled (`PARTITION_PATCHES`, default 300 label patches a cycle). Each cycle prints: when
+/// the provider noticed (its first watch failure, idle-timeout or readiness warning after the
+/// cut), then from the restore: the API server reachable through the proxy, each watch's first
+/// sign of life (a list, or the first event after its failure), every new pair mailed. The
+/// figures are printed, not judged (timing goals belong to benchmarks); what is asserted is the
+/// promise: every new pair mailed exactly once, in every cycle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_from_a_partition_without_an_api_server_restart_is_timed() -> Result<()> {
+    let closing = env_u64("PARTITION_CLOSING_CYCLES")?.unwrap_or(10);
+    let dropping = env_u64("PARTITION_DROPPING_CYCLES")?.unwrap_or(2);
+    let cut_secs = env_u64("PARTITION_CUT_SECS")?.unwrap_or(10);
+    let patches = env_u64("PARTITION_PATCHES")?.unwrap_or(300);
+    let mut rng = StdRng::seed_from_u64(env_u64("PARTITION_SEED")?.unwrap_or(20261127));
+    let world = World::start(1, "timed").await?;
+    let mut live = Vec::new();
+    let mut expect = Expect::default();
+    for i in 1..=3 {
+        let name = format!("t0-{i}");
+        create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com").await?;
+        expect.mailed.insert(name.clone());
+        live.push(name);
+    }
+    settle(&world, &expect).await?;
+
+    // Closing cycles: API reachable -> every new pair mailed. Dropping ones: cut -> noticed,
+    // restore -> every new pair mailed.
+    let mut reachable_to_mailed = Vec::new();
+    let mut dropped = Vec::new();
+    for cycle in 1..=closing + dropping {
+        let kind = if cycle <= closing {
+            Kind::Closing
+        } else {
+            Kind::Dropping
+        };
+        let cut_for = Duration::from_secs(if kind == Kind::Closing { cut_secs } else { 45 });
+        let proxy = &world.replicas[0].proxy;
+        let (cut_at, cut_ts) = (Instant::now(), jiff::Timestamp::now());
+        match kind {
+            Kind::Closing => proxy.cut(),
+            Kind::Dropping => proxy.drop_packets(),
+        }
+        let mut expect = Expect::default();
+        for i in 1..=rng.random_range(2..=4) {
+            let name = format!("t{cycle}-{i}");
+            create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com").await?;
+            expect.mailed.insert(name);
+        }
+        for i in 0..patches {
+            let name = &live[rng.random_range(0..live.len())];
+            let label = json!({"metadata": {"labels": {"churn": format!("c{cycle}-{i}")}}});
+            world
+                .infra()
+                .patch(name, &PatchParams::default(), &Patch::Merge(label))
+                .await?;
+        }
+        tokio::time::sleep(cut_for.saturating_sub(cut_at.elapsed())).await;
+        proxy.restore();
+        let (restored, restored_ts) = (Instant::now(), jiff::Timestamp::now());
+        let (reachable, settled) = tokio::join!(
+            api_reachable(&world.replicas[0].kubeconfig, restored),
+            settle(&world, &expect)
+        );
+        let (reachable, (mailed, _)) = (reachable?, settled?);
+        let log = world.log(0);
+        let noticed = first_failure(&log, cut_ts);
+        let watches = first_signs_of_life(&log, restored_ts);
+        println!(
+            "cycle {cycle} ({kind:?}, cut {:.0} s, {} new, {patches} label patches): noticed {}; \
+             after the restore: API reachable {:.2} s, {}, every new pair mailed {:.1} s",
+            cut_for.as_secs_f64(),
+            expect.mailed.len(),
+            noticed
+                .as_ref()
+                .map_or("never".to_owned(), |(secs, what)| format!(
+                    "{secs:.1} s after the cut ({what})"
+                )),
+            reachable.as_secs_f64(),
+            if watches.is_empty() {
+                "no list or first event after a failure logged (a watch given up as idle reconnects \
+                 without one)"
+                    .to_owned()
+            } else {
+                watches
+                    .iter()
+                    .map(|(kind, (secs, what))| format!("{kind} {secs:.1} s ({what})"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+            mailed.as_secs_f64()
+        );
+        match kind {
+            Kind::Closing => reachable_to_mailed.push(mailed.saturating_sub(reachable)),
+            Kind::Dropping => dropped.push((noticed.map(|(secs, _)| secs), mailed)),
+        }
+        live.extend(expect.mailed);
+    }
+    if !reachable_to_mailed.is_empty() {
+        reachable_to_mailed.sort();
+        println!(
+            "closing partitions ({closing} cycles of {cut_secs} s): API reachable -> every new pair \
+             mailed in {:.1} s median, {:.1} s at most",
+            reachable_to_mailed[reachable_to_mailed.len() / 2].as_secs_f64(),
+            reachable_to_mailed
+                .last()
+                .map_or(0.0, Duration::as_secs_f64)
+        );
+    }
+    for (i, (noticed, mailed)) in dropped.iter().enumerate() {
+        println!(
+            "dropping partition {} (45 s): noticed {} after the cut; every new pair mailed {:.1} s \
+             after the restore",
+            i + 1,
+            noticed.map_or("never".to_owned(), |s| format!("{s:.1} s")),
+            mailed.as_secs_f64()
+        );
+    }
+    world.keep_logs("timed")?;
+    Ok(())
+}
+
+/// How long after `since` the API server first answered a new client through `kubeconfig`'s
+/// proxy (probed every 100 ms, each probe given a second).
+async fn api_reachable(kubeconfig: &Path, since: Instant) -> Result<Duration> {
+    let config = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::read_from(kubeconfig)?,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    eventually(
+        Duration::from_secs(60),
+        "the API server through the proxy",
+        || {
+            let config = config.clone();
+            async move {
+                // A new client each time: no connection left from a probe that timed out.
+                let client = Client::try_from(config)?;
+                let answered =
+                    tokio::time::timeout(Duration::from_secs(1), client.apiserver_version()).await;
+                Ok(matches!(answered, Ok(Ok(_))).then(|| since.elapsed()))
+            }
+        },
+    )
+    .await
+}
+
+/// A provider log line: its time, target and message (text format: `<RFC 3339> <LEVEL> <target>:
+/// <message> <fields>`).
+fn log_lines(log: &str) -> impl Iterator<Item = (jiff::Timestamp, &str, &str)> {
+    log.lines().filter_map(|line| {
+        let mut parts = line.splitn(4, ' ');
+        let at = parts.next()?.parse().ok()?;
+        let _level = parts.next()?;
+        let target = parts.next()?.strip_suffix(':')?;
+        Some((at, target, parts.next()?))
+    })
+}
+
+/// The first sign after `since` that the provider noticed a partition: a watch failing, a watch
+/// given up as idle (kube-runtime's own debug line), or the readiness check failing. Seconds
+/// after `since`, and which.
+fn first_failure(log: &str, since: jiff::Timestamp) -> Option<(f64, String)> {
+    log_lines(log)
+        .filter(|(at, ..)| *at >= since)
+        .find_map(|(at, target, message)| {
+            let what = if message.starts_with("Watch failed") {
+                format!("{target}: {message}")
+            } else if message.starts_with("watch stream idle timeout") {
+                "a watch given up as idle".to_owned()
+            } else if message.starts_with("The Kubernetes API server is not reachable") {
+                "readiness".to_owned()
+            } else {
+                return None;
+            };
+            Some((at.duration_since(since).as_secs_f64(), what))
+        })
+}
+
+/// Each watch's first sign of life after `since` (a list begun, or its first event after a
+/// failure): kind -> (seconds after `since`, which).
+fn first_signs_of_life(log: &str, since: jiff::Timestamp) -> BTreeMap<String, (f64, String)> {
+    let mut first = BTreeMap::new();
+    for (at, target, message) in log_lines(log) {
+        if at < since || target != "capm_controllers::watch" {
+            continue;
+        }
+        let what = if message.starts_with("Listing") {
+            "a list"
+        } else if message.starts_with("Watch resumed") {
+            "an event"
+        } else {
+            continue;
+        };
+        let Some(kind) = message
+            .split_whitespace()
+            .find_map(|field| field.strip_prefix("kind="))
+        else {
+            continue;
+        };
+        let secs = at.duration_since(since).as_secs_f64();
+        first
+            .entry(kind.to_owned())
+            .or_insert((secs, what.to_owned()));
+    }
+    first
 }
 
 /// One version of a `MailgunCluster` as a watch of the test's own saw it.
