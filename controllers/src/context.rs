@@ -8,10 +8,10 @@ use kube::{Client, Resource, ResourceExt, runtime::controller::Action};
 use tokio::sync::watch;
 
 use crate::{
-    Config, Leadership, Metrics, capi,
+    Config, Leadership, Metrics,
     events::{EventType, Events},
     identity::IdentityError,
-    kinds::InfraKind,
+    kinds::{InfraKind, Stores},
     ledger::Ledger,
     poller::{Poller, Timings},
     sendonce::decide::Withheld,
@@ -133,7 +133,7 @@ pub struct Ctx {
     pub(crate) identities: crate::identity::Identities,
     pub config: Config,
     pub metrics: Metrics,
-    pub capi: capi::Stores,
+    pub capi: Stores,
     /// This process's standing as leader, consulted right before every write and send; its
     /// identity is recorded with every mail intent.
     pub leadership: Leadership,
@@ -169,7 +169,7 @@ impl Ctx {
         config: Config,
         leadership: Leadership,
         metrics: Metrics,
-        capi: capi::Stores,
+        capi: Stores,
     ) -> Self {
         let poller = Arc::new(Poller::new(
             mailer.clone(),
@@ -317,7 +317,7 @@ mod tests {
         ctx_over(reflector::store().0, reflector::store().0)
     }
 
-    use crate::capi::{Cluster, Machine};
+    use capm_api::capi::{Cluster, Machine};
     use kube::runtime::reflector::{self, Store};
 
     fn ctx_over(clusters: Store<Cluster>, machines: Store<Machine>) -> Ctx {
@@ -333,7 +333,7 @@ mod tests {
             config,
             Leadership::unelected("t"),
             metrics,
-            capi::Stores { clusters, machines },
+            Stores { clusters, machines },
         )
     }
 

@@ -3,19 +3,26 @@
 use std::{fmt::Debug, sync::Arc};
 
 use capm_api::{
+    capi::{self, Cluster, ContractRef, Machine},
     names,
     v1beta1::{MachineAddress, MailgunCluster, MailgunMachine, Priority},
     validation::Validate,
 };
 use k8s_openapi::NamespaceResourceScope;
-use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
+use kube::{
+    Resource, ResourceExt,
+    runtime::reflector::{ObjectRef, Store},
+};
 use serde::{Serialize, de::DeserializeOwned};
 
-use crate::{
-    capi::{self, Cluster, ContractRef, Machine, Stores},
-    status::Status,
-    workqueue,
-};
+use crate::{status::Status, workqueue};
+
+/// The reflector stores of the Cluster API objects the reconciles read (never written).
+#[derive(Clone)]
+pub struct Stores {
+    pub clusters: Store<Cluster>,
+    pub machines: Store<Machine>,
+}
 
 /// Why a request cannot be mailed yet: the condition's reason and message.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,14 +8,16 @@ mod normal;
 
 use std::{sync::Arc, time::Instant};
 
-use capm_api::names::{self, conditions, reasons};
+use capm_api::{
+    capi,
+    names::{self, conditions, reasons},
+};
 use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
 use tracing::{Instrument, debug, warn};
 
 use self::{delete::reconcile_delete, normal::reconcile_normal};
 use crate::{
-    capi,
     context::{Ctx, ReconcileError},
     kinds::InfraKind,
     sendonce::execute::OwnerCheck,

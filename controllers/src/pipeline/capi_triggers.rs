@@ -1,7 +1,7 @@
 //! The Cluster API watches, and the reconciles of our objects their changes ask for.
 //!
 //! One reflector store per Cluster API kind, shared by both controllers: it is what the
-//! reconciles read ([`crate::capi::Stores`]). Each change is fanned out to the controllers as
+//! reconciles read ([`crate::kinds::Stores`]). Each change is fanned out to the controllers as
 //! it is applied ([`Heard`]), and each controller maps it to the objects of its kind that the
 //! changed object names ([`Pipelined::capi_triggers`]). Not kube-runtime's shared reflector: its
 //! subscribers stop after an object deleted right after it changed
@@ -10,6 +10,7 @@
 use std::{collections::HashSet, future::Future, sync::Arc};
 
 use capm_api::{
+    capi::{Cluster, ContractRef, Machine},
     names,
     v1beta1::{MailgunCluster, MailgunMachine},
 };
@@ -33,8 +34,7 @@ use super::{
 };
 use crate::{
     Config,
-    capi::{self, Cluster, ContractRef, Machine},
-    kinds::InfraKind,
+    kinds::{InfraKind, Stores},
 };
 
 /// What a Cluster API store's change brings a subscriber.
@@ -148,8 +148,8 @@ impl CapiWatches {
     }
 
     /// The stores the reconciles read.
-    pub(crate) fn stores(&self) -> capi::Stores {
-        capi::Stores {
+    pub(crate) fn stores(&self) -> Stores {
+        Stores {
             clusters: self.clusters.store.clone(),
             machines: self.machines.store.clone(),
         }

@@ -11,19 +11,17 @@ mod watch;
 
 use std::{future::Future, sync::Arc};
 
-use capm_api::v1beta1::{MailgunCluster, MailgunMachine};
+use capm_api::{
+    capi::{Cluster, Machine},
+    v1beta1::{MailgunCluster, MailgunMachine},
+};
 use capm_mailer::Mailer;
 use futures::FutureExt;
 use kube::{Client, api::ListParams};
 use tracing::info;
 
 use self::{capi_triggers::CapiWatches, watch::scoped};
-use crate::{
-    Config, Error, Leadership, Metrics,
-    capi::{Cluster, Machine},
-    context::Ctx,
-    events::Events,
-};
+use crate::{Config, Error, Leadership, Metrics, context::Ctx, events::Events};
 
 /// Runs both controllers until `shutdown` resolves. `leadership` is consulted before every
 /// write and send (an unelected process is its own leader: [`Leadership::unelected`]).

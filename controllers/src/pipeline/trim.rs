@@ -8,14 +8,14 @@
 
 use std::collections::BTreeMap;
 
-use capm_api::names;
+use capm_api::{
+    capi::{Cluster, Machine},
+    names,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 
-use crate::{
-    capi::{Cluster, Machine},
-    kinds::InfraKind,
-};
+use crate::kinds::InfraKind;
 
 /// The annotations a reconcile reads (by key) on our objects.
 pub const READ_ANNOTATIONS: [&str; 8] = [

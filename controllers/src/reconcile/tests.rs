@@ -13,6 +13,7 @@ use std::{
 };
 
 use capm_api::{
+    capi::{Cluster, Machine},
     names::{self, conditions, reasons},
     v1beta1::MailgunCluster,
 };
@@ -28,9 +29,9 @@ use serde_json::{Value, json};
 use super::reconcile;
 use crate::{
     Config, Leadership, Metrics,
-    capi::{Cluster, Machine, Stores},
     context::{Ctx, ReconcileError},
     events::Events,
+    kinds::Stores,
     sendonce::records::{self, Sent},
 };
 
