@@ -194,9 +194,6 @@ pub enum Error {
     /// The configuration cannot work.
     #[error("invalid controller configuration: {0}")]
     Config(#[from] Invalid),
-    /// The controllers were wired wrongly (a bug, not a setting).
-    #[error("{0}")]
-    Wiring(&'static str),
     /// The Kubernetes API refused something the controllers need to start.
     #[error("{context}: {source}")]
     Kube {

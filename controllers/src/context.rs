@@ -13,7 +13,7 @@ use crate::{
     identity::IdentityError,
     kinds::{InfraKind, Stores},
     ledger::Ledger,
-    poller::{Poller, Timings},
+    poller::{Poller, Timings, WakeSenders},
     sendonce::decide::Withheld,
     workqueue,
 };
@@ -162,6 +162,7 @@ impl Ctx {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         client: Client,
         mailer: Arc<dyn Mailer>,
@@ -170,6 +171,7 @@ impl Ctx {
         leadership: Leadership,
         metrics: Metrics,
         capi: Stores,
+        wakes: WakeSenders,
     ) -> Self {
         let poller = Arc::new(Poller::new(
             mailer.clone(),
@@ -179,6 +181,7 @@ impl Ctx {
                 max: config.delivery_poll_max,
                 retention: config.delivery_retention,
             },
+            wakes,
         ));
         let identities = crate::identity::Identities::new(
             client.clone(),
@@ -334,6 +337,7 @@ mod tests {
             Leadership::unelected("t"),
             metrics,
             Stores { clusters, machines },
+            crate::poller::tests::wakes().0,
         )
     }
 

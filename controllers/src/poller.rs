@@ -67,27 +67,12 @@ struct State {
     paused_until: Option<Instant>,
 }
 
-/// Senders and the receiver the runner takes, for one kind's wake-ups.
-struct Wakes<K: InfraKind> {
-    tx: mpsc::UnboundedSender<ObjectRef<K>>,
-    rx: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<K>>>>,
-}
-
-impl<K: InfraKind> Wakes<K> {
-    fn new() -> Self {
-        let (tx, rx) = mpsc::unbounded();
-        Self {
-            tx,
-            rx: Mutex::new(Some(rx)),
-        }
-    }
-
-    fn wake(&self, owner: &Owner) {
-        // Nobody listening (the controllers stopped) is not an error.
-        let _ = self
-            .tx
-            .unbounded_send(ObjectRef::new(&owner.name).within(&owner.namespace));
-    }
+/// Where the poller wakes each kind's reconciles; the runner holds the receiving ends (for
+/// `Controller::reconcile_on`).
+#[derive(Clone)]
+pub(crate) struct WakeSenders {
+    pub clusters: mpsc::UnboundedSender<ObjectRef<MailgunCluster>>,
+    pub machines: mpsc::UnboundedSender<ObjectRef<MailgunMachine>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -102,8 +87,7 @@ pub struct Poller {
     timings: Timings,
     state: Mutex<State>,
     added: Notify,
-    clusters: Arc<Wakes<MailgunCluster>>,
-    machines: Arc<Wakes<MailgunMachine>>,
+    wakes: WakeSenders,
     /// Set when the first poller's run ends (shutdown): its siblings end with it.
     stopped: Arc<tokio::sync::watch::Sender<bool>>,
 }
@@ -138,15 +122,19 @@ fn first_question_in(base: Duration, elapsed: Duration, uid: &str) -> Duration {
 }
 
 impl Poller {
-    pub(crate) fn new(mailer: Arc<dyn Mailer>, leadership: Leadership, timings: Timings) -> Self {
+    pub(crate) fn new(
+        mailer: Arc<dyn Mailer>,
+        leadership: Leadership,
+        timings: Timings,
+        wakes: WakeSenders,
+    ) -> Self {
         Self {
             mailer: Mutex::new(mailer),
             leadership,
             timings,
             state: Mutex::default(),
             added: Notify::new(),
-            clusters: Arc::new(Wakes::new()),
-            machines: Arc::new(Wakes::new()),
+            wakes,
             stopped: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
@@ -160,8 +148,7 @@ impl Poller {
             timings: self.timings,
             state: Mutex::default(),
             added: Notify::new(),
-            clusters: Arc::clone(&self.clusters),
-            machines: Arc::clone(&self.machines),
+            wakes: self.wakes.clone(),
             stopped: Arc::clone(&self.stopped),
         });
         let mut stopped = self.stopped.subscribe();
@@ -180,22 +167,13 @@ impl Poller {
         Arc::clone(&lock(&self.mailer))
     }
 
-    /// The wake-ups of kind `K`'s reconciles, once (for `Controller::reconcile_on`).
-    pub(crate) fn take_wakes<K: InfraKind>(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<K>>> {
-        let any: &dyn std::any::Any = if K::KIND == MailgunCluster::KIND {
-            &self.clusters
-        } else {
-            &self.machines
-        };
-        any.downcast_ref::<Arc<Wakes<K>>>()
-            .and_then(|w| lock(&w.rx).take())
-    }
-
     fn wake(&self, owner: &Owner) {
+        let (name, namespace) = (&owner.name, &owner.namespace);
+        // Nobody listening (the controllers stopped) is not an error.
         if owner.kind == MailgunCluster::KIND {
-            self.clusters.wake(owner);
+            let _ = (self.wakes.clusters).unbounded_send(ObjectRef::new(name).within(namespace));
         } else {
-            self.machines.wake(owner);
+            let _ = (self.wakes.machines).unbounded_send(ObjectRef::new(name).within(namespace));
         }
     }
 
@@ -400,10 +378,20 @@ impl Poller {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use capm_mailer::{MailError, MockMailer};
     use futures::StreamExt;
+
+    /// Wake senders, and the receiving end of the clusters' wake-ups.
+    pub(crate) fn wakes() -> (
+        WakeSenders,
+        mpsc::UnboundedReceiver<ObjectRef<MailgunCluster>>,
+    ) {
+        let (clusters, woken) = mpsc::unbounded();
+        let machines = mpsc::unbounded().0;
+        (WakeSenders { clusters, machines }, woken)
+    }
 
     fn cluster(name: &str) -> MailgunCluster {
         serde_json::from_value(serde_json::json!({
@@ -476,9 +464,13 @@ mod tests {
             max: Duration::from_secs(4),
             ..timings()
         };
-        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings);
-        let mut wakes = poller.take_wakes::<MailgunCluster>().unwrap();
-        assert!(poller.take_wakes::<MailgunCluster>().is_none());
+        let (senders, mut wakes) = wakes();
+        let poller = Poller::new(
+            Arc::new(mock),
+            Leadership::unelected("test"),
+            timings,
+            senders,
+        );
         for n in 0..250 {
             let obj = cluster(&format!("c{n}"));
             let sent = SystemTime::now();
@@ -532,7 +524,12 @@ mod tests {
                 Ok(vec![Delivery::Delivered; mails.len()])
             }
         });
-        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings());
+        let poller = Poller::new(
+            Arc::new(mock),
+            Leadership::unelected("test"),
+            timings(),
+            wakes().0,
+        );
         for n in 0..3 {
             let obj = cluster(&format!("c{n}"));
             poller.track(
@@ -559,6 +556,7 @@ mod tests {
     async fn the_retention_cut_off_wakes_once_and_forgets() {
         let mut mock = MockMailer::new();
         mock.expect_delivery_batch_size().return_const(100usize);
+        let (senders, mut wakes) = wakes();
         let poller = Poller::new(
             Arc::new(mock),
             Leadership::unelected("test"),
@@ -567,8 +565,8 @@ mod tests {
                 base: Duration::from_secs(30),
                 ..timings()
             },
+            senders,
         );
-        let mut wakes = poller.take_wakes::<MailgunCluster>().unwrap();
         poller.track(
             &cluster("c1"),
             "c1",
@@ -590,6 +588,7 @@ mod tests {
             Arc::new(MockMailer::new()),
             Leadership::unelected("test"),
             timings(),
+            wakes().0,
         );
         let waits: Vec<_> = (1..8).map(|p| poller.backoff(p)).collect();
         assert_eq!(waits[0], Duration::from_millis(50));

@@ -21,7 +21,6 @@ use super::{
     watch::{NoTriggerBackoff, list_config, watch},
 };
 use crate::{
-    Error,
     context::{Ctx, ReconcileError},
     kinds::InfraKind,
     reconcile::reconcile,
@@ -35,8 +34,9 @@ use crate::{
 pub(super) fn controller<K: Pipelined>(
     ctx: &Arc<Ctx>,
     capi: &CapiWatches,
+    wakes: mpsc::UnboundedReceiver<ObjectRef<K>>,
     shutdown: impl Future<Output = ()> + Send + Sync + Clone + 'static,
-) -> Result<impl Future<Output = ()> + Send + 'static, Error> {
+) -> impl Future<Output = ()> + Send + 'static {
     let config = &ctx.config;
     let metrics = &ctx.metrics;
     let name = K::CONTROLLER;
@@ -92,9 +92,6 @@ pub(super) fn controller<K: Pipelined>(
             })
         });
 
-    let wakes = ctx.poller.take_wakes::<K>().ok_or(Error::Wiring(
-        "the delivery poller's wake-ups were taken twice",
-    ))?;
     let mut triggers = K::capi_triggers(capi, &store);
     triggers.push(after_list.boxed());
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
@@ -108,7 +105,7 @@ pub(super) fn controller<K: Pipelined>(
     });
 
     let abort = abort_if_never_ready(shutdown.clone(), store.clone());
-    Ok(Controller::for_stream(own, store)
+    Controller::for_stream(own, store)
         .with_config(controller::Config::default().concurrency(config.concurrency))
         .trigger_backoff(NoTriggerBackoff)
         .reconcile_on(triggers)
@@ -118,7 +115,7 @@ pub(super) fn controller<K: Pipelined>(
         .for_each(move |result| {
             log_result(K::CONTROLLER, &queue, result);
             future::ready(())
-        }))
+        })
 }
 
 /// What kube-runtime's `Controller` reports for each reconcile of `K`.

@@ -16,12 +16,14 @@ use capm_api::{
     v1beta1::{MailgunCluster, MailgunMachine},
 };
 use capm_mailer::Mailer;
-use futures::FutureExt;
+use futures::{FutureExt, channel::mpsc};
 use kube::{Client, api::ListParams};
 use tracing::info;
 
 use self::{capi_triggers::CapiWatches, watch::scoped};
-use crate::{Config, Error, Leadership, Metrics, context::Ctx, events::Events};
+use crate::{
+    Config, Error, Leadership, Metrics, context::Ctx, events::Events, poller::WakeSenders,
+};
 
 /// Runs both controllers until `shutdown` resolves. `leadership` is consulted before every
 /// write and send (an unelected process is its own leader: [`Leadership::unelected`]).
@@ -43,6 +45,8 @@ pub async fn run(
         "cluster-api-provider-mailgun",
         config.instance.clone(),
     );
+    let (clusters, cluster_wakes) = mpsc::unbounded();
+    let (machines, machine_wakes) = mpsc::unbounded();
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         mailer,
@@ -51,10 +55,13 @@ pub async fn run(
         leadership,
         metrics,
         capi.stores(),
+        WakeSenders { clusters, machines },
     ));
     ctx.wait_for_capi_lists();
-    let clusters = controller::controller::<MailgunCluster>(&ctx, &capi, shutdown.clone())?;
-    let machines = controller::controller::<MailgunMachine>(&ctx, &capi, shutdown.clone())?;
+    let clusters =
+        controller::controller::<MailgunCluster>(&ctx, &capi, cluster_wakes, shutdown.clone());
+    let machines =
+        controller::controller::<MailgunMachine>(&ctx, &capi, machine_wakes, shutdown.clone());
     let capi = capi.run(client, config.clone(), shutdown.clone());
     let poller = ctx.poller.clone().run(shutdown.clone());
     info!(namespace = ?config.namespace, watch_filter = ?config.watch_filter,

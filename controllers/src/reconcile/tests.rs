@@ -285,6 +285,7 @@ async fn reconcile_once(
         Leadership::unelected("t"),
         Metrics::register(&prometheus::Registry::new()).expect("metrics register"),
         Stores { clusters, machines },
+        crate::poller::tests::wakes().0,
     ));
     ctx.wait_for_capi_lists();
     let result = tokio::time::timeout(
