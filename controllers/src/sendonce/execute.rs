@@ -158,7 +158,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 // The identity is settled before the intent: a problem with it shows with no
                 // record written.
                 let route = route_for_new::<K>(ctx, tracked, which, wanted, &namespace).await?;
-                write_intent(obj, ctx, tracked, which, &id, None, &route).await?;
+                write_intent(obj, ctx, tracked, which, &id, &route).await?;
                 crate::failpoint::hit("after-intent");
                 return send(obj, ctx, tracked, which, text, &id, true, &route).await;
             }
@@ -176,7 +176,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             }
             Step::Rearm => {
                 let route = route_for_new::<K>(ctx, tracked, which, wanted, &namespace).await?;
-                write_intent(obj, ctx, tracked, which, &id, Some(generation), &route).await?;
+                write_intent(obj, ctx, tracked, which, &id, &route).await?;
                 return send(obj, ctx, tracked, which, text, &id, true, &route).await;
             }
             Step::AwaitHandover(wait) => {
