@@ -47,7 +47,7 @@ deps-release: deps-py ## Install what `make release` needs: deps-py, cargo-cyclo
 	  $(CARGO) install --locked cargo-cyclonedx --version $(CARGO_CYCLONEDX_VERSION); fi
 
 .PHONY: tools
-tools: deps-node ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause; the release: registry, crane, cosign; the monitoring test: kube-state-metrics), cached by go.sum hash
+tools: deps-node ## Build the Go tools (control plane, kubectl, helm, Cluster API; the node: kubelet, kube-scheduler, containerd, runc, CNI plugins, pause; the release: registry, crane, cosign; the monitoring test: kube-state-metrics; cert-manager from its source snapshot), cached by go.sum (or snapshot) hash
 	hack/tools/build.sh
 
 # The demo needs no node: without runc (cgo, libseccomp-dev from `make deps`) and containerd it
@@ -120,18 +120,20 @@ ROUNDS ?= 20
 # cmd's dev-dependencies; a plain build of the binary must ask for them, or it would replace the
 # test build with one whose failpoints do nothing.
 FAILPOINTS := --features capm-controllers/failpoints
-# The Go peer `make bench` compares the provider with (the Cluster API book's controller).
-PEER_DIR ?= $(abspath ../shared/peer/goref)
+# The Go peer `make bench` compares the provider with (the Cluster API book's controller): a
+# checkout of it, not part of this repository, given as PEER_DIR=<path>.
+PEER_DIR ?=
 SEED ?=
 
 .PHONY: soak
-soak: deps-demo tools ## The adversarial soak test alone (issue 13): ROUNDS=200 for a long run (default 20), SEED=<n> replays a run
+soak: deps-demo tools ## The adversarial soak test alone: ROUNDS=200 for a long run (default 20), SEED=<n> replays a run
 	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun $(FAILPOINTS)
 	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server \
 	  SOAK_ROUNDS=$(ROUNDS) SOAK_SEED=$(SEED) $(CARGO) test -p capm-e2e --test soak -- --nocapture
 
 .PHONY: bench
-bench: tools ## Backlog benchmark (not a test): the Go peer (1 and 10 workers) and the provider on N=1000 pairs each, one control plane, with ratios
+bench: tools ## Backlog benchmark (not a test): the Go peer (PEER_DIR=<checkout>; 1 and 10 workers) and the provider on N=1000 pairs each, one control plane, with ratios
+	@[ -n "$(PEER_DIR)" ] || { echo "make bench needs PEER_DIR=<a checkout of the Go peer>" >&2; exit 1; }
 	$(CARGO) build --release -p cluster-api-provider-mailgun -p capm-bench -p capm-mail-servers
 	T=$${CARGO_TARGET_DIR:-$(CURDIR)/target}; \
 	  PEER=$$(hack/build-peer.sh $(PEER_DIR)); \

@@ -61,7 +61,7 @@ bin/helm install capm charts/cluster-api-provider-mailgun -n capm-system \
   --set mail.mailgun.baseURL="http://$mailgun" --set mail.mailgun.apiKeySecret.name=mailgun-api-key \
   --wait --timeout 3m
 "$kubectl" -n capm-system get pods -o wide
-echo "leader: $("$kubectl" -n capm-system get lease capm-cluster-api-provider-mailgun-leader -o jsonpath='{.spec.holderIdentity}')"
+echo "leader: $("$kubectl" -n capm-system get lease cluster-api-provider-mailgun-leader -o jsonpath='{.spec.holderIdentity}')"
 
 say "applying the sample Cluster and MailgunCluster"
 "$kubectl" apply -f config/samples/infrastructure_v1beta1_mailguncluster.yaml -f config/samples/cluster_v1beta2_cluster.yaml

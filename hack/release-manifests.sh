@@ -24,7 +24,7 @@ namespace=capm-system
 image=()
 [ -z "${CAPM_IMAGE_REPOSITORY:-}" ] || image+=(--set "image.repository=$CAPM_IMAGE_REPOSITORY")
 [ -z "${CAPM_IMAGE_DIGEST:-}" ] || image+=(--set "image.digest=$CAPM_IMAGE_DIGEST")
-"$helm" template capm "$root/charts/cluster-api-provider-mailgun" \
+"$helm" template capm "$root/charts/cluster-api-provider-mailgun" --skip-tests \
   --namespace "$namespace" \
   --set fullnameOverride=capm-controller-manager \
   --set 'mail.recipient=${MAIL_RECIPIENT}' \

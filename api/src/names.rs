@@ -50,6 +50,14 @@ pub fn request_recorded_sent(annotations: &std::collections::BTreeMap<String, St
         || annotations.contains_key(MAIL_SENT_ANNOTATION)
 }
 
+/// Set (or changed) by a user, it retries the object's mail that the backend refused
+/// permanently, once, without a restart: a refusal is remembered with this annotation's value,
+/// and a new value lifts it. The value is any text, e.g. the time (`kubectl annotate --overwrite
+/// mailguncluster NAME mailgun.infrastructure.cluster.x-k8s.io/retry="$(date +%s)"`). The
+/// chart's admission policy lets tenants write it, unlike the provider's records under the same
+/// prefix. The retry is recorded in a `MailRetried` Event.
+pub const RETRY_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/retry";
+
 /// Annotation holding, as JSON, the fields an older API version cannot represent, so that a
 /// round trip through that version loses nothing. Written by down-conversion, read and removed by
 /// up-conversion; see [`crate::conversion`]. Not for humans to edit.
@@ -124,12 +132,16 @@ pub mod reasons {
     /// The backend accepted the mail.
     pub const MAIL_SENT: &str = "MailSent";
     /// The backend rejected the mail permanently (a 5xx SMTP reply, Mailgun 400/401/403). It is
-    /// not retried automatically, neither on a timer nor on unrelated changes: restarting the
-    /// provider (for example after fixing its credentials or the relay's policy) retries it
-    /// once; a refusal of the object's own data (its requester address) needs a new object. On
+    /// not retried automatically, neither on a timer nor on unrelated changes: a new value of
+    /// [`RETRY_ANNOTATION`](super::RETRY_ANNOTATION) (for example after fixing credentials or
+    /// the relay's policy) or a restart of the provider retries it once; a refusal of the
+    /// object's own data (its requester address) needs a new object. On
     /// deletion, a release mail refused permanently keeps the finalizer until then (remove it by
     /// hand to give up).
     pub const MAIL_FAILED: &str = "MailFailed";
+    /// A refused mail is tried once more, as a new value of
+    /// [`RETRY_ANNOTATION`](super::RETRY_ANNOTATION) asks (an Event's reason).
+    pub const MAIL_RETRIED: &str = "MailRetried";
     /// The backend accepted the mail and reported nothing final yet (`MailDelivered` Unknown).
     pub const DELIVERY_PENDING: &str = "DeliveryPending";
     /// The backend failed to deliver the mail temporarily and retries by itself

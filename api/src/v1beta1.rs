@@ -144,8 +144,9 @@ pub enum MailState {
     /// see the `MailDelivered` condition).
     Delivered,
     /// The mail failed for good. Either the backend rejected it when sent (the `MailSent`
-    /// condition says why; not retried automatically: restarting the provider, for example
-    /// after fixing its credentials, retries it once), or the backend accepted it and later
+    /// condition says why; not retried automatically: a new value of the annotation
+    /// `mailgun.infrastructure.cluster.x-k8s.io/retry`, for example after fixing credentials,
+    /// retries it once), or the backend accepted it and later
     /// reported it undeliverable (the `MailDelivered` condition says why; never resent: a human
     /// must act).
     Failed,

@@ -7,16 +7,44 @@
 
 use std::{
     collections::HashMap,
-    sync::Mutex,
+    hash::{BuildHasher, RandomState},
+    sync::{LazyLock, Mutex},
     time::{Duration, Instant},
 };
 
+use capm_api::names::RETRY_ANNOTATION;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use prometheus::IntGaugeVec;
 
 use crate::sendonce::Which;
 
 /// How long a gone object's UID is remembered, so stale cached copies of it are ignored.
 pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
+
+/// What a permanent refusal is remembered against: a new generation or a new value of
+/// [`RETRY_ANNOTATION`] (kept as a hash) lifts it, once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    /// `metadata.generation`.
+    pub generation: i64,
+    /// The hash of the retry annotation's value (0 without one).
+    pub retry: u64,
+}
+
+impl Attempt {
+    /// The object's attempt now.
+    pub fn of(meta: &ObjectMeta) -> Self {
+        static HASH: LazyLock<RandomState> = LazyLock::new(RandomState::new);
+        let retry = meta
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(RETRY_ANNOTATION));
+        Self {
+            generation: meta.generation.unwrap_or_default(),
+            retry: retry.map_or(0, |v| HASH.hash_one(v)),
+        }
+    }
+}
 
 /// What this process remembers about one mail of one object.
 #[derive(Debug, Clone, Copy, Default)]
@@ -25,15 +53,13 @@ struct MailNotes {
     first_seen: Option<Instant>,
     /// Since when lookups have answered "not found".
     not_found_since: Option<Instant>,
-    /// The generation at which the backend refused this mail permanently.
-    refused_at_generation: Option<i64>,
+    /// When the backend refused this mail permanently: the object's [`Attempt`].
+    refused_at: Option<Attempt>,
 }
 
 impl MailNotes {
     fn is_empty(&self) -> bool {
-        self.first_seen.is_none()
-            && self.not_found_since.is_none()
-            && self.refused_at_generation.is_none()
+        self.first_seen.is_none() && self.not_found_since.is_none() && self.refused_at.is_none()
     }
 }
 
@@ -231,18 +257,14 @@ impl Ledger {
         });
     }
 
-    /// The backend refused `uid`'s mail permanently at `generation`.
-    pub fn mark_permanently_refused(&self, uid: &str, which: Which, generation: i64) {
-        self.change(uid, |o| {
-            o.mails[slot(which)].refused_at_generation = Some(generation);
-        });
+    /// The backend refused `uid`'s mail permanently at `attempt`.
+    pub fn mark_permanently_refused(&self, uid: &str, which: Which, attempt: Attempt) {
+        self.change(uid, |o| o.mails[slot(which)].refused_at = Some(attempt));
     }
 
-    /// True when the backend refused `uid`'s mail permanently at this `generation`.
-    pub fn permanently_refused(&self, uid: &str, which: Which, generation: i64) -> bool {
-        self.read(uid, |o| {
-            o.mails[slot(which)].refused_at_generation == Some(generation)
-        })
+    /// The [`Attempt`] at which the backend refused `uid`'s mail permanently, if it did.
+    pub fn refused_at(&self, uid: &str, which: Which) -> Option<Attempt> {
+        self.read(uid, |o| o.mails[slot(which)].refused_at)
     }
 
     /// The mail went out or was found: forget its attempts.
@@ -281,7 +303,7 @@ mod tests {
     fn a_gone_object_stays_stale_whatever_copy_arrives_and_is_not_remembered_again() {
         let ledger = Ledger::default();
         ledger.expect_version("u1", Some("120"));
-        ledger.mark_permanently_refused("u1", Which::Request, 3);
+        ledger.mark_permanently_refused("u1", Which::Request, at(3, 0));
         ledger.forget("u1");
         assert_eq!(ledger.len(), 0);
         assert!(ledger.is_stale("u1", Some("100")));
@@ -291,19 +313,43 @@ mod tests {
         ledger.failed("u1", true, |_| Duration::from_secs(1));
         ledger.start_not_found("u1", Which::Deletion);
         assert_eq!(ledger.len(), 0);
-        assert!(!ledger.permanently_refused("u1", Which::Request, 3));
+        assert_eq!(ledger.refused_at("u1", Which::Request), None);
+    }
+
+    fn at(generation: i64, retry: u64) -> Attempt {
+        Attempt { generation, retry }
     }
 
     #[test]
-    fn permanent_refusals_are_remembered_per_generation_and_mail() {
+    fn permanent_refusals_are_remembered_per_mail_with_their_attempt() {
         let ledger = Ledger::default();
-        ledger.mark_permanently_refused("u", Which::Request, 3);
-        assert!(ledger.permanently_refused("u", Which::Request, 3));
-        assert!(!ledger.permanently_refused("u", Which::Request, 4));
-        assert!(!ledger.permanently_refused("u", Which::Deletion, 3));
+        ledger.mark_permanently_refused("u", Which::Request, at(3, 7));
+        assert_eq!(ledger.refused_at("u", Which::Request), Some(at(3, 7)));
+        assert_eq!(ledger.refused_at("u", Which::Deletion), None);
         ledger.clear_mail("u", Which::Request);
-        assert!(!ledger.permanently_refused("u", Which::Request, 3));
+        assert_eq!(ledger.refused_at("u", Which::Request), None);
         assert_eq!(ledger.len(), 0, "an entry left empty is removed");
+    }
+
+    #[test]
+    fn an_attempt_changes_with_the_generation_or_the_retry_annotation() {
+        let meta = |generation, retry: Option<&str>| ObjectMeta {
+            generation: Some(generation),
+            annotations: retry.map(|v| [(RETRY_ANNOTATION.to_owned(), v.to_owned())].into()),
+            ..ObjectMeta::default()
+        };
+        let first = Attempt::of(&meta(3, None));
+        assert_eq!(first, at(3, 0));
+        assert_eq!(Attempt::of(&meta(3, None)), first);
+        assert_ne!(Attempt::of(&meta(4, None)), first);
+        let asked = Attempt::of(&meta(3, Some("1")));
+        assert_ne!(asked, first);
+        assert_eq!(
+            Attempt::of(&meta(3, Some("1"))),
+            asked,
+            "the same value asks nothing new"
+        );
+        assert_ne!(Attempt::of(&meta(3, Some("2"))), asked);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! controller-runtime's `workqueue_*` series for kube-runtime's scheduler, measured at its edges
 //! (what goes in and what comes out), per controller and keyed by `namespace/name` as the
 //! scheduler keys its slots. What each series means and where it differs from controller-runtime:
-//! README.md, "The work queue series".
+//! docs/observability.md, "The work queue series".
 //!
 //! Every requeue must go through [`Workqueue::requeue`] (the error policy and
 //! [`crate::context::Ctx::requeue`] do): kube's `Action` does not tell its delay. A reconcile

@@ -402,6 +402,66 @@ async fn permanent_failure_is_reported_and_not_retried_until_a_restart() {
     env.stop().await;
 }
 
+/// The number of `MailRetried` Events about `name`.
+async fn retried_events(env: &Env, name: &str) -> usize {
+    let events: kube::Api<k8s_openapi::api::events::v1::Event> =
+        kube::Api::namespaced(env.ns.client.clone(), &env.ns.name);
+    let list = events.list(&Default::default()).await.unwrap().items;
+    list.iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some(names::reasons::MAIL_RETRIED)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+        })
+        .map(|e| e.series.as_ref().map_or(1, |s| s.count as usize))
+        .sum()
+}
+
+async fn annotate_retry(env: &Env, name: &str, value: &str) {
+    let patch = json!({ "metadata": { "annotations": { names::RETRY_ANNOTATION: value } } });
+    let params = PatchParams::default();
+    env.clusters()
+        .patch(name, &params, &Patch::Merge(patch))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_annotation_retries_a_refused_mail_once_without_a_restart() {
+    let mut env = Env::new("mgc-retry").await;
+    refuse_and_wait_for_mail_failed(&mut env, "iota").await;
+    // A failed reconcile is a send the backend refused (a withheld one is no error).
+    let errors = || env.metric("controller_runtime_reconcile_errors_total", None);
+    let before = errors();
+    // Still refused: the annotation retries once, and the retry is refused.
+    annotate_retry(&env, "iota", "1").await;
+    eventually(PATIENCE, "one retry, refused", || async {
+        errors() > before && retried_events(&env, "iota").await == 1
+    })
+    .await;
+    // The same value asks nothing more, whatever else changes.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    let after = errors();
+    let labels = json!({ "metadata": { "labels": { "poke": "1" } } });
+    env.clusters()
+        .patch("iota", &PatchParams::default(), &Patch::Merge(labels))
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(errors(), after, "retried without a new value");
+    assert_eq!(retried_events(&env, "iota").await, 1);
+    assert!(env.mails().is_empty());
+    // Fixed at the backend, a new value: one mail, no restart.
+    env.mailgun.clear_failure().unwrap();
+    annotate_retry(&env, "iota", "2").await;
+    eventually(PATIENCE, "the request mail", || async {
+        sent_status(&env, "iota").await
+    })
+    .await;
+    assert_eq!(env.mails().len(), 1);
+    assert_eq!(retried_events(&env, "iota").await, 2);
+    env.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_before_start_returns_promptly() {
     // Promptly: well within the 30 s `Env::stop` allows any shutdown.

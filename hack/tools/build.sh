@@ -3,7 +3,7 @@
 # and caches them.
 #
 #   hack/tools/build.sh [kubernetes|kubernetes-node|etcd|helm|cluster-api|runc|containerd|cni|
-#                        registry|crane|cosign|kube-state-metrics ...]
+#                        registry|crane|cosign|kube-state-metrics|cert-manager ...]
 #   (default: all)
 #
 # Each tool module under hack/tools/<name>/ is built into
@@ -22,7 +22,7 @@ cache=${CAPM_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/cluster-api-provider-m
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 
 tools=("$@")
-[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni registry crane cosign kube-state-metrics)
+[ ${#tools[@]} -gt 0 ] || tools=(kubernetes etcd helm cluster-api kubernetes-node runc containerd cni registry crane cosign kube-state-metrics cert-manager)
 sources=${CAPM_SOURCES:-$root/../shared/sources}
 
 key() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
@@ -59,7 +59,7 @@ binaries() {
     cosign) echo "cosign github.com/sigstore/cosign/v2/cmd/cosign" ;;
     # The monitoring tests: the custom-resource metrics of config/metrics, served by the real thing.
     kube-state-metrics) echo "kube-state-metrics k8s.io/kube-state-metrics/v2" ;;
-    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni registry crane cosign kube-state-metrics)" >&2; return 1 ;;
+    *) echo "unknown tool '$1' (known: kubernetes kubernetes-node etcd helm cluster-api runc containerd cni registry crane cosign kube-state-metrics cert-manager)" >&2; return 1 ;;
   esac
 }
 
@@ -178,9 +178,66 @@ build_one() {
   echo "    $name: built in $(elapsed "$t0")"
 }
 
+# --- cert-manager (test tool) -------------------------------------------------------------------
+# The module proxy serves cert-manager's main module but not its binaries' modules (cmd/controller,
+# cmd/cainjector), and not the Venafi client the controller imports; so they are built from a
+# source snapshot of v1.21.1 with only the Venafi issuer removed ($CAPM_CERT_MANAGER_SRC, default
+# in $CAPM_SOURCES; its PATCHED.md lists the change), dependencies from
+# the module proxy. Cached in $cache/cert-manager-<sha256 of the tarball, 16 hex>/; the tarball's
+# hash is pinned so a different snapshot is refused rather than cached under a new key unseen.
+# Linked into bin/: cert-manager-controller, cert-manager-cainjector; CRDs in bin/cert-manager-crds/.
+cert_manager_version=v1.21.1
+cert_manager_sha256=a4fe12245fbfe5fe19dd206dfa10789c54427dbf9990e15b1f8df77503d3e2ef
+cert_manager_src=${CAPM_CERT_MANAGER_SRC:-$sources/cert-manager-1.21.1-novenafi.src.tar.gz}
+build_cert_manager() {
+  local sum dir src name t0 start status
+  [ -f "$cert_manager_src" ] || { echo "cert-manager: source snapshot $cert_manager_src not found (set CAPM_CERT_MANAGER_SRC)" >&2; return 1; }
+  sum=$(sha256sum "$cert_manager_src" | cut -d' ' -f1)
+  [ "$sum" = "$cert_manager_sha256" ] || { echo "cert-manager: $cert_manager_src has sha256 $sum, expected $cert_manager_sha256" >&2; return 1; }
+  dir="$cache/cert-manager-${sum:0:16}"
+  if [ -x "$dir/bin/cert-manager-controller" ] && [ -x "$dir/bin/cert-manager-cainjector" ] && [ -d "$dir/crds" ]; then
+    echo "==> cert-manager: cached in $dir/bin, nothing to build"
+  else
+    echo "==> cert-manager: building controller and cainjector $cert_manager_version into $dir/bin (cold: minutes; later runs reuse them)"
+    start=$(date +%s)
+    mkdir -p "$dir/bin"
+    src="$dir/src.$$"
+    rm -rf "$src" && mkdir -p "$src" && tar xzf "$cert_manager_src" -C "$src" --strip-components=1
+    for name in controller cainjector; do
+      [ -x "$dir/bin/cert-manager-$name" ] && continue
+      t0=$(date +%s) status=0
+      echo "    cert-manager-$name: go build ./cmd/$name"
+      (
+        trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+        while :; do
+          sleep "${CAPM_BUILD_TICK:-30}" >/dev/null & nap=$!
+          wait "$nap"
+          echo "    cert-manager-$name: still building, $(elapsed "$t0") elapsed (total $(elapsed "$run_start"))"
+        done
+      ) &
+      local ticker=$!
+      (cd "$src/cmd/$name" && go build -trimpath -ldflags "-s -w -X github.com/cert-manager/cert-manager/pkg/util.AppVersion=$cert_manager_version -X github.com/cert-manager/cert-manager/pkg/util.AppGitState=clean" \
+        -o "$dir/bin/cert-manager-$name.tmp.$$" .) || status=$?
+      kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
+      [ "$status" -eq 0 ] || { echo "    cert-manager-$name: go build failed after $(elapsed "$t0")" >&2; rm -rf "$src"; return "$status"; }
+      mv "$dir/bin/cert-manager-$name.tmp.$$" "$dir/bin/cert-manager-$name"
+      echo "    cert-manager-$name: built in $(elapsed "$t0")"
+    done
+    rm -rf "$dir/crds.$$" && cp -r "$src/deploy/crds" "$dir/crds.$$" && rm -f "$dir/crds.$$/README.md"
+    rm -rf "$dir/crds" && mv "$dir/crds.$$" "$dir/crds"
+    chmod -R u+w "$src" && rm -rf "$src"
+    echo "==> cert-manager: built in $(elapsed "$start")"
+  fi
+  ln -sfn "$dir/bin/cert-manager-controller" "$root/bin/cert-manager-controller"
+  ln -sfn "$dir/bin/cert-manager-cainjector" "$root/bin/cert-manager-cainjector"
+  rm -rf "$root/bin/cert-manager-crds" && cp -r "$dir/crds" "$root/bin/cert-manager-crds" && chmod u+w "$root/bin/cert-manager-crds"/*.yaml
+}
+# --- end cert-manager ---------------------------------------------------------------------------
+
 run_start=$(date +%s)
 mkdir -p "$root/bin"
 for tool in "${tools[@]}"; do
+  if [ "$tool" = cert-manager ]; then build_cert_manager; continue; fi
   binaries "$tool" >/dev/null
   dir="$cache/$tool-$(key "$tool")/bin"
   from_tarball=

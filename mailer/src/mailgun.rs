@@ -13,7 +13,7 @@ use std::{
     fmt,
     hash::{BuildHasher, Hasher},
     pin::Pin,
-    sync::OnceLock,
+    sync::{Arc, OnceLock},
     task::{Context, Poll},
     time::{Duration, SystemTime},
 };
@@ -27,7 +27,7 @@ use crate::{
     Delivery, Lookup, MailError, Mailer, Message, MessageId, OpenMail, SendReceipt,
     config::{ConfigError, MailgunConfig, MailgunEventsApi},
     gate::{self, Gate},
-    secret::{ExposeSecret, Secret},
+    secret::{ExposeSecret, LiveSecret},
 };
 
 const BACKEND: &str = "mailgun";
@@ -62,7 +62,7 @@ const EVENTS_CLOCK_SLACK: Duration = Duration::from_secs(600);
 pub struct MailgunMailer {
     client: reqwest::Client,
     messages_url: String,
-    api_key: Secret,
+    api_key: Arc<LiveSecret>,
     /// What reads (lookups, delivery questions) go out with.
     reader: Reader,
     /// The API reads ask (`eventsApi`).
@@ -113,7 +113,7 @@ trait EventSource: fmt::Debug + Send + Sync {
 struct Reader {
     client: reqwest::Client,
     /// `mailgun.readApiKey`, or the sending key when there is none.
-    key: Secret,
+    key: Arc<LiveSecret>,
     /// Which key `key` is, in words, for the refusal's explanation.
     refused_key: &'static str,
     /// Set, with the reason shown to humans, once Mailgun refused the reading key (401/403):
@@ -154,7 +154,7 @@ impl Reader {
         what: &str,
     ) -> Result<T, MailError> {
         let mut response = request
-            .basic_auth("api", Some(self.key.expose_secret()))
+            .basic_auth("api", Some(self.key.get().expose_secret()))
             .send()
             .await
             .map_err(|e| transport_error(e, true))?;
@@ -205,9 +205,8 @@ impl MailgunMailer {
     /// [`ConfigError`] naming the bad field, an unreadable key, or a client set-up failure.
     pub fn new(config: &MailgunConfig) -> Result<Self, ConfigError> {
         config.validate()?;
-        let api_key = config
-            .api_key
-            .read()
+        let api_key = LiveSecret::new(config.api_key.clone())
+            .map(Arc::new)
             .map_err(|source| ConfigError::Secret {
                 field: "mailgun.apiKey".into(),
                 source,
@@ -216,10 +215,12 @@ impl MailgunMailer {
             .read_api_key
             .as_ref()
             .map(|source| {
-                source.read().map_err(|source| ConfigError::Secret {
-                    field: "mailgun.readApiKey".into(),
-                    source,
-                })
+                LiveSecret::new(source.clone())
+                    .map(Arc::new)
+                    .map_err(|source| ConfigError::Secret {
+                        field: "mailgun.readApiKey".into(),
+                        source,
+                    })
             })
             .transpose()?;
         let tls = crate::tls::platform_client_config().map_err(client_error)?;
@@ -550,7 +551,7 @@ impl Mailer for MailgunMailer {
         let sent = self
             .client
             .post(&self.messages_url)
-            .basic_auth("api", Some(self.api_key.expose_secret()))
+            .basic_auth("api", Some(self.api_key.get().expose_secret()))
             .header(
                 reqwest::header::CONTENT_TYPE,
                 format!("multipart/form-data; boundary={}", form.boundary),

@@ -2,10 +2,11 @@
 //! themselves are [`secrecy::SecretString`]s: `Debug` prints `[REDACTED]`, there is no
 //! `Display`, the memory is zeroed on drop, and only `expose_secret()` reveals them.
 
-use std::path::PathBuf;
+use std::{os::unix::fs::MetadataExt, path::PathBuf, sync::Mutex, time::SystemTime};
 
 pub use secrecy::{ExposeSecret, SecretString as Secret};
 use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
 
 /// Where a secret comes from. Configuration never holds the value itself, so a config file or
 /// its `Debug` output can be shown without leaking anything.
@@ -109,6 +110,59 @@ impl SecretSource {
     }
 }
 
+/// What says a secret file changed: modification time, length, inode (the kubelet updates a
+/// mounted Secret by swapping a symbolic link to new files).
+type Stamp = (SystemTime, u64, u64);
+
+/// A secret read again when its file changes, as serving certificates are: a key rotated in a
+/// mounted Kubernetes Secret is used from the next request on, without a restart. A variable or
+/// a given value is read once.
+#[derive(Debug)]
+pub struct LiveSecret {
+    source: SecretSource,
+    current: Mutex<(Option<Stamp>, Secret)>,
+}
+
+fn stamp(source: &SecretSource) -> Option<Stamp> {
+    let SecretSource::File(path) = source else {
+        return None;
+    };
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len(), m.ino()))
+}
+
+impl LiveSecret {
+    /// Reads `source` now.
+    ///
+    /// # Errors
+    /// As [`SecretSource::read`].
+    pub fn new(source: SecretSource) -> Result<Self, SecretError> {
+        let before = stamp(&source);
+        let value = source.read()?;
+        Ok(Self {
+            source,
+            current: Mutex::new((before, value)),
+        })
+    }
+
+    /// The secret now: read again when its file changed; when the new file cannot be read, the
+    /// previous value (with a warning).
+    pub fn get(&self) -> Secret {
+        let mut guard = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let now = stamp(&self.source);
+        if now.is_some() && now != guard.0 {
+            match self.source.read() {
+                Ok(value) => {
+                    info!(source = ?self.source, "Reloaded a secret file");
+                    *guard = (now, value);
+                }
+                Err(e) => warn!(error = %e, "Keeping the previous secret"),
+            }
+        }
+        guard.1.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,6 +194,26 @@ mod tests {
             .read()
             .unwrap_err();
         assert!(err.to_string().contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn a_live_secret_follows_its_file_and_keeps_the_last_good_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key");
+        std::fs::write(&path, "key-one\n").unwrap();
+        let live = LiveSecret::new(SecretSource::File(path.clone())).unwrap();
+        assert_eq!(live.get().expose_secret(), "key-one");
+        // As the kubelet does: new files, the name pointed at them.
+        let next = dir.path().join("key.new");
+        std::fs::write(&next, "key-rotated\n").unwrap();
+        std::fs::rename(&next, &path).unwrap();
+        assert_eq!(live.get().expose_secret(), "key-rotated");
+        std::fs::write(&path, "").unwrap();
+        assert_eq!(
+            live.get().expose_secret(),
+            "key-rotated",
+            "an empty file is not a key"
+        );
     }
 
     #[test]

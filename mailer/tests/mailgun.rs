@@ -750,10 +750,13 @@ async fn hostile_logs_replies_are_bounded_and_cleaned() {
 
 impl Fixture {
     /// The fixture's configuration with `key` as the (sending) API key and `read_key`, if any,
-    /// as the read key, each from its own file.
+    /// as the read key, each from a file of its own (a key file is re-read when it changes, so
+    /// two mailers must not share one).
     fn with_keys(&self, key: &str, read_key: Option<&str>, api: MailgunEventsApi) -> MailgunConfig {
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let write = |name: &str, value: &str| {
-            let path = self._dir.path().join(name);
+            let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path = self._dir.path().join(format!("{name}-{n}"));
             std::fs::write(&path, value).unwrap();
             SecretSource::File(path)
         };

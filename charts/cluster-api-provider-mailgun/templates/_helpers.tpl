@@ -52,15 +52,39 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{- define "capm.webhookSecretName" -}}
+{{- if .Values.webhook.certSecret }}
+{{- .Values.webhook.certSecret }}
+{{- else }}
 {{- printf "%s-webhook-cert" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+{{- end }}
 
-{{/* The Lease: one per release, and per shard (a shard's watchFilter is in its name). */}}
+{{/*
+The CA bundle (base64) the CRDs' conversion webhook and the webhook configuration carry: the
+user's (webhook.caBundle), the chart's self-signed CA, or empty with cert-manager (its cainjector
+fills it in).
+*/}}
+{{- define "capm.webhookCABundle" -}}
+{{- if .Values.webhook.caBundle }}
+{{- .Values.webhook.caBundle | b64enc }}
+{{- else if not .Values.webhook.certManager.enabled }}
+{{- (include "capm.selfSignedCert" . | fromJson).caCert | b64enc }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Lease: the binary's default name (cluster-api-provider-mailgun-leader), whatever the release is
+called, so that the provider installed twice into one namespace (Helm and clusterctl, two Helm
+releases) elects one leader; per shard, the shard's watchFilter is in its name.
+leaderElection.id overrides it (e.g. 0.1's <fullname>-leader during an upgrade: docs/operations.md).
+*/}}
 {{- define "capm.leaderElectionID" -}}
-{{- if .Values.watchFilter }}
-{{- printf "%s-%s-leader" (include "capm.fullname" .) (.Values.watchFilter | lower | replace "_" "-" | replace "." "-") | trunc 63 | trimSuffix "-" }}
+{{- if .Values.leaderElection.id }}
+{{- .Values.leaderElection.id }}
+{{- else if .Values.watchFilter }}
+{{- printf "cluster-api-provider-mailgun-%s-leader" (.Values.watchFilter | lower | replace "_" "-" | replace "." "-") | trunc 63 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-leader" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- print "cluster-api-provider-mailgun-leader" }}
 {{- end }}
 {{- end }}
 
@@ -142,6 +166,16 @@ clean with its defaults while `helm install` and `helm template` refuse them.
 {{- if and $mail.smtp.username (not $mail.smtp.passwordSecret.name) -}}
 {{- $missing = append $missing "mail.smtp.passwordSecret.name: an existing Secret holding the password (mail.smtp.username is set)" -}}
 {{- end -}}
+{{- end -}}
+{{- $webhook := .Values.webhook -}}
+{{- if and $webhook.caBundle (not $webhook.certSecret) -}}
+{{- $missing = append $missing "webhook.certSecret: the Secret with the serving certificate webhook.caBundle signed" -}}
+{{- end -}}
+{{- if and $webhook.certSecret (not $webhook.caBundle) -}}
+{{- $missing = append $missing "webhook.caBundle: the CA that signed webhook.certSecret's certificate" -}}
+{{- end -}}
+{{- if and $webhook.caBundle $webhook.certManager.enabled -}}
+{{- $missing = append $missing "webhook.caBundle with webhook.certManager.enabled: choose one (cert-manager injects its own CA)" -}}
 {{- end -}}
 {{- if $missing -}}
 {{- fail (printf "missing required values:\n  - %s" (join "\n  - " $missing)) -}}

@@ -18,7 +18,7 @@ use kube::Resource;
 use crate::kinds::InfraKind;
 
 /// The annotations a reconcile reads (by key) on our objects.
-pub const READ_ANNOTATIONS: [&str; 8] = [
+pub const READ_ANNOTATIONS: [&str; 9] = [
     names::MAIL_ANNOTATION,
     names::DELETION_MAIL_ANNOTATION,
     names::MAIL_INTENT_ANNOTATION,
@@ -27,6 +27,7 @@ pub const READ_ANNOTATIONS: [&str; 8] = [
     names::DELETION_MAIL_SENT_ANNOTATION,
     names::PAUSED_ANNOTATION,
     names::MANAGED_BY_ANNOTATION,
+    names::RETRY_ANNOTATION,
 ];
 
 /// One of our objects as its cache keeps it.

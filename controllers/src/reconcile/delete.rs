@@ -1,6 +1,6 @@
 //! `reconcile_delete`: the release mail, then our finalizer.
 
-use capm_api::names::reasons;
+use capm_api::names::{RETRY_ANNOTATION, reasons};
 use kube::{Api, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
 use tracing::{debug, info};
@@ -49,9 +49,10 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
         {
             let message = match &error {
                 ReconcileError::Withheld(Withheld::PermanentlyRefused) => {
-                    "the release mail was refused permanently; not retried automatically \
-                     (restart the provider to retry, or remove the finalizer by hand to give up)"
-                        .to_owned()
+                    format!(
+                        "the release mail was refused permanently; not retried automatically \
+                     (a new value of {RETRY_ANNOTATION} retries once; remove the finalizer to give up)"
+                    )
                 }
                 other => other.to_string(),
             };

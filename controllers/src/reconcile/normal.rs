@@ -223,7 +223,10 @@ fn mail_not_sent(status: &mut Status, message_id: Option<String>, error: &Reconc
         mail.message_id = Some(id);
     }
     let message = if error.is_permanent() {
-        format!("{error}; not retried automatically (restart the provider to retry)")
+        format!(
+            "{error}; not retried automatically (a new value of the annotation {} retries once)",
+            names::RETRY_ANNOTATION
+        )
     } else {
         error.to_string()
     };

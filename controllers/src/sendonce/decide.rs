@@ -19,7 +19,8 @@ pub enum Withheld {
     /// The owner is being deleted (or is gone): a request now would be for infrastructure nobody
     /// will use.
     OwnerDeleting,
-    /// The backend refused this mail permanently; it is not retried until the provider restarts.
+    /// The backend refused this mail permanently; retried once on a new generation, a new
+    /// retry annotation value or a restart.
     PermanentlyRefused,
     /// An earlier attempt failed; the per-object backoff has not run out.
     Backoff(Duration),

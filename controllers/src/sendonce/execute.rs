@@ -7,6 +7,7 @@ mod writes;
 
 use std::time::Duration;
 
+use capm_api::names::reasons;
 use capm_mailer::MessageId;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
@@ -26,8 +27,10 @@ use super::{
 };
 use crate::{
     context::{Ctx, ReconcileError},
+    events::EventType,
     identity::Wanted,
     kinds::{InfraKind, MailText},
+    ledger::Attempt,
 };
 
 /// The object's metadata as this pass last wrote or read it.
@@ -95,6 +98,8 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
     let uid = obj.uid().unwrap_or_default();
     let namespace = obj.namespace().unwrap_or_default();
     let generation = obj.meta().generation.unwrap_or_default();
+    let attempt = Attempt::of(obj.meta());
+    let refused_at = ctx.ledger.refused_at(&uid, which);
     let leadership = &ctx.leadership;
     let mut lookup = None;
     // Each step either returns or changes the facts; a few rounds always suffice.
@@ -126,7 +131,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
             leading: leadership.may_act(),
             owner_deleting: owner.is_some_and(|o| o.deleting_in_cache),
             has_finalizer: tracked.has_finalizer(K::FINALIZER),
-            permanently_refused: ctx.ledger.permanently_refused(&uid, which, generation),
+            permanently_refused: refused_at == Some(attempt),
             backoff_left: ctx.ledger.backoff_left(&uid),
             lookup: lookup.clone(),
             not_found_for: ctx.ledger.not_found_for(&uid, which),
@@ -175,6 +180,11 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 .await?;
             }
             Step::Rearm => {
+                if refused_at.is_some_and(|r| r.generation == generation) {
+                    let note = format!("Retrying the refused {} mail once", which.label());
+                    ctx.publish(obj, EventType::Normal, reasons::MAIL_RETRIED, note)
+                        .await;
+                }
                 let route = route_for_new::<K>(ctx, tracked, which, wanted, &namespace).await?;
                 write_intent(obj, ctx, tracked, which, &id, &route).await?;
                 return send(obj, ctx, tracked, which, text, &id, true, &route).await;

@@ -53,6 +53,31 @@ impl LocalRepository {
         })
     }
 
+    /// Adds the Cluster API core provider `version` to the repository, with only its
+    /// `metadata.yaml` (from the module at `module_dir`): what clusterctl reads of an installed
+    /// core provider to learn its contract, where it would otherwise download it from GitHub.
+    /// Its `providers:` entry is appended to the configuration.
+    ///
+    /// # Errors
+    /// When a file cannot be read or written.
+    pub fn add_core_metadata(&self, module_dir: &Path, version: &str) -> Result<()> {
+        let base = self
+            .release
+            .parent()
+            .and_then(Path::parent)
+            .context("the repository's base")?;
+        let dir = base.join("cluster-api").join(version);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::copy(module_dir.join("metadata.yaml"), dir.join("metadata.yaml"))?;
+        let mut config = std::fs::read_to_string(&self.config)?;
+        config.push_str(&format!(
+            "  - name: cluster-api\n    type: CoreProvider\n    url: {}\n",
+            dir.join("core-components.yaml").display()
+        ));
+        std::fs::write(&self.config, config)?;
+        Ok(())
+    }
+
     /// Runs `bin/clusterctl` offline (no version check, configuration under `home`) with `env`
     /// set; returns its standard output.
     ///
@@ -98,6 +123,37 @@ impl LocalRepository {
         args.extend(extra);
         self.clusterctl(&args, env)
     }
+}
+
+/// The directory of the Cluster API module clusterctl was built from (`go mod download` finds
+/// it in the module cache, where `make tools` put it) and its version, from
+/// `hack/tools/cluster-api/go.mod`.
+///
+/// # Errors
+/// When go.mod names no version or `go mod download` fails.
+pub fn cluster_api_module() -> Result<(PathBuf, String)> {
+    let go_mod = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../hack/tools/cluster-api/go.mod");
+    let text = std::fs::read_to_string(&go_mod)?;
+    let version = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("sigs.k8s.io/cluster-api v"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(|v| format!("v{v}"))
+        .context("the sigs.k8s.io/cluster-api version in hack/tools/cluster-api/go.mod")?;
+    let out = crate::run(
+        Command::new("go").args([
+            "mod",
+            "download",
+            "-json",
+            &format!("sigs.k8s.io/cluster-api@{version}"),
+        ]),
+        "go mod download sigs.k8s.io/cluster-api",
+    )?;
+    let info: serde_json::Value = serde_json::from_str(&out)?;
+    let dir = info["Dir"]
+        .as_str()
+        .context("no Dir in go mod download's answer")?;
+    Ok((PathBuf::from(dir), version))
 }
 
 /// The documents of a multi-document YAML text, as JSON, empty ones left out.

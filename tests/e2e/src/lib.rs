@@ -15,6 +15,7 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_test_support::{ControlPlane, Options, process};
 
+pub mod cert_manager;
 pub mod clusterctl;
 pub mod ledger;
 pub mod monitoring;
@@ -25,7 +26,7 @@ pub mod topology;
 
 pub use provider::{
     CHART_NAMESPACE, ChartProvider, FULLNAME, RELEASE, fulfil_command, install_chart_and_provider,
-    mailgun_values, route_webhook_service, start_chart_provider,
+    mailgun_values, refresh_secret_mounts, route_webhook_service, start_chart_provider,
 };
 
 /// What a Mailgun contract server stored, as the ledger reads it (arrival order from 1), each

@@ -162,3 +162,39 @@ pub fn check_no_restarts(pods: &[Pod]) -> Result<()> {
     }
     Ok(())
 }
+
+/// The image the chart's `helm test` Pod runs by default (values `tests.image`).
+pub const KUBECTL_IMAGE: &str = "registry.k8s.io/kubectl:v1.36.4";
+
+/// Loads an image holding only the static `kubectl` that `make tools` built (the same version
+/// as upstream's `registry.k8s.io/kubectl`, whose entrypoint is kubectl too) into the node's
+/// containerd as [`KUBECTL_IMAGE`]: the node pulls nothing from the internet.
+///
+/// # Errors
+/// When no node runs here, kubectl is missing or `ctr` fails.
+pub fn load_kubectl_image(cp: &ControlPlane) -> Result<()> {
+    use capm_test_support::image::{self, Entry, Image, Kind};
+    let dir = cp
+        .dir()
+        .context("the control plane has no state directory")?;
+    let kubectl = capm_test_support::process::binary("kubectl")?;
+    let img = Image {
+        name: KUBECTL_IMAGE.to_owned(),
+        entrypoint: vec!["/kubectl".to_owned()],
+        user: "65532:65532".to_owned(),
+        env: vec!["PATH=/".to_owned()],
+        entries: vec![Entry {
+            path: "/kubectl".to_owned(),
+            mode: 0o755,
+            uid: 0,
+            gid: 0,
+            kind: Kind::File(fs::read(&kubectl)?),
+        }],
+    };
+    let archive = dir.join("kubectl.oci.tar");
+    img.write_oci_archive(&archive)?;
+    let ctr = capm_test_support::process::binary_in(&dir.join("bin"), "ctr")?;
+    image::import(&ctr, &dir.join("containerd.sock"), &archive, KUBECTL_IMAGE)?;
+    let _ = fs::remove_file(&archive);
+    Ok(())
+}

@@ -58,11 +58,32 @@ async fn emulate_secret_mounts(
             let ByteString(bytes) = data
                 .get(&item.key)
                 .with_context(|| format!("key {} in Secret of volume {}", item.key, mount.name))?;
-            fs::write(local.join(&item.path), bytes)?;
+            // As the kubelet updates a Secret volume: a new file put in place in one step.
+            let tmp = local.join(format!(".{}.tmp", item.path));
+            fs::write(&tmp, bytes)?;
+            fs::rename(&tmp, local.join(&item.path))?;
         }
         mounts.push((mount.mount_path.clone(), local));
     }
     Ok(mounts)
+}
+
+/// Writes the current content of the Deployment `deployment`'s Secret volumes into the mounts
+/// [`start_chart_provider`] emulated in `dir`, as the kubelet does when a mounted Secret changes
+/// (it does so within its sync period, about a minute; here at once).
+///
+/// # Errors
+/// When the Deployment or its Secrets cannot be read.
+pub async fn refresh_secret_mounts(
+    client: &Client,
+    namespace: &str,
+    deployment: &str,
+    dir: &Path,
+) -> Result<()> {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+    let deployment = deployments.get(deployment).await?;
+    emulate_secret_mounts(client, namespace, &deployment, dir).await?;
+    Ok(())
 }
 
 /// The provider, run from this build with the chart Deployment's arguments.

@@ -41,6 +41,7 @@ pub const CONTROL_PLANE_GROUP: &str = "controlplane.e2e.capm.example.com";
 pub const BOOTSTRAP_GROUP: &str = "bootstrap.e2e.capm.example.com";
 /// The version both test providers serve.
 pub const VERSION: &str = "v1alpha1";
+const INFRA: &str = "infrastructure.cluster.x-k8s.io";
 
 /// (group, kind, plural, has a status) of every test CRD.
 const KINDS: [(&str, &str, &str, bool); 4] = [
@@ -101,6 +102,82 @@ fn crd(group: &str, kind: &str, plural: &str, status: bool) -> Result<CustomReso
             }],
         },
     }))?)
+}
+
+/// A ClusterClass `templateRef`.
+pub fn template_ref(api_version: &str, kind: &str, name: &str) -> Value {
+    json!({"templateRef": {"apiVersion": api_version, "kind": kind, "name": name}})
+}
+
+/// The ClusterClass's MachineDeployment classes, workers from the MailgunMachineTemplate
+/// `machines` and the test bootstrap template `test`.
+pub fn class_workers(machines: &str) -> Value {
+    json!({"machineDeployments": [{
+        "class": "default-worker",
+        "bootstrap": template_ref(&format!("{BOOTSTRAP_GROUP}/{VERSION}"), "TestBootstrapConfigTemplate", "test"),
+        "infrastructure": template_ref(&format!("{INFRA}/v1beta1"), "MailgunMachineTemplate", machines),
+    }]})
+}
+
+/// The topology's MachineDeployments: one, `name`, of `replicas`. Its Machines never get a Node
+/// (nobody builds the mailed machines here), so they never become Available: a rollout that
+/// waited for availability (maxUnavailable 0, the default) would never remove an old Machine.
+pub fn topology_workers(name: &str, replicas: usize) -> Value {
+    json!({"machineDeployments": [{
+        "class": "default-worker",
+        "name": name,
+        "replicas": replicas,
+        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 2}}},
+    }]})
+}
+
+/// The objects of clusterctl's `clusterclass` flavor (`generated`, rendered into `namespace`),
+/// made runnable here: the kubeadm control plane and bootstrap templates (whose managers the
+/// tests do not run) are left out and the ClusterClass names the test providers' templates
+/// `test` instead (see [`create_templates`]); the topology's MachineDeployment `md` gets
+/// `replicas` and a rollout that does not wait for Nodes. Everything of ours (the Mailgun
+/// templates, the variables, the patches, the Cluster's variable values) is as rendered.
+///
+/// # Errors
+/// When the text is not YAML, holds an unexpected kind, an object outside `namespace`, or a
+/// ClusterClass without variables and patches.
+pub fn runnable_clusterclass(
+    generated: &str,
+    namespace: &str,
+    md: &str,
+    replicas: usize,
+) -> Result<Vec<Value>> {
+    let mut out = Vec::new();
+    for mut doc in crate::clusterctl::yaml_docs(generated)? {
+        let kind = doc["kind"].as_str().unwrap_or_default().to_owned();
+        match kind.as_str() {
+            "KubeadmControlPlaneTemplate" | "KubeadmConfigTemplate" => continue,
+            "ClusterClass" => {
+                anyhow::ensure!(
+                    doc["spec"]["variables"].is_array() && doc["spec"]["patches"].is_array(),
+                    "the ClusterClass has no variables or patches"
+                );
+                doc["spec"]["controlPlane"] = template_ref(
+                    &format!("{CONTROL_PLANE_GROUP}/{VERSION}"),
+                    "TestControlPlaneTemplate",
+                    "test",
+                );
+                doc["spec"]["workers"] = class_workers("mailgun-machines");
+            }
+            "Cluster" => {
+                doc["spec"]["topology"]["workers"] = topology_workers(md, replicas);
+            }
+            "MailgunClusterTemplate" | "MailgunMachineTemplate" => {}
+            other => anyhow::bail!("an unexpected {other} in clusterctl's output"),
+        }
+        anyhow::ensure!(
+            doc["metadata"]["namespace"] == namespace,
+            "clusterctl puts every object into the target namespace: {}",
+            doc["metadata"]
+        );
+        out.push(doc);
+    }
+    Ok(out)
 }
 
 /// Installs the test providers' CRDs and waits until they are Established.

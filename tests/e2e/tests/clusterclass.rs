@@ -28,11 +28,11 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     AuditedRequest, all_audited_requests,
-    clusterctl::{LocalRepository, yaml_docs},
+    clusterctl::LocalRepository,
     create_namespace, dynamic_api, eventually, fulfil_command, install_chart_and_provider,
     ledger::{Kind, Ledger, Object, Received, Which, parse_message_id},
     mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager_with,
-    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+    topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, KUBERNETES_VERSION};
@@ -40,7 +40,7 @@ use kube::{
     Api, Client, ResourceExt,
     api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams},
 };
-use serde_json::{Value, json};
+use serde_json::json;
 
 const USER_NS: &str = "team-topology";
 const DOMAIN: &str = "mg.topology.example.com";
@@ -86,32 +86,6 @@ fn api(client: &Client, group: &str, version: &str, kind: &str) -> Api<DynamicOb
 
 fn infra(client: &Client, kind: &str) -> Api<DynamicObject> {
     api(client, INFRA, "v1beta1", kind)
-}
-
-fn template_ref(api_version: &str, kind: &str, name: &str) -> Value {
-    json!({"templateRef": {"apiVersion": api_version, "kind": kind, "name": name}})
-}
-
-/// The ClusterClass's MachineDeployment classes, workers from the MailgunMachineTemplate
-/// `machines`.
-fn class_workers(machines: &str) -> Value {
-    json!({"machineDeployments": [{
-        "class": "default-worker",
-        "bootstrap": template_ref(&format!("{BOOTSTRAP_GROUP}/{}", topology::VERSION), "TestBootstrapConfigTemplate", "test"),
-        "infrastructure": template_ref(&format!("{INFRA}/v1beta1"), "MailgunMachineTemplate", machines),
-    }]})
-}
-
-/// The topology's MachineDeployments: one of `replicas`. Its Machines never get a Node (nobody
-/// builds the mailed machines here), so they never become Available: a rollout that waited for
-/// availability (maxUnavailable 0, the default) would never remove an old Machine.
-fn topology_workers(replicas: usize) -> Value {
-    json!({"machineDeployments": [{
-        "class": "default-worker",
-        "name": MD,
-        "replicas": replicas,
-        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 2}}},
-    }]})
 }
 
 impl World {
@@ -384,7 +358,7 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
             ("MAILGUN_MACHINE_REQUEST", MACHINE_REQUEST),
         ],
     )?;
-    let objects = clusterclass_objects(&generated)?;
+    let objects = topology::runnable_clusterclass(&generated, USER_NS, MD, 2)?;
     let mut kubectl = world.cp.kubectl()?;
     kubectl.args(["apply", "--server-side", "-o", "name", "-f", "-"]);
     let applied = capm_e2e::run_with_input(
@@ -571,7 +545,7 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
                 CLUSTER,
                 &PatchParams::default(),
                 &Patch::Merge(
-                    json!({"spec": {"topology": {"workers": topology_workers(replicas)}}}),
+                    json!({"spec": {"topology": {"workers": topology::topology_workers(MD, replicas)}}}),
                 ),
             )
             .await?;
@@ -705,45 +679,6 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
 
 fn api_key(world: &World) -> &str {
     world.mailgun.api_key()
-}
-
-/// The objects of clusterctl's `clusterclass` flavor, made runnable here: the kubeadm control
-/// plane and bootstrap templates (whose managers this test does not run) are left out and the
-/// ClusterClass names the test providers' instead; the topology's MachineDeployment gets 2
-/// replicas and a rollout that does not wait for Nodes. Everything of ours (the Mailgun
-/// templates, the variables, the patches, the Cluster's variable values) is as rendered.
-fn clusterclass_objects(generated: &str) -> Result<Vec<Value>> {
-    let mut out = Vec::new();
-    for mut doc in yaml_docs(generated)? {
-        let kind = doc["kind"].as_str().unwrap_or_default().to_owned();
-        match kind.as_str() {
-            "KubeadmControlPlaneTemplate" | "KubeadmConfigTemplate" => continue,
-            "ClusterClass" => {
-                ensure!(
-                    doc["spec"]["variables"].is_array() && doc["spec"]["patches"].is_array(),
-                    "the ClusterClass has no variables or patches"
-                );
-                doc["spec"]["controlPlane"] = template_ref(
-                    &format!("{CONTROL_PLANE_GROUP}/{}", topology::VERSION),
-                    "TestControlPlaneTemplate",
-                    "test",
-                );
-                doc["spec"]["workers"] = class_workers("mailgun-machines");
-            }
-            "Cluster" => {
-                doc["spec"]["topology"]["workers"] = topology_workers(2);
-            }
-            "MailgunClusterTemplate" | "MailgunMachineTemplate" => {}
-            other => bail!("an unexpected {other} in clusterctl's output"),
-        }
-        ensure!(
-            doc["metadata"]["namespace"] == USER_NS,
-            "clusterctl puts every object into the target namespace: {}",
-            doc["metadata"]
-        );
-        out.push(doc);
-    }
-    Ok(out)
 }
 
 /// Checks the one request mail of `uid`: the Cluster's priority in its subject, `request` in its

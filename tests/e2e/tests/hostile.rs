@@ -644,6 +644,15 @@ fn rows() -> Vec<Row> {
         // clusterctl's delete-for-move mark lets only the privileged users (clusterctl) drop
         // our records on the way out; a tenant's write with it is judged like any other.
         patch_after("mail record added with delete-for-move", "MailgunCluster", json!({}), "v1beta1", json!({"metadata": {"annotations": {"clusterctl.cluster.x-k8s.io/delete-for-move": "", names::MAIL_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
+        // The one annotation under our prefix a tenant may write: asking for a retry.
+        row("retry annotation set by the tenant", Expect::Handled(1, ("MailSent", "True", "MailSent")), |env| async move {
+            let Outcome::Accepted { name, .. } = env.owned_cluster("retry-asked", json!({})).await? else {
+                bail!("the base object was not created");
+            };
+            let ask = json!({"metadata": {"annotations": {names::RETRY_ANNOTATION: "1"}}});
+            outcome(ours(&env.mallory, "v1beta1", "MailgunCluster").patch(&name, &PatchParams::default(), &Patch::Merge(ask)).await)
+        }),
+        patch_after("mail record added beside the retry annotation", "MailgunCluster", json!({}), "v1beta1", json!({"metadata": {"annotations": {names::RETRY_ANNOTATION: "1", names::MAIL_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
         row("template stamping our records", Expect::Refused("spec.template.metadata.annotations"), |env| async move {
             create(&ours(&env.mallory, "v1beta1", "MailgunMachineTemplate"), json!({
                 "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunMachineTemplate",

@@ -123,7 +123,7 @@ impl Management {
                 &format!("cluster.x-k8s.io/provider={provider}"),
             ])?;
         }
-        let (module_dir, capi_version) = cluster_api_module()?;
+        let (module_dir, capi_version) = capm_e2e::clusterctl::cluster_api_module()?;
         let inventory_crd = module_dir.join("cmd/clusterctl/config/manifest/clusterctl-api.yaml");
         let crds = yaml_docs(&fs::read_to_string(&inventory_crd)?)?
             .into_iter()
@@ -297,34 +297,6 @@ impl Management {
     }
 }
 
-/// The directory of the Cluster API module clusterctl was built from (`go mod download` finds
-/// it in the module cache, where `make tools` put it) and its version, from
-/// `hack/tools/cluster-api/go.mod`.
-fn cluster_api_module() -> Result<(PathBuf, String)> {
-    let go_mod = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../hack/tools/cluster-api/go.mod");
-    let text = fs::read_to_string(&go_mod)?;
-    let version = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("sigs.k8s.io/cluster-api v"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .map(|v| format!("v{v}"))
-        .context("the sigs.k8s.io/cluster-api version in hack/tools/cluster-api/go.mod")?;
-    let out = capm_e2e::run(
-        Command::new("go").args([
-            "mod",
-            "download",
-            "-json",
-            &format!("sigs.k8s.io/cluster-api@{version}"),
-        ]),
-        "go mod download sigs.k8s.io/cluster-api",
-    )?;
-    let info: Value = serde_json::from_str(&out)?;
-    let dir = info["Dir"]
-        .as_str()
-        .context("no Dir in go mod download's answer")?;
-    Ok((PathBuf::from(dir), version))
-}
-
 /// A condition of an object's `status.conditions`, as (status, reason).
 fn condition(obj: &DynamicObject, type_: &str) -> Option<(String, String)> {
     obj.data["status"]["conditions"]
@@ -384,7 +356,7 @@ async fn story(source: &Management, target: &Management, tenant: &MailgunServer)
     let started = Instant::now();
 
     // The tenant's identity and its Secret in the provider's namespace. The Secret names the
-    // identity as its owner, as the README tells users: `clusterctl move` then carries it with
+    // identity as its owner, as docs/multi-tenancy.md tells users: `clusterctl move` then carries it with
     // the identity (it moves what a move-hierarchy object owns, and looks for Secrets in the
     // infrastructure providers' namespaces).
     create_namespace(&source.admin, TENANT_NS, false).await?;

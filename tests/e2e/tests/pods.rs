@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     CHART_NAMESPACE as NS, FULLNAME, Prometheus, RELEASE, create_cluster_pair, create_namespace,
     create_secret, dynamic_api, eventually, helm,
-    pods::{check_no_restarts, leader, on_a_node, provider_pods, ready},
+    pods::{check_no_restarts, leader, load_kubectl_image, on_a_node, provider_pods, ready},
     provider_binary,
     release::{Registry, Release, key_pair, release, verify_signature},
     start_capi_manager,
@@ -36,8 +36,8 @@ use kube::{
 
 const USER_NS: &str = "team-a";
 const REQUESTER: &str = "pods@example.com";
-/// The chart names the Lease after the release.
-const LEASE: &str = "capm-cluster-api-provider-mailgun-leader";
+/// The chart names the Lease as the binary does by default.
+const LEASE: &str = "cluster-api-provider-mailgun-leader";
 const DOMAIN: &str = "mg.e2e.example.com";
 const RECIPIENT: &str = "infrastructure-team@example.com";
 /// Objects of the memory check (`CAPM_PODS_OBJECTS` overrides): the Cluster + MailgunCluster
@@ -276,6 +276,24 @@ async fn run(cp: &ControlPlane, dir: &std::path::Path) -> Result<()> {
         converted.types
     );
     every_mail_once(&mailgun, &["first".to_owned()], Duration::from_secs(120)).await?;
+
+    // `helm test`: the chart's test Pod checks /readyz of the Pods (through a Service of the
+    // test and the API server's proxy) and the webhooks (a server-side dry run through v1alpha1).
+    load_kubectl_image(cp)?;
+    let t = Instant::now();
+    let tested = helm(
+        Some(cp.kubeconfig()),
+        &["test", RELEASE, "-n", NS, "--logs", "--timeout", "3m"],
+    )?;
+    println!("helm test {RELEASE} ({:.1?}):\n{tested}", t.elapsed());
+    ensure!(
+        tested.contains("Phase:") && tested.contains("Succeeded"),
+        "helm test did not succeed:\n{tested}"
+    );
+    ensure!(
+        tested.contains("created (server dry run)"),
+        "the test Pod's webhook check did not run:\n{tested}"
+    );
 
     // Prometheus scrapes the Pods behind the metrics Service (its endpoints).
     let targets = eventually(

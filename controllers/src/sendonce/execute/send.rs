@@ -17,6 +17,7 @@ use crate::{
     events::EventType,
     identity::Route,
     kinds::{InfraKind, MailText},
+    ledger::Attempt,
     sendonce::{Which, decide::Withheld, records::Sent},
 };
 
@@ -91,11 +92,8 @@ pub(super) async fn send<K: InfraKind>(
                         mark_refused(obj, ctx, tracked, which).await;
                     }
                     if error.kind() == ErrorKind::Permanent {
-                        ctx.ledger.mark_permanently_refused(
-                            &uid,
-                            which,
-                            obj.meta().generation.unwrap_or_default(),
-                        );
+                        let attempt = Attempt::of(obj.meta());
+                        ctx.ledger.mark_permanently_refused(&uid, which, attempt);
                     }
                 }
             }
