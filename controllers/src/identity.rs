@@ -1,5 +1,5 @@
-//! Mail identities: which backend, sender and recipients an object's mails go through (README,
-//! "Tenants"). Identities and their Secrets are read with `get` when a mail is about to be sent
+//! Mail identities: which backend, sender and recipients an object's mails go through
+//! (docs/multi-tenancy.md). Identities and their Secrets are read with `get` when a mail is about to be sent
 //! or looked up, never watched, so a rotated key is used from the next send on; a backend is
 //! built once per identity and rebuilt when anything it was built from changes.
 
