@@ -12,6 +12,7 @@
 //!   `v1alpha1` can hold it) and a conversion webhook handler ([`webhook`]) that the manager
 //!   binary serves, next to the admission webhook ([`admission`]) that holds writes made through
 //!   `v1alpha1` to every `v1beta1` rule;
+//! - the parts of Cluster API's own `Cluster` and `Machine` that the provider reads ([`capi`]);
 //! - the CustomResourceDefinitions themselves ([`crd`]), written to `config/crd/` by
 //!   `cargo run -p capm-api --bin crdgen -- config/crd` and checked with `--check`.
 //!
@@ -39,6 +40,7 @@
 //! ```
 
 pub mod admission;
+pub mod capi;
 pub mod conversion;
 pub mod crd;
 pub mod limits;

@@ -97,30 +97,20 @@ impl Config {
     }
 }
 
-/// A [`Config`] field that [`Config::validate`] checks.
+/// A [`Config`] field that [`Config::validate`] checks; each variant is the field of its name.
+#[allow(missing_docs)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {
-    /// [`Config::recipients`].
     Recipients,
-    /// [`Config::mail_from`].
     MailFrom,
-    /// [`Config::message_id_domain`].
     MessageIdDomain,
-    /// [`Config::concurrency`].
     Concurrency,
-    /// [`Config::backoff_base`].
     BackoffBase,
-    /// [`Config::backoff_max`].
     BackoffMax,
-    /// [`Config::lookup_grace`].
     LookupGrace,
-    /// [`Config::sync_period`].
     SyncPeriod,
-    /// [`Config::delivery_poll_base`].
     DeliveryPollBase,
-    /// [`Config::delivery_poll_max`].
     DeliveryPollMax,
-    /// [`Config::delivery_retention`].
     DeliveryRetention,
 }
 
@@ -204,9 +194,6 @@ pub enum Error {
     /// The configuration cannot work.
     #[error("invalid controller configuration: {0}")]
     Config(#[from] Invalid),
-    /// The controllers were wired wrongly (a bug, not a setting).
-    #[error("{0}")]
-    Wiring(&'static str),
     /// The Kubernetes API refused something the controllers need to start.
     #[error("{context}: {source}")]
     Kube {
@@ -218,32 +205,31 @@ pub enum Error {
     },
 }
 
-/// A configuration for the crate's unit tests: one recipient, a sender and Message-Ids on
-/// `domain`, short backoffs, the binary's other defaults.
 #[cfg(test)]
-pub(crate) fn for_tests(domain: &str) -> Config {
-    Config {
-        recipients: vec!["ops@example.com".into()],
-        mail_from: "capm@example.com".into(),
-        message_id_domain: domain.into(),
-        namespace: None,
-        watch_filter: None,
-        concurrency: 10,
-        backoff_base: Duration::from_millis(100),
-        backoff_max: Duration::from_secs(10),
-        instance: "t".into(),
-        lookup_grace: Duration::from_secs(10),
-        delivery_poll_base: Duration::from_secs(30),
-        delivery_poll_max: Duration::from_secs(30 * 60),
-        delivery_retention: Duration::from_secs(72 * 3600),
-        sync_period: Duration::from_secs(10 * 3600),
-        identity_secret_namespace: None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A configuration for the crate's unit tests: one recipient, a sender and Message-Ids on
+    /// `domain`, short backoffs, the binary's other defaults.
+    pub(crate) fn for_tests(domain: &str) -> Config {
+        Config {
+            recipients: vec!["ops@example.com".into()],
+            mail_from: "capm@example.com".into(),
+            message_id_domain: domain.into(),
+            namespace: None,
+            watch_filter: None,
+            concurrency: 10,
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(10),
+            instance: "t".into(),
+            lookup_grace: Duration::from_secs(10),
+            delivery_poll_base: Duration::from_secs(30),
+            delivery_poll_max: Duration::from_secs(30 * 60),
+            delivery_retention: Duration::from_secs(72 * 3600),
+            sync_period: Duration::from_secs(10 * 3600),
+            identity_secret_namespace: None,
+        }
+    }
 
     /// A unit-test configuration changed by `change` is refused with `expected`, also as the
     /// controllers' error.

@@ -8,18 +8,18 @@ use kube::{Client, Resource, ResourceExt, runtime::controller::Action};
 use tokio::sync::watch;
 
 use crate::{
-    Config, Leadership, Metrics, capi,
+    Config, Leadership, Metrics,
     events::{EventType, Events},
-    kinds::InfraKind,
+    identity::IdentityError,
+    kinds::{InfraKind, Stores},
     ledger::Ledger,
-    poller::{Poller, Timings},
+    poller::{Poller, Timings, WakeSenders},
     sendonce::decide::Withheld,
     workqueue,
 };
 
 /// The field manager of every write to our objects, so `managedFields` (and whoever audits
-/// them) can tell the provider's writes from others' (without it the API server records them
-/// as "unknown").
+/// them) can tell the provider's writes from others' (not "unknown").
 pub const FIELD_MANAGER: &str = "cluster-api-provider-mailgun";
 
 /// Patch parameters naming [`FIELD_MANAGER`].
@@ -33,25 +33,20 @@ pub fn patch_params() -> kube::api::PatchParams {
 /// Why one reconcile failed (or waits); decides how soon it is retried.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
-    /// A Kubernetes API call failed.
     #[error("{context}: {source}")]
     Kube {
-        /// What was being done.
         context: &'static str,
-        /// The error.
         #[source]
         source: kube::Error,
     },
     /// A write lost an optimistic-concurrency race (HTTP 409); retried soon with fresh data.
     #[error("{0}: the object changed meanwhile (conflict); retrying with its new version")]
     Conflict(&'static str),
-    /// The mail backend failed.
     #[error("mail backend: {0}")]
     Mail(#[source] MailError),
     /// The mail could not be built from the object (a value the schema should have refused).
     #[error("building the mail: {0}")]
     Message(#[source] MessageError),
-    /// The object breaks a validation rule.
     #[error("invalid object: {0}")]
     InvalidSpec(String),
     /// The backend has no record of a mail whose outcome was unknown; wait before resending.
@@ -66,31 +61,14 @@ pub enum ReconcileError {
     /// A send was not started now (not leading, owner deleting, refused for good, backoff).
     #[error("mail withheld: {0:?}")]
     Withheld(Withheld),
-    /// The object's mail identity cannot be used (missing, not allowed, invalid): no mail.
-    /// Retried with backoff: creating or fixing the identity or its Secret makes it usable.
-    #[error("{message}")]
-    Identity {
-        /// The condition reason (`IdentityNotFound`, `IdentityNotAllowed`, `IdentityInvalid`).
-        reason: &'static str,
-        /// What is wrong, naming the field or Secret (never a value).
-        message: String,
-    },
+    /// The object's mail identity cannot be used (missing, not allowed, invalid: no mail), or
+    /// could not be read. Retried with backoff: creating or fixing the identity or its Secret
+    /// makes it usable.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
     /// The object is gone: nothing more to do or write.
     #[error("the object is gone")]
     Gone,
-}
-
-impl From<crate::identity::IdentityError> for ReconcileError {
-    fn from(e: crate::identity::IdentityError) -> Self {
-        match e {
-            crate::identity::IdentityError::Unusable { reason, message } => {
-                Self::Identity { reason, message }
-            }
-            crate::identity::IdentityError::Kube { context, source } => {
-                Self::Kube { context, source }
-            }
-        }
-    }
 }
 
 impl ReconcileError {
@@ -105,7 +83,7 @@ impl ReconcileError {
             | Self::Conflict(_)
             | Self::AwaitingLookup(_)
             | Self::AwaitingHandover(_)
-            | Self::Identity { .. }
+            | Self::Identity(_)
             | Self::Gone => false,
         }
     }
@@ -147,20 +125,15 @@ impl ReconcileError {
 
 /// Everything a reconcile needs.
 pub struct Ctx {
-    /// API client.
     pub client: Client,
-    /// The mail backend.
+    /// The provider's own mail backend; an identity's is in [`Self::identities`].
     pub mailer: Arc<dyn Mailer>,
-    /// Event publisher.
     pub events: Events,
     /// The mail identities' backends (`spec.identityRef`).
     pub(crate) identities: crate::identity::Identities,
-    /// Configuration.
     pub config: Config,
-    /// Metrics.
     pub metrics: Metrics,
-    /// The Cluster API stores.
-    pub capi: capi::Stores,
+    pub capi: Stores,
     /// This process's standing as leader, consulted right before every write and send; its
     /// identity is recorded with every mail intent.
     pub leadership: Leadership,
@@ -168,24 +141,19 @@ pub struct Ctx {
     pub poller: Arc<Poller>,
     /// Retry state and tombstones, by UID.
     pub(crate) ledger: Ledger,
-    /// True once the Cluster API stores have finished their first list
-    /// ([`Self::wait_for_capi_lists`]). A `watch` channel and not `Store::wait_until_ready` in
-    /// each reconcile: kube-runtime's delayed init wakes only the last of several concurrent
-    /// waiters, which would strand the others.
+    /// True once the Cluster API stores have finished their first list. A `watch` channel, not
+    /// `Store::wait_until_ready` per reconcile: kube-runtime's delayed init wakes only the last
+    /// of several concurrent waiters, which would strand the others.
     capi_listed: watch::Sender<bool>,
 }
 
-/// The longest a reconcile waits for the Cluster API stores' first list before judging owners
-/// anyway.
+/// The longest a reconcile waits for the Cluster API stores' first list.
 const CAPI_LIST_WAIT: Duration = Duration::from_secs(30);
 
 impl Ctx {
     /// Checked right before every write and every send: a replica that cannot prove it still
     /// leads (monotonic clock, see [`crate::Leadership::may_act`]) writes nothing at all. A
     /// reconcile frozen half-way (SIGSTOP, a long GC pause) checks again when it resumes.
-    ///
-    /// # Errors
-    /// [`Withheld::NotLeading`].
     pub fn ensure_leading(&self) -> Result<(), ReconcileError> {
         if self.leadership.may_act() {
             Ok(())
@@ -194,7 +162,7 @@ impl Ctx {
         }
     }
 
-    /// A context over the given parts.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         client: Client,
         mailer: Arc<dyn Mailer>,
@@ -202,7 +170,8 @@ impl Ctx {
         config: Config,
         leadership: Leadership,
         metrics: Metrics,
-        capi: capi::Stores,
+        capi: Stores,
+        wakes: WakeSenders,
     ) -> Self {
         let poller = Arc::new(Poller::new(
             mailer.clone(),
@@ -212,6 +181,7 @@ impl Ctx {
                 max: config.delivery_poll_max,
                 retention: config.delivery_retention,
             },
+            wakes,
         ));
         let identities = crate::identity::Identities::new(
             client.clone(),
@@ -240,9 +210,8 @@ impl Ctx {
         }
     }
 
-    /// Marks the Cluster API stores listed once both have finished their first list. Called
-    /// once by the runner; until the first list completes a missing owner means "not listed
-    /// yet", not "absent".
+    /// Marks the Cluster API stores listed once both have finished their first list (called
+    /// once, by the runner): until then a missing owner means "not listed yet", not "absent".
     pub fn wait_for_capi_lists(self: &Arc<Self>) {
         let ctx = Arc::clone(self);
         tokio::spawn(async move {
@@ -264,8 +233,8 @@ impl Ctx {
     }
 
     /// Waits (at most [`CAPI_LIST_WAIT`]) until the Cluster API stores have been listed once,
-    /// so no reconcile judges an owner missing from a store that has not been filled yet: that
-    /// judgement flapped `Ready` to `WaitingForOwner` and back on every leader change.
+    /// so no reconcile judges an owner missing from a store that has not been filled yet (a
+    /// new leader would flap `Ready` to `WaitingForOwner` and back).
     pub async fn capi_listed(&self) {
         let mut rx = self.capi_listed.subscribe();
         if tokio::time::timeout(CAPI_LIST_WAIT, rx.wait_for(|ready| *ready))
@@ -297,6 +266,7 @@ impl Ctx {
             K::CONTROLLER,
             &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
             delay,
+            std::time::Instant::now(),
         );
         Action::requeue(delay)
     }
@@ -332,8 +302,7 @@ impl Ctx {
     }
 
     /// The object with this UID is gone (its finalizer removed, the watch or a list says so):
-    /// everything noted about it is forgotten, in one place, and every cached copy of it is
-    /// stale from now on.
+    /// everything noted about it is forgotten, in one place.
     pub fn forget(&self, uid: &str) {
         self.ledger.forget(uid);
         self.poller.forget(uid);
@@ -351,14 +320,14 @@ mod tests {
         ctx_over(reflector::store().0, reflector::store().0)
     }
 
-    use crate::capi::{Cluster, Machine};
+    use capm_api::capi::{Cluster, Machine};
     use kube::runtime::reflector::{self, Store};
 
     fn ctx_over(clusters: Store<Cluster>, machines: Store<Machine>) -> Ctx {
         let client =
             Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
         let events = Events::new(client.clone(), "t", "t");
-        let config = crate::config::for_tests("example.com");
+        let config = crate::config::tests::for_tests("example.com");
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         Ctx::new(
             client,
@@ -367,7 +336,8 @@ mod tests {
             config,
             Leadership::unelected("t"),
             metrics,
-            capi::Stores { clusters, machines },
+            Stores { clusters, machines },
+            crate::poller::tests::wakes().0,
         )
     }
 

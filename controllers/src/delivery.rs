@@ -1,23 +1,8 @@
 //! Was the request mail delivered? Sending is not delivery: after the backend accepted the
-//! request mail, the process's delivery poller ([`crate::poller`]) asks it (Mailgun's Logs or
-//! events API) what became of it, and a reconcile shows the answer in the `MailDelivered`
-//! condition and `status.mail.state`.
-//!
-//! - First asked `delivery_poll_base` after the send (after a restart: spread over one base by
-//!   UID), then with backoff (doubling to `delivery_poll_max`) only while the outcome is
-//!   unknown; never after it is final (delivered, partly delivered, failed for good, not
-//!   trackable) or once the backend's events have expired (`delivery_retention` after the
-//!   send). Backends that cannot tell (SMTP) are never asked.
-//! - A failure to one recipient is reported even when another has the mail (`PartlyDelivered`,
-//!   True, with a Warning event).
-//! - A permanent failure is reported (condition False, a Warning event) and never leads to a
-//!   resend: the send-once records are not touched, a human must act.
-//! - `MailDelivered` is informational: it does not feed `Ready`.
-//! - Only the request mail is followed; the release mail sent during deletion is not (the object
-//!   is gone right after it).
-//!
-//! The schedule of questions lives in the poller's memory only; the answers live in status. A
-//! new process (or a wiped status) asks again, at most until the retention has passed.
+//! request mail, the process's delivery poller ([`crate::poller`]) asks it what became of it, and
+//! a reconcile shows the answer in the `MailDelivered` condition and `status.mail.state`; a
+//! delivery failure never leads to a resend. The schedule and what each answer shows:
+//! docs/how-it-works.md, step 4.
 
 use std::{
     sync::Arc,
@@ -123,14 +108,8 @@ pub(crate) async fn track<K: InfraKind>(
     // intent's time is the best bound. Without either (records of an older or foreign writer)
     // the retention cannot be bounded: do not ask at all.
     let Some(sent_at) = sent_at else {
-        let unknown = Shown {
-            status: "Unknown",
-            reason: reasons::DELIVERY_UNKNOWN,
-            message: "no send time is recorded for the mail; its delivery is not asked about"
-                .to_owned(),
-            outcome: "unknown",
-        };
-        show(obj, ctx, via, status, &unknown).await;
+        let why = "no send time is recorded for the mail; its delivery is not asked about";
+        show(obj, ctx, via, status, &unknown(why.to_owned())).await;
         return;
     };
     let elapsed = Duration::from_millis(
@@ -144,17 +123,12 @@ pub(crate) async fn track<K: InfraKind>(
     let retention = ctx.config.delivery_retention;
     if elapsed >= retention {
         poller.forget(&uid);
-        let unknown = Shown {
-            status: "Unknown",
-            reason: reasons::DELIVERY_UNKNOWN,
-            message: format!(
-                "{backend} accepted the mail but reported no delivery outcome within the \
-                 {}s its events are kept; no longer asking",
-                retention.as_secs()
-            ),
-            outcome: "unknown",
-        };
-        show(obj, ctx, via, status, &unknown).await;
+        let why = format!(
+            "{backend} accepted the mail but reported no delivery outcome within the {}s its \
+             events are kept; no longer asking",
+            retention.as_secs()
+        );
+        show(obj, ctx, via, status, &unknown(why)).await;
         return;
     }
     let id = match MessageId::parse(message_id) {
@@ -229,6 +203,15 @@ fn not_trackable(backend: &str, why: Option<&str>) -> Shown {
             None => message,
         },
         outcome: "not_trackable",
+    }
+}
+
+fn unknown(message: String) -> Shown {
+    Shown {
+        status: "Unknown",
+        reason: reasons::DELIVERY_UNKNOWN,
+        message,
+        outcome: "unknown",
     }
 }
 

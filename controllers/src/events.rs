@@ -1,13 +1,11 @@
 //! Kubernetes Events (`events.k8s.io/v1`) about our objects, through kube's `Recorder`.
 //!
-//! The `Recorder` turns an event repeated for the same object version, type and reason within
-//! six minutes into a series (`series.count`) on the first Event. Each object has a `Recorder`
-//! of its own, by UID, dropped when the object is gone ([`Events::forget`]) or has had no Event
-//! for six minutes: a shared one keeps every Event it published for six minutes with no way to
-//! let a gone object's go (`docs/kube-runtime-recorder.md`). Two things it does not do are done
-//! here: a note from a peer is cleaned and cut to the API server's 1 KiB, and an object whose
-//! name leaves no room for the Recorder's `.<nanoseconds>` suffix (over 236 characters) gets its
-//! Event under a shortened name, without a series (the API server refuses the Recorder's name).
+//! Each object has a `Recorder` of its own, by UID, dropped when the object is gone
+//! ([`Events::forget`]) or has had no Event for six minutes: a shared one keeps every Event it
+//! published for six minutes (docs/kube-runtime-recorder.md). Done here, not by the `Recorder`:
+//! a note from a peer is cleaned and cut to 1 KiB, and an object whose name leaves no room for the
+//! `Recorder`'s `.<nanoseconds>` suffix (over 236 characters) gets its Event under a shortened
+//! name, without a series (the API server refuses the `Recorder`'s name).
 
 use std::{
     collections::HashMap,
@@ -96,17 +94,8 @@ impl Events {
         recorders.by_uid.remove(uid);
     }
 
-    #[cfg(test)]
-    fn recorders(&self) -> usize {
-        let recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
-        recorders.by_uid.len()
-    }
-
     /// Publishes one Event about `regarding`, or counts it in the series of an identical
-    /// recent one.
-    ///
-    /// # Errors
-    /// The API server's refusal.
+    /// recent one; an error is the API server's refusal.
     pub async fn publish(
         &self,
         regarding: &ObjectReference,
@@ -168,6 +157,13 @@ fn short_name(object: &str, nanos: i128) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Events {
+        fn recorders(&self) -> usize {
+            let recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
+            recorders.by_uid.len()
+        }
+    }
 
     #[tokio::test]
     async fn each_object_has_its_recorder_until_it_is_forgotten() {

@@ -1,14 +1,7 @@
-//! Crash and freeze injection for the exactly-once tests.
-//!
-//! `CAPM_FAILPOINT=<name>` makes the process abort when it reaches the step of that name
-//! (`after-intent`: intent recorded, mail not sent; `after-send`: mail accepted, not recorded).
-//! `CAPM_FAILPOINT=<name>:stop` freezes it there instead, once (SIGSTOP to itself, as an
-//! operator's `kill -STOP` or a stalled node would): the test resumes it with SIGCONT.
-//! `CAPM_FAILPOINT_FILE=<path>` arms a freeze while the process runs: when the file holds
-//! `<name>:stop` as the process reaches that step, the file is removed and the process freezes
-//! (the soak uses it to freeze a leader in the middle of a send, at `before-commit`).
-//! Compiled in only with the `failpoints` cargo feature, which only the tests enable: a release
-//! build has no way to make library code abort.
+//! Crash and freeze injection for the exactly-once tests (`CAPM_FAILPOINT`,
+//! `CAPM_FAILPOINT_FILE`: docs/testing.md, "Failpoints"). Compiled in only with the `failpoints`
+//! cargo feature, which only the tests enable: a release build has no way to make library code
+//! abort.
 
 /// Does nothing: failpoints are compiled out (`failpoints` feature off).
 #[cfg(not(feature = "failpoints"))]

@@ -1,13 +1,7 @@
-//! Mail identities: which backend, sender and recipients an object's mails go through.
-//!
-//! An object without an identity uses the process's own configuration (the default identity).
-//! One naming a `MailgunClusterIdentity` (a `MailgunCluster`'s `spec.identityRef`, or for a
-//! `MailgunMachine` its Cluster's `MailgunCluster`'s) goes through that identity's backend, if
-//! the identity allows the object's namespace. Identities are read when a mail is about to be
-//! sent or looked up, never watched; their Secrets are read from the provider's own namespace
-//! with `get` (no list, no watch), so a rotated key is used from the next send on. A backend is
-//! built once per identity and rebuilt when anything it was built from changes (the identity,
-//! or a Secret's value).
+//! Mail identities: which backend, sender and recipients an object's mails go through
+//! (docs/multi-tenancy.md). Identities and their Secrets are read with `get` when a mail is about to be sent
+//! or looked up, never watched, so a rotated key is used from the next send on; a backend is
+//! built once per identity and rebuilt when anything it was built from changes.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -39,15 +33,12 @@ pub enum IdentityError {
     Unusable {
         /// `IdentityNotFound`, `IdentityNotAllowed` or `IdentityInvalid`.
         reason: &'static str,
-        /// What is wrong.
         message: String,
     },
     /// The API server could not be asked.
     #[error("{context}: {source}")]
     Kube {
-        /// What was being read.
         context: &'static str,
-        /// The error.
         #[source]
         source: kube::Error,
     },
@@ -60,14 +51,11 @@ fn kube(context: &'static str) -> impl FnOnce(kube::Error) -> IdentityError {
 /// The most bytes of one Secret value an identity uses (keys and CA bundles are far smaller).
 const MAX_SECRET_VALUE_BYTES: usize = 64 * 1024;
 
-/// Where one object's mails go.
+/// Where one object's mails go: backend, `From`, recipients.
 #[derive(Clone)]
 pub(crate) struct Route {
-    /// The backend.
     pub mailer: Arc<dyn Mailer>,
-    /// The mails' `From`.
     pub from: String,
-    /// Who receives them.
     pub recipients: Vec<String>,
     /// The identity's name; `None` for the provider's own configuration.
     pub identity: Option<String>,
@@ -111,10 +99,8 @@ impl Identities {
         }
     }
 
-    /// The name of the identity `wanted` stands for (`None`: the provider's own).
-    ///
-    /// # Errors
-    /// [`IdentityError::Kube`] when a machine's `MailgunCluster` could not be read.
+    /// The name of the identity `wanted` stands for (`None`: the provider's own); an error when
+    /// a machine's `MailgunCluster` could not be read.
     pub(crate) async fn wanted(
         &self,
         wanted: &Wanted,
@@ -147,11 +133,8 @@ impl Identities {
     }
 
     /// The route of the identity `name` (`None`: the provider's own configuration) for an
-    /// object in `namespace`.
-    ///
-    /// # Errors
-    /// [`IdentityError::Unusable`] when it does not exist, does not allow `namespace`, or
-    /// cannot be used; [`IdentityError::Kube`] when the API server could not be asked.
+    /// object in `namespace`; [`IdentityError::Unusable`] when it does not exist, does not allow
+    /// `namespace`, or cannot be used.
     pub(crate) async fn route(
         &self,
         name: Option<&str>,

@@ -3,35 +3,38 @@
 use std::{fmt::Debug, sync::Arc};
 
 use capm_api::{
+    capi::{self, Cluster, ContractRef, Machine},
     names,
     v1beta1::{MachineAddress, MailgunCluster, MailgunMachine, Priority},
     validation::Validate,
 };
 use k8s_openapi::NamespaceResourceScope;
-use kube::{Resource, ResourceExt, runtime::reflector::ObjectRef};
+use kube::{
+    Resource, ResourceExt,
+    runtime::reflector::{ObjectRef, Store},
+};
 use serde::{Serialize, de::DeserializeOwned};
 
-use crate::{
-    capi::{self, Cluster, ContractRef, Machine, Stores},
-    status::Status,
-    workqueue,
-};
+use crate::{status::Status, workqueue};
 
-/// Why a request cannot be mailed yet.
+/// The reflector stores of the Cluster API objects the reconciles read (never written).
+#[derive(Clone)]
+pub struct Stores {
+    pub clusters: Store<Cluster>,
+    pub machines: Store<Machine>,
+}
+
+/// Why a request cannot be mailed yet: the condition's reason and message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Wait {
-    /// Condition reason.
     pub reason: &'static str,
-    /// Condition message.
     pub message: String,
 }
 
-/// The subject and body of one mail.
+/// The subject and plain-text body of one mail.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MailText {
-    /// Subject line.
     pub subject: String,
-    /// Plain-text body.
     pub body: String,
 }
 
@@ -60,7 +63,6 @@ pub trait InfraKind:
     const KIND: &'static str;
     /// The controller name in metrics and logs.
     const CONTROLLER: &'static str;
-    /// Our finalizer.
     const FINALIZER: &'static str;
     /// The Cluster API owner kind (`Cluster` / `Machine`).
     const OWNER_KIND: &'static str;
@@ -69,13 +71,10 @@ pub trait InfraKind:
 
     /// The object's status, as the shared [`Status`].
     fn shared_status(&self) -> Status;
-    /// `spec.priority`.
     fn priority(&self) -> Priority;
-    /// `spec.requester`.
     fn requester(&self) -> &str;
     /// What the human provided, once they did.
     fn fulfilment(&self) -> Option<String>;
-    /// The Cluster API owner type.
     type Owner: Resource<DynamicType = (), Scope = NamespaceResourceScope>
         + Clone
         + Debug

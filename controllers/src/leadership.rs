@@ -3,24 +3,13 @@
 //! Leader election is not a fencing mechanism: a leader frozen (SIGSTOP, a long GC-like stall, a
 //! VM pause) keeps believing it leads until its renew loop runs again, while another replica has
 //! already taken the Lease over. The writes guarded by `resourceVersion` fence the API server; a
-//! mail backend has no such fence. So, right before every send, the controllers ask
+//! mail backend has no such fence. So, right before every send and again at its commit point
+//! (as the backends' [`CommitGate`](capm_mailer::CommitGate)), the controllers ask
 //! [`Leadership::may_act`]: less than the renew deadline must have passed since the start of this
 //! process's last successful renewal. A standby takes the Lease over only after it has seen the
 //! Lease unchanged for the lease duration, which is longer than the renew deadline, so a send
-//! that passes this check started before any other replica could lead.
-//!
-//! The same check is the mail backends' [`CommitGate`](capm_mailer::CommitGate): asked again at
-//! each send's commit point (the final chunk of Mailgun's request body, SMTP's end-of-data line),
-//! so a process frozen *during* a send, after the first check, abandons it on resume instead of
-//! completing it.
-//!
-//! # Caveats
-//! A process frozen between the commit gate and the kernel's taking of the final bytes (a few
-//! microseconds) still delivers on resume. The standby's side of the protocol (see
-//! [`Leadership::handover`]) waits for intents written by another holder to age past the lease
-//! duration plus the renew deadline before looking them up or resending, which covers a freeze
-//! before the check (by the writer's recorded time and the standby's own first sight of the
-//! intent, whichever is safer).
+//! that passes this check started before any other replica could lead. The standby's side
+//! ([`Leadership::handover`]) and the window left open: docs/how-it-works.md.
 
 use std::{
     fmt,

@@ -1,12 +1,9 @@
-//! The ledger: what this process notes about each object, in one place, by UID (retry counts
-//! and backoff, the version its last write produced, when a mail's intent was first seen,
-//! refusals) and the tombstones of gone objects.
-//!
-//! Nothing here is durable: it only makes retries slower, lookups patient and writes fewer. It
-//! is forgotten in one call ([`Ledger::forget`]) when the object is gone (its finalizer removed,
-//! a watch's deletion, a list that no longer has it), and a forgotten UID is never remembered
-//! again (for [`TOMBSTONE_TTL`], far longer than any cached copy of it can linger), so what a
-//! reconcile still in flight for a gone object records is dropped, not leaked.
+//! The ledger: what this process notes about each object by UID (retry counts and backoff, the
+//! version its last write produced, when a mail's intent was first seen, refusals), and the
+//! tombstones of gone objects. Nothing here is durable: it only makes retries slower, lookups
+//! patient and writes fewer. A gone object is forgotten in one call ([`Ledger::forget`]) and its
+//! UID not remembered again for [`TOMBSTONE_TTL`] (far longer than any cached copy lingers), so
+//! what a reconcile still in flight for it records is dropped, not leaked.
 
 use std::{
     collections::HashMap,
@@ -161,9 +158,8 @@ impl Ledger {
         Some(out)
     }
 
-    /// Counts one more failure of `uid`; `delay(count)` gives its retry delay, which also
-    /// gates its sends when `gate_sends` (a mail backend's failure: another trigger must not
-    /// send sooner). Returns the delay.
+    /// Counts one more failure of `uid` and returns its retry delay, `delay(count)`; with
+    /// `gate_sends` (a mail backend's failure) no other trigger sends before it has passed.
     pub fn failed(
         &self,
         uid: &str,
@@ -276,8 +272,7 @@ impl Ledger {
         self.change(uid, |o| o.mails[slot(which)] = MailNotes::default());
     }
 
-    /// The object `uid` is gone: everything about it is forgotten, and every cached copy of it
-    /// is stale from now on (for [`TOMBSTONE_TTL`]).
+    /// The object `uid` is gone: forgotten, and every cached copy stale for [`TOMBSTONE_TTL`].
     pub fn forget(&self, uid: &str) {
         let mut inner = self.lock();
         inner.objects.remove(uid);
@@ -291,17 +286,18 @@ impl Ledger {
         }
         self.count(&inner);
     }
-
-    /// How many objects are remembered (gone ones not counted).
-    #[cfg(test)]
-    pub fn len(&self) -> usize {
-        self.lock().objects.len()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Ledger {
+        /// How many objects are remembered (gone ones not counted).
+        pub(crate) fn len(&self) -> usize {
+            self.lock().objects.len()
+        }
+    }
 
     #[test]
     fn a_gone_object_stays_stale_whatever_copy_arrives_and_is_not_remembered_again() {

@@ -11,10 +11,10 @@
 //!
 //! The modules in layers, lowest first: each imports only its own layer's and lower layers'
 //! modules, with no circle (`make lint` checks it, `hack/module-cycles.py`):
-//! - `failpoint`, [`capi`], `config`, `status`, `events`, `workqueue`, `metrics`: what the
-//!   provider reads (Cluster API's objects) and how it reports (conditions, Events, the
-//!   `workqueue_*` series for kube-runtime's scheduler, [`Metrics`]), and its [`Config`];
-//! - `kinds`: what differs between our two kinds;
+//! - `failpoint`, `config`, `status`, `events`, `workqueue`, `metrics`: how the provider
+//!   reports (conditions, Events, the `workqueue_*` series for kube-runtime's scheduler,
+//!   [`Metrics`]), and its [`Config`];
+//! - `kinds`: what differs between our two kinds, and the caches of Cluster API's objects;
 //! - [`sendonce`]: the send-once protocol's records and its decision, pure;
 //! - `leadership`, `ledger`, `poller`, `identity`: process state: [`Leadership`] (may this
 //!   replica act), the per-object ledger (retry state and tombstones, by UID), the delivery
@@ -24,7 +24,6 @@
 //! - `reconcile`: one pass, in Cluster API's step order;
 //! - `pipeline`: watch → store → triggers → controller, one per kind: [`run`].
 
-pub mod capi;
 mod config;
 mod context;
 mod delivery;

@@ -11,43 +11,8 @@ const RECONCILE_BUCKETS: &[f64] = &[
     25.0, 30.0, 40.0, 50.0, 60.0,
 ];
 
-/// The controllers' metrics, registered once per process.
-///
-/// - `controller_runtime_reconcile_total{controller, result}` (`success`, `error`, `requeue`,
-///   `requeue_after`)
-/// - `controller_runtime_reconcile_errors_total{controller}`
-/// - `controller_runtime_reconcile_time_seconds{controller}`
-/// - `controller_runtime_active_workers{controller}`
-/// - `controller_runtime_max_concurrent_reconciles{controller}`
-/// - `workqueue_retries_total{name}`: requeues after an error, as controller-runtime counts them
-/// - `workqueue_depth`, `workqueue_adds_total`, `workqueue_queue_duration_seconds`,
-///   `workqueue_work_duration_seconds`, `workqueue_unfinished_work_seconds`,
-///   `workqueue_longest_running_processor_seconds` (all `{name}`): kube-runtime's scheduler
-///   measured at its edges (what each means here: the `workqueue` module).
-/// - `capm_reconcile_triggers_total{name}`: every request for a reconcile (watch events, Cluster
-///   API objects' changes, a completed list's, the sync period's, the delivery poller's), including
-///   those kube-runtime's scheduler folds into one already waiting (`workqueue_adds_total` does not
-///   count those).
-/// - `capm_watch_lists_total{name}`: completed lists of the kind's watch: the first, and one
-///   per re-list (a watch that could not resume: `410 Gone`, a restarted API server).
-/// - `capm_mail_resends_total{controller}`: mails sent again with the same Message-Id because
-///   an earlier attempt's outcome could not be established.
-/// - `capm_mail_withheld_total{controller, reason}`: sends not started (`not_leading`,
-///   `owner_deleting`, `permanently_refused`, `backoff`, `handover`).
-/// - `capm_mail_delivery_total{backend, identity, outcome}`: what became of request mails after the
-///   backend accepted them, counted when the object's status first shows it: `delivered`,
-///   `partly_delivered` (some recipients have it, the backend gave up on others), `failed` (for
-///   good), `delayed` (a temporary failure; the backend retries), `unknown` (the
-///   backend's events expired first), `not_trackable` (the backend cannot tell: SMTP).
-/// - `capm_mail_orphan_releases_total{controller}`: release mails sent at once for an object that
-///   vanished right after its request went out.
-/// - `capm_mail_abandoned_total{backend}`: sends dropped before their commit point because this
-///   process could no longer prove it leads (frozen or cut off mid-send); the backend accepted
-///   nothing, and the replica that leads sends instead.
-/// - `capm_remembered_objects{state}`: the per-object ledger's size: `live` objects remembered
-///   (retry delays, expected versions, mails' lookup state), `tombstone` UIDs of gone objects
-///   kept for ten minutes so stale copies are ignored. Both fall back when objects go: a `live`
-///   count that only grows is a leak.
+/// The controllers' metrics, registered once per process; each series and its labels:
+/// docs/observability.md, "The provider's own series".
 #[derive(Debug, Clone)]
 pub struct Metrics {
     pub(crate) reconcile_total: IntCounterVec,

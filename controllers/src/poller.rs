@@ -1,25 +1,9 @@
 //! One delivery poller for the process: it asks the mail backend what became of every open
 //! request mail, many per request where the backend can, and wakes an object's reconcile only
-//! when its outcome changed.
-//!
-//! - Reconciles register the mails they show as open ([`Poller::track`]) and read back what the
-//!   poller learned; they never ask the backend themselves, so no reconcile waits on it and no
-//!   object holds a timer of its own.
-//! - Each mail keeps its own schedule: first asked `delivery_poll_base` after the send (a
-//!   process that finds it older spreads its first questions over one base by UID), then
-//!   doubling up to `delivery_poll_max` while the outcome is open; never again once final.
-//! - The due mails go to the backend together, up to [`capm_mailer::Mailer::delivery_batch_size`]
-//!   per request (Mailgun's Logs API: 100), filled up with mails awaiting their first question
-//!   within one base that were sent at least one base ago (after a restart: asking them early
-//!   costs no request, and no first question comes sooner than one base after its send); one
-//!   request per [`REQUEST_GAP`] at most: the process's whole request budget.
-//! - A refusal with `Retry-After` (HTTP 429) pauses the whole poller, not one mail.
-//! - When the backend's retention has passed, the object is woken once more to show that its
-//!   outcome is no longer known.
-//! - Only a process that may act (the leader) asks; the schedule waits meanwhile.
-//!
-//! What it learns lives in memory only: the outcomes live in status (and a new process asks
-//! again, at most until the retention has passed).
+//! when its outcome changed. Reconciles register the mails they show as open ([`Poller::track`])
+//! and read back what the poller learned; they never ask the backend themselves, so no reconcile
+//! waits on it and no object holds a timer of its own. Its schedule, batches, request budget and
+//! pauses: docs/how-it-works.md, step 4.
 
 use std::{
     collections::HashMap,
@@ -83,27 +67,12 @@ struct State {
     paused_until: Option<Instant>,
 }
 
-/// Senders and the receiver the runner takes, for one kind's wake-ups.
-struct Wakes<K: InfraKind> {
-    tx: mpsc::UnboundedSender<ObjectRef<K>>,
-    rx: Mutex<Option<mpsc::UnboundedReceiver<ObjectRef<K>>>>,
-}
-
-impl<K: InfraKind> Wakes<K> {
-    fn new() -> Self {
-        let (tx, rx) = mpsc::unbounded();
-        Self {
-            tx,
-            rx: Mutex::new(Some(rx)),
-        }
-    }
-
-    fn wake(&self, owner: &Owner) {
-        // Nobody listening (the controllers stopped) is not an error.
-        let _ = self
-            .tx
-            .unbounded_send(ObjectRef::new(&owner.name).within(&owner.namespace));
-    }
+/// Where the poller wakes each kind's reconciles; the runner holds the receiving ends (for
+/// `Controller::reconcile_on`).
+#[derive(Clone)]
+pub(crate) struct WakeSenders {
+    pub clusters: mpsc::UnboundedSender<ObjectRef<MailgunCluster>>,
+    pub machines: mpsc::UnboundedSender<ObjectRef<MailgunMachine>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -118,8 +87,7 @@ pub struct Poller {
     timings: Timings,
     state: Mutex<State>,
     added: Notify,
-    clusters: Arc<Wakes<MailgunCluster>>,
-    machines: Arc<Wakes<MailgunMachine>>,
+    wakes: WakeSenders,
     /// Set when the first poller's run ends (shutdown): its siblings end with it.
     stopped: Arc<tokio::sync::watch::Sender<bool>>,
 }
@@ -154,15 +122,19 @@ fn first_question_in(base: Duration, elapsed: Duration, uid: &str) -> Duration {
 }
 
 impl Poller {
-    pub(crate) fn new(mailer: Arc<dyn Mailer>, leadership: Leadership, timings: Timings) -> Self {
+    pub(crate) fn new(
+        mailer: Arc<dyn Mailer>,
+        leadership: Leadership,
+        timings: Timings,
+        wakes: WakeSenders,
+    ) -> Self {
         Self {
             mailer: Mutex::new(mailer),
             leadership,
             timings,
             state: Mutex::default(),
             added: Notify::new(),
-            clusters: Arc::new(Wakes::new()),
-            machines: Arc::new(Wakes::new()),
+            wakes,
             stopped: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
@@ -176,8 +148,7 @@ impl Poller {
             timings: self.timings,
             state: Mutex::default(),
             added: Notify::new(),
-            clusters: Arc::clone(&self.clusters),
-            machines: Arc::clone(&self.machines),
+            wakes: self.wakes.clone(),
             stopped: Arc::clone(&self.stopped),
         });
         let mut stopped = self.stopped.subscribe();
@@ -196,22 +167,13 @@ impl Poller {
         Arc::clone(&lock(&self.mailer))
     }
 
-    /// The wake-ups of kind `K`'s reconciles, once (for `Controller::reconcile_on`).
-    pub(crate) fn take_wakes<K: InfraKind>(&self) -> Option<mpsc::UnboundedReceiver<ObjectRef<K>>> {
-        let any: &dyn std::any::Any = if K::KIND == MailgunCluster::KIND {
-            &self.clusters
-        } else {
-            &self.machines
-        };
-        any.downcast_ref::<Arc<Wakes<K>>>()
-            .and_then(|w| lock(&w.rx).take())
-    }
-
     fn wake(&self, owner: &Owner) {
+        let (name, namespace) = (&owner.name, &owner.namespace);
+        // Nobody listening (the controllers stopped) is not an error.
         if owner.kind == MailgunCluster::KIND {
-            self.clusters.wake(owner);
+            let _ = (self.wakes.clusters).unbounded_send(ObjectRef::new(name).within(namespace));
         } else {
-            self.machines.wake(owner);
+            let _ = (self.wakes.machines).unbounded_send(ObjectRef::new(name).within(namespace));
         }
     }
 
@@ -416,10 +378,20 @@ impl Poller {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use capm_mailer::{MailError, MockMailer};
     use futures::StreamExt;
+
+    /// Wake senders, and the receiving end of the clusters' wake-ups.
+    pub(crate) fn wakes() -> (
+        WakeSenders,
+        mpsc::UnboundedReceiver<ObjectRef<MailgunCluster>>,
+    ) {
+        let (clusters, woken) = mpsc::unbounded();
+        let machines = mpsc::unbounded().0;
+        (WakeSenders { clusters, machines }, woken)
+    }
 
     fn cluster(name: &str) -> MailgunCluster {
         serde_json::from_value(serde_json::json!({
@@ -492,9 +464,13 @@ mod tests {
             max: Duration::from_secs(4),
             ..timings()
         };
-        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings);
-        let mut wakes = poller.take_wakes::<MailgunCluster>().unwrap();
-        assert!(poller.take_wakes::<MailgunCluster>().is_none());
+        let (senders, mut wakes) = wakes();
+        let poller = Poller::new(
+            Arc::new(mock),
+            Leadership::unelected("test"),
+            timings,
+            senders,
+        );
         for n in 0..250 {
             let obj = cluster(&format!("c{n}"));
             let sent = SystemTime::now();
@@ -548,7 +524,12 @@ mod tests {
                 Ok(vec![Delivery::Delivered; mails.len()])
             }
         });
-        let poller = Poller::new(Arc::new(mock), Leadership::unelected("test"), timings());
+        let poller = Poller::new(
+            Arc::new(mock),
+            Leadership::unelected("test"),
+            timings(),
+            wakes().0,
+        );
         for n in 0..3 {
             let obj = cluster(&format!("c{n}"));
             poller.track(
@@ -575,6 +556,7 @@ mod tests {
     async fn the_retention_cut_off_wakes_once_and_forgets() {
         let mut mock = MockMailer::new();
         mock.expect_delivery_batch_size().return_const(100usize);
+        let (senders, mut wakes) = wakes();
         let poller = Poller::new(
             Arc::new(mock),
             Leadership::unelected("test"),
@@ -583,8 +565,8 @@ mod tests {
                 base: Duration::from_secs(30),
                 ..timings()
             },
+            senders,
         );
-        let mut wakes = poller.take_wakes::<MailgunCluster>().unwrap();
         poller.track(
             &cluster("c1"),
             "c1",
@@ -606,6 +588,7 @@ mod tests {
             Arc::new(MockMailer::new()),
             Leadership::unelected("test"),
             timings(),
+            wakes().0,
         );
         let waits: Vec<_> = (1..8).map(|p| poller.backoff(p)).collect();
         assert_eq!(waits[0], Duration::from_millis(50));

@@ -8,14 +8,16 @@ mod normal;
 
 use std::{sync::Arc, time::Instant};
 
-use capm_api::names::{self, conditions, reasons};
+use capm_api::{
+    capi,
+    names::{self, conditions, reasons},
+};
 use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
 use tracing::{Instrument, debug, warn};
 
 use self::{delete::reconcile_delete, normal::reconcile_normal};
 use crate::{
-    capi,
     context::{Ctx, ReconcileError},
     kinds::InfraKind,
     sendonce::execute::OwnerCheck,
@@ -67,7 +69,6 @@ struct MetricsGuard<'a> {
     controller: &'static str,
     started: Instant,
     result: &'static str,
-    /// This reconcile in the `workqueue_*` bookkeeping.
     running: Running,
 }
 
@@ -77,12 +78,13 @@ impl<'a> MetricsGuard<'a> {
             .active_workers
             .with_label_values(&[controller])
             .inc();
+        let started = Instant::now();
         Self {
             ctx,
             controller,
-            started: Instant::now(),
+            started,
             result: "cancelled",
-            running: ctx.metrics.workqueue.started(controller, key),
+            running: ctx.metrics.workqueue.started(controller, key, started),
         }
     }
 }
@@ -90,7 +92,7 @@ impl<'a> MetricsGuard<'a> {
 impl Drop for MetricsGuard<'_> {
     fn drop(&mut self) {
         let m = &self.ctx.metrics;
-        m.workqueue.finished(&self.running);
+        m.workqueue.finished(&self.running, Instant::now());
         m.active_workers.with_label_values(&[self.controller]).dec();
         m.reconcile_time
             .with_label_values(&[self.controller])

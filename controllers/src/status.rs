@@ -19,38 +19,22 @@ pub const MAX_CONDITION_MESSAGE_BYTES: usize = 1024;
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Status {
-    /// `status.initialization`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initialization: Option<Initialization>,
-    /// `status.conditions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conditions: Option<Vec<Condition>>,
-    /// `status.observedGeneration`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `status.addresses` (machines).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub addresses: Option<Vec<MachineAddress>>,
-    /// `status.mail`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mail: Option<MailStatus>,
 }
 
 impl Status {
-    /// Reads a typed status through JSON (the field names are the same): what each kind's
-    /// field-by-field `take_status` must agree with.
-    #[cfg(test)]
-    pub fn from_typed<T: Serialize>(status: Option<&T>) -> Self {
-        status
-            .and_then(|s| serde_json::to_value(s).ok())
-            .and_then(|v| serde_json::from_value(v).ok())
-            .unwrap_or_default()
-    }
-
     /// Whether writing `self` would change what the API server holds as `other`. Compared as
-    /// JSON, not as values: a time kept to the nanosecond here is written to the second (as
-    /// every `metav1.Time`), so a fresh `sentAt` equal to the stored one to the second is no
-    /// change, and no status patch goes out for it.
+    /// JSON: a time kept to the nanosecond here is written to the second (every `metav1.Time`),
+    /// so a fresh `sentAt` equal to the stored one to the second is no change.
     pub fn differs_on_the_wire(&self, other: &Self) -> bool {
         self != other && serde_json::to_value(self).ok() != serde_json::to_value(other).ok()
     }
@@ -60,10 +44,9 @@ impl Status {
         self.conditions.as_ref()?.iter().find(|c| c.type_ == type_)
     }
 
-    /// Sets a condition. `lastTransitionTime` changes only when `status` does, so a
-    /// reconcile that learns nothing new writes nothing. Conditions carry no `observedGeneration`
-    /// of their own: every condition is computed in the same pass, so `status.observedGeneration`
-    /// says it once for all of them (releases up to 0.1 wrote it on each).
+    /// Sets a condition. `lastTransitionTime` changes only when `status` does, so a reconcile
+    /// that learns nothing new writes nothing. No `observedGeneration` per condition: all are
+    /// computed in the same pass, so `status.observedGeneration` says it once for all of them.
     pub fn set_condition(
         &mut self,
         type_: &str,
@@ -118,15 +101,12 @@ pub enum Readiness {
     /// The pass stopped for a reason no other condition records: the owner, the spec, a
     /// deletion in progress.
     Blocked {
-        /// The condition reason.
         reason: &'static str,
-        /// The condition message.
         message: String,
     },
     /// The mail step ran: `Ready` summarizes `MailSent` and `Provisioned`.
     Summary,
-    /// Reconciliation is paused: a ready object stays ready; any other is not ready because it
-    /// is paused (not for whatever an earlier pass found).
+    /// Reconciliation is paused: a ready object stays ready, any other is not ready: paused.
     Paused,
 }
 
@@ -180,6 +160,17 @@ impl Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Status {
+        /// Reads a typed status through JSON (the field names are the same): what each kind's
+        /// field-by-field `shared_status` must agree with.
+        pub(crate) fn from_typed<T: Serialize>(status: Option<&T>) -> Self {
+            status
+                .and_then(|s| serde_json::to_value(s).ok())
+                .and_then(|v| serde_json::from_value(v).ok())
+                .unwrap_or_default()
+        }
+    }
 
     #[test]
     fn transition_time_moves_only_when_status_flips() {

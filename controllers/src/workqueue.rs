@@ -1,40 +1,11 @@
-//! controller-runtime's `workqueue_*` series for kube-runtime's scheduler, measured at its edges.
+//! controller-runtime's `workqueue_*` series for kube-runtime's scheduler, measured at its edges
+//! (what goes in and what comes out), per controller and keyed by `namespace/name` as the
+//! scheduler keys its slots. What each series means and where it differs from controller-runtime:
+//! docs/observability.md, "The work queue series".
 //!
-//! kube-runtime keeps its queue (the scheduler) to itself, so these series are kept from what
-//! goes in and what comes out, per controller (label `name`, the controller's name, as
-//! controller-runtime labels its queues), keyed by the object's `namespace/name` as the
-//! scheduler keys its slots:
-//!
-//! - `workqueue_adds_total`: a key entered the queue: a trigger (a watch event of our kind, a
-//!   Cluster API object's mapped request, a list's or the sync period's reconcile, a delivery
-//!   poller's wake-up) for a key not already waiting, or a requeue that came due. A trigger for a
-//!   key already waiting is folded into it, as kube's scheduler and client-go's queue both do,
-//!   and not counted (`capm_reconcile_triggers_total` counts every trigger).
-//! - `workqueue_depth`: keys waiting: triggered or due, their reconcile not started. A key
-//!   triggered while its reconcile runs waits too (both queues run it again after).
-//! - `workqueue_queue_duration_seconds`: from the key's first trigger (or its requeue's due
-//!   time) to the start of its reconcile, or to kube finding it gone from the cache (no
-//!   reconcile then, see below).
-//! - `workqueue_work_duration_seconds`: one reconcile, start to end (the same span as
-//!   `controller_runtime_reconcile_time_seconds`).
-//! - `workqueue_unfinished_work_seconds`, `workqueue_longest_running_processor_seconds`: the
-//!   sum and the maximum of the running reconciles' ages, computed at each scrape (client-go
-//!   updates them every 500 ms).
-//! - `workqueue_retries_total` (counted in the error policy): a requeue after an error.
-//!
-//! Where it differs from controller-runtime:
-//! - A requeue (`Action::requeue`) is recorded when the reconcile asks for it, and counted as an
-//!   add when it comes due at the next observation (a trigger, a start, a scrape), not by a
-//!   timer; its queue duration counts from the due time, as client-go's `AddAfter`.
-//! - kube-runtime does not run a reconcile for a key gone from its cache (controller-runtime's
-//!   reconciler is called and reads "not found"): such a key leaves the queue with a queue
-//!   duration and no work duration.
-//! - Every requeue must go through [`Workqueue::requeue`] (the error policy and
-//!   [`crate::context::Ctx::requeue`] do): kube's `Action` does not tell its delay. A reconcile
-//!   that ends without one cancels what it asked for on the way ([`Workqueue::no_requeue`]).
-//! - Per-key state is capped at [`MAX_KEYS`] per controller and map: past it, a new key is
-//!   counted as an add but not tracked (no depth, no queue duration). A key's state goes when
-//!   its reconcile starts or kube finds it gone.
+//! Every requeue must go through [`Workqueue::requeue`] (the error policy and
+//! [`crate::context::Ctx::requeue`] do): kube's `Action` does not tell its delay. A reconcile
+//! that ends without one cancels what it asked for on the way ([`Workqueue::no_requeue`]).
 
 use std::{
     collections::HashMap,
@@ -48,8 +19,7 @@ use prometheus::{
     proto::MetricFamily,
 };
 
-/// The most keys remembered per controller, in the waiting and in the scheduled map each: far
-/// above the objects one provider holds (`make bench` runs a thousand).
+/// The most keys remembered per controller and map: far above the objects one provider holds.
 pub const MAX_KEYS: usize = 100_000;
 
 /// The queue and work duration buckets, as controller-runtime's: 10 ns to 1000 s, by tens.
@@ -128,9 +98,6 @@ impl Collector for Scraped {
 
 impl Workqueue {
     /// Creates the series and registers them in `registry`.
-    ///
-    /// # Errors
-    /// When a metric of the same name is already registered.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let name = ["name"];
         let histogram = |metric: &str, help: &str| -> Result<HistogramVec, prometheus::Error> {
@@ -212,11 +179,7 @@ impl Workqueue {
     }
 
     /// A trigger for `key` entered `controller`'s queue.
-    pub fn added(&self, controller: &'static str, key: &str) {
-        self.added_at(controller, key, Instant::now());
-    }
-
-    fn added_at(&self, controller: &'static str, key: &str, now: Instant) {
+    pub fn added(&self, controller: &'static str, key: &str, now: Instant) {
         self.shared.with(controller, now, |q, s| {
             if !q.waiting.contains_key(key) {
                 s.adds.with_label_values(&[controller]).inc();
@@ -229,11 +192,7 @@ impl Workqueue {
 
     /// `key`'s reconcile asked to run again after `delay`. The last request of a reconcile
     /// wins, as only the `Action` it ends with (or its error policy's) reaches kube.
-    pub fn requeue(&self, controller: &'static str, key: &str, delay: Duration) {
-        self.requeue_at(controller, key, delay, Instant::now());
-    }
-
-    fn requeue_at(&self, controller: &'static str, key: &str, delay: Duration, now: Instant) {
+    pub fn requeue(&self, controller: &'static str, key: &str, delay: Duration, now: Instant) {
         let due = now + delay;
         self.shared.with(controller, now, |q, _| {
             if let Some(at) = q.scheduled.get_mut(key) {
@@ -254,11 +213,7 @@ impl Workqueue {
 
     /// `key`'s reconcile starts: it leaves the queue (its requeue, if any, is the same slot in
     /// kube's scheduler, so it goes too).
-    pub fn started(&self, controller: &'static str, key: &str) -> Running {
-        self.started_at(controller, key, Instant::now())
-    }
-
-    fn started_at(&self, controller: &'static str, key: &str, now: Instant) -> Running {
+    pub fn started(&self, controller: &'static str, key: &str, now: Instant) -> Running {
         self.shared.with(controller, now, |q, s| {
             leave(q, s, controller, key, now);
             let id = q.next_id;
@@ -269,11 +224,7 @@ impl Workqueue {
     }
 
     /// The reconcile `running` ended (returned, failed or was dropped).
-    pub fn finished(&self, running: &Running) {
-        self.finished_at(running, Instant::now());
-    }
-
-    fn finished_at(&self, running: &Running, now: Instant) {
+    pub fn finished(&self, running: &Running, now: Instant) {
         self.shared.with(running.controller, now, |q, s| {
             if let Some(started) = q.running.remove(&running.id) {
                 s.work_duration
@@ -443,12 +394,12 @@ mod tests {
     fn triggers_for_a_waiting_key_fold_and_its_wait_counts_from_the_first() {
         let (registry, q) = queue();
         let t0 = Instant::now();
-        q.added_at(C, "ns/a", t0);
-        q.added_at(C, "ns/a", t0 + secs(1));
-        q.added_at(C, "ns/b", t0 + secs(1));
+        q.added(C, "ns/a", t0);
+        q.added(C, "ns/a", t0 + secs(1));
+        q.added(C, "ns/b", t0 + secs(1));
         assert_eq!(value(&registry, "workqueue_adds_total"), 2.0);
         assert_eq!(value(&registry, "workqueue_depth"), 2.0);
-        let running = q.started_at(C, "ns/a", t0 + secs(3));
+        let running = q.started(C, "ns/a", t0 + secs(3));
         assert_eq!(value(&registry, "workqueue_depth"), 1.0);
         assert_eq!(value(&registry, "workqueue_queue_duration_seconds"), 1.0);
         assert_eq!(
@@ -456,10 +407,10 @@ mod tests {
             3.0
         );
         // A trigger while the key runs is an add: it runs again after.
-        q.added_at(C, "ns/a", t0 + secs(4));
+        q.added(C, "ns/a", t0 + secs(4));
         assert_eq!(value(&registry, "workqueue_adds_total"), 3.0);
         assert_eq!(value(&registry, "workqueue_depth"), 2.0);
-        q.finished_at(&running, t0 + secs(5));
+        q.finished(&running, t0 + secs(5));
         assert_eq!(value(&registry, "workqueue_work_duration_seconds"), 1.0);
         assert_eq!(
             histogram_sum(&registry, "workqueue_work_duration_seconds"),
@@ -471,20 +422,20 @@ mod tests {
     fn a_requeue_is_an_add_when_due_and_waits_from_its_due_time() {
         let (registry, q) = queue();
         let t0 = Instant::now();
-        q.added_at(C, "ns/a", t0);
-        let r = q.started_at(C, "ns/a", t0);
-        q.finished_at(&r, t0 + secs(1));
-        q.requeue_at(C, "ns/a", secs(10), t0 + secs(1));
+        q.added(C, "ns/a", t0);
+        let r = q.started(C, "ns/a", t0);
+        q.finished(&r, t0 + secs(1));
+        q.requeue(C, "ns/a", secs(10), t0 + secs(1));
         // Not due: not in the queue.
-        q.added_at(C, "ns/b", t0 + secs(5));
+        q.added(C, "ns/b", t0 + secs(5));
         assert_eq!(value(&registry, "workqueue_adds_total"), 2.0);
         assert_eq!(value(&registry, "workqueue_depth"), 1.0);
         // Due at t0+11; observed at t0+12 and started at t0+14.
-        q.added_at(C, "ns/b", t0 + secs(12));
+        q.added(C, "ns/b", t0 + secs(12));
         assert_eq!(value(&registry, "workqueue_adds_total"), 3.0);
         assert_eq!(value(&registry, "workqueue_depth"), 2.0);
-        let r = q.started_at(C, "ns/a", t0 + secs(14));
-        q.finished_at(&r, t0 + secs(14));
+        let r = q.started(C, "ns/a", t0 + secs(14));
+        q.finished(&r, t0 + secs(14));
         assert_eq!(
             histogram_sum(&registry, "workqueue_queue_duration_seconds"),
             3.0
@@ -495,12 +446,12 @@ mod tests {
     fn a_trigger_before_a_requeue_is_due_takes_its_slot() {
         let (registry, q) = queue();
         let t0 = Instant::now();
-        q.requeue_at(C, "ns/a", secs(30), t0);
-        q.added_at(C, "ns/a", t0 + secs(1));
-        let r = q.started_at(C, "ns/a", t0 + secs(2));
-        q.finished_at(&r, t0 + secs(3));
+        q.requeue(C, "ns/a", secs(30), t0);
+        q.added(C, "ns/a", t0 + secs(1));
+        let r = q.started(C, "ns/a", t0 + secs(2));
+        q.finished(&r, t0 + secs(3));
         // Past the old due time nothing comes back: kube ran the slot at the trigger.
-        q.added_at(C, "ns/b", t0 + secs(40));
+        q.added(C, "ns/b", t0 + secs(40));
         assert_eq!(value(&registry, "workqueue_adds_total"), 2.0);
         assert_eq!(value(&registry, "workqueue_depth"), 1.0);
     }
@@ -509,35 +460,35 @@ mod tests {
     fn a_requeue_asked_for_by_a_pass_that_then_fails_is_not_waited_for() {
         let (registry, q) = queue();
         let t0 = Instant::now();
-        let r = q.started_at(C, "ns/a", t0);
+        let r = q.started(C, "ns/a", t0);
         // The owner recheck asks for 2 s; the status write then fails and the error policy
         // asks for 5 s: kube runs it at 5 s.
-        q.requeue_at(C, "ns/a", secs(2), t0);
-        q.finished_at(&r, t0);
+        q.requeue(C, "ns/a", secs(2), t0);
+        q.finished(&r, t0);
         q.no_requeue(C, "ns/a");
-        q.requeue_at(C, "ns/a", secs(5), t0);
-        q.added_at(C, "ns/b", t0 + secs(3));
+        q.requeue(C, "ns/a", secs(5), t0);
+        q.added(C, "ns/b", t0 + secs(3));
         assert_eq!(
             value(&registry, "workqueue_depth"),
             1.0,
             "only ns/b waits at 3 s"
         );
-        q.added_at(C, "ns/b", t0 + secs(6));
+        q.added(C, "ns/b", t0 + secs(6));
         assert_eq!(value(&registry, "workqueue_depth"), 2.0);
         // A permanent error: no requeue at all, nothing comes due.
-        let r = q.started_at(C, "ns/c", t0);
-        q.requeue_at(C, "ns/c", secs(2), t0);
-        q.finished_at(&r, t0);
+        let r = q.started(C, "ns/c", t0);
+        q.requeue(C, "ns/c", secs(2), t0);
+        q.finished(&r, t0);
         q.no_requeue(C, "ns/c");
-        q.added_at(C, "ns/b", t0 + secs(60));
+        q.added(C, "ns/b", t0 + secs(60));
         assert_eq!(value(&registry, "workqueue_depth"), 2.0);
     }
 
     #[test]
     fn a_key_gone_from_the_cache_leaves_the_queue_and_nothing_stays() {
         let (registry, q) = queue();
-        q.added(C, "ns/gone");
-        q.requeue(C, "ns/gone", secs(60));
+        q.added(C, "ns/gone", Instant::now());
+        q.requeue(C, "ns/gone", secs(60), Instant::now());
         q.dropped(C, "ns/gone");
         assert_eq!(value(&registry, "workqueue_depth"), 0.0);
         assert_eq!(value(&registry, "workqueue_queue_duration_seconds"), 1.0);
@@ -551,14 +502,14 @@ mod tests {
     fn running_reconciles_show_as_unfinished_work_until_they_end() {
         let (registry, q) = queue();
         let t0 = Instant::now();
-        let a = q.started_at(C, "ns/a", t0 - secs(5));
-        let b = q.started_at(C, "ns/b", t0 - secs(2));
+        let a = q.started(C, "ns/a", t0 - secs(5));
+        let b = q.started(C, "ns/b", t0 - secs(2));
         let unfinished = value(&registry, "workqueue_unfinished_work_seconds");
         let longest = value(&registry, "workqueue_longest_running_processor_seconds");
         assert!((7.0..8.0).contains(&unfinished), "{unfinished}");
         assert!((5.0..6.0).contains(&longest), "{longest}");
-        q.finished(&a);
-        q.finished(&b);
+        q.finished(&a, Instant::now());
+        q.finished(&b, Instant::now());
         assert_eq!(value(&registry, "workqueue_unfinished_work_seconds"), 0.0);
         assert_eq!(
             value(&registry, "workqueue_longest_running_processor_seconds"),
@@ -572,7 +523,7 @@ mod tests {
         let (registry, q) = queue();
         let t0 = Instant::now();
         for i in 0..=MAX_KEYS {
-            q.added_at(C, &format!("ns/{i}"), t0);
+            q.added(C, &format!("ns/{i}"), t0);
         }
         assert_eq!(
             value(&registry, "workqueue_adds_total"),

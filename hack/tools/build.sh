@@ -145,6 +145,17 @@ pause_version() {
 
 elapsed() { local s=$(( $(date +%s) - $1 )); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 
+# Says every CAPM_BUILD_TICK seconds (30) that `$1`, started at `$2`, is still building; run in
+# the background and killed when the build ends.
+progress() {
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while :; do
+    sleep "${CAPM_BUILD_TICK:-30}" >/dev/null & nap=$!
+    wait "$nap"
+    echo "    $1: still building, $(elapsed "$2") elapsed (total $(elapsed "$run_start"))"
+  done
+}
+
 # build_one <tool> <name> <package> <dir>: go build into <name>.tmp.<pid> (two checkouts sharing
 # the cache may build the same tool at once; each renames its own file), with a line every 30 s (CAPM_BUILD_TICK) so a cold build
 # (modules downloaded, then compiled; up to several minutes per binary on 2 cores) shows progress.
@@ -152,14 +163,7 @@ build_one() {
   local tool=$1 name=$2 pkg=$3 dir=$4 t0 ticker status=0
   t0=$(date +%s)
   echo "    $name: go build $pkg"
-  (
-    trap 'kill "$nap" 2>/dev/null; exit 0' TERM
-    while :; do
-      sleep "${CAPM_BUILD_TICK:-30}" >/dev/null & nap=$!
-      wait "$nap"
-      echo "    $name: still building, $(elapsed "$t0") elapsed (total $(elapsed "$run_start"))"
-    done
-  ) &
+  progress "$name" "$t0" &
   ticker=$!
   if [ "${pkg#c:}" != "$pkg" ]; then
     # The Pod sandbox's pause process, from the kubernetes module's C source, the way upstream
@@ -207,14 +211,7 @@ build_cert_manager() {
       [ -x "$dir/bin/cert-manager-$name" ] && continue
       t0=$(date +%s) status=0
       echo "    cert-manager-$name: go build ./cmd/$name"
-      (
-        trap 'kill "$nap" 2>/dev/null; exit 0' TERM
-        while :; do
-          sleep "${CAPM_BUILD_TICK:-30}" >/dev/null & nap=$!
-          wait "$nap"
-          echo "    cert-manager-$name: still building, $(elapsed "$t0") elapsed (total $(elapsed "$run_start"))"
-        done
-      ) &
+      progress "cert-manager-$name" "$t0" &
       local ticker=$!
       (cd "$src/cmd/$name" && go build -trimpath -ldflags "-s -w -X github.com/cert-manager/cert-manager/pkg/util.AppVersion=$cert_manager_version -X github.com/cert-manager/cert-manager/pkg/util.AppGitState=clean" \
         -o "$dir/bin/cert-manager-$name.tmp.$$" .) || status=$?

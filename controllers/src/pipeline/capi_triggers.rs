@@ -1,19 +1,16 @@
 //! The Cluster API watches, and the reconciles of our objects their changes ask for.
 //!
 //! One reflector store per Cluster API kind, shared by both controllers: it is what the
-//! reconciles read ([`crate::capi::Stores`]). Each change is fanned out to the controllers as
+//! reconciles read ([`crate::kinds::Stores`]). Each change is fanned out to the controllers as
 //! it is applied ([`Heard`]), and each controller maps it to the objects of its kind that the
-//! changed object names ([`Pipelined::capi_triggers`]).
-//!
-//! Not kube-runtime's shared reflector (`reflect_shared` + `subscribe`): its subscriber stream
-//! looks each dispatched reference up in the store and, when the object is gone by then (deleted
-//! right after it changed, a common thing here), answers `Pending` without asking to be woken
-//! again (kube-runtime 5.0.0, `ReflectHandle::poll_next`; `docs/kube-runtime-subscriber.md`).
-//! Here the changed objects themselves are sent, and after a list the store is read.
+//! changed object names ([`Pipelined::capi_triggers`]). Not kube-runtime's shared reflector: its
+//! subscribers stop after an object deleted right after it changed
+//! (docs/kube-runtime-subscriber.md); here the changed objects themselves are sent.
 
 use std::{collections::HashSet, future::Future, sync::Arc};
 
 use capm_api::{
+    capi::{Cluster, ContractRef, Machine},
     names,
     v1beta1::{MailgunCluster, MailgunMachine},
 };
@@ -37,8 +34,7 @@ use super::{
 };
 use crate::{
     Config,
-    capi::{self, Cluster, ContractRef, Machine},
-    kinds::InfraKind,
+    kinds::{InfraKind, Stores},
 };
 
 /// What a Cluster API store's change brings a subscriber.
@@ -152,8 +148,8 @@ impl CapiWatches {
     }
 
     /// The stores the reconciles read.
-    pub(crate) fn stores(&self) -> capi::Stores {
-        capi::Stores {
+    pub(crate) fn stores(&self) -> Stores {
+        Stores {
             clusters: self.clusters.store.clone(),
             machines: self.machines.store.clone(),
         }

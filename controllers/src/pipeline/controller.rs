@@ -1,6 +1,6 @@
 //! One kind's pipeline: its watch into a reflector store, then kube-runtime's `Controller`.
 
-use std::{future::Future, sync::Arc};
+use std::{future::Future, sync::Arc, time::Instant};
 
 use capm_api::names;
 use futures::{FutureExt, StreamExt, channel::mpsc, future};
@@ -21,7 +21,6 @@ use super::{
     watch::{NoTriggerBackoff, list_config, watch},
 };
 use crate::{
-    Error,
     context::{Ctx, ReconcileError},
     kinds::InfraKind,
     reconcile::reconcile,
@@ -35,8 +34,9 @@ use crate::{
 pub(super) fn controller<K: Pipelined>(
     ctx: &Arc<Ctx>,
     capi: &CapiWatches,
+    wakes: mpsc::UnboundedReceiver<ObjectRef<K>>,
     shutdown: impl Future<Output = ()> + Send + Sync + Clone + 'static,
-) -> Result<impl Future<Output = ()> + Send + 'static, Error> {
+) -> impl Future<Output = ()> + Send + 'static {
     let config = &ctx.config;
     let metrics = &ctx.metrics;
     let name = K::CONTROLLER;
@@ -62,10 +62,11 @@ pub(super) fn controller<K: Pipelined>(
         store.clone(),
         move |r: &ObjectRef<K>| drop(relisted.unbounded_send(r.clone())),
         move |uid| forgetting.forget(uid),
-    )
-    // An object whose reconciles failed while the API server was away (a partition, a restart)
-    // would otherwise wait out the retry delay it built up, unchanged and so not asked for.
-    .retrying(move |uid| retrying.ledger.has_failures(uid));
+        // An object whose reconciles failed while the API server was away (a partition, a
+        // restart) would otherwise wait out the retry delay it built up, unchanged and so not
+        // asked for.
+        move |uid| retrying.ledger.has_failures(uid),
+    );
     let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
     let own_queue = queue.clone();
     let own = watch::<K>(&ctx.client, config, wc)
@@ -82,6 +83,7 @@ pub(super) fn controller<K: Pipelined>(
                         own_queue.added(
                             name,
                             &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
+                            Instant::now(),
                         );
                         Ok(obj)
                     })
@@ -90,9 +92,6 @@ pub(super) fn controller<K: Pipelined>(
             })
         });
 
-    let wakes = ctx.poller.take_wakes::<K>().ok_or(Error::Wiring(
-        "the delivery poller's wake-ups were taken twice",
-    ))?;
     let mut triggers = K::capi_triggers(capi, &store);
     triggers.push(after_list.boxed());
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
@@ -101,11 +100,12 @@ pub(super) fn controller<K: Pipelined>(
     let trigger_queue = queue.clone();
     let triggers = futures::stream::select_all(triggers).inspect(move |obj| {
         adds.inc();
-        trigger_queue.added(name, &workqueue::key(obj.namespace.as_deref(), &obj.name));
+        let key = workqueue::key(obj.namespace.as_deref(), &obj.name);
+        trigger_queue.added(name, &key, Instant::now());
     });
 
     let abort = abort_if_never_ready(shutdown.clone(), store.clone());
-    Ok(Controller::for_stream(own, store)
+    Controller::for_stream(own, store)
         .with_config(controller::Config::default().concurrency(config.concurrency))
         .trigger_backoff(NoTriggerBackoff)
         .reconcile_on(triggers)
@@ -115,7 +115,7 @@ pub(super) fn controller<K: Pipelined>(
         .for_each(move |result| {
             log_result(K::CONTROLLER, &queue, result);
             future::ready(())
-        }))
+        })
 }
 
 /// What kube-runtime's `Controller` reports for each reconcile of `K`.

@@ -1,14 +1,10 @@
 //! Reconciles that follow each list of a kind's watch, against the list's snapshot.
 //!
-//! kube-runtime's reflector keeps a store's old contents until a list (the first, or a re-list
-//! after a watch could not resume: `410 Gone`, a restarted API server) is complete, and swaps
-//! the new contents in at its end (`InitDone`); but it passes every listed object downstream as
-//! it arrives (`InitApply`). A controller fed by those objects (`Controller::new`, or
-//! `for_stream` over `applied_objects()`) looks each of them up in the store at once: an object
-//! created while the watch was down is not there yet, so its reconcile is dropped
-//! (`ObjectNotFound`); one deleted meanwhile is reconciled against its old copy, which is not
-//! being deleted, so nothing happens. After the swap nothing triggers either again (see
-//! `docs/kube-runtime-relist.md` for a minimal reproduction).
+//! kube-runtime's reflector swaps a list's objects into the store only at its end (`InitDone`),
+//! but passes each one downstream as it arrives: a controller fed by those looks it up in the old
+//! store, drops the reconcile of an object created while the watch was down and reconciles one
+//! deleted meanwhile against its old copy, and nothing triggers either again after the swap
+//! (docs/kube-runtime-relist.md).
 //!
 //! [`AfterLists`] sits after the reflector and holds back what a list brings: it notes each
 //! listed object whose `resourceVersion` differs from the copy in the store before the list
@@ -53,7 +49,7 @@ pub(crate) struct AfterLists<K: Resource<DynamicType = ()> + 'static> {
     forget: Box<dyn Fn(&str) + Send + Sync>,
     /// Whether an unchanged object is asked for too after a list: one waiting out a retry
     /// delay built up while the API server was away.
-    retry: Option<UidFilter>,
+    retry: UidFilter,
 }
 
 impl<K> AfterLists<K>
@@ -61,25 +57,20 @@ where
     K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
     /// An adapter over the reflector store `store`; the reconciles it asks for after each list
-    /// are asked of `relisted`.
+    /// (also of the unchanged objects `retry` names by UID) are asked of `relisted`.
     pub(crate) fn new(
         store: Store<K>,
         relisted: impl Fn(&ObjectRef<K>) + Send + Sync + 'static,
         forget: impl Fn(&str) + Send + Sync + 'static,
+        retry: impl Fn(&str) -> bool + Send + Sync + 'static,
     ) -> Self {
         Self {
             store,
             listing: None,
             relisted: Box::new(relisted),
             forget: Box::new(forget),
-            retry: None,
+            retry: Box::new(retry),
         }
-    }
-
-    /// After each list, also asks for the unchanged objects `retry` names (by UID).
-    pub(crate) fn retrying(mut self, retry: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
-        self.retry = Some(Box::new(retry));
-        self
     }
 
     /// One event, already applied by the reflector. Returns the object to reconcile now, if any.
@@ -138,17 +129,14 @@ where
                         }
                     }
                     let changed: HashSet<ObjectRef<K>> = listing.changed.iter().cloned().collect();
-                    let waiting: Vec<ObjectRef<K>> = match &self.retry {
-                        Some(retry) => self
-                            .store
-                            .state()
-                            .iter()
-                            .filter(|o| retry(&o.uid().unwrap_or_default()))
-                            .map(|o| ObjectRef::from_obj(&**o))
-                            .filter(|r| !changed.contains(r))
-                            .collect(),
-                        None => Vec::new(),
-                    };
+                    let waiting: Vec<ObjectRef<K>> = self
+                        .store
+                        .state()
+                        .iter()
+                        .filter(|o| (self.retry)(&o.uid().unwrap_or_default()))
+                        .map(|o| ObjectRef::from_obj(&**o))
+                        .filter(|r| !changed.contains(r))
+                        .collect();
                     tracing::debug!(
                         kind = K::kind(&()).as_ref(),
                         listed = listing.seen.len(),
@@ -196,9 +184,8 @@ mod tests {
             let (tx, relisted) = mpsc::unbounded();
             let forgotten = Arc::new(Mutex::new(Vec::new()));
             let f = forgotten.clone();
-            let adapter = AfterLists::new(store.clone(), asker(tx), move |uid| {
-                f.lock().unwrap().push(uid.to_owned());
-            });
+            let forget = move |uid: &str| f.lock().unwrap().push(uid.to_owned());
+            let adapter = AfterLists::new(store.clone(), asker(tx), forget, |_| false);
             Self {
                 writer,
                 store,
@@ -309,8 +296,7 @@ mod tests {
         let mut rig = Rig::new();
         let (tx, relisted) = mpsc::unbounded();
         rig.relisted = relisted;
-        rig.adapter =
-            AfterLists::new(rig.store.clone(), asker(tx), |_| {}).retrying(|uid| uid == "u2");
+        rig.adapter = AfterLists::new(rig.store.clone(), asker(tx), |_| {}, |uid| uid == "u2");
         list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);
         rig.asked();
         list(&mut rig, &[object("a", "u1", "1"), object("b", "u2", "2")]);

@@ -1,11 +1,6 @@
 //! The watch/cache pipeline: one per kind, the same for both ([`controller`]), and the Cluster
-//! API watches they share ([`capi_triggers`]).
-//!
-//! For each of our kinds: watch (quick reconnects) → trimmed objects ([`trim`]) → reflector
-//! store → [`lists::AfterLists`] (a list's objects are reconciled once the store holds the list)
-//! → kube-runtime's `Controller`, which also takes the reconciles the Cluster API objects ask
-//! for, the delivery poller's wake-ups and the sync period's ([`resync`]). The Cluster API
-//! stores are shared by both kinds and listed before any reconcile judges an owner.
+//! API watches they share ([`capi_triggers`]), whose stores are listed before any reconcile
+//! judges an owner.
 
 mod capi_triggers;
 mod controller;
@@ -16,18 +11,18 @@ mod watch;
 
 use std::{future::Future, sync::Arc};
 
-use capm_api::v1beta1::{MailgunCluster, MailgunMachine};
+use capm_api::{
+    capi::{Cluster, Machine},
+    v1beta1::{MailgunCluster, MailgunMachine},
+};
 use capm_mailer::Mailer;
-use futures::FutureExt;
+use futures::{FutureExt, channel::mpsc};
 use kube::{Client, api::ListParams};
 use tracing::info;
 
 use self::{capi_triggers::CapiWatches, watch::scoped};
 use crate::{
-    Config, Error, Leadership, Metrics,
-    capi::{Cluster, Machine},
-    context::Ctx,
-    events::Events,
+    Config, Error, Leadership, Metrics, context::Ctx, events::Events, poller::WakeSenders,
 };
 
 /// Runs both controllers until `shutdown` resolves. `leadership` is consulted before every
@@ -50,6 +45,8 @@ pub async fn run(
         "cluster-api-provider-mailgun",
         config.instance.clone(),
     );
+    let (clusters, cluster_wakes) = mpsc::unbounded();
+    let (machines, machine_wakes) = mpsc::unbounded();
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         mailer,
@@ -58,10 +55,13 @@ pub async fn run(
         leadership,
         metrics,
         capi.stores(),
+        WakeSenders { clusters, machines },
     ));
     ctx.wait_for_capi_lists();
-    let clusters = controller::controller::<MailgunCluster>(&ctx, &capi, shutdown.clone())?;
-    let machines = controller::controller::<MailgunMachine>(&ctx, &capi, shutdown.clone())?;
+    let clusters =
+        controller::controller::<MailgunCluster>(&ctx, &capi, cluster_wakes, shutdown.clone());
+    let machines =
+        controller::controller::<MailgunMachine>(&ctx, &capi, machine_wakes, shutdown.clone());
     let capi = capi.run(client, config.clone(), shutdown.clone());
     let poller = ctx.poller.clone().run(shutdown.clone());
     info!(namespace = ?config.namespace, watch_filter = ?config.watch_filter,

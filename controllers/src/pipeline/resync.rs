@@ -1,10 +1,9 @@
 //! The safety net: every object reconciled at least once per sync period, even with no event.
 //!
-//! controller-runtime re-queues every cached object each `SyncPeriod` (10 hours by default) so
-//! that a trigger lost anywhere (a bug, a watch gap nobody noticed) costs at most one period.
-//! kube-runtime has no such thing. This stream walks the store's objects one at a time, spaced
-//! evenly so that one walk takes one period: no burst, a steady trickle of reconciles that
-//! write nothing when nothing changed.
+//! controller-runtime's `SyncPeriod`, which kube-runtime lacks: a trigger lost anywhere costs at
+//! most one period. The store's objects are walked one at a time, spaced evenly so that one walk
+//! takes one period: no burst, a steady trickle of reconciles that write nothing when nothing
+//! changed.
 
 use std::{collections::VecDeque, time::Duration};
 
@@ -21,8 +20,7 @@ use kube::{
 const EMPTY_RECHECK: Duration = Duration::from_secs(2);
 
 /// The objects of `store` in turn, one every `period / n` (`n`: the objects when the walk
-/// began); an empty store is looked at again after `period` or [`EMPTY_RECHECK`], whichever is
-/// shorter.
+/// began); an empty store is looked at again after `period` or [`EMPTY_RECHECK`], if shorter.
 pub(crate) fn every_object<K>(
     store: Store<K>,
     period: Duration,
@@ -53,10 +51,9 @@ where
                 }
                 walk.gap = gap_for(period, walk.queue.len());
             }
-            // Deadlines, not delays: the time the consumer takes between two objects does not
-            // stretch the period.
-            // A walk that fell more than a gap behind (a stalled process) resumes from now
-            // rather than catching up in a burst.
+            // Deadlines, not delays: the consumer's time does not stretch the period. A walk
+            // that fell more than a gap behind (a stalled process) resumes from now rather than
+            // catching up in a burst.
             walk.next += walk.gap;
             let now = Instant::now();
             if walk.next + walk.gap < now {

@@ -1,25 +1,21 @@
-//! What the caches keep of each object: what the controllers read.
-//!
-//! Each watch trims its objects as they arrive (`WatchStreamExt::modify`, before the reflector
-//! stores them), as controller-runtime's `TransformStripManagedFields` does and more:
-//!
-//! - our objects keep their spec, status and metadata, but not `managedFields`, and only the
-//!   annotations in [`READ_ANNOTATIONS`] and the labels their kind names
-//!   (`InfraKind::CACHED_LABELS`). Finalizers and owner references stay: they are written back.
-//! - Cluster API `Cluster`s and `Machine`s (read, never written) are partial types already
-//!   ([`crate::capi`]); they keep no `managedFields`, annotations, finalizers or owner
-//!   references, and Machines only the `cluster.x-k8s.io/cluster-name` label.
+//! What the caches keep of each object: what the controllers read. Each watch trims its objects
+//! as they arrive (`WatchStreamExt::modify`), as controller-runtime's
+//! `TransformStripManagedFields` does and more: no `managedFields` anywhere; our objects keep
+//! only the annotations in [`READ_ANNOTATIONS`] and their kind's labels (finalizers and owner
+//! references stay: they are written back); the Cluster API objects, partial types read and never
+//! written, keep no annotations, finalizers or owner references, and Machines only the
+//! `cluster.x-k8s.io/cluster-name` label.
 
 use std::collections::BTreeMap;
 
-use capm_api::names;
+use capm_api::{
+    capi::{Cluster, Machine},
+    names,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 
-use crate::{
-    capi::{Cluster, Machine},
-    kinds::InfraKind,
-};
+use crate::kinds::InfraKind;
 
 /// The annotations a reconcile reads (by key) on our objects.
 pub const READ_ANNOTATIONS: [&str; 9] = [

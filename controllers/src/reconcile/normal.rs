@@ -13,6 +13,7 @@ use crate::{
     context::{Ctx, ReconcileError},
     delivery,
     events::EventType,
+    identity::IdentityError,
     kinds::{InfraKind, MailText},
     sendonce::{
         Which,
@@ -156,7 +157,7 @@ async fn reconcile_mail_sent<K: InfraKind>(
             return Ok(Some(Pass::wait()));
         }
         Err(error @ (ReconcileError::Withheld(_) | ReconcileError::Gone)) => return Err(error),
-        Err(error @ ReconcileError::Identity { reason, .. }) => {
+        Err(error @ ReconcileError::Identity(IdentityError::Unusable { reason, .. })) => {
             // Nothing was written for the mail: it waits for a usable identity (retried with
             // backoff; creating or fixing the identity or its Secret lets it go out).
             status.set_condition(conditions::MAIL_SENT, false, reason, error.to_string());

@@ -13,6 +13,7 @@ use std::{
 };
 
 use capm_api::{
+    capi::{Cluster, Machine},
     names::{self, conditions, reasons},
     v1beta1::MailgunCluster,
 };
@@ -28,9 +29,9 @@ use serde_json::{Value, json};
 use super::reconcile;
 use crate::{
     Config, Leadership, Metrics,
-    capi::{Cluster, Machine, Stores},
     context::{Ctx, ReconcileError},
     events::Events,
+    kinds::Stores,
     sendonce::records::{self, Sent},
 };
 
@@ -178,7 +179,7 @@ fn fake_api(object: &MailgunCluster, owner: &Cluster, log: Log) -> (Client, Arc<
 }
 
 fn config() -> Config {
-    crate::config::for_tests(DOMAIN)
+    crate::config::tests::for_tests(DOMAIN)
 }
 
 /// The owner `Cluster` "owner", naming `NAME` as its infrastructure.
@@ -284,6 +285,7 @@ async fn reconcile_once(
         Leadership::unelected("t"),
         Metrics::register(&prometheus::Registry::new()).expect("metrics register"),
         Stores { clusters, machines },
+        crate::poller::tests::wakes().0,
     ));
     ctx.wait_for_capi_lists();
     let result = tokio::time::timeout(

@@ -61,7 +61,6 @@ impl Tracked {
 /// What [`ensure_sent`] established.
 #[derive(Debug, Clone)]
 pub(crate) struct Outcome {
-    /// Our Message-Id.
     pub(crate) message_id: String,
     /// When the backend accepted it, when known.
     pub(crate) at: Option<Timestamp>,
@@ -147,16 +146,11 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
         debug!(mail = which.label(), ?step, "Send-once step");
         match step {
             Step::Done => {
-                let sent = found.sent.unwrap_or_else(|| Sent {
-                    message_id: None,
-                    backend_id: id.clone(),
-                    at: None,
-                    identity: None,
-                });
+                let sent = found.sent.as_ref();
                 return Ok(Outcome {
-                    message_id: sent.message_id.unwrap_or(id),
-                    at: sent.at,
-                    identity: sent.identity,
+                    message_id: sent.and_then(|s| s.message_id.clone()).unwrap_or(id),
+                    at: sent.and_then(|s| s.at),
+                    identity: sent.and_then(|s| s.identity.clone()),
                 });
             }
             Step::Withhold(why) => return Err(withheld::<K>(ctx, why)),
@@ -169,7 +163,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                 // The identity is settled before the intent: a problem with it shows with no
                 // record written.
                 let route = route_for_new::<K>(ctx, tracked, which, wanted, &namespace).await?;
-                write_intent(obj, ctx, tracked, which, &id, None, &route).await?;
+                write_intent(obj, ctx, tracked, which, &id, &route).await?;
                 crate::failpoint::hit("after-intent");
                 return send(obj, ctx, tracked, which, text, &id, true, &route).await;
             }
@@ -192,7 +186,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
                         .await;
                 }
                 let route = route_for_new::<K>(ctx, tracked, which, wanted, &namespace).await?;
-                write_intent(obj, ctx, tracked, which, &id, Some(generation), &route).await?;
+                write_intent(obj, ctx, tracked, which, &id, &route).await?;
                 return send(obj, ctx, tracked, which, text, &id, true, &route).await;
             }
             Step::AwaitHandover(wait) => {

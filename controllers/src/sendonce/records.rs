@@ -1,29 +1,9 @@
-//! The durable records of the send-once protocol, kept in our annotations.
-//!
-//! Metadata survives `clusterctl move` and backups (status does not), so everything the protocol
-//! must remember lives here, in **one annotation per mail** (`mail`, `deletion-mail`) that goes
-//! through the mail's life:
-//! - written before any send: `{"messageId":"<…>","state":"sending","writer":"<Lease identity>","at":"<RFC 3339>"}`
-//!   (`refused` instead of `sending` once an attempt was refused before anything was accepted);
-//! - rewritten once the backend accepted it: `{"messageId":"<…>","state":"sent","at":"<RFC 3339>"}`,
-//!   with `"backendId"` only when the backend's id is not our Message-Id.
-//!
-//! Times are kept to the second: an intent's rounded up (it looks younger, so a successor waits
-//! a little longer, never less), an acceptance's rounded down (as `status.mail.sentAt` shows it).
-//!
-//! Release 0.1 kept two annotations per mail, the **intent** (`mail-intent`) and the **sent
-//! record** (`mail-sent`), in the same JSON shapes or as bare ids. They are still read (an object
-//! mailed by 0.1 is not mailed again) and never written; the next write of a mail's record
-//! removes them.
-//!
-//! # Trust
-//! These annotations are on an object users may write. The chart's admission policy keeps users
-//! from changing them; independently of it, a value is believed only when it has our exact shape
-//! (Message-Id `<kind[-deleted].uid@domain>`, at most [`MAX_RECORD_BYTES`]), and a sent record
-//! only together with an intent naming the same Message-Id. Anything else is treated as absent
-//! and overwritten by our next write; it never reaches status. A moved object legitimately
-//! carries our records with the UID of its source object: the UID in a Message-Id is therefore
-//! not compared with the object's.
+//! The durable records of the send-once protocol, kept in our annotations: metadata survives
+//! `clusterctl move` and backups (status does not). One annotation per mail (`mail`,
+//! `deletion-mail`) goes through the mail's life; release 0.1's two per mail (`mail-intent`,
+//! `mail-sent`) are still read and never written. Their shapes, and when a value is believed
+//! (these annotations are on an object users may write): docs/how-it-works.md, step 2 and "Our
+//! annotations".
 
 use capm_mailer::MessageId;
 use k8s_openapi::jiff::Timestamp;
@@ -89,15 +69,13 @@ pub struct Sent {
     pub identity: Option<String>,
 }
 
-/// What the one record of a mail says (the format written since release 0.2).
+/// What the one record of a mail says (the format written since release 0.2): an
+/// [`IntentState`], or that the backend accepted the mail.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub enum RecordState {
-    /// An attempt may be in flight, or its outcome is unknown.
+enum RecordState {
     Sending,
-    /// Every attempt so far was refused before anything was accepted.
     Refused,
-    /// The backend accepted the mail.
     Sent,
 }
 
@@ -230,7 +208,7 @@ pub enum RecordError {
 /// True when `id` is `<{kind}.{uid}@{domain}>` (request) or `<{kind}-deleted.{uid}@{domain}>`
 /// (deletion) with `kind` lower-cased, a UID-like middle and a host-name-like domain, and a
 /// valid Message-Id besides.
-pub fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
+fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
     let Some(inner) = id.strip_prefix('<').and_then(|s| s.strip_suffix('>')) else {
         return false;
     };
@@ -292,11 +270,8 @@ fn plausible_writer(writer: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b':'))
 }
 
-/// Reads an intent value.
-///
-/// # Errors
-/// A [`RecordError`] when the value is not one this provider writes for `kind` and `which`.
-pub fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, RecordError> {
+/// Reads release 0.1's intent annotation.
+fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, RecordError> {
     if value.len() > MAX_RECORD_BYTES {
         return Err(RecordError::TooLong);
     }
@@ -318,12 +293,8 @@ pub fn parse_intent(value: &str, kind: &str, which: Which) -> Result<Intent, Rec
     Ok(intent)
 }
 
-/// Reads a sent record and checks it against the intent it must follow.
-///
-/// # Errors
-/// A [`RecordError`] when the value is not one this provider writes, or does not match
-/// `intent`.
-pub fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordError> {
+/// Reads release 0.1's sent annotation and checks it against the intent it must follow.
+fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordError> {
     if value.len() > MAX_RECORD_BYTES {
         return Err(RecordError::TooLong);
     }
@@ -351,8 +322,7 @@ pub fn parse_sent(value: &str, intent: Option<&Intent>) -> Result<Sent, RecordEr
     Ok(sent)
 }
 
-/// The JSON value of a record.
-pub fn to_value<T: Serialize>(record: &T) -> String {
+fn to_value<T: Serialize>(record: &T) -> String {
     // Serialising these plain structs cannot fail; an empty string would be read as malformed.
     serde_json::to_string(record).unwrap_or_default()
 }

@@ -11,11 +11,11 @@
 //! of the name, namespace, UID and `resourceVersion`, and a hash-table slot: kube-runtime's
 //! controller cannot read a smaller cache, whatever it trims.
 
-use capm_api::v1beta1::MailgunCluster;
-use capm_controllers::{
+use capm_api::{
     capi::{Cluster, ClusterSpec, ContractRef},
-    trim,
+    v1beta1::MailgunCluster,
 };
+use capm_controllers::trim;
 use kube::{
     api::ObjectMeta,
     runtime::{reflector, watcher},

@@ -31,15 +31,13 @@ fn record_patch(tracked: &Tracked, which: Which, value: String) -> serde_json::V
 
 /// Writes a fresh intent (`sending`, this process, now) with our finalizer, replacing whatever
 /// record the mail had, in one write guarded by `resourceVersion`: the fence
-/// between two processes that both believe they lead. `rearm` carries the generation when an
-/// earlier, refused intent is re-armed (for the log only).
+/// between two processes that both believe they lead.
 pub(super) async fn write_intent<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
     which: Which,
     id: &str,
-    rearm: Option<i64>,
     route: &Route,
 ) -> Result<(), ReconcileError> {
     let intent = Intent {
@@ -57,9 +55,6 @@ pub(super) async fn write_intent<K: InfraKind>(
         let mut finalizers = tracked.finalizers.clone();
         finalizers.push(K::FINALIZER.to_owned());
         metadata["finalizers"] = json!(finalizers);
-    }
-    if let Some(generation) = rearm {
-        debug!(generation, "Re-arming a refused intent");
     }
     patch_metadata(obj, ctx, tracked, metadata, "recording the mail intent").await
 }

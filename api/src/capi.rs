@@ -1,24 +1,15 @@
 //! The Cluster API core objects (`Cluster`, `Machine`) this provider reads.
 //!
-//! Partial types: only the fields the provider contract names are deserialised, so this crate
+//! Partial types: only the fields the provider contract names are deserialised, so the provider
 //! carries no copy of Cluster API's types and the caches hold little per object. Unknown fields
 //! are ignored; the types are never written back.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::{CustomResource, runtime::reflector::Store};
+use kube::CustomResource;
 use serde::{Deserialize, Serialize};
 
 /// The Cluster API core group.
 pub const GROUP: &str = "cluster.x-k8s.io";
-
-/// The reflector stores of the Cluster API objects the reconciles read (never written).
-#[derive(Clone)]
-pub struct Stores {
-    /// Cached `Cluster`s.
-    pub clusters: Store<Cluster>,
-    /// Cached `Machine`s.
-    pub machines: Store<Machine>,
-}
 
 /// A contract-versioned reference (`spec.infrastructureRef` in v1beta2).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,11 +124,10 @@ impl Machine {
     /// `spec.clusterName`, else the `cluster.x-k8s.io/cluster-name` label.
     pub fn cluster_name(&self) -> Option<String> {
         use kube::ResourceExt;
-        self.spec.cluster_name.clone().or_else(|| {
-            self.labels()
-                .get(capm_api::names::CLUSTER_NAME_LABEL)
-                .cloned()
-        })
+        self.spec
+            .cluster_name
+            .clone()
+            .or_else(|| self.labels().get(crate::names::CLUSTER_NAME_LABEL).cloned())
     }
 
     /// `spec.bootstrap.dataSecretName`.
