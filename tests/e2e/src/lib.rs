@@ -27,6 +27,7 @@ pub mod topology;
 pub use provider::{
     CHART_NAMESPACE, ChartProvider, FULLNAME, RELEASE, fulfil_command, install_chart_and_provider,
     mailgun_values, refresh_secret_mounts, route_webhook_service, start_chart_provider,
+    start_routed_chart_provider,
 };
 
 /// What a Mailgun contract server stored, as the ledger reads it (arrival order from 1), each

@@ -97,6 +97,8 @@ pub struct ChartProvider {
     pub webhook_port: u16,
     /// The arguments the chart gives the container.
     pub chart_args: Vec<String>,
+    /// The kubeconfig it authenticates with.
+    pub kubeconfig: PathBuf,
 }
 
 /// Starts the provider with the arguments of the Deployment `deployment` in `namespace` (as
@@ -152,6 +154,7 @@ pub async fn start_chart_provider(
         metrics,
         webhook_port,
         chart_args,
+        kubeconfig: kubeconfig.to_path_buf(),
     })
 }
 
@@ -271,10 +274,27 @@ pub async fn install_chart_and_provider(
         &values_file,
         &[],
     )?;
+    start_routed_chart_provider(cp, &admin, namespace, fullname, dir).await
+}
+
+/// The provider from this build as the installed chart's Deployment `fullname` in `namespace`
+/// runs it, authenticated as its ServiceAccount ([`crate::service_account_kubeconfig`], see
+/// [`start_chart_provider`]), with the webhook Service `<fullname>-webhook` routed to it.
+///
+/// # Errors
+/// When the ServiceAccount's token, the Deployment or the Service cannot be had, or the process
+/// cannot start.
+pub async fn start_routed_chart_provider(
+    cp: &capm_test_support::ControlPlane,
+    admin: &Client,
+    namespace: &str,
+    fullname: &str,
+    dir: &Path,
+) -> Result<ChartProvider> {
     let sa_kubeconfig = crate::service_account_kubeconfig(cp, namespace, fullname, dir)?;
-    let provider = start_chart_provider(&admin, namespace, fullname, &sa_kubeconfig, dir).await?;
+    let provider = start_chart_provider(admin, namespace, fullname, &sa_kubeconfig, dir).await?;
     route_webhook_service(
-        &admin,
+        admin,
         namespace,
         &format!("{fullname}-webhook"),
         provider.webhook_port,

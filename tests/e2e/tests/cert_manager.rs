@@ -23,8 +23,7 @@ use capm_e2e::{
     CHART_NAMESPACE as NS, FULLNAME, RELEASE,
     cert_manager::{self, CertManager},
     create_cluster_pair, create_namespace, create_secret, dynamic_api, eventually, helm_chart,
-    mailgun_values, refresh_secret_mounts, route_webhook_service, service_account_kubeconfig,
-    start_chart_provider,
+    mailgun_values, refresh_secret_mounts, start_routed_chart_provider,
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options};
@@ -213,16 +212,8 @@ async fn chart_webhook_certificate_from_cert_manager() -> Result<()> {
     );
 
     // 3. The provider serves the issued certificate, and a v1alpha1 read converts through it.
-    let sa_kubeconfig = service_account_kubeconfig(&cp, NS, FULLNAME, dir)?;
-    let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, dir).await?;
+    let provider = start_routed_chart_provider(&cp, &admin, NS, FULLNAME, dir).await?;
     cp.adopt(provider.proc.pid())?;
-    route_webhook_service(
-        &admin,
-        NS,
-        &format!("{FULLNAME}-webhook"),
-        provider.webhook_port,
-    )
-    .await?;
     let port = provider.webhook_port;
     eventually(
         Duration::from_secs(30),

@@ -26,8 +26,8 @@ use capm_e2e::{
     clusterctl::{LocalRepository, cluster_api_module, yaml_docs},
     create_namespace, dynamic_api, eventually, fulfil_command, helm, helm_chart,
     ledger::{Kind, Which, parse_message_id},
-    mailgun_ledger, mailgun_mails, route_webhook_service, run_with_input,
-    service_account_kubeconfig, start_capi_manager_with, start_chart_provider,
+    mailgun_ledger, mailgun_mails, run_with_input, start_capi_manager_with, start_chart_provider,
+    start_routed_chart_provider,
     topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -295,16 +295,8 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
         "-p",
         &patch,
     ])?;
-    let sa_kubeconfig = service_account_kubeconfig(&cp, NS, NAME, dir)?;
-    let provider = start_chart_provider(&admin, NS, NAME, &sa_kubeconfig, dir).await?;
+    let provider = start_routed_chart_provider(&cp, &admin, NS, NAME, dir).await?;
     cp.adopt(provider.proc.pid())?;
-    route_webhook_service(
-        &admin,
-        NS,
-        &format!("{NAME}-webhook"),
-        provider.webhook_port,
-    )
-    .await?;
 
     // 4. clusterctl generate cluster, both flavors, applied as a user would.
     create_namespace(&admin, USER_NS, false).await?;
@@ -384,7 +376,8 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
         ),
     )?;
     helm_chart(cp.kubeconfig(), "install", RELEASE, NS, &values, &[])?;
-    let second = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, &helm_dir).await?;
+    let second =
+        start_chart_provider(&admin, NS, FULLNAME, &provider.kubeconfig, &helm_dir).await?;
     cp.adopt(second.proc.pid())?;
     let lease_arg = |args: &[String]| {
         args.iter()

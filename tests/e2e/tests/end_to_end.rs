@@ -18,8 +18,8 @@ use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     AUDIT_POLICY, CHART_NAMESPACE as NS, FULLNAME, HttpsScrape, Prometheus, RELEASE,
     audited_requests, create_cluster_pair, create_namespace, create_secret, dynamic_api,
-    dynamic_object, eventually, helm_chart, https_get, promtool_check_metrics,
-    route_webhook_service, service_account_kubeconfig, start_capi_manager, start_chart_provider,
+    dynamic_object, eventually, helm_chart, https_get, promtool_check_metrics, start_capi_manager,
+    start_routed_chart_provider,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::pki::CertificateAuthority;
@@ -158,8 +158,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     helm_chart(cp.kubeconfig(), "install", RELEASE, NS, &values, &[])?;
 
     // The provider as the chart's ServiceAccount, the core manager as Cluster API.
-    let sa_kubeconfig = service_account_kubeconfig(&cp, NS, FULLNAME, dir)?;
-    let provider = start_chart_provider(&admin, NS, FULLNAME, &sa_kubeconfig, dir).await?;
+    let provider = start_routed_chart_provider(&cp, &admin, NS, FULLNAME, dir).await?;
     ensure!(
         provider
             .chart_args
@@ -168,13 +167,6 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         "the chart runs with leader election: {:?}",
         provider.chart_args
     );
-    route_webhook_service(
-        &admin,
-        NS,
-        &format!("{FULLNAME}-webhook"),
-        provider.webhook_port,
-    )
-    .await?;
     let capi = start_capi_manager(cp.kubeconfig(), dir)?;
 
     // The relay refuses the first two attempts (451, try again later): the provider reports
@@ -760,7 +752,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     );
 
     // And what the chart does not grant is refused.
-    let sa = format!("--kubeconfig={}", sa_kubeconfig.display());
+    let sa = format!("--kubeconfig={}", provider.kubeconfig.display());
     for args in [
         vec!["get", "secrets", "--all-namespaces"],
         vec!["get", "secrets", "-n", NS],
