@@ -5,7 +5,8 @@
 //! - the served versions, one module each: [`v1alpha1`] (the Cluster API book walkthrough's
 //!   shape, contract `v1beta1`) and [`v1beta1`] (the storage version, contract `v1beta2`);
 //! - the names other crates share: annotation keys, finalizers, condition types and reasons
-//!   ([`names`]);
+//!   ([`names`]), and the format of the provider's mail records in those annotations, with when
+//!   one is believed ([`records`]);
 //! - the same validation the CRD schema enforces, as Rust ([`validation`]), so a controller can
 //!   report an invalid object that reached the cluster some other way (an older CRD, a restore);
 //! - conversion between the versions ([`conversion`]: spec losslessly, status as far as
@@ -45,6 +46,7 @@ pub mod conversion;
 pub mod crd;
 pub mod limits;
 pub mod names;
+pub mod records;
 pub mod v1alpha1;
 pub mod v1beta1;
 pub mod validation;

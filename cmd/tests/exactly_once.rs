@@ -6,8 +6,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use capm_api::records::{self, Which};
 use capm_api::{names, v1beta1::MailgunCluster};
-use capm_controllers::sendonce::{Which, records};
 use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer};
 use capm_test_support::process::is_stopped;
 use common::{

@@ -13,8 +13,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use capm_api::records::{self, Which};
 use capm_api::{names, v1beta1::MailgunCluster};
-use capm_controllers::sendonce::{Which, records};
 use capm_mail_servers::MailgunServer;
 use capm_mailer::{Mailer, MailgunConfig, MailgunMailer, Message, SecretSource};
 use common::{

@@ -143,7 +143,8 @@ pub struct Ctx {
     pub(crate) ledger: Ledger,
     /// True once the Cluster API stores have finished their first list. A `watch` channel, not
     /// `Store::wait_until_ready` per reconcile: kube-runtime's delayed init wakes only the last
-    /// of several concurrent waiters, which would strand the others.
+    /// of several concurrent waiters, which would strand the others (report 5 in
+    /// docs/kube-runtime-recorder.md).
     capi_listed: watch::Sender<bool>,
 }
 
@@ -380,6 +381,35 @@ mod tests {
         tokio::time::timeout(Duration::from_millis(50), ctx.capi_listed())
             .await
             .expect("waited after the caches were listed");
+    }
+
+    /// Pins the kube-runtime shortfall the `capi_listed` channel exists for (report 5 in
+    /// docs/kube-runtime-recorder.md): of several tasks awaiting one store's
+    /// `wait_until_ready`, the list's end wakes only the one that polled last. When this fails,
+    /// kube-runtime wakes them all and `capi_listed` can go.
+    #[tokio::test]
+    async fn kube_runtime_wait_until_ready_wakes_only_the_last_concurrent_waiter() {
+        use kube::runtime::watcher::Event;
+        let (store, mut writer) = reflector::store::<Cluster>();
+        let first = tokio::spawn({
+            let store = store.clone();
+            async move { store.wait_until_ready().await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let last = tokio::spawn(async move { store.wait_until_ready().await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        writer.apply_watcher_event(&Event::Init);
+        writer.apply_watcher_event(&Event::InitDone);
+        tokio::time::timeout(Duration::from_secs(5), last)
+            .await
+            .expect("the last waiter is woken")
+            .unwrap()
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !first.is_finished(),
+            "kube-runtime now wakes every waiter: the capi_listed channel can go"
+        );
     }
 
     fn transient() -> ReconcileError {

@@ -47,7 +47,7 @@ impl Attempt {
 }
 
 /// What this process remembers about one mail of one object.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct MailNotes {
     /// When this process first saw the mail's intent.
     first_seen: Option<Instant>,
@@ -57,14 +57,8 @@ struct MailNotes {
     refused_at: Option<Attempt>,
 }
 
-impl MailNotes {
-    fn is_empty(&self) -> bool {
-        self.first_seen.is_none() && self.not_found_since.is_none() && self.refused_at.is_none()
-    }
-}
-
 /// Everything remembered about one object.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Object {
     /// Consecutive failed reconciles.
     failures: u32,
@@ -78,10 +72,7 @@ struct Object {
 
 impl Object {
     fn is_empty(&self) -> bool {
-        self.failures == 0
-            && self.not_before.is_none()
-            && self.expected_version.is_none()
-            && self.mails.iter().all(MailNotes::is_empty)
+        *self == Self::default()
     }
 }
 

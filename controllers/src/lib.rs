@@ -15,7 +15,7 @@
 //!   reports (conditions, Events, the `workqueue_*` series for kube-runtime's scheduler,
 //!   [`Metrics`]), and its [`Config`];
 //! - `kinds`: what differs between our two kinds, and the caches of Cluster API's objects;
-//! - [`sendonce`]: the send-once protocol's records and its decision, pure;
+//! - `sendonce`: the send-once protocol's decision, pure (its records: `capm_api::records`);
 //! - `leadership`, `ledger`, `poller`, `identity`: process state: [`Leadership`] (may this
 //!   replica act), the per-object ledger (retry state and tombstones, by UID), the delivery
 //!   questions, the tenants' mail backends;
@@ -28,7 +28,7 @@ mod config;
 mod context;
 mod delivery;
 mod events;
-pub mod failpoint;
+mod failpoint;
 mod identity;
 mod kinds;
 mod leadership;
@@ -37,7 +37,7 @@ mod metrics;
 mod pipeline;
 mod poller;
 mod reconcile;
-pub mod sendonce;
+mod sendonce;
 mod status;
 mod workqueue;
 

@@ -4,7 +4,7 @@
 mod support;
 
 use capm_api::names;
-use capm_controllers::sendonce::{Which, records};
+use capm_api::records::{self, Which};
 use kube::{
     ResourceExt,
     api::{DeleteParams, Patch, PatchParams},

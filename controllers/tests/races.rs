@@ -8,11 +8,8 @@ mod support;
 use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
+use capm_api::records::{self, IntentState, Which};
 use capm_api::{names, v1beta1::MailgunMachine};
-use capm_controllers::sendonce::{
-    Which,
-    records::{self, IntentState},
-};
 use capm_mail_servers::{FailureMode, FailureRule, FailureTarget};
 use capm_mailer::{Lookup, MailError, Mailer, Message, MessageId, SendReceipt};
 use kube::{

@@ -10,51 +10,55 @@
 
 pub(crate) mod decide;
 pub(crate) mod execute;
-pub mod records;
 
-use capm_api::names;
+pub(crate) use capm_api::records::{self, Which};
 
-/// Which of an object's two mails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Which {
-    /// "One cluster please".
-    Request,
-    /// "No longer needed", sent during deletion if a request went out.
-    Deletion,
-}
+#[cfg(test)]
+mod tests {
+    use capm_api::records::{MAX_MESSAGE_ID_BYTES, parse_record};
+    use capm_mailer::{MAX_MESSAGE_ID_LEN, MessageId};
 
-impl Which {
-    /// The annotation holding this mail's one record.
-    pub fn record_key(self) -> &'static str {
-        match self {
-            Self::Request => names::MAIL_ANNOTATION,
-            Self::Deletion => names::DELETION_MAIL_ANNOTATION,
-        }
-    }
-    /// Release 0.1's intent annotation (read, removed on our next write).
-    pub(crate) fn intent_key(self) -> &'static str {
-        match self {
-            Self::Request => names::MAIL_INTENT_ANNOTATION,
-            Self::Deletion => names::DELETION_MAIL_INTENT_ANNOTATION,
-        }
-    }
-    /// Release 0.1's sent annotation (read, removed on our next write).
-    pub(crate) fn sent_key(self) -> &'static str {
-        match self {
-            Self::Request => names::MAIL_SENT_ANNOTATION,
-            Self::Deletion => names::DELETION_MAIL_SENT_ANNOTATION,
-        }
-    }
-    pub(crate) fn message_id(self, kind: &str, uid: &str, domain: &str) -> String {
-        match self {
-            Self::Request => names::message_id(kind, uid, domain),
-            Self::Deletion => names::deletion_message_id(kind, uid, domain),
-        }
-    }
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Self::Request => "request",
-            Self::Deletion => "deletion",
+    /// The records (in `capm_api`, which has no mailer) believe a backend id exactly when the
+    /// mailer could have sent it.
+    #[test]
+    fn records_and_the_mailer_agree_on_message_ids() {
+        assert_eq!(MAX_MESSAGE_ID_BYTES, MAX_MESSAGE_ID_LEN);
+        let ours = "<mailguncluster.u-1@mg.example.com>";
+        let long = format!(
+            "<{}@{}>",
+            "a".repeat(200),
+            "b".repeat(MAX_MESSAGE_ID_LEN - 203)
+        );
+        let too_long = format!(
+            "<{}@{}>",
+            "a".repeat(200),
+            "b".repeat(MAX_MESSAGE_ID_LEN - 202)
+        );
+        for backend_id in [
+            "<20261128.1@mg.example.com>",
+            "<a.b!#$%&'*+-/=?^_`{|}~@c.d>",
+            long.as_str(),
+            too_long.as_str(),
+            "<a..b@c>",
+            "<.a@b>",
+            "<a@b.>",
+            "<a b@c>",
+            "<a@b@c>",
+            "<@b>",
+            "<a\"b@c>",
+            "a@b",
+            "<a@b",
+        ] {
+            let record = serde_json::json!({
+                "messageId": ours, "state": "sent", "backendId": backend_id,
+            });
+            let believed =
+                parse_record(&record.to_string(), "MailgunCluster", super::Which::Request);
+            assert_eq!(
+                believed.is_ok(),
+                MessageId::parse(backend_id).is_ok(),
+                "{backend_id}: {believed:?}"
+            );
         }
     }
 }

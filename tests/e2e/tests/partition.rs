@@ -391,6 +391,7 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
         let leader = world.leader().await?;
         let takeover = replicas > 1 && rng.random_bool(0.5);
         let before = world.lists(leader);
+        let leader_generation = world.replicas[leader].generation;
         let cut_at = Instant::now();
         world.replicas[leader].proxy.cut();
         println!(
@@ -526,7 +527,15 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
         world.restart_exited()?;
         let now_leader = world.leader().await?;
         let after = world.lists(now_leader);
-        let base = if now_leader == leader && !takeover {
+        // A cut meant to stay short can still outlast the renew deadline on a loaded machine
+        // (the API server's restart and Cluster API's adoption of the paused pairs happen while
+        // it lasts): the cut process exits and the standby, never cut, takes over.
+        let unplanned_handover = !takeover
+            && (now_leader != leader || world.replicas[leader].generation != leader_generation);
+        let base = if unplanned_handover && now_leader == leader {
+            // A new process of the cut replica: its counters start at nought.
+            (0.0, 0.0)
+        } else if now_leader == leader && !takeover {
             before
         } else {
             lists_before_restart[now_leader]
@@ -541,10 +550,19 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
             world.replicas[now_leader].name
         );
         let log = world.log(now_leader);
-        ensure!(
-            log.contains("410") || log.contains("Expired") || log.contains("too old"),
-            "cycle {cycle}: the leader's log shows no 410 answer"
-        );
+        // After an unplanned hand-over the new leader's first watches list from the restarted
+        // server and have nothing to resume, so no 410 is owed; the mails are checked as always.
+        if unplanned_handover {
+            println!(
+                "  the cut outlasted the renew deadline: {} exited and {} leads (no 410 owed)",
+                world.replicas[leader].name, world.replicas[now_leader].name
+            );
+        } else {
+            ensure!(
+                log.contains("410") || log.contains("Expired") || log.contains("too old"),
+                "cycle {cycle}: the leader's log shows no 410 answer"
+            );
+        }
         let watches: Vec<String> = first_signs_of_life(&log, restored_ts)
             .iter()
             .map(|(kind, (secs, what))| format!("{kind} {secs:.1} s ({what})"))

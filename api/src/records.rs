@@ -1,18 +1,19 @@
-//! The durable records of the send-once protocol, kept in our annotations: metadata survives
-//! `clusterctl move` and backups (status does not). One annotation per mail (`mail`,
-//! `deletion-mail`) goes through the mail's life; release 0.1's two per mail (`mail-intent`,
-//! `mail-sent`) are still read and never written. Their shapes, and when a value is believed
-//! (these annotations are on an object users may write): docs/how-it-works.md, step 2 and "Our
-//! annotations".
+//! The durable records of the send-once protocol, kept in our annotations
+//! ([`crate::names::MAIL_ANNOTATION`], [`crate::names::DELETION_MAIL_ANNOTATION`]): their format
+//! and when a value is believed (these annotations are on an object users may write). One
+//! annotation per mail goes through the mail's life; release 0.1's two per mail (`mail-intent`,
+//! `mail-sent`) are still read and never written. The controllers write them (the protocol:
+//! docs/how-it-works.md, step 2 and "Our annotations"); tests and tools read them here.
 
-use capm_mailer::MessageId;
 use k8s_openapi::jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
-use crate::sendonce::Which;
-
 /// Longest annotation value this module reads or writes.
 pub const MAX_RECORD_BYTES: usize = 1024;
+
+/// Longest Message-Id the mailer sends (`capm_mailer::MAX_MESSAGE_ID_LEN`; the controllers' tests
+/// check that the two agree).
+pub const MAX_MESSAGE_ID_BYTES: usize = 250;
 
 /// Longest Lease holder identity kept in an intent.
 const MAX_WRITER_BYTES: usize = 253;
@@ -206,8 +207,8 @@ pub enum RecordError {
 }
 
 /// True when `id` is `<{kind}.{uid}@{domain}>` (request) or `<{kind}-deleted.{uid}@{domain}>`
-/// (deletion) with `kind` lower-cased, a UID-like middle and a host-name-like domain, and a
-/// valid Message-Id besides.
+/// (deletion) with `kind` lower-cased, a UID-like middle and a host-name-like domain, no longer
+/// than a Message-Id the mailer sends.
 fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
     let Some(inner) = id.strip_prefix('<').and_then(|s| s.strip_suffix('>')) else {
         return false;
@@ -231,23 +232,38 @@ fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
         && !domain.starts_with(['.', '-'])
         && !domain.ends_with(['.', '-'])
         && !domain.contains("..");
-    uid_ok && domain_ok && MessageId::parse(id).is_ok()
+    uid_ok && domain_ok && id.len() <= MAX_MESSAGE_ID_BYTES
 }
 
 /// A writer identity, when there is one, must be a plausible Lease holder identity.
 fn check_writer(writer: Option<&str>) -> Result<(), RecordError> {
-    match writer {
-        Some(w) if !plausible_writer(w) => Err(RecordError::BadWriter),
-        _ => Ok(()),
-    }
-}
-
-/// A backend id must be a valid Message-Id of at most 256 bytes.
-fn check_backend_id(id: &str) -> Result<(), RecordError> {
-    if MessageId::parse(id).is_err() || id.len() > 256 {
-        return Err(RecordError::BadBackendId);
+    let plausible = |w: &str| {
+        (1..=MAX_WRITER_BYTES).contains(&w.len())
+            && w.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b':'))
+    };
+    if writer.is_some_and(|w| !plausible(w)) {
+        return Err(RecordError::BadWriter);
     }
     Ok(())
+}
+
+/// A backend id must be a Message-Id (`<left@right>`, both sides RFC 5322 `dot-atom-text`) of
+/// at most [`MAX_MESSAGE_ID_BYTES`], as the mailer sends them.
+fn check_backend_id(id: &str) -> Result<(), RecordError> {
+    let dot_atom = |s: &str| {
+        s.split('.').all(|atom| {
+            !atom.is_empty()
+                && atom
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-/=?^_`{|}~".contains(c))
+        })
+    };
+    let inner = id.strip_prefix('<').and_then(|s| s.strip_suffix('>'));
+    match inner.and_then(|s| s.split_once('@')) {
+        Some((l, r)) if id.len() <= MAX_MESSAGE_ID_BYTES && dot_atom(l) && dot_atom(r) => Ok(()),
+        _ => Err(RecordError::BadBackendId),
+    }
 }
 
 /// An identity name as the API server allows it (a DNS subdomain).
@@ -256,18 +272,7 @@ fn check_identity(name: &str) -> Result<(), RecordError> {
         && name
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.'));
-    if plausible {
-        Ok(())
-    } else {
-        Err(RecordError::Malformed)
-    }
-}
-
-fn plausible_writer(writer: &str) -> bool {
-    (1..=MAX_WRITER_BYTES).contains(&writer.len())
-        && writer
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b':'))
+    plausible.then_some(()).ok_or(RecordError::Malformed)
 }
 
 /// Reads release 0.1's intent annotation.
@@ -328,57 +333,98 @@ fn to_value<T: Serialize>(record: &T) -> String {
 }
 
 /// One mail's durable records as found, each either believed or ignored with the reason.
-pub(crate) struct Records {
-    pub(crate) intent: Option<Intent>,
-    pub(crate) sent: Option<Sent>,
+pub struct Records {
+    /// The intent believed, if any.
+    pub intent: Option<Intent>,
+    /// The sent record believed, if any.
+    pub sent: Option<Sent>,
     /// Annotations present but not believed: key and reason.
-    pub(crate) ignored: Vec<(&'static str, RecordError)>,
+    pub ignored: Vec<(&'static str, RecordError)>,
+}
+
+/// `parsed`, or `None` with `key` and the reason noted in `ignored`.
+fn believe<T>(
+    ignored: &mut Vec<(&'static str, RecordError)>,
+    key: &'static str,
+    parsed: Result<T, RecordError>,
+) -> Option<T> {
+    parsed.map_err(|e| ignored.push((key, e))).ok()
 }
 
 /// Reads one mail's records from `annotations`: its one record, or release 0.1's intent and
 /// sent annotations when there is no record we believe.
-pub(crate) fn read_records(
+pub fn read_records(
     annotations: &std::collections::BTreeMap<String, String>,
     kind: &str,
     which: Which,
 ) -> Records {
     let mut ignored = Vec::new();
-    if let Some(value) = annotations.get(which.record_key()) {
-        match parse_record(value, kind, which) {
-            Ok((intent, sent)) => {
-                return Records {
-                    intent: Some(intent),
-                    sent,
-                    ignored,
-                };
-            }
-            Err(e) => ignored.push((which.record_key(), e)),
-        }
+    let keys = (which.record_key(), which.intent_key(), which.sent_key());
+    let found = annotations.get(keys.0);
+    if let Some((intent, sent)) =
+        found.and_then(|v| believe(&mut ignored, keys.0, parse_record(v, kind, which)))
+    {
+        return Records {
+            intent: Some(intent),
+            sent,
+            ignored,
+        };
     }
-    let intent =
-        annotations
-            .get(which.intent_key())
-            .and_then(|v| match parse_intent(v, kind, which) {
-                Ok(i) => Some(i),
-                Err(e) => {
-                    ignored.push((which.intent_key(), e));
-                    None
-                }
-            });
-    let sent =
-        annotations
-            .get(which.sent_key())
-            .and_then(|v| match parse_sent(v, intent.as_ref()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    ignored.push((which.sent_key(), e));
-                    None
-                }
-            });
+    let intent = (annotations.get(keys.1))
+        .and_then(|v| believe(&mut ignored, keys.1, parse_intent(v, kind, which)));
+    let sent = (annotations.get(keys.2))
+        .and_then(|v| believe(&mut ignored, keys.2, parse_sent(v, intent.as_ref())));
     Records {
         intent,
         sent,
         ignored,
+    }
+}
+
+/// Which of an object's two mails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    /// "One cluster please".
+    Request,
+    /// "No longer needed", sent during deletion if a request went out.
+    Deletion,
+}
+
+impl Which {
+    /// The annotation holding this mail's one record.
+    pub fn record_key(self) -> &'static str {
+        match self {
+            Self::Request => crate::names::MAIL_ANNOTATION,
+            Self::Deletion => crate::names::DELETION_MAIL_ANNOTATION,
+        }
+    }
+    /// Release 0.1's intent annotation (read, removed on our next write).
+    pub fn intent_key(self) -> &'static str {
+        match self {
+            Self::Request => crate::names::MAIL_INTENT_ANNOTATION,
+            Self::Deletion => crate::names::DELETION_MAIL_INTENT_ANNOTATION,
+        }
+    }
+    /// Release 0.1's sent annotation (read, removed on our next write).
+    pub fn sent_key(self) -> &'static str {
+        match self {
+            Self::Request => crate::names::MAIL_SENT_ANNOTATION,
+            Self::Deletion => crate::names::DELETION_MAIL_SENT_ANNOTATION,
+        }
+    }
+    /// The deterministic Message-Id of this mail of the object `uid` of `kind`.
+    pub fn message_id(self, kind: &str, uid: &str, domain: &str) -> String {
+        match self {
+            Self::Request => crate::names::message_id(kind, uid, domain),
+            Self::Deletion => crate::names::deletion_message_id(kind, uid, domain),
+        }
+    }
+    /// `request` / `deletion`: the mail in logs, metric labels and tags.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Request => "request",
+            Self::Deletion => "deletion",
+        }
     }
 }
 
