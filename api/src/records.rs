@@ -359,21 +359,21 @@ pub fn read_records(
     which: Which,
 ) -> Records {
     let mut ignored = Vec::new();
-    let keys = (which.record_key(), which.intent_key(), which.sent_key());
-    let found = annotations.get(keys.0);
-    if let Some((intent, sent)) =
-        found.and_then(|v| believe(&mut ignored, keys.0, parse_record(v, kind, which)))
-    {
+    let (record_key, intent_key, sent_key) =
+        (which.record_key(), which.intent_key(), which.sent_key());
+    let record = (annotations.get(record_key))
+        .and_then(|v| believe(&mut ignored, record_key, parse_record(v, kind, which)));
+    if let Some((intent, sent)) = record {
         return Records {
             intent: Some(intent),
             sent,
             ignored,
         };
     }
-    let intent = (annotations.get(keys.1))
-        .and_then(|v| believe(&mut ignored, keys.1, parse_intent(v, kind, which)));
-    let sent = (annotations.get(keys.2))
-        .and_then(|v| believe(&mut ignored, keys.2, parse_sent(v, intent.as_ref())));
+    let intent = (annotations.get(intent_key))
+        .and_then(|v| believe(&mut ignored, intent_key, parse_intent(v, kind, which)));
+    let sent = (annotations.get(sent_key))
+        .and_then(|v| believe(&mut ignored, sent_key, parse_sent(v, intent.as_ref())));
     Records {
         intent,
         sent,
