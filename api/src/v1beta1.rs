@@ -351,7 +351,8 @@ pub struct IdentitySmtp {
     pub ca_secret_ref: Option<SecretKeyReference>,
 }
 
-/// Which namespaces may use an identity. Absent: none; `{}`: all.
+/// Which namespaces may use an identity (CAPA's reading). Absent: none; `{}` (neither `list`
+/// nor `selector`): all.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct AllowedNamespaces {
     /// list (optional): namespaces by name.
@@ -359,7 +360,8 @@ pub struct AllowedNamespaces {
     #[schemars(length(max = 256), inner(length(min = 1, max = 63)))]
     pub list: Option<Vec<String>>,
     /// selector (optional): namespaces by label. With `list`, a namespace either names is
-    /// allowed. An empty selector selects every namespace.
+    /// allowed. An empty selector (`{}`) selects no namespace: it never opens the identity to
+    /// all. Whoever may label a namespace may make it match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<NamespaceSelector>,
 }
@@ -380,13 +382,19 @@ pub struct NamespaceSelector {
 
 /// One requirement of a [`NamespaceSelector`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "self.operator in ['In', 'NotIn'] ? has(self.values) && size(self.values) > 0 : !has(self.values) || size(self.values) == 0",
+    "message": "values: required (not empty) for In and NotIn, empty for Exists and DoesNotExist",
+    "fieldPath": ".values"
+}]))]
 pub struct SelectorRequirement {
     /// key (required): the label key.
     #[schemars(length(min = 1, max = 317))]
     pub key: String,
     /// operator (required): `In`, `NotIn`, `Exists` or `DoesNotExist`.
     pub operator: SelectorOperator,
-    /// values (optional): for `In` and `NotIn`.
+    /// values (required for `In` and `NotIn`, not empty; absent for `Exists` and
+    /// `DoesNotExist`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64), inner(length(max = 63)))]
     pub values: Option<Vec<String>>,
@@ -406,34 +414,63 @@ pub enum SelectorOperator {
 }
 
 impl NamespaceSelector {
-    /// Whether a namespace with `labels` is selected.
+    /// Whether a namespace with `labels` is selected. An empty selector selects none (CAPA's
+    /// reading for identities), and so does one with a requirement Kubernetes would refuse
+    /// (`In`/`NotIn` without values, `Exists`/`DoesNotExist` with some).
     pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        let requirements = self.match_expressions.iter().flatten();
+        if self.is_empty() || requirements.clone().any(|r| !r.is_valid()) {
+            return false;
+        }
         let labels_match = self
             .match_labels
             .iter()
             .flatten()
             .all(|(k, v)| labels.get(k) == Some(v));
-        let expressions_match = self.match_expressions.iter().flatten().all(|r| {
-            let values = r.values.as_deref().unwrap_or_default();
-            let value = labels.get(&r.key);
-            match r.operator {
-                SelectorOperator::In => value.is_some_and(|v| values.contains(v)),
-                SelectorOperator::NotIn => value.is_none_or(|v| !values.contains(v)),
-                SelectorOperator::Exists => value.is_some(),
-                SelectorOperator::DoesNotExist => value.is_none(),
-            }
-        });
-        labels_match && expressions_match
+        labels_match
+            && requirements.clone().all(|r| {
+                let values = r.values.as_deref().unwrap_or_default();
+                let value = labels.get(&r.key);
+                match r.operator {
+                    SelectorOperator::In => value.is_some_and(|v| values.contains(v)),
+                    SelectorOperator::NotIn => value.is_none_or(|v| !values.contains(v)),
+                    SelectorOperator::Exists => value.is_some(),
+                    SelectorOperator::DoesNotExist => value.is_none(),
+                }
+            })
+    }
+
+    /// Neither labels nor requirements.
+    pub fn is_empty(&self) -> bool {
+        self.match_labels.as_ref().is_none_or(BTreeMap::is_empty)
+            && self.match_expressions.as_ref().is_none_or(Vec::is_empty)
+    }
+}
+
+impl SelectorRequirement {
+    /// Kubernetes' rule: values for `In` and `NotIn`, none for `Exists` and `DoesNotExist`.
+    pub fn is_valid(&self) -> bool {
+        let has_values = self.values.as_ref().is_some_and(|v| !v.is_empty());
+        match self.operator {
+            SelectorOperator::In | SelectorOperator::NotIn => has_values,
+            SelectorOperator::Exists | SelectorOperator::DoesNotExist => !has_values,
+        }
     }
 }
 
 impl AllowedNamespaces {
-    /// Whether the namespace `name` with `labels` may use the identity.
+    /// Whether the namespace `name` with `labels` may use the identity: named in `list`,
+    /// selected by `selector`, or both absent (`{}`: every namespace).
     pub fn allows(&self, name: &str, labels: &BTreeMap<String, String>) -> bool {
         let listed = self.list.iter().flatten().any(|n| n == name);
         let selected = self.selector.as_ref().is_some_and(|s| s.matches(labels));
         let everyone = self.list.is_none() && self.selector.is_none();
         listed || selected || everyone
+    }
+
+    /// Whether [`Self::allows`] needs the namespace's labels (a selector that can match).
+    pub fn reads_labels(&self) -> bool {
+        self.selector.as_ref().is_some_and(|s| !s.is_empty())
     }
 }
 
@@ -767,4 +804,166 @@ pub struct MailgunMachineTemplateSpec {
         }
     ]))]
     pub template: MailgunMachineTemplateResource,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn requirement(
+        key: &str,
+        operator: SelectorOperator,
+        values: Option<&[&str]>,
+    ) -> SelectorRequirement {
+        SelectorRequirement {
+            key: key.to_owned(),
+            operator,
+            values: values.map(|v| v.iter().map(|s| (*s).to_owned()).collect()),
+        }
+    }
+
+    fn expressions(requirements: Vec<SelectorRequirement>) -> NamespaceSelector {
+        NamespaceSelector {
+            match_labels: None,
+            match_expressions: Some(requirements),
+        }
+    }
+
+    #[test]
+    fn selector_requirements_case_by_case() {
+        use SelectorOperator::{DoesNotExist, Exists, In, NotIn};
+        let team_a = labels(&[("team", "a")]);
+        let team_b = labels(&[("team", "b")]);
+        let none = labels(&[]);
+        // (requirement, matches team=a, team=b, no label)
+        let table = [
+            (requirement("team", In, Some(&["a"])), [true, false, false]),
+            (
+                requirement("team", In, Some(&["a", "b"])),
+                [true, true, false],
+            ),
+            (
+                requirement("team", NotIn, Some(&["a"])),
+                [false, true, true],
+            ),
+            (requirement("team", Exists, None), [true, true, false]),
+            (
+                requirement("team", DoesNotExist, None),
+                [false, false, true],
+            ),
+            // What Kubernetes refuses selects nothing, never everything.
+            (requirement("team", In, None), [false, false, false]),
+            (requirement("team", In, Some(&[])), [false, false, false]),
+            (requirement("team", NotIn, None), [false, false, false]),
+            (requirement("team", NotIn, Some(&[])), [false, false, false]),
+            (
+                requirement("team", Exists, Some(&["a"])),
+                [false, false, false],
+            ),
+            (
+                requirement("team", DoesNotExist, Some(&["a"])),
+                [false, false, false],
+            ),
+        ];
+        for (r, want) in table {
+            let selector = expressions(vec![r.clone()]);
+            let got = [&team_a, &team_b, &none].map(|l| selector.matches(l));
+            assert_eq!(got, want, "{r:?}");
+            assert_eq!(r.is_valid(), want.iter().any(|m| *m), "{r:?}");
+        }
+        // One invalid requirement spoils the whole selector.
+        let mixed = expressions(vec![
+            requirement("team", Exists, None),
+            requirement("x", NotIn, None),
+        ]);
+        assert!(!mixed.matches(&team_a));
+    }
+
+    #[test]
+    fn match_labels_and_expressions_must_all_hold() {
+        let selector = NamespaceSelector {
+            match_labels: Some(labels(&[("team", "a")])),
+            match_expressions: Some(vec![requirement(
+                "env",
+                SelectorOperator::In,
+                Some(&["prod"]),
+            )]),
+        };
+        assert!(selector.matches(&labels(&[("team", "a"), ("env", "prod")])));
+        assert!(!selector.matches(&labels(&[("team", "a"), ("env", "dev")])));
+        assert!(!selector.matches(&labels(&[("team", "b"), ("env", "prod")])));
+        assert!(!selector.matches(&labels(&[("env", "prod")])));
+    }
+
+    #[test]
+    fn an_empty_selector_selects_nothing() {
+        let any = labels(&[("team", "a")]);
+        assert!(!NamespaceSelector::default().matches(&any));
+        let empty_parts = NamespaceSelector {
+            match_labels: Some(BTreeMap::new()),
+            match_expressions: Some(Vec::new()),
+        };
+        assert!(!empty_parts.matches(&any));
+        assert!(empty_parts.is_empty());
+    }
+
+    #[test]
+    fn allowed_namespaces_case_by_case() {
+        let list = |names: &[&str]| Some(names.iter().map(|n| (*n).to_owned()).collect());
+        let by_label = Some(NamespaceSelector {
+            match_labels: Some(labels(&[("team", "a")])),
+            match_expressions: None,
+        });
+        let a = labels(&[("team", "a")]);
+        let plain = labels(&[]);
+        let allowed = |list, selector| AllowedNamespaces { list, selector };
+        // (allowedNamespaces, allows "x" with team=a, "x" unlabelled, "listed" unlabelled, reads labels)
+        let table = [
+            (allowed(None, None), [true, true, true], false),
+            (
+                allowed(list(&["listed"]), None),
+                [false, false, true],
+                false,
+            ),
+            (allowed(list(&[]), None), [false, false, false], false),
+            (allowed(None, by_label.clone()), [true, false, false], true),
+            (
+                allowed(list(&["listed"]), by_label.clone()),
+                [true, false, true],
+                true,
+            ),
+            // CAPA's reading: an empty selector opens nothing, beside a list or alone.
+            (
+                allowed(None, Some(NamespaceSelector::default())),
+                [false, false, false],
+                false,
+            ),
+            (
+                allowed(list(&["listed"]), Some(NamespaceSelector::default())),
+                [false, false, true],
+                false,
+            ),
+            (
+                allowed(list(&[]), Some(NamespaceSelector::default())),
+                [false, false, false],
+                false,
+            ),
+        ];
+        for (allowed, want, reads) in table {
+            let got = [
+                allowed.allows("x", &a),
+                allowed.allows("x", &plain),
+                allowed.allows("listed", &plain),
+            ];
+            assert_eq!(got, want, "{allowed:?}");
+            assert_eq!(allowed.reads_labels(), reads, "{allowed:?}");
+        }
+    }
 }

@@ -735,6 +735,57 @@ async fn invalid_objects_are_rejected_naming_the_field() {
     );
 }
 
+/// Issue 45: a selector requirement needs values exactly when Kubernetes' does (`NotIn` without
+/// values would otherwise read as "every namespace").
+#[tokio::test]
+async fn identity_selector_requirements_need_values_as_in_kubernetes() {
+    let ns = setup("api-selector").await;
+    let gvk = GroupVersionKind::gvk(capm_api::GROUP, "v1beta1", "MailgunClusterIdentity");
+    let resource = ApiResource::from_gvk_with_plural(&gvk, "mailgunclusteridentities");
+    let identities: Api<DynamicObject> = Api::all_with(ns.client.clone(), &resource);
+    let identity = |name: String, requirement: Value| {
+        json!({"apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunClusterIdentity",
+               "metadata": {"name": name},
+               "spec": {"smtp": {"url": "smtp://relay.example.com"}, "from": "a@example.com",
+                        "recipients": ["ops@example.com"],
+                        "allowedNamespaces": {"selector": {"matchExpressions": [requirement]}}}})
+    };
+    let refused = [
+        json!({"key": "team", "operator": "NotIn"}),
+        json!({"key": "team", "operator": "NotIn", "values": []}),
+        json!({"key": "team", "operator": "In"}),
+        json!({"key": "team", "operator": "Exists", "values": ["a"]}),
+        json!({"key": "team", "operator": "DoesNotExist", "values": ["a"]}),
+    ];
+    for (i, requirement) in refused.into_iter().enumerate() {
+        let name = format!("{}-refused-{i}", ns.name);
+        let message = error_message(create(&identities, identity(name, requirement.clone())).await);
+        assert!(
+            message.contains("spec.allowedNamespaces.selector.matchExpressions[0].values")
+                && message.contains("required (not empty) for In and NotIn"),
+            "{requirement}: {message}"
+        );
+    }
+    for (i, requirement) in [
+        json!({"key": "team", "operator": "NotIn", "values": ["b"]}),
+        json!({"key": "team", "operator": "In", "values": ["a"]}),
+        json!({"key": "team", "operator": "Exists"}),
+        json!({"key": "team", "operator": "DoesNotExist", "values": []}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = format!("{}-accepted-{i}", ns.name);
+        create(&identities, identity(name.clone(), requirement.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("{requirement}: {e}"));
+        identities
+            .delete(&name, &Default::default())
+            .await
+            .expect("delete");
+    }
+}
+
 #[tokio::test]
 async fn the_api_server_converts_through_the_webhook_losslessly() {
     let ns = setup("api-convert").await;
