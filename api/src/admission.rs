@@ -3,8 +3,8 @@
 //! The API server checks an object only against the schema of the version the request was made
 //! in. A write through `v1alpha1` is checked against the `v1alpha1` schema and then converted
 //! ([`crate::conversion`]), so whatever the conversion restores from the
-//! [`CONVERSION_DATA_ANNOTATION`] (the control plane endpoint, the failure domain, addresses)
-//! would otherwise reach storage without meeting a single `v1beta1` rule.
+//! [`CONVERSION_DATA_ANNOTATION`] (the control plane endpoint, the identity, the failure domain,
+//! addresses) would otherwise reach storage without meeting a single `v1beta1` rule.
 //!
 //! The chart registers [`review_json`] (at [`VALIDATE_PATH`]) for `v1beta1` only, with
 //! `matchPolicy: Equivalent`, so the API server sends the converted `v1beta1` object and the
@@ -148,18 +148,27 @@ fn decode<T: DeserializeOwned>(what: &str, value: Option<&Value>) -> Result<T, R
 fn beta_only(kind: &str, object: &Value) -> Vec<(&'static str, Value)> {
     let at = |pointer: &str| object.pointer(pointer).cloned().unwrap_or(Value::Null);
     match kind {
-        "MailgunCluster" => vec![(
-            "spec.controlPlaneEndpoint",
-            at("/spec/controlPlaneEndpoint"),
-        )],
+        "MailgunCluster" => vec![
+            (
+                "spec.controlPlaneEndpoint",
+                at("/spec/controlPlaneEndpoint"),
+            ),
+            ("spec.identityRef", at("/spec/identityRef")),
+        ],
         "MailgunMachine" => vec![
             ("spec.failureDomain", at("/spec/failureDomain")),
             ("spec.addresses", at("/spec/addresses")),
         ],
-        "MailgunClusterTemplate" => vec![(
-            "spec.template.spec.controlPlaneEndpoint",
-            at("/spec/template/spec/controlPlaneEndpoint"),
-        )],
+        "MailgunClusterTemplate" => vec![
+            (
+                "spec.template.spec.controlPlaneEndpoint",
+                at("/spec/template/spec/controlPlaneEndpoint"),
+            ),
+            (
+                "spec.template.spec.identityRef",
+                at("/spec/template/spec/identityRef"),
+            ),
+        ],
         "MailgunMachineTemplate" => vec![
             (
                 "spec.template.spec.failureDomain",
@@ -409,6 +418,61 @@ mod tests {
         );
         assert_eq!(
             decide(&request("CREATE", "v1alpha1", set, None)).refusal,
+            None
+        );
+    }
+
+    #[test]
+    fn identity_ref_cannot_change_through_v1alpha1() {
+        let with_ref = |name: Option<&str>| {
+            let mut c = cluster(None);
+            if let Some(name) = name {
+                c["spec"]["identityRef"] = json!({"kind": "MailgunClusterIdentity", "name": name});
+            }
+            c
+        };
+        for (what, old, new) in [
+            ("dropped", Some("team-a"), None),
+            ("changed", Some("team-a"), Some("team-b")),
+            ("added", None, Some("team-b")),
+        ] {
+            let verdict = decide(&request(
+                "UPDATE",
+                "v1alpha1",
+                with_ref(new),
+                Some(with_ref(old)),
+            ));
+            let message = verdict.refusal.expect(what).message;
+            assert!(
+                message.contains("spec.identityRef: Forbidden")
+                    && message.contains("cannot be changed through v1alpha1"),
+                "{what}: {message}"
+            );
+        }
+        // Kept, through v1alpha1; changed, through v1beta1; set at creation through v1alpha1.
+        let kept = with_ref(Some("team-a"));
+        assert_eq!(
+            decide(&request(
+                "UPDATE",
+                "v1alpha1",
+                kept.clone(),
+                Some(kept.clone())
+            ))
+            .refusal,
+            None
+        );
+        assert_eq!(
+            decide(&request(
+                "UPDATE",
+                "v1beta1",
+                with_ref(None),
+                Some(kept.clone())
+            ))
+            .refusal,
+            None
+        );
+        assert_eq!(
+            decide(&request("CREATE", "v1alpha1", kept, None)).refusal,
             None
         );
     }
