@@ -184,9 +184,21 @@ pub mod reasons {
     pub const IDENTITY_NOT_FOUND: &str = "IdentityNotFound";
     /// The identity's `allowedNamespaces` does not allow the object's namespace: no mail.
     pub const IDENTITY_NOT_ALLOWED: &str = "IdentityNotAllowed";
-    /// The identity cannot be used (a Secret or key missing or malformed, a bad field): no mail.
+    /// The identity cannot be used (a Secret or key missing, malformed or not claimed for it,
+    /// an endpoint off the operator's allow-list, a bad field): no mail.
     pub const IDENTITY_INVALID: &str = "IdentityInvalid";
+    /// The provider requires an `identityRef` (`--require-identity-ref`) and the object (or a
+    /// machine's Cluster) names none: no mail.
+    pub const IDENTITY_REQUIRED: &str = "IdentityRequired";
+    /// Event: a release that could not go out for `--release-timeout` after the deletion was
+    /// given up, so the deletion finishes; the note says why it could not go out.
+    pub const RELEASE_ABANDONED: &str = "ReleaseAbandoned";
 }
+
+/// The label that claims a Secret in the provider's namespace for one `MailgunClusterIdentity`
+/// (its value: the identity's name); only Secrets claimed so (or owned by the identity) can be
+/// named by that identity.
+pub const IDENTITY_SECRET_LABEL: &str = "mailgun.infrastructure.cluster.x-k8s.io/identity";
 
 /// The deterministic `Message-Id` for the request mail of one object: `<kind.uid@domain>`, with
 /// the kind lower-cased.

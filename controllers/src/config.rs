@@ -46,6 +46,9 @@ pub struct Config {
     /// The namespace whose Secrets `MailgunClusterIdentity` objects name: the provider's own.
     /// `None`: identities cannot be used (objects naming one are told so).
     pub identity_secret_namespace: Option<String>,
+    /// What the operator lets tenants do: the default identity's namespaces, the hosts and
+    /// Secrets identities may use, how long a release may wait.
+    pub tenancy: crate::Tenancy,
 }
 
 impl Config {
@@ -228,6 +231,7 @@ pub(crate) mod tests {
             delivery_retention: Duration::from_secs(72 * 3600),
             sync_period: Duration::from_secs(10 * 3600),
             identity_secret_namespace: None,
+            tenancy: crate::Tenancy::default(),
         }
     }
 

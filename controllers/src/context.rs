@@ -186,7 +186,10 @@ impl Ctx {
         ));
         let identities = crate::identity::Identities::new(
             client.clone(),
-            config.identity_secret_namespace.clone(),
+            (
+                config.identity_secret_namespace.clone(),
+                config.tenancy.clone(),
+            ),
             Arc::new(leadership.clone()),
             crate::identity::Route {
                 mailer: mailer.clone(),

@@ -72,7 +72,12 @@ pub(crate) async fn track<K: InfraKind>(
         None => (Arc::clone(&ctx.mailer), Arc::clone(&ctx.poller)),
         Some(identity) => {
             let namespace = obj.namespace().unwrap_or_default();
-            match ctx.identities.route(Some(identity), &namespace).await {
+            let recorded = crate::identity::Access::Recorded;
+            match ctx
+                .identities
+                .route(Some(identity), &namespace, recorded)
+                .await
+            {
                 Ok(route) => (route.mailer, route.poller),
                 Err(error) => {
                     // Not final: the identity may be fixed; the next pass asks again.

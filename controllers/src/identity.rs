@@ -1,7 +1,8 @@
 //! Mail identities: which backend, sender and recipients an object's mails go through
-//! (docs/multi-tenancy.md). Identities and their Secrets are read with `get` when a mail is about to be sent
-//! or looked up, never watched, so a rotated key is used from the next send on; a backend is
-//! built once per identity and rebuilt when anything it was built from changes.
+//! (docs/multi-tenancy.md), within the operator's rules ([`Tenancy`]). Identities and their
+//! Secrets are read with `get` when a mail is about to be sent or looked up, never watched, so a
+//! rotated key is used from the next send on; a backend is built once per identity and rebuilt
+//! when anything it was built from changes, dropped with its poller when the identity is gone.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -11,7 +12,8 @@ use std::{
 use capm_api::{
     names::reasons,
     v1beta1::{
-        MailgunCluster, MailgunClusterIdentity, MailgunRegion as ApiRegion, SecretKeyReference,
+        AllowedNamespaces, MailgunCluster, MailgunClusterIdentity, MailgunRegion as ApiRegion,
+        SecretKeyReference,
     },
 };
 use capm_mailer::{
@@ -22,7 +24,7 @@ use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::{Api, Client};
 
 pub(crate) use crate::kinds::Wanted;
-use crate::poller::Poller;
+use crate::{poller::Poller, tenancy::Tenancy};
 
 /// Why an identity gave no route.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +33,7 @@ pub enum IdentityError {
     /// Secret, never a value).
     #[error("{message}")]
     Unusable {
-        /// `IdentityNotFound`, `IdentityNotAllowed` or `IdentityInvalid`.
+        /// `IdentityNotFound`, `IdentityNotAllowed`, `IdentityInvalid` or `IdentityRequired`.
         reason: &'static str,
         message: String,
     },
@@ -63,10 +65,20 @@ pub(crate) struct Route {
     pub poller: Arc<Poller>,
 }
 
+/// Whether a route is for a new conversation (the object's namespace must be allowed now) or
+/// for one a record names (a lookup, a resend, a release, delivery news: it goes on through the
+/// identity it began with, even after the namespace lost access).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Access {
+    New,
+    Recorded,
+}
+
 /// The identities' backends, built on demand and kept while what they were built from holds.
 pub(crate) struct Identities {
     client: Client,
     secret_namespace: Option<String>,
+    tenancy: Tenancy,
     gate: Arc<dyn CommitGate>,
     /// The provider's own configuration: objects without an identity.
     default: Route,
@@ -86,13 +98,14 @@ impl Identities {
     /// each send's commit point.
     pub(crate) fn new(
         client: Client,
-        secret_namespace: Option<String>,
+        (secret_namespace, tenancy): (Option<String>, Tenancy),
         gate: Arc<dyn CommitGate>,
         default: Route,
     ) -> Self {
         Self {
             client,
             secret_namespace,
+            tenancy,
             gate,
             default,
             built: Mutex::new(HashMap::new()),
@@ -134,42 +147,59 @@ impl Identities {
 
     /// The route of the identity `name` (`None`: the provider's own configuration) for an
     /// object in `namespace`; [`IdentityError::Unusable`] when it does not exist, does not allow
-    /// `namespace`, or cannot be used.
+    /// `namespace` (checked for [`Access::New`] only), or cannot be used.
     pub(crate) async fn route(
         &self,
         name: Option<&str>,
         namespace: &str,
+        access: Access,
     ) -> Result<Route, IdentityError> {
         let Some(name) = name else {
+            if access == Access::New {
+                self.check_default(namespace).await?;
+            }
             return Ok(self.default.clone());
         };
-        let identity = Api::<MailgunClusterIdentity>::all(self.client.clone())
+        let Some(identity) = Api::<MailgunClusterIdentity>::all(self.client.clone())
             .get_opt(name)
             .await
             .map_err(kube("reading the MailgunClusterIdentity"))?
-            .ok_or_else(|| {
-                problem(
-                    reasons::IDENTITY_NOT_FOUND,
-                    format!("MailgunClusterIdentity {name} not found: no mail is sent"),
-                )
-            })?;
-        self.check_allowed(&identity, name, namespace).await?;
+        else {
+            self.drop_built(name);
+            return Err(problem(
+                reasons::IDENTITY_NOT_FOUND,
+                format!("MailgunClusterIdentity {name} not found: no mail is sent"),
+            ));
+        };
+        if access == Access::New {
+            let allowed = identity.spec.allowed_namespaces.as_ref();
+            if !self.allows(allowed, namespace).await? {
+                return Err(not_allowed(
+                    &format!("MailgunClusterIdentity {name}"),
+                    namespace,
+                ));
+            }
+        }
         let spec = &identity.spec;
+        let secret = |field, reference| self.secret(&identity, field, reference);
         let (config, from) = match (&spec.mailgun, &spec.smtp) {
             (Some(m), None) => {
-                let api_key = self
-                    .secret(name, "spec.mailgun.apiKeySecretRef", &m.api_key_secret_ref)
-                    .await?;
+                let api_key = secret("spec.mailgun.apiKeySecretRef", &m.api_key_secret_ref).await?;
                 let mut config = MailgunConfig::new(&m.domain, value(api_key)?);
                 config.region = match m.region.unwrap_or_default() {
                     ApiRegion::Us => MailgunRegion::Us,
                     ApiRegion::Eu => MailgunRegion::Eu,
                 };
                 config.base_url.clone_from(&m.base_url);
+                let (field, url) = match &m.base_url {
+                    Some(url) => ("spec.mailgun.baseURL", url.as_str()),
+                    None => ("spec.mailgun.region", config.region.base_url()),
+                };
+                self.tenancy
+                    .check_endpoint(field, url, false)
+                    .map_err(|why| invalid(name, why))?;
                 if let Some(r) = &m.read_key_secret_ref {
-                    let read = self
-                        .secret(name, "spec.mailgun.readKeySecretRef", r)
-                        .await?;
+                    let read = secret("spec.mailgun.readKeySecretRef", r).await?;
                     config.read_api_key = Some(value(read)?);
                 }
                 let from = spec
@@ -179,14 +209,17 @@ impl Identities {
                 (MailerConfig::Mailgun(config), from)
             }
             (None, Some(s)) => {
+                self.tenancy
+                    .check_endpoint("spec.smtp.url", &s.url, true)
+                    .map_err(|why| invalid(name, why))?;
                 let mut config = SmtpConfig::new(&s.url);
                 config.username.clone_from(&s.username);
                 if let Some(r) = &s.password_secret_ref {
-                    let password = self.secret(name, "spec.smtp.passwordSecretRef", r).await?;
+                    let password = secret("spec.smtp.passwordSecretRef", r).await?;
                     config.password = Some(value(password)?);
                 }
                 if let Some(r) = &s.ca_secret_ref {
-                    config.ca_pem = Some(self.secret(name, "spec.smtp.caSecretRef", r).await?);
+                    config.ca_pem = Some(secret("spec.smtp.caSecretRef", r).await?);
                 }
                 let from = spec
                     .from
@@ -211,26 +244,36 @@ impl Identities {
         })
     }
 
-    /// Whether the identity `name` allows `namespace` (absent `allowedNamespaces`: none).
-    async fn check_allowed(
+    /// Whether the provider's own configuration may serve `namespace` now.
+    async fn check_default(&self, namespace: &str) -> Result<(), IdentityError> {
+        if self.tenancy.require_identity_ref {
+            return Err(problem(
+                reasons::IDENTITY_REQUIRED,
+                "an identityRef is required (the provider's own configuration serves no \
+                 namespace): no mail is sent"
+                    .to_owned(),
+            ));
+        }
+        if self
+            .allows(Some(&self.tenancy.default_allowed), namespace)
+            .await?
+        {
+            Ok(())
+        } else {
+            Err(not_allowed("the provider's own configuration", namespace))
+        }
+    }
+
+    /// Whether `allowed` allows `namespace` (absent: none).
+    async fn allows(
         &self,
-        identity: &MailgunClusterIdentity,
-        name: &str,
+        allowed: Option<&AllowedNamespaces>,
         namespace: &str,
-    ) -> Result<(), IdentityError> {
-        let not_allowed = || {
-            problem(
-                reasons::IDENTITY_NOT_ALLOWED,
-                format!(
-                    "MailgunClusterIdentity {name} does not allow namespace {namespace} \
-                     (spec.allowedNamespaces): no mail is sent"
-                ),
-            )
+    ) -> Result<bool, IdentityError> {
+        let Some(allowed) = allowed else {
+            return Ok(false);
         };
-        let Some(allowed) = &identity.spec.allowed_namespaces else {
-            return Err(not_allowed());
-        };
-        let labels = if allowed.selector.is_some() {
+        let labels = if allowed.reads_labels() {
             Api::<Namespace>::all(self.client.clone())
                 .get_opt(namespace)
                 .await
@@ -240,20 +283,19 @@ impl Identities {
         } else {
             BTreeMap::new()
         };
-        if allowed.allows(namespace, &labels) {
-            Ok(())
-        } else {
-            Err(not_allowed())
-        }
+        Ok(allowed.allows(namespace, &labels))
     }
 
-    /// The bytes of the key `reference` names, from the provider's namespace.
+    /// The bytes of the key `reference` names, from a Secret in the provider's namespace
+    /// claimed for `identity` ([`crate::tenancy::check_claim`]).
     async fn secret(
         &self,
-        identity: &str,
+        identity: &MailgunClusterIdentity,
         field: &str,
         reference: &SecretKeyReference,
     ) -> Result<Vec<u8>, IdentityError> {
+        let identity_object = identity;
+        let identity = identity.metadata.name.as_deref().unwrap_or_default();
         let Some(namespace) = &self.secret_namespace else {
             return Err(invalid(
                 identity,
@@ -275,6 +317,8 @@ impl Identities {
                     ),
                 )
             })?;
+        crate::tenancy::check_claim(&secret.metadata, identity_object)
+            .map_err(|why| invalid(identity, format!("{field}: {why}")))?;
         let bytes = secret
             .data
             .and_then(|mut data| data.remove(&reference.key))
@@ -333,6 +377,18 @@ impl Identities {
         Ok((mailer, poller))
     }
 
+    /// Drops the backend and poller built for the identity `name` (it is gone).
+    fn drop_built(&self, name: &str) {
+        let gone = self
+            .built
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        if let Some((_, _, poller)) = gone {
+            poller.stop();
+        }
+    }
+
     /// Forgets object `uid`'s open mail in every identity's poller.
     pub(crate) fn forget(&self, uid: &str) {
         for (_, _, poller) in self
@@ -344,6 +400,13 @@ impl Identities {
             poller.forget(uid);
         }
     }
+}
+
+fn not_allowed(what: &str, namespace: &str) -> IdentityError {
+    problem(
+        reasons::IDENTITY_NOT_ALLOWED,
+        format!("{what} does not allow namespace {namespace} (allowedNamespaces): no mail is sent"),
+    )
 }
 
 fn invalid(identity: &str, why: String) -> IdentityError {
@@ -367,4 +430,93 @@ fn value(bytes: Vec<u8>) -> Result<SecretSource, IdentityError> {
         .map(|t| t.strip_suffix('\r').unwrap_or(t).to_owned())
         .unwrap_or(text);
     Ok(SecretSource::Value(InlineSecret::new(text)))
+}
+
+#[cfg(test)]
+mod tests {
+    use capm_mailer::MockMailer;
+
+    use super::*;
+    use crate::{Leadership, poller::Timings};
+
+    /// Identities over an API server nobody answers: what they decide without asking it.
+    fn identities(tenancy: Tenancy) -> Identities {
+        let client =
+            Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+        let leadership = Leadership::unelected("t");
+        let timings = Timings {
+            base: std::time::Duration::from_secs(1),
+            max: std::time::Duration::from_secs(1),
+            retention: std::time::Duration::from_secs(1),
+        };
+        let mailer: Arc<dyn Mailer> = Arc::new(MockMailer::new());
+        let wakes = crate::poller::tests::wakes().0;
+        let poller = Arc::new(Poller::new(
+            Arc::clone(&mailer),
+            leadership.clone(),
+            timings,
+            wakes,
+        ));
+        let default = Route {
+            mailer,
+            from: "capm@example.com".into(),
+            recipients: vec!["ops@example.com".into()],
+            identity: None,
+            poller,
+        };
+        Identities::new(client, (None, tenancy), Arc::new(leadership), default)
+    }
+
+    fn reason(result: Result<Route, IdentityError>) -> &'static str {
+        match result {
+            Ok(_) => "allowed",
+            Err(IdentityError::Unusable { reason, .. }) => reason,
+            Err(IdentityError::Kube { .. }) => "asked the API server",
+        }
+    }
+
+    #[tokio::test]
+    async fn the_default_identity_serves_only_what_the_operator_allows() {
+        let list = |names: &[&str]| AllowedNamespaces {
+            list: Some(names.iter().map(|n| (*n).to_owned()).collect()),
+            selector: None,
+        };
+        let open = identities(Tenancy::default());
+        assert_eq!(
+            reason(open.route(None, "any", Access::New).await),
+            "allowed"
+        );
+        let listed = identities(Tenancy {
+            default_allowed: list(&["platform"]),
+            ..Tenancy::default()
+        });
+        assert_eq!(
+            reason(listed.route(None, "platform", Access::New).await),
+            "allowed"
+        );
+        assert_eq!(
+            reason(listed.route(None, "team-a", Access::New).await),
+            reasons::IDENTITY_NOT_ALLOWED
+        );
+        // A conversation begun through the default goes on through it.
+        assert_eq!(
+            reason(listed.route(None, "team-a", Access::Recorded).await),
+            "allowed"
+        );
+        let required = identities(Tenancy {
+            require_identity_ref: true,
+            ..Tenancy::default()
+        });
+        let Err(error) = required.route(None, "platform", Access::New).await else {
+            panic!("the default served an object without identityRef");
+        };
+        assert!(
+            error.to_string().contains("an identityRef is required"),
+            "{error}"
+        );
+        assert_eq!(
+            reason(required.route(None, "platform", Access::Recorded).await),
+            "allowed"
+        );
+    }
 }

@@ -11,9 +11,9 @@
 //!
 //! The modules in layers, lowest first: each imports only its own layer's and lower layers'
 //! modules, with no circle (`make lint` checks it, `hack/module-cycles.py`):
-//! - `failpoint`, `config`, `status`, `events`, `workqueue`, `metrics`: how the provider
-//!   reports (conditions, Events, the `workqueue_*` series for kube-runtime's scheduler,
-//!   [`Metrics`]), and its [`Config`];
+//! - `failpoint`, `config`, `tenancy`, `status`, `events`, `workqueue`, `metrics`: how the
+//!   provider reports (conditions, Events, the `workqueue_*` series for kube-runtime's
+//!   scheduler, [`Metrics`]), its [`Config`] and the operator's rules for tenants ([`Tenancy`]);
 //! - `kinds`: what differs between our two kinds, and the caches of Cluster API's objects;
 //! - `sendonce`: the send-once protocol's decision, pure (its records: `capm_api::records`);
 //! - `leadership`, `ledger`, `poller`, `identity`: process state: [`Leadership`] (may this
@@ -39,9 +39,11 @@ mod poller;
 mod reconcile;
 mod sendonce;
 mod status;
+mod tenancy;
 mod workqueue;
 
 pub use config::{Config, Error, Field, Invalid, Reason};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
 pub use pipeline::{run, trim};
+pub use tenancy::Tenancy;

@@ -90,6 +90,8 @@ pub struct Poller {
     wakes: WakeSenders,
     /// Set when the first poller's run ends (shutdown): its siblings end with it.
     stopped: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Ends a sibling alone ([`Self::stop`]: its identity is gone).
+    quit: Notify,
 }
 
 impl std::fmt::Debug for Poller {
@@ -136,6 +138,7 @@ impl Poller {
             added: Notify::new(),
             wakes,
             stopped: Arc::new(tokio::sync::watch::Sender::new(false)),
+            quit: Notify::new(),
         }
     }
 
@@ -150,12 +153,25 @@ impl Poller {
             added: Notify::new(),
             wakes: self.wakes.clone(),
             stopped: Arc::clone(&self.stopped),
+            quit: Notify::new(),
         });
         let mut stopped = self.stopped.subscribe();
-        tokio::spawn(Arc::clone(&sibling).run(async move {
+        let run = Arc::clone(&sibling).run(async move {
             let _ = stopped.wait_for(|s| *s).await;
-        }));
+        });
+        let quit = Arc::clone(&sibling);
+        tokio::spawn(async move {
+            tokio::select! {
+                () = run => {}
+                () = quit.quit.notified() => {}
+            }
+        });
         sibling
+    }
+
+    /// Ends this sibling's run (its identity is gone; nothing more is asked of its backend).
+    pub(crate) fn stop(&self) {
+        self.quit.notify_one();
     }
 
     /// Asks `mailer` from now on (a backend rebuilt with a rotated key).

@@ -8,7 +8,7 @@ mod support;
 use std::{collections::BTreeMap, time::Duration};
 
 use capm_api::{
-    names::reasons,
+    names::{IDENTITY_SECRET_LABEL, reasons},
     v1beta1::{MailgunCluster, MailgunClusterIdentity},
 };
 use capm_mail_servers::{
@@ -114,10 +114,15 @@ async fn reason(
     condition(&status.conditions, type_).map(|c| (c.reason.clone(), c.message.clone()))
 }
 
-fn secret(name: &str, data: &[(&str, &[u8])]) -> Secret {
+/// A Secret claimed for the identity `claimed_for` (its label), holding `data`.
+fn secret(name: &str, claimed_for: &str, data: &[(&str, &[u8])]) -> Secret {
     Secret {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
+            labels: Some(BTreeMap::from([(
+                IDENTITY_SECRET_LABEL.to_owned(),
+                claimed_for.to_owned(),
+            )])),
             ..ObjectMeta::default()
         },
         data: Some(
@@ -170,28 +175,30 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     // relay's password and CA.
     let (a_send, a_read) = (mailgun_a.sending_key(), mailgun_a.read_key());
     let b_send = mailgun_b.sending_key();
-    for s in [
-        secret(
-            "tenant-a",
-            &[
-                ("api-key", a_send.as_bytes()),
-                ("read-key", a_read.as_bytes()),
-            ],
-        ),
-        secret("tenant-b", &[("api-key", b_send.as_bytes())]),
-        secret(
-            "tenant-c",
-            &[("password", b"relay-password-tenant-c\n"), ("ca.crt", &ca)],
-        ),
-    ] {
-        secrets.create(&pp, &s).await.unwrap();
-    }
     let suffix = provider_ns.rsplit('-').next().unwrap().to_owned();
     let (id_a, id_b, id_c) = (
         format!("tenant-a-{suffix}"),
         format!("tenant-b-{suffix}"),
         format!("tenant-c-{suffix}"),
     );
+    for s in [
+        secret(
+            "tenant-a",
+            &id_a,
+            &[
+                ("api-key", a_send.as_bytes()),
+                ("read-key", a_read.as_bytes()),
+            ],
+        ),
+        secret("tenant-b", &id_b, &[("api-key", b_send.as_bytes())]),
+        secret(
+            "tenant-c",
+            &id_c,
+            &[("password", b"relay-password-tenant-c\n"), ("ca.crt", &ca)],
+        ),
+    ] {
+        secrets.create(&pp, &s).await.unwrap();
+    }
     let identities = Api::<MailgunClusterIdentity>::all(client.clone());
     for i in [
         identity(
@@ -244,6 +251,8 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     config.namespace = None;
     config.watch_filter = Some(FILTER.into());
     config.identity_secret_namespace = Some(provider_ns.clone());
+    config.tenancy.mailgun_hosts = vec![mailgun_a.addr().to_string(), mailgun_b.addr().to_string()];
+    config.tenancy.smtp_hosts = vec![smtp.addr().to_string()];
     config.backoff_max = Duration::from_secs(1);
     config.delivery_poll_base = Duration::from_millis(200);
     config.delivery_poll_max = Duration::from_secs(1);
@@ -361,7 +370,7 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
         .replace(
             "tenant-b",
             &pp,
-            &secret("tenant-b", &[("api-key", b_account.as_bytes())]),
+            &secret("tenant-b", &id_b, &[("api-key", b_account.as_bytes())]),
         )
         .await
         .unwrap();
@@ -493,6 +502,263 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     }
     env.stop().await;
     for i in [&id_a, &id_b, &id_c] {
+        let _ = identities.delete(i, &DeleteParams::default()).await;
+    }
+}
+
+/// Issue 45: the operator's bounds. The provider's own configuration serves only the namespaces
+/// it allows; an identity may name only Secrets claimed for it and reach only the hosts the
+/// operator lists (a listener off the list gets no connection); a release goes out through the
+/// request's identity after the namespace lost access to it, and one that cannot go out at all
+/// is given up after the (shortened) release timeout, with an Event, so the deletion finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_bounds_tenants_and_every_release_ends() {
+    let mut env = Env::new("mgc-bounds").await;
+    let client = env.ns.client.clone();
+    let provider_ns = env.ns.name.clone();
+    let ns_d = TestNamespace::create("bounds-default").await.unwrap();
+    let ns_e = TestNamespace::create("bounds-else").await.unwrap();
+    let ns_t = TestNamespace::create("bounds-tenant").await.unwrap();
+    let (d, e, t) = (&ns_d.name, &ns_e.name, &ns_t.name);
+    let tenant = MailgunServer::start("key-tenant-t", "mg.tenant-t.test").unwrap();
+    // A host no identity may reach: it must never see a connection.
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    probe.set_nonblocking(true).unwrap();
+
+    let suffix = provider_ns.rsplit('-').next().unwrap().to_owned();
+    let id = |what: &str| format!("{what}-{suffix}");
+    let (id_t, id_own, id_other, id_probe) = (id("t"), id("own"), id("other"), id("probe"));
+    let secrets = Api::<Secret>::namespaced(client.clone(), &provider_ns);
+    let pp = PostParams::default();
+    let t_key = tenant.api_key().to_owned();
+    let own_key = env.mailgun.api_key().to_owned();
+    secrets
+        .create(
+            &pp,
+            &secret("tenant-t", &id_t, &[("api-key", t_key.as_bytes())]),
+        )
+        .await
+        .unwrap();
+    secrets
+        .create(
+            &pp,
+            &secret("probe", &id_probe, &[("api-key", t_key.as_bytes())]),
+        )
+        .await
+        .unwrap();
+    // The provider's own key, as an operator keeps it: claimed by no identity.
+    let mut own = secret("provider-key", "x", &[("api-key", own_key.as_bytes())]);
+    own.metadata.labels = None;
+    secrets.create(&pp, &own).await.unwrap();
+
+    let mailgun = |base: String, secret: &str, allowed: serde_json::Value| {
+        json!({
+            "mailgun": { "domain": "mg.tenant-t.test", "baseURL": base,
+                "apiKeySecretRef": { "name": secret, "key": "api-key" } },
+            "recipients": ["oncall@tenant-t.test"], "allowedNamespaces": allowed
+        })
+    };
+    let probe_url = format!("http://{}", probe.local_addr().unwrap());
+    let identities = Api::<MailgunClusterIdentity>::all(client.clone());
+    for (name, spec) in [
+        (
+            &id_t,
+            mailgun(tenant.base_url(), "tenant-t", json!({ "list": [t] })),
+        ),
+        (
+            &id_own,
+            mailgun(tenant.base_url(), "provider-key", json!({})),
+        ),
+        (&id_other, mailgun(tenant.base_url(), "tenant-t", json!({}))),
+        (&id_probe, mailgun(probe_url, "probe", json!({}))),
+    ] {
+        identities.create(&pp, &identity(name, spec)).await.unwrap();
+    }
+
+    let mut config = env.config();
+    config.namespace = None;
+    config.watch_filter = Some(FILTER.into());
+    config.identity_secret_namespace = Some(provider_ns.clone());
+    config.tenancy.mailgun_hosts = vec![tenant.addr().to_string()];
+    config.tenancy.default_allowed = serde_json::from_value(json!({ "list": [d] })).unwrap();
+    config.tenancy.release_timeout = Duration::from_secs(3);
+    config.backoff_max = Duration::from_secs(1);
+    env.start_with(config).await;
+
+    create_pair(&client, d, "d1", None).await;
+    create_pair(&client, e, "e1", None).await;
+    create_pair(&client, e, "own1", Some(&id_own)).await;
+    create_pair(&client, e, "other1", Some(&id_other)).await;
+    create_pair(&client, e, "probe1", Some(&id_probe)).await;
+    create_pair(&client, t, "t1", Some(&id_t)).await;
+    create_pair(&client, t, "t2", Some(&id_t)).await;
+
+    eventually(
+        PATIENCE,
+        "d1 mailed by default, t1 and t2 by the tenant",
+        || async { env.mails().len() == 1 && tenant.messages().unwrap().len() == 2 },
+    )
+    .await;
+    let refused = [
+        (
+            "e1",
+            reasons::IDENTITY_NOT_ALLOWED,
+            "the provider's own configuration does not allow namespace",
+        ),
+        (
+            "own1",
+            reasons::IDENTITY_INVALID,
+            "spec.mailgun.apiKeySecretRef: Secret provider-key is not claimed for this identity",
+        ),
+        (
+            "other1",
+            reasons::IDENTITY_INVALID,
+            "spec.mailgun.apiKeySecretRef: Secret tenant-t is claimed by another identity",
+        ),
+        (
+            "probe1",
+            reasons::IDENTITY_INVALID,
+            "spec.mailgun.baseURL: host 127.0.0.1 is not among the hosts",
+        ),
+    ];
+    eventually(PATIENCE, "each refusal shown", || async {
+        let mut all = true;
+        for (name, want, _) in refused {
+            all &= reason(&client, e, name, "MailSent")
+                .await
+                .is_some_and(|(r, _)| r == want);
+        }
+        all
+    })
+    .await;
+    for (name, want, says) in refused {
+        let (r, message) = reason(&client, e, name, "Ready").await.unwrap();
+        assert_eq!(r, want, "{name}");
+        assert!(message.contains(says), "{name}: {message}");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        env.mails().len(),
+        1,
+        "a refused object was mailed by default"
+    );
+    assert_eq!(tenant.messages().unwrap().len(), 2);
+    assert!(
+        probe
+            .accept()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock),
+        "the provider connected to a host off the allow-list"
+    );
+
+    // Namespace t loses access to the identity: a release still goes through it (the request's).
+    identities
+        .patch(
+            &id_t,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "allowedNamespaces": { "list": ["nobody"] } } })),
+        )
+        .await
+        .unwrap();
+    let gone = |name: &'static str| {
+        let client = client.clone();
+        async move {
+            cluster_api(&client, t)
+                .delete(name, &DeleteParams::default())
+                .await
+                .unwrap();
+            Api::<MailgunCluster>::namespaced(client.clone(), t)
+                .delete(name, &DeleteParams::default())
+                .await
+                .unwrap();
+        }
+    };
+    gone("t1").await;
+    let released = |name: &str| {
+        let subject = format!("Cluster {name} no longer needed");
+        tenant
+            .messages()
+            .unwrap()
+            .iter()
+            .filter(|m| m.subject.contains(&subject))
+            .count()
+    };
+    eventually(
+        PATIENCE,
+        "t1 released through its request's identity and gone",
+        || async {
+            released("t1") == 1
+                && Api::<MailgunCluster>::namespaced(client.clone(), t)
+                    .get_opt("t1")
+                    .await
+                    .unwrap()
+                    .is_none()
+        },
+    )
+    .await;
+
+    // The identity deleted, the default not allowed in t: t2's release cannot go out; after the
+    // release timeout it is given up with an Event and the deletion finishes.
+    identities
+        .delete(&id_t, &DeleteParams::default())
+        .await
+        .unwrap();
+    gone("t2").await;
+    eventually(
+        PATIENCE,
+        "t2 waits, then is gone without a release",
+        || async {
+            Api::<MailgunCluster>::namespaced(client.clone(), t)
+                .get_opt("t2")
+                .await
+                .unwrap()
+                .is_none()
+        },
+    )
+    .await;
+    assert_eq!(released("t2"), 0);
+    assert_eq!(
+        env.mails().len(),
+        1,
+        "t2's release went through the default"
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), t);
+    let abandoned: Vec<_> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|ev| ev.reason.as_deref() == Some(reasons::RELEASE_ABANDONED))
+        .collect();
+    assert_eq!(abandoned.len(), 1, "{abandoned:?}");
+    let note = abandoned[0].note.clone().unwrap_or_default();
+    assert!(
+        note.contains("given up")
+            && note.contains(&format!("MailgunClusterIdentity {id_t} not found")),
+        "{note}"
+    );
+
+    // No secret in any status or Event.
+    for (ns, name) in [
+        (e.as_str(), "own1"),
+        (e.as_str(), "other1"),
+        (e.as_str(), "probe1"),
+    ] {
+        let text = serde_json::to_string(
+            &Api::<MailgunCluster>::namespaced(client.clone(), ns)
+                .get(name)
+                .await
+                .unwrap(),
+        )
+        .unwrap();
+        assert!(
+            !text.contains(&own_key) && !text.contains(&t_key),
+            "a secret in {name}"
+        );
+    }
+    assert!(!note.contains(&t_key));
+    env.stop().await;
+    for i in [&id_own, &id_other, &id_probe] {
         let _ = identities.delete(i, &DeleteParams::default()).await;
     }
 }

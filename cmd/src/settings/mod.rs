@@ -51,7 +51,8 @@ use file::{FLAG_ONLY, file_error, read_file, snake_to_camel};
 pub use mailer::mailer_error;
 use mailer::{default_message_id_domain, resolve_mailer};
 use values::{
-    bind_address, check_dns_subdomain, duration, label_value, log_filter, namespace, recipient,
+    allowed_namespaces, bind_address, check_dns_subdomain, duration, host_entry, label_value,
+    log_filter, namespace, recipient,
 };
 
 /// Environment variable holding the Mailgun API key (the walkthrough's name).
@@ -260,6 +261,43 @@ pub struct Args {
     /// without one, identities cannot be used].
     #[arg(long, env = "IDENTITY_SECRET_NAMESPACE", value_name = "NAMESPACE")]
     pub identity_secret_namespace: Option<String>,
+
+    /// The namespaces whose objects may mail through this provider's own configuration (the
+    /// objects without an identityRef), as JSON in a MailgunClusterIdentity's allowedNamespaces
+    /// shape: `{"list": [...], "selector": {...}}`; `{}` allows every namespace. Others get
+    /// IdentityNotAllowed and no mail.
+    #[arg(long, env = "DEFAULT_IDENTITY_ALLOWED_NAMESPACES", value_name = "JSON", default_value = "{}", value_parser = allowed_namespaces)]
+    pub default_identity_allowed_namespaces: capm_api::v1beta1::AllowedNamespaces,
+
+    /// Refuse objects without an identityRef (IdentityRequired, no mail): every tenant mails
+    /// through an identity of its own.
+    #[arg(
+        long,
+        env = "REQUIRE_IDENTITY_REF",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = BoolishValueParser::new()
+    )]
+    pub require_identity_ref: bool,
+
+    /// Hosts (`host` or `host:port`, comma-separated) a MailgunClusterIdentity's Mailgun API URL
+    /// may name (its baseURL, or its region's host); `http://` only to a loopback host.
+    #[arg(long, env = "IDENTITY_MAILGUN_HOSTS", value_name = "HOSTS", value_delimiter = ',', default_value = "api.mailgun.net,api.eu.mailgun.net", value_parser = host_entry)]
+    pub identity_mailgun_hosts: Vec<String>,
+
+    /// Hosts (`host` or `host:port`, comma-separated) a MailgunClusterIdentity's SMTP relay may
+    /// be [default: none; SMTP identities are refused until the operator lists their relays].
+    #[arg(long, env = "IDENTITY_SMTP_HOSTS", value_name = "HOSTS", value_delimiter = ',', value_parser = host_entry)]
+    pub identity_smtp_hosts: Vec<String>,
+
+    /// How long after an object's deletion a release mail that cannot go out (its identity
+    /// gone, not allowed or unusable, its backend failing) is given up (a ReleaseAbandoned
+    /// Event says why), so that the deletion finishes.
+    #[arg(long, env = "RELEASE_TIMEOUT", value_name = "DURATION", default_value = "24h", value_parser = duration)]
+    pub release_timeout: Duration,
 
     /// Namespace of the leader-election Lease [default: $POD_NAMESPACE, else the in-cluster
     /// namespace, else `default`].
@@ -585,6 +623,13 @@ impl Settings {
             sync_period: args.sync_period,
             // Checked below, with the other namespaces.
             identity_secret_namespace: None,
+            tenancy: capm_controllers::Tenancy {
+                default_allowed: args.default_identity_allowed_namespaces,
+                require_identity_ref: args.require_identity_ref,
+                mailgun_hosts: args.identity_mailgun_hosts,
+                smtp_hosts: args.identity_smtp_hosts,
+                release_timeout: args.release_timeout,
+            },
             // Known only once the process runs (see `app::run`).
             instance: String::new(),
         };

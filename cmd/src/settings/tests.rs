@@ -730,3 +730,87 @@ fn a_read_key_file_is_the_mailgun_read_key_and_a_bad_one_names_the_flag() {
     );
     assert!(!text.contains("key-topsecret"));
 }
+
+#[test]
+fn tenancy_flags_default_to_a_single_team_install_and_bad_values_name_the_flag() {
+    let settings = resolve(MAILGUN, &with_key).unwrap();
+    assert_eq!(
+        settings.controllers.tenancy,
+        capm_controllers::Tenancy::default()
+    );
+    let flags = [
+        MAILGUN,
+        &[
+            "--default-identity-allowed-namespaces",
+            r#"{"list": ["platform"], "selector": {"matchLabels": {"team": "ops"}}}"#,
+            "--require-identity-ref",
+            "--identity-mailgun-hosts",
+            "api.eu.mailgun.net,127.0.0.1:8080,[::1]",
+            "--identity-smtp-hosts",
+            "SMTP.example.com:587",
+            "--release-timeout",
+            "2h",
+        ],
+    ]
+    .concat();
+    let tenancy = resolve(&flags, &with_key).unwrap().controllers.tenancy;
+    assert_eq!(
+        tenancy.default_allowed.list.as_deref(),
+        Some(&["platform".to_owned()][..])
+    );
+    assert!(tenancy.default_allowed.reads_labels());
+    assert!(tenancy.require_identity_ref);
+    assert_eq!(
+        tenancy.mailgun_hosts,
+        ["api.eu.mailgun.net", "127.0.0.1:8080", "[::1]"]
+    );
+    assert_eq!(tenancy.smtp_hosts, ["smtp.example.com:587"]);
+    assert_eq!(tenancy.release_timeout, Duration::from_secs(7200));
+
+    for (flag, value, says) in [
+        (
+            "--default-identity-allowed-namespaces",
+            "team-a",
+            "--default-identity-allowed-namespaces",
+        ),
+        (
+            "--default-identity-allowed-namespaces",
+            r#"{"list": ["Not_A_Namespace"]}"#,
+            "is not a namespace name",
+        ),
+        (
+            "--default-identity-allowed-namespaces",
+            r#"{"selector": {"matchExpressions": [{"key": "team", "operator": "NotIn"}]}}"#,
+            "values are required (not empty) for In and NotIn",
+        ),
+        (
+            "--identity-mailgun-hosts",
+            "https://api.mailgun.net",
+            "--identity-mailgun-hosts",
+        ),
+        (
+            "--identity-smtp-hosts",
+            "relay:0",
+            "is not a host, host:port or [IPv6]:port",
+        ),
+        (
+            "--identity-smtp-hosts",
+            "[nope]:25",
+            "--identity-smtp-hosts",
+        ),
+        ("--release-timeout", "a day", "--release-timeout"),
+        ("--require-identity-ref=maybe", "", "--require-identity-ref"),
+    ] {
+        let mut flags = MAILGUN.to_vec();
+        flags.push(flag);
+        if !value.is_empty() {
+            flags.push(value);
+        }
+        let err = error(&flags, &with_key);
+        let named = flag.split('=').next().unwrap_or(flag);
+        assert!(
+            err.contains(named) && err.contains(says),
+            "{flag} {value}: {err}"
+        );
+    }
+}

@@ -131,3 +131,61 @@ pub(super) fn duration(text: &str) -> Result<Duration, Refused> {
     parse_duration(text)
         .ok_or_else(|| Refused(format!("{text:?} is not a duration like 30s, 2m or 500ms")))
 }
+
+/// A MailgunClusterIdentity's `allowedNamespaces` as JSON, with the rules its schema has.
+pub(super) fn allowed_namespaces(
+    text: &str,
+) -> Result<capm_api::v1beta1::AllowedNamespaces, Refused> {
+    let allowed: capm_api::v1beta1::AllowedNamespaces =
+        serde_json::from_str(text).map_err(|e| {
+            Refused(format!(
+                "not allowedNamespaces JSON ({{\"list\": [...], \"selector\": {{...}}}}): {e}"
+            ))
+        })?;
+    for name in allowed.list.iter().flatten() {
+        namespace(name)?;
+    }
+    let selector = allowed.selector.as_ref();
+    if let Some(bad) = selector
+        .and_then(|s| s.match_expressions.as_ref())
+        .into_iter()
+        .flatten()
+        .find(|r| !r.is_valid())
+    {
+        return Err(Refused(format!(
+            "selector requirement on {:?}: values are required (not empty) for In and NotIn, \
+             empty for Exists and DoesNotExist",
+            bad.key
+        )));
+    }
+    Ok(allowed)
+}
+
+/// `host`, `host:port`, `[IPv6]` or `[IPv6]:port`, lower-cased.
+pub(super) fn host_entry(text: &str) -> Result<String, Refused> {
+    let entry = text.trim().to_ascii_lowercase();
+    let (host_ok, port) = match entry.strip_prefix('[').and_then(|v6| v6.split_once(']')) {
+        Some((ip, rest)) => (
+            ip.parse::<std::net::Ipv6Addr>().is_ok(),
+            (!rest.is_empty()).then(|| rest.strip_prefix(':').unwrap_or("-")),
+        ),
+        None => {
+            let (host, port) = entry
+                .split_once(':')
+                .map_or((entry.as_str(), None), |(h, p)| (h, Some(p)));
+            let host_ok = !host.is_empty()
+                && host.len() <= 253
+                && host
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+            (host_ok, port)
+        }
+    };
+    if host_ok && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|p| p > 0)) {
+        Ok(entry)
+    } else {
+        Err(Refused(format!(
+            "{text:?} is not a host, host:port or [IPv6]:port"
+        )))
+    }
+}

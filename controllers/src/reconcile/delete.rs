@@ -1,13 +1,16 @@
 //! `reconcile_delete`: the release mail, then our finalizer.
 
 use capm_api::names::{RETRY_ANNOTATION, reasons};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::{Api, ResourceExt, api::Patch, runtime::controller::Action};
 use serde_json::json;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use super::{Pass, Report};
 use crate::{
     context::{Ctx, ReconcileError},
+    events::EventType,
+    identity::IdentityError,
     kinds::InfraKind,
     sendonce::{
         Which,
@@ -47,6 +50,16 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
         )
         .await
         {
+            if let Some(why) = abandon(obj, ctx, &error) {
+                warn!(%why, "Giving up the release mail; the deletion goes on");
+                let note = format!(
+                    "the release mail could not go out for {:?} after the deletion and was given up: {why}",
+                    ctx.config.tenancy.release_timeout
+                );
+                ctx.publish(obj, EventType::Warning, reasons::RELEASE_ABANDONED, note)
+                    .await;
+                return remove_finalizer(obj, ctx, &tracked).await;
+            }
             let message = match &error {
                 ReconcileError::Withheld(Withheld::PermanentlyRefused) => {
                     format!(
@@ -68,6 +81,27 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
     {
         debug!("The request was never accepted: no release mail");
     }
+    remove_finalizer(obj, ctx, &tracked).await
+}
+
+/// Why the release is given up: it could not go out (its identity cannot be used, its backend
+/// fails) and the object was deleted longer than `--release-timeout` ago.
+fn abandon<K: InfraKind>(obj: &K, ctx: &Ctx, error: &ReconcileError) -> Option<String> {
+    let deleted = obj.meta().deletion_timestamp.as_ref()?.0;
+    let waited = Timestamp::now().duration_since(deleted);
+    let timeout = SignedDuration::try_from(ctx.config.tenancy.release_timeout).ok()?;
+    let cannot = matches!(
+        error,
+        ReconcileError::Identity(IdentityError::Unusable { .. }) | ReconcileError::Mail(_)
+    );
+    (cannot && waited >= timeout).then(|| error.to_string())
+}
+
+async fn remove_finalizer<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    tracked: &Tracked,
+) -> Result<Pass, ReconcileError> {
     let remaining: Vec<String> = tracked
         .finalizers
         .iter()

@@ -71,6 +71,7 @@ impl Env {
             instance: "test".into(),
             sync_period: Duration::from_secs(10 * 3600),
             identity_secret_namespace: None,
+            tenancy: capm_controllers::Tenancy::default(),
         }
     }
 

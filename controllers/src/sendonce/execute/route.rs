@@ -6,7 +6,7 @@ use tracing::info;
 use super::Tracked;
 use crate::{
     context::{Ctx, ReconcileError},
-    identity::{IdentityError, Route, Wanted},
+    identity::{Access, IdentityError, Route, Wanted},
     kinds::InfraKind,
     sendonce::{Which, records::read_records},
 };
@@ -18,19 +18,27 @@ pub(super) async fn current_route(
     namespace: &str,
 ) -> Result<Route, ReconcileError> {
     let name = ctx.identities.wanted(wanted, namespace).await?;
-    Ok(ctx.identities.route(name.as_deref(), namespace).await?)
+    Ok(ctx
+        .identities
+        .route(name.as_deref(), namespace, Access::New)
+        .await?)
 }
 
-/// The route of the identity a record names (`None`: the provider's own configuration). When
-/// that identity is gone, the one the object wants now: the mail must still go out (a release)
-/// or be settled (a lookup) somewhere, and the recorded one can no longer say anything.
+/// The route of the identity a record names (`None`: the provider's own configuration), even
+/// if the namespace lost access to it since: the same conversation. When that identity is gone,
+/// the one the object wants now (which must allow the namespace): the mail must still go out (a
+/// release) or be settled (a lookup) somewhere, and the recorded one can no longer say anything.
 pub(super) async fn recorded_route(
     ctx: &Ctx,
     recorded: Option<&str>,
     wanted: &Wanted,
     namespace: &str,
 ) -> Result<Route, ReconcileError> {
-    match ctx.identities.route(recorded, namespace).await {
+    match ctx
+        .identities
+        .route(recorded, namespace, Access::Recorded)
+        .await
+    {
         Err(IdentityError::Unusable { reason, .. })
             if reason == reasons::IDENTITY_NOT_FOUND && recorded.is_some() =>
         {
