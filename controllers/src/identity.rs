@@ -184,20 +184,22 @@ impl Identities {
         let secret = |field, reference| self.secret(&identity, field, reference);
         let (config, from) = match (&spec.mailgun, &spec.smtp) {
             (Some(m), None) => {
-                let api_key = secret("spec.mailgun.apiKeySecretRef", &m.api_key_secret_ref).await?;
-                let mut config = MailgunConfig::new(&m.domain, value(api_key)?);
-                config.region = match m.region.unwrap_or_default() {
+                let region = match m.region.unwrap_or_default() {
                     ApiRegion::Us => MailgunRegion::Us,
                     ApiRegion::Eu => MailgunRegion::Eu,
                 };
-                config.base_url.clone_from(&m.base_url);
+                // The host first: no Secret is read for an identity that may not reach it.
                 let (field, url) = match &m.base_url {
                     Some(url) => ("spec.mailgun.baseURL", url.as_str()),
-                    None => ("spec.mailgun.region", config.region.base_url()),
+                    None => ("spec.mailgun.region", region.base_url()),
                 };
                 self.tenancy
                     .check_endpoint(field, url, false)
                     .map_err(|why| invalid(name, why))?;
+                let api_key = secret("spec.mailgun.apiKeySecretRef", &m.api_key_secret_ref).await?;
+                let mut config = MailgunConfig::new(&m.domain, value(api_key)?);
+                config.region = region;
+                config.base_url.clone_from(&m.base_url);
                 if let Some(r) = &m.read_key_secret_ref {
                     let read = secret("spec.mailgun.readKeySecretRef", r).await?;
                     config.read_api_key = Some(value(read)?);

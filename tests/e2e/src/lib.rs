@@ -431,6 +431,31 @@ pub async fn create_labelled_cluster_pair(
     Ok(())
 }
 
+/// Claims Secret `namespace/name` for the `MailgunClusterIdentity` `identity` (its label): only
+/// then may that identity name it.
+///
+/// # Errors
+/// When the API server refuses the patch.
+pub async fn claim_secret(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    identity: &str,
+) -> Result<()> {
+    use k8s_openapi::api::core::v1::Secret;
+    let patch = serde_json::json!({"metadata": {"labels": {
+        "mailgun.infrastructure.cluster.x-k8s.io/identity": identity}}});
+    kube::Api::<Secret>::namespaced(client.clone(), namespace)
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .with_context(|| format!("claiming Secret {namespace}/{name} for {identity}"))?;
+    Ok(())
+}
+
 /// Creates the Secret `name` in `namespace` from `(key, value)` pairs of text.
 pub async fn create_secret(
     client: &kube::Client,

@@ -232,11 +232,13 @@ pub const RELEASE: &str = "capm";
 pub const FULLNAME: &str = "capm-cluster-api-provider-mailgun";
 
 /// The chart's values for a Mailgun backend: `recipient`, the contract server at `base_url` for
-/// `domain`, its key in the Secret `mailgun-credentials` of the release's namespace.
+/// `domain`, its key in the Secret `mailgun-credentials` of the release's namespace; identities
+/// may reach Mailgun contract servers on loopback (`tenancy.mailgunHosts`).
 pub fn mailgun_values(recipient: &str, domain: &str, base_url: &str) -> String {
     format!(
         "mail:\n  recipient: {recipient}\n  backend: mailgun\n  mailgun:\n    domain: {domain}\n    \
-         baseURL: {base_url}\n    apiKeySecret: {{name: mailgun-credentials}}\n"
+         baseURL: {base_url}\n    apiKeySecret: {{name: mailgun-credentials}}\n\
+         tenancy:\n  mailgunHosts: [\"127.0.0.1\"]\n"
     )
 }
 

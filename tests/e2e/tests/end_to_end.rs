@@ -150,6 +150,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
             "mail:\n  recipient: {RECIPIENT}\n  from: capm@capm.e2e.example.com\n  backend: smtp\n  messageIdDomain: capm.e2e.example.com\n  \
              smtp:\n    url: {}\n    username: capm\n    passwordSecret: {{name: smtp-credentials}}\n    \
              caSecret: {{name: smtp-ca}}\n\
+             tenancy:\n  smtpHosts: [\"127.0.0.1\"]\n\
              metrics:\n  certSecret: diagnostics-cert\n  \
              reader:\n    serviceAccounts: [{{name: prometheus, namespace: {USER_NS}}}]\n",
             smtp.url()
@@ -648,6 +649,10 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     let mut identity = identity;
     identity.metadata.namespace = None;
     identities.create(&Default::default(), &identity).await?;
+    // The operator lends the relay's Secrets to the tenant's identity.
+    for secret in ["smtp-credentials", "smtp-ca"] {
+        capm_e2e::claim_secret(&admin, NS, secret, "e2e-tenant").await?;
+    }
     create_cluster_pair(&admin, USER_NS, "e2e-tenant", "tenant@example.com").await?;
     mailgun_clusters
         .patch(

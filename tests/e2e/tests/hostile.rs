@@ -48,6 +48,14 @@ use kube::{
 use serde_json::{Value, json};
 
 const TEAM: &str = "team-a";
+/// A namespace mallory may edit too, which the provider's own configuration does not serve.
+const OTHER_TEAM: &str = "team-b";
+/// The delegated identity editor: may create, change and delete MailgunClusterIdentities.
+const EVE: &str = "eve";
+/// A Secret claimed for another team's identity.
+const CLAIMED_SECRET: &str = "team-b-mailgun";
+/// The provider's own Mailgun key Secret, as the README has operators create it.
+const PROVIDER_KEY_SECRET: &str = "mailgun-api-key";
 const RECIPIENT: &str = "ops@example.com";
 const DOMAIN: &str = "mg.example.com";
 const MALLORY: &str = "mallory";
@@ -56,6 +64,11 @@ const REQUESTER: &str = "dev@example.com";
 struct Env {
     admin: Client,
     mallory: Client,
+    eve: Client,
+    /// Identities may reach `listed` (on the allow-list), never `unlisted`; neither may ever see
+    /// a connection (every identity naming them is refused before any is made).
+    listed: std::net::TcpListener,
+    unlisted: std::net::TcpListener,
     smtp: SmtpServer,
     webhook_port: u16,
     ca_file: PathBuf,
@@ -119,7 +132,7 @@ async fn setup() -> Result<Env> {
     let cp = ControlPlane::start(Options::default()).await?;
     cp.install_capi_crds().await?;
     let admin = cp.client().await?;
-    for name in [NS, TEAM] {
+    for name in [NS, TEAM, OTHER_TEAM] {
         create_namespace(&admin, name, false).await?;
     }
     // The chart as a user installs it (its Deployment never runs here: no kubelet; the provider
@@ -164,6 +177,27 @@ async fn setup() -> Result<Env> {
         &config,
         json!({"mailer": {"smtp": {"url": smtp.url(), "starttls": "never"}}, "mailFrom": "capm@hostile.example.com"}).to_string(),
     )?;
+    let listed = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let unlisted = std::net::TcpListener::bind("127.0.0.1:0")?;
+    for l in [&listed, &unlisted] {
+        l.set_nonblocking(true)?;
+    }
+    // The provider's own key and another team's claimed key, in the provider's namespace.
+    for (name, labels) in [
+        (PROVIDER_KEY_SECRET, json!({})),
+        (
+            CLAIMED_SECRET,
+            json!({names::IDENTITY_SECRET_LABEL: "team-b-mail"}),
+        ),
+    ] {
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": labels},
+            "stringData": {"api-key": "key-hostile-must-never-leave"},
+        }))?;
+        Api::<Secret>::namespaced(admin.clone(), NS)
+            .create(&PostParams::default(), &secret)
+            .await?;
+    }
     let (launch, _) = Launch::new(provider_binary()?, &kubeconfig).on_free_ports()?;
     let cmd = launch
         .env("MAIL_RECIPIENT", RECIPIENT)
@@ -176,6 +210,10 @@ async fn setup() -> Result<Env> {
         .arg("--webhook-cert-dir")
         .arg(&certs)
         .args(["--shutdown-timeout", "5s"])
+        .arg(format!("--identity-mailgun-hosts={}", listed.local_addr()?))
+        .arg(format!(
+            r#"--default-identity-allowed-namespaces={{"list": ["{TEAM}"]}}"#
+        ))
         .command();
     let provider = Proc::spawn("provider", cmd, dir.join("provider.log"))?;
 
@@ -193,31 +231,57 @@ async fn setup() -> Result<Env> {
     )
     .await?;
 
-    // mallory: a developer of team-a.
-    apply(
-        &admin,
-        json!({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": {"name": "developer", "namespace": TEAM},
-            "rules": [
-                {"apiGroups": [capm_api::GROUP], "resources": ["*"],
-                 "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-                {"apiGroups": ["cluster.x-k8s.io"], "resources": ["clusters", "machines"],
-                 "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-            ],
-        }),
-    )
-    .await?;
-    apply(
+    // mallory: a developer of team-a (and team-b, which the default does not serve).
+    for team in [TEAM, OTHER_TEAM] {
+        apply(
+            &admin,
+            json!({
+                "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": {"name": "developer", "namespace": team},
+                "rules": [
+                    {"apiGroups": [capm_api::GROUP], "resources": ["*"],
+                     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+                    {"apiGroups": ["cluster.x-k8s.io"], "resources": ["clusters", "machines"],
+                     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
+                ],
+            }),
+        )
+        .await?;
+        apply(
         &admin,
         json!({
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": {"name": "developer-mallory", "namespace": TEAM},
+            "metadata": {"name": "developer-mallory", "namespace": team},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "developer"},
             "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": MALLORY}],
         }),
     )
     .await?;
+    }
+    // eve: the platform delegated identities to her (and nothing else).
+    apply(
+        &admin,
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": "identity-editor"},
+            "rules": [{"apiGroups": [capm_api::GROUP], "resources": ["mailgunclusteridentities"],
+                       "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}],
+        }),
+    )
+    .await?;
+    apply(
+        &admin,
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "identity-editor-eve"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "identity-editor"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": EVE}],
+        }),
+    )
+    .await?;
+    let mut config = cp.config().await?;
+    config.auth_info.impersonate = Some(EVE.into());
+    let eve = Client::try_from(config)?;
     let mut config = cp.config().await?;
     config.default_namespace = TEAM.into();
     config.auth_info.impersonate = Some(MALLORY.into());
@@ -227,6 +291,9 @@ async fn setup() -> Result<Env> {
     let env = Env {
         admin,
         mallory,
+        eve,
+        listed,
+        unlisted,
         smtp,
         webhook_port,
         ca_file: certs.join("ca.crt"),
@@ -307,13 +374,33 @@ impl Env {
     /// A MailgunCluster `name` with a Cluster that owns it and names it back, as Cluster API
     /// sets them up; the spec fields from `spec`.
     async fn owned_cluster(&self, name: &str, spec: Value) -> Result<Outcome> {
-        let owner = self
-            .owner_cluster(&format!("owner-{}", short(name)), name)
-            .await?;
+        self.owned_cluster_in(TEAM, name, spec).await
+    }
+
+    /// [`Self::owned_cluster`] in `namespace`.
+    async fn owned_cluster_in(&self, namespace: &str, name: &str, spec: Value) -> Result<Outcome> {
+        let owner = dynamic(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "metadata": {"name": format!("owner-{}", short(name)), "namespace": namespace},
+            "spec": {"infrastructureRef": {"apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name}},
+        }));
+        let owner = Api::<DynamicObject>::namespaced_with(
+            self.mallory.clone(),
+            namespace,
+            &resource("cluster.x-k8s.io", "v1beta2", "Cluster"),
+        )
+        .create(&PostParams::default(), &owner)
+        .await?;
         let mut obj = cluster(name, "v1beta1", "One cluster please.", REQUESTER);
+        obj["metadata"]["namespace"] = json!(namespace);
         merge(&mut obj["spec"], spec);
         obj["metadata"]["ownerReferences"] = owner_ref("Cluster", &owner);
-        create(&ours(&self.mallory, "v1beta1", "MailgunCluster"), obj).await
+        let api = Api::<DynamicObject>::namespaced_with(
+            self.mallory.clone(),
+            namespace,
+            &resource(capm_api::GROUP, "v1beta1", "MailgunCluster"),
+        );
+        create(&api, obj).await
     }
 }
 
@@ -364,6 +451,7 @@ enum Outcome {
     /// The object was written: kind, name and uid (for the mails), expected subject.
     Accepted {
         kind: String,
+        namespace: String,
         name: String,
         uid: String,
         requester: String,
@@ -385,6 +473,7 @@ fn outcome(result: kube::Result<DynamicObject>) -> Result<Outcome> {
                 .as_ref()
                 .map(|t| t.kind.clone())
                 .unwrap_or_default(),
+            namespace: obj.metadata.namespace.clone().unwrap_or_default(),
             name: obj.metadata.name.clone().unwrap_or_default(),
             uid: obj.metadata.uid.clone().unwrap_or_default(),
             requester: obj.data["spec"]["requester"]
@@ -603,6 +692,55 @@ fn mailed(name: &'static str, request: &'static str) -> Row {
 }
 
 const OWNER_MISMATCH: (&str, &str, &str) = ("Ready", "False", "OwnerMismatch");
+const INVALID: Expect = Expect::Handled(0, ("MailSent", "False", "IdentityInvalid"));
+/// Placeholders the identity rows' base URLs name, filled with the listeners' addresses.
+const LISTED: &str = "LISTED-LISTENER";
+const UNLISTED: &str = "UNLISTED-LISTENER";
+
+fn identities(client: &Client) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk(capm_api::GROUP, "v1beta1", "MailgunClusterIdentity");
+    Api::all_with(
+        client.clone(),
+        &ApiResource::from_gvk_with_plural(&gvk, "mailgunclusteridentities"),
+    )
+}
+
+/// A Mailgun identity spec open to every namespace, its API at `base`, its key at `secret`/`key`.
+fn mailgun_spec(base: &str, secret: &str, key: &str) -> Value {
+    json!({
+        "mailgun": {"domain": DOMAIN, "baseURL": base, "apiKeySecretRef": {"name": secret, "key": key}},
+        "recipients": [RECIPIENT], "allowedNamespaces": {},
+    })
+}
+
+/// eve creates an identity with `spec(env)` (listener placeholders filled in); mallory creates
+/// a MailgunCluster naming it.
+fn identity_row(name: &'static str, spec: fn(&Env) -> Value, expect: Expect) -> Row {
+    row(name, expect, move |env| async move {
+        let slug = short(
+            &name
+                .to_lowercase()
+                .replace(|c: char| !c.is_ascii_alphanumeric(), "-"),
+        );
+        let text = spec(&env)
+            .to_string()
+            .replace(LISTED, &env.listed.local_addr()?.to_string())
+            .replace(UNLISTED, &env.unlisted.local_addr()?.to_string());
+        let identity = json!({
+            "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunClusterIdentity",
+            "metadata": {"name": slug}, "spec": serde_json::from_str::<Value>(&text)?,
+        });
+        match create(&identities(&env.eve), identity).await? {
+            Outcome::Accepted { .. } => {}
+            refused => return Ok(refused),
+        }
+        env.owned_cluster(
+            &slug,
+            json!({"identityRef": {"kind": "MailgunClusterIdentity", "name": slug}}),
+        )
+        .await
+    })
+}
 
 fn rows() -> Vec<Row> {
     let u = |c: char| format!("line one{c}line two");
@@ -688,6 +826,24 @@ fn rows() -> Vec<Row> {
             let mut obj = cluster("alpha-evil", "v1alpha1", "r", REQUESTER);
             obj["metadata"]["annotations"] = json!({names::CONVERSION_DATA_ANNOTATION: json!({"controlPlaneEndpoint": {"host": "bad host\r\nBcc: x@evil.example", "port": 6443}}).to_string()});
             create(&ours(&env.mallory, "v1alpha1", "MailgunCluster"), obj).await
+        }),
+        // Issue 45: the tenant boundaries, as a tenant and as a delegated identity editor.
+        row("no identityRef in a namespace the default does not serve", Expect::Handled(0, ("MailSent", "False", "IdentityNotAllowed")), |env| async move {
+            env.owned_cluster_in(OTHER_TEAM, "no-identity-other-team", json!({})).await
+        }),
+        identity_row("identity naming the provider's API key Secret", |_| mailgun_spec(&format!("http://{LISTED}"), PROVIDER_KEY_SECRET, "api-key"), INVALID),
+        identity_row("identity naming the webhook certificate Secret", |_| mailgun_spec(&format!("http://{LISTED}"), &format!("{FULLNAME}-webhook-cert"), "tls.key"), INVALID),
+        identity_row("identity naming a Secret claimed by another identity", |_| mailgun_spec(&format!("http://{LISTED}"), CLAIMED_SECRET, "api-key"), INVALID),
+        identity_row("identity whose baseURL is an http:// host off the allow-list", |_| mailgun_spec(&format!("http://{UNLISTED}"), CLAIMED_SECRET, "api-key"), INVALID),
+        identity_row("identity whose baseURL is an internal host", |_| mailgun_spec("https://10.0.0.1", CLAIMED_SECRET, "api-key"), INVALID),
+        identity_row("identity whose baseURL is the cloud metadata address", |_| mailgun_spec("http://169.254.169.254/latest/meta-data", CLAIMED_SECRET, "api-key"), INVALID),
+        row("identity selector NotIn without values", Expect::Refused("spec.allowedNamespaces.selector.matchExpressions[0].values"), |env| async move {
+            let mut spec = mailgun_spec("https://api.mailgun.net", CLAIMED_SECRET, "api-key");
+            spec["allowedNamespaces"] = json!({"selector": {"matchExpressions": [{"key": "team", "operator": "NotIn"}]}});
+            create(&identities(&env.eve), json!({
+                "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunClusterIdentity",
+                "metadata": {"name": "not-in-without-values"}, "spec": spec,
+            })).await
         }),
         // Handled: SMTP smuggling and injection in the body, unusual but allowed text.
         mailed("smuggling CRLF dot CRLF", "hello\r\n.\r\nMAIL FROM:<x@evil.example>\r\nRCPT TO:<victim@evil.example>\r\nDATA\r\nSubject: smuggled\r\n\r\nowned\r\n.\r\n"),
@@ -941,8 +1097,17 @@ fn check_mail(
     Ok(())
 }
 
-async fn condition(env: &Env, kind: &str, name: &str, want: (&str, &str, &str)) -> Result<()> {
-    let api = ours(&env.admin, "v1beta1", kind);
+async fn condition(
+    env: &Env,
+    (kind, namespace): (&str, &str),
+    name: &str,
+    want: (&str, &str, &str),
+) -> Result<()> {
+    let api = Api::<DynamicObject>::namespaced_with(
+        env.admin.clone(),
+        namespace,
+        &resource(capm_api::GROUP, "v1beta1", kind),
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = Value::Null;
     while Instant::now() < deadline {
@@ -975,10 +1140,14 @@ async fn judge(env: &Arc<Env>, expect: Expect, outcome: Outcome) -> Result<usize
         (
             Expect::Handled(mails, want),
             Outcome::Accepted {
-                kind, name, uid, ..
+                kind,
+                namespace,
+                name,
+                uid,
+                ..
             },
         ) => {
-            condition(env, &kind, &name, want).await?;
+            condition(env, (&kind, &namespace), &name, want).await?;
             if mails > 0 {
                 let deadline = Instant::now() + Duration::from_secs(30);
                 while mails_for(&env.smtp.messages()?, &uid).len() < mails
@@ -1124,6 +1293,47 @@ async fn hostile_objects_and_requests() -> Result<()> {
     if smuggled > 0 {
         report.push(format!("FAIL {smuggled} smuggled message(s) arrived"));
         failures.push("smuggling");
+    }
+    for (which, listener) in [("listed", &env.listed), ("unlisted", &env.unlisted)] {
+        if !listener
+            .accept()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock)
+        {
+            report.push(format!(
+                "FAIL the provider connected to the {which} listener"
+            ));
+            failures.push("listener");
+        }
+    }
+    // No Secret's value in any status or Event either.
+    let mut seen = String::new();
+    for team in [TEAM, OTHER_TEAM] {
+        for (group, version, kind) in [
+            (capm_api::GROUP, "v1beta1", "MailgunCluster"),
+            ("events.k8s.io", "v1", "Event"),
+        ] {
+            let api = Api::<DynamicObject>::namespaced_with(
+                env.admin.clone(),
+                team,
+                &resource(group, version, kind),
+            );
+            seen.push_str(&serde_json::to_string(
+                &api.list(&Default::default()).await?.items,
+            )?);
+        }
+    }
+    if seen.contains("key-hostile-must-never-leave") {
+        report.push("FAIL a Secret's value reached a status or an Event".into());
+        failures.push("secret in status");
+    }
+    let log = fs::read_to_string(env.dir.join("provider.log")).unwrap_or_default();
+    if log.contains("key-hostile-must-never-leave")
+        || mails
+            .iter()
+            .any(|m| m.raw.contains("key-hostile-must-never-leave"))
+    {
+        report.push("FAIL a Secret's value reached the log or a mail".into());
+        failures.push("secret");
     }
     if mails.len() != expected_mails {
         report.push(format!(

@@ -480,6 +480,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         &[("api-key", tenant.api_key())],
     )
     .await?;
+    capm_e2e::claim_secret(&admin, NS, "tenant-mailgun", "tenant").await?;
     let identities = Api::<DynamicObject>::all_with(
         admin.clone(),
         &ApiResource::from_gvk(&GroupVersionKind::gvk(

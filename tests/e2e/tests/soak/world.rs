@@ -485,7 +485,8 @@ impl Lane {
         };
         for tenant in &lane.tenants {
             let secret: Secret = serde_json::from_value(json!({
-                "metadata": {"name": tenant.secret(), "namespace": lane.ns},
+                "metadata": {"name": tenant.secret(), "namespace": lane.ns,
+                    "labels": {capm_api::names::IDENTITY_SECRET_LABEL: tenant.identity}},
                 "stringData": {"api-key": tenant.server.api_key()},
             }))?;
             Api::<Secret>::namespaced(lane.client.clone(), &lane.ns)
@@ -527,6 +528,8 @@ impl Lane {
             .args(["--webhook-port", "0", "--shutdown-timeout", "10s"])
             .args(["--message-id-domain", DOMAIN])
             .args(["--identity-secret-namespace", &self.ns])
+            // The tenants' contract servers.
+            .args(["--identity-mailgun-hosts", "127.0.0.1"])
             .arg("--config")
             .arg(&self.config)
             .command();
