@@ -1,8 +1,9 @@
 //! Mail identities: which backend, sender and recipients an object's mails go through
-//! (docs/multi-tenancy.md), within the operator's rules ([`Tenancy`]). Identities and their
-//! Secrets are read with `get` when a mail is about to be sent or looked up, never watched, so a
-//! rotated key is used from the next send on; a backend is built once per identity and rebuilt
-//! when anything it was built from changes, dropped with its poller when the identity is gone.
+//! (docs/multi-tenancy.md), within the operator's rules ([`Tenancy`]). Identities, their
+//! claimed Secrets and (for selectors) namespaces' labels come from watched caches
+//! ([`TenantCaches`]): no API request per reconcile, a rotated key used as soon as it is seen; a
+//! backend is built once per identity and rebuilt when anything it was built from changes,
+//! dropped with its poller when the identity is gone.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -10,7 +11,7 @@ use std::{
 };
 
 use capm_api::{
-    names::reasons,
+    names::{IDENTITY_SECRET_LABEL, reasons},
     v1beta1::{
         AllowedNamespaces, MailgunCluster, MailgunClusterIdentity, MailgunRegion as ApiRegion,
         SecretKeyReference,
@@ -20,11 +21,14 @@ use capm_mailer::{
     CommitGate, InlineSecret, Mailer, MailerConfig, MailgunConfig, MailgunRegion, SecretSource,
     SmtpConfig,
 };
-use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::{Api, Client};
 
 pub(crate) use crate::kinds::Wanted;
-use crate::{poller::Poller, tenancy::Tenancy};
+use crate::{
+    poller::Poller,
+    tenancy::Tenancy,
+    tenant_caches::{NotListed, TenantCaches},
+};
 
 /// Why an identity gave no route.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +41,9 @@ pub enum IdentityError {
         reason: &'static str,
         message: String,
     },
+    /// A cache it is read from has not been listed yet.
+    #[error(transparent)]
+    NotListed(#[from] NotListed),
     /// The API server could not be asked.
     #[error("{context}: {source}")]
     Kube {
@@ -77,6 +84,7 @@ pub(crate) enum Access {
 /// The identities' backends, built on demand and kept while what they were built from holds.
 pub(crate) struct Identities {
     client: Client,
+    caches: TenantCaches,
     secret_namespace: Option<String>,
     tenancy: Tenancy,
     gate: Arc<dyn CommitGate>,
@@ -103,6 +111,7 @@ impl Identities {
         default: Route,
     ) -> Self {
         Self {
+            caches: TenantCaches::new(client.clone(), secret_namespace.clone()),
             client,
             secret_namespace,
             tenancy,
@@ -160,11 +169,7 @@ impl Identities {
             }
             return Ok(self.default.clone());
         };
-        let Some(identity) = Api::<MailgunClusterIdentity>::all(self.client.clone())
-            .get_opt(name)
-            .await
-            .map_err(kube("reading the MailgunClusterIdentity"))?
-        else {
+        let Some(identity) = self.caches.identity(name).await? else {
             self.drop_built(name);
             return Err(problem(
                 reasons::IDENTITY_NOT_FOUND,
@@ -276,12 +281,7 @@ impl Identities {
             return Ok(false);
         };
         let labels = if allowed.reads_labels() {
-            Api::<Namespace>::all(self.client.clone())
-                .get_opt(namespace)
-                .await
-                .map_err(kube("reading the namespace's labels"))?
-                .and_then(|ns| ns.metadata.labels)
-                .unwrap_or_default()
+            self.caches.namespace_labels(namespace).await?
         } else {
             BTreeMap::new()
         };
@@ -306,25 +306,23 @@ impl Identities {
                     .to_owned(),
             ));
         };
-        let secret = Api::<Secret>::namespaced(self.client.clone(), namespace)
-            .get_opt(&reference.name)
-            .await
-            .map_err(kube("reading an identity's Secret"))?
-            .ok_or_else(|| {
-                invalid(
-                    identity,
-                    format!(
-                        "{field}: Secret {} not found in namespace {namespace}",
-                        reference.name
-                    ),
-                )
-            })?;
+        let secret = self.caches.secret(&reference.name).await?.ok_or_else(|| {
+            invalid(
+                identity,
+                format!(
+                    "{field}: Secret {} not found in namespace {namespace} among the Secrets \
+                     claimed for identities (label {IDENTITY_SECRET_LABEL}=<identity>)",
+                    reference.name
+                ),
+            )
+        })?;
         crate::tenancy::check_claim(&secret.metadata, identity_object)
             .map_err(|why| invalid(identity, format!("{field}: {why}")))?;
         let bytes = secret
             .data
-            .and_then(|mut data| data.remove(&reference.key))
-            .map(|b| b.0)
+            .as_ref()
+            .and_then(|data| data.get(&reference.key))
+            .map(|b| b.0.clone())
             .filter(|b| !b.is_empty())
             .ok_or_else(|| {
                 invalid(
@@ -473,7 +471,7 @@ mod tests {
         match result {
             Ok(_) => "allowed",
             Err(IdentityError::Unusable { reason, .. }) => reason,
-            Err(IdentityError::Kube { .. }) => "asked the API server",
+            Err(IdentityError::Kube { .. } | IdentityError::NotListed(_)) => "asked the API server",
         }
     }
 

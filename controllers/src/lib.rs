@@ -16,9 +16,9 @@
 //!   scheduler, [`Metrics`]), its [`Config`] and the operator's rules for tenants ([`Tenancy`]);
 //! - `kinds`: what differs between our two kinds, and the caches of Cluster API's objects;
 //! - `sendonce`: the send-once protocol's decision, pure (its records: `capm_api::records`);
-//! - `leadership`, `ledger`, `poller`, `identity`: process state: [`Leadership`] (may this
-//!   replica act), the per-object ledger (retry state and tombstones, by UID), the delivery
-//!   questions, the tenants' mail backends;
+//! - `leadership`, `ledger`, `poller`, `tenant_caches`, `identity`: process state:
+//!   [`Leadership`] (may this replica act), the per-object ledger (retry state and tombstones,
+//!   by UID), the delivery questions, the identities' caches, the tenants' mail backends;
 //! - `context`: what every reconcile shares;
 //! - `sendonce::execute` and `delivery`: the work: one mail, crash-safely; delivery news;
 //! - `reconcile`: one pass, in Cluster API's step order;
@@ -40,6 +40,7 @@ mod reconcile;
 mod sendonce;
 mod status;
 mod tenancy;
+mod tenant_caches;
 mod workqueue;
 
 pub use config::{Config, Error, Field, Invalid, Reason};

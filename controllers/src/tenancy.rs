@@ -112,7 +112,8 @@ impl Tenancy {
 }
 
 /// Whether the Secret `meta` is claimed for `identity`: labelled with its name
-/// ([`IDENTITY_SECRET_LABEL`]) or owned by it (its UID), and owned by no other identity.
+/// ([`IDENTITY_SECRET_LABEL`]; the provider watches only labelled Secrets), and owned by no other
+/// identity (an ownerReference to this one, by its UID, is welcome: `clusterctl move`).
 ///
 /// # Errors
 /// Why not, for the `IdentityInvalid` condition (naming the Secret, never a value).
@@ -126,14 +127,9 @@ pub fn check_claim(meta: &ObjectMeta, identity: &MailgunClusterIdentity) -> Resu
         o.kind == MailgunClusterIdentity::kind(&())
             && o.api_version.split('/').next() == Some(capm_api::GROUP)
     });
-    let (mut ours, mut foreign) = (false, false);
-    for owner in owners {
-        if Some(owner.name.as_str()) == name && Some(owner.uid.as_str()) == uid {
-            ours = true;
-        } else {
-            foreign = true;
-        }
-    }
+    let foreign = owners
+        .into_iter()
+        .any(|o| Some(o.name.as_str()) != name || Some(o.uid.as_str()) != uid);
     let label = meta
         .labels
         .as_ref()
@@ -141,12 +137,11 @@ pub fn check_claim(meta: &ObjectMeta, identity: &MailgunClusterIdentity) -> Resu
     if foreign || label.is_some_and(|l| Some(l.as_str()) != name) {
         return Err(format!("Secret {secret} is claimed by another identity"));
     }
-    if ours || label.is_some() {
+    if label.is_some() {
         Ok(())
     } else {
         Err(format!(
-            "Secret {secret} is not claimed for this identity (label {IDENTITY_SECRET_LABEL}=<identity> \
-             or an ownerReference to the identity)"
+            "Secret {secret} is not claimed for this identity (label {IDENTITY_SECRET_LABEL}=<identity>)"
         ))
     }
 }
@@ -274,11 +269,12 @@ mod tests {
     }
 
     #[test]
-    fn secrets_claimed_by_label_or_owner_and_never_by_another() {
+    fn secrets_claimed_by_label_and_never_by_another() {
         let a = identity("team-a", "uid-a");
         for (meta, ok) in [
             (secret(Some("team-a"), None), true),
-            (secret(None, Some(("team-a", "uid-a"))), true),
+            // Owned alone is not claimed: only labelled Secrets are watched.
+            (secret(None, Some(("team-a", "uid-a"))), false),
             (secret(Some("team-a"), Some(("team-a", "uid-a"))), true),
             (secret(None, None), false),
             (secret(Some("team-b"), None), false),

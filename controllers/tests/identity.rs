@@ -608,7 +608,7 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
         (
             "own1",
             reasons::IDENTITY_INVALID,
-            "spec.mailgun.apiKeySecretRef: Secret provider-key is not claimed for this identity",
+            "spec.mailgun.apiKeySecretRef: Secret provider-key not found in namespace",
         ),
         (
             "other1",

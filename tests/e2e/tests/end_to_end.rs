@@ -760,7 +760,8 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     let sa = format!("--kubeconfig={}", provider.kubeconfig.display());
     for args in [
         vec!["get", "secrets", "--all-namespaces"],
-        vec!["get", "secrets", "-n", NS],
+        // The identities' Secrets are watched (list, watch), never read one by one.
+        vec!["get", "secret", "smtp-credentials", "-n", NS],
         vec!["get", "configmaps", "-n", USER_NS],
         vec!["delete", "mailgunclusters", "e2e", "-n", USER_NS],
         vec!["create", "namespace", "forbidden"],

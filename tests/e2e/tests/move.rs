@@ -367,6 +367,7 @@ async fn story(source: &Management, target: &Management, tenant: &MailgunServer)
         &[("api-key", tenant.api_key())],
     )
     .await?;
+    capm_e2e::claim_secret(&source.admin, NS, IDENTITY_SECRET, IDENTITY).await?;
     let identity: DynamicObject = serde_json::from_value(json!({
         "apiVersion": format!("{INFRA}/v1beta1"), "kind": "MailgunClusterIdentity",
         "metadata": {"name": IDENTITY},
