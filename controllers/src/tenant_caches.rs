@@ -58,13 +58,6 @@ where
         }));
         Self { store, listed }
     }
-
-    /// The store once listed, or `None` after [`LIST_WAIT`].
-    async fn ready(&self) -> Option<&Store<K>> {
-        let mut listed = self.listed.clone();
-        let done = tokio::time::timeout(LIST_WAIT, listed.wait_for(|l| *l)).await;
-        matches!(done, Ok(Ok(_))).then_some(&self.store)
-    }
 }
 
 /// The caches of one process, each started on first use.
@@ -85,7 +78,7 @@ fn config() -> watcher::Config {
 /// A cache that could not be listed within [`LIST_WAIT`].
 #[derive(Debug, thiserror::Error)]
 #[error("the {0} cache has not been listed yet")]
-pub(crate) struct NotListed(pub &'static str);
+pub(crate) struct NotListed(String);
 
 impl TenantCaches {
     pub(crate) fn new(client: Client, secret_namespace: Option<String>) -> Self {
@@ -103,36 +96,21 @@ impl TenantCaches {
         &self,
         name: &str,
     ) -> Result<Option<Arc<MailgunClusterIdentity>>, NotListed> {
-        let cache = self
-            .identities
-            .get_or_init(|| async {
-                let api = Api::<MailgunClusterIdentity>::all(self.client.clone());
-                Cache::start(watcher::watcher(api, config()))
-            })
-            .await;
-        let store = cache
-            .ready()
-            .await
-            .ok_or(NotListed("MailgunClusterIdentity"))?;
+        let api = || Api::all(self.client.clone());
+        let store = listed(&self.identities, || watcher::watcher(api(), config())).await?;
         Ok(store.get(&ObjectRef::new(name)))
     }
 
     /// The claimed Secret `name` in the provider's namespace (`None` without one, or when no
     /// Secret of that name carries the claim label).
     pub(crate) async fn secret(&self, name: &str) -> Result<Option<Arc<Secret>>, NotListed> {
-        let Some(namespace) = &self.secret_namespace else {
+        let Some(ns) = &self.secret_namespace else {
             return Ok(None);
         };
-        let cache = self
-            .secrets
-            .get_or_init(|| async {
-                let api = Api::<Secret>::namespaced(self.client.clone(), namespace);
-                let claimed = config().labels(IDENTITY_SECRET_LABEL);
-                Cache::start(watcher::watcher(api, claimed))
-            })
-            .await;
-        let store = cache.ready().await.ok_or(NotListed("Secret"))?;
-        Ok(store.get(&ObjectRef::new(name).within(namespace)))
+        let api = || Api::namespaced(self.client.clone(), ns);
+        let claimed = || config().labels(IDENTITY_SECRET_LABEL);
+        let store = listed(&self.secrets, || watcher::watcher(api(), claimed())).await?;
+        Ok(store.get(&ObjectRef::new(name).within(ns)))
     }
 
     /// The labels of namespace `name` (none when it is not known).
@@ -140,17 +118,28 @@ impl TenantCaches {
         &self,
         name: &str,
     ) -> Result<BTreeMap<String, String>, NotListed> {
-        let cache = self
-            .namespaces
-            .get_or_init(|| async {
-                let api = Api::<PartialObjectMeta<Namespace>>::all(self.client.clone());
-                Cache::start(watcher::watcher(api, config()))
-            })
-            .await;
-        let store = cache.ready().await.ok_or(NotListed("Namespace"))?;
-        Ok(store
-            .get(&ObjectRef::new(name))
+        let api = || Api::all(self.client.clone());
+        let store = listed(&self.namespaces, || watcher::watcher(api(), config())).await?;
+        let ns = store.get(&ObjectRef::new(name));
+        Ok(ns
             .and_then(|ns| ns.metadata.labels.clone())
             .unwrap_or_default())
+    }
+}
+
+/// The store of `cell`, its watch started with `stream` on first use, once listed.
+async fn listed<K, S>(
+    cell: &OnceCell<Cache<K>>,
+    stream: impl FnOnce() -> S,
+) -> Result<&Store<K>, NotListed>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    let cache = cell.get_or_init(|| async { Cache::start(stream()) }).await;
+    let mut done = cache.listed.clone();
+    match tokio::time::timeout(LIST_WAIT, done.wait_for(|l| *l)).await {
+        Ok(Ok(_)) => Ok(&cache.store),
+        _ => Err(NotListed(K::kind(&()).into_owned())),
     }
 }
