@@ -27,8 +27,10 @@ use kube::{
 use serde_json::json;
 use support::{Env, PATIENCE, condition, eventually};
 
-/// The watch-filter value of this test's objects: only this test's controllers see them.
+/// The watch-filter value of the first test's objects: only its controllers see them.
 const FILTER: &str = "identity-test";
+/// The watch-filter value of the second test's objects.
+const BOUNDS_FILTER: &str = "identity-bounds-test";
 
 fn cluster_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
     let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
@@ -43,6 +45,12 @@ fn cluster_api(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
 /// Cluster API owns it.
 async fn create_pair(client: &kube::Client, ns: &str, name: &str, identity: Option<&str>) {
     create_pair_with(client, ns, name, identity, json!({})).await;
+}
+
+/// [`create_pair`] for the second test's controllers ([`BOUNDS_FILTER`]).
+async fn create_bounded_pair(client: &kube::Client, ns: &str, name: &str, identity: Option<&str>) {
+    let filter = json!({ "labels": { "cluster.x-k8s.io/watch-filter": BOUNDS_FILTER } });
+    create_pair_with(client, ns, name, identity, filter).await;
 }
 
 /// As [`create_pair`], the MailgunCluster's metadata merged with `metadata` (annotations,
@@ -60,6 +68,10 @@ async fn create_pair_with(
     }
     let labels = json!({ "cluster.x-k8s.io/watch-filter": FILTER });
     let mut meta = json!({ "name": name, "labels": labels });
+    let filter = metadata["labels"]["cluster.x-k8s.io/watch-filter"]
+        .as_str()
+        .unwrap_or(FILTER)
+        .to_owned();
     for (k, v) in metadata.as_object().into_iter().flatten() {
         meta[k] = v.clone();
     }
@@ -83,7 +95,7 @@ async fn create_pair_with(
     let mut cluster = cluster;
     cluster.metadata.labels = Some(BTreeMap::from([(
         "cluster.x-k8s.io/watch-filter".to_owned(),
-        FILTER.to_owned(),
+        filter,
     )]));
     let cluster = cluster_api(client, ns)
         .create(&PostParams::default(), &cluster)
@@ -577,7 +589,7 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
 
     let mut config = env.config();
     config.namespace = None;
-    config.watch_filter = Some(FILTER.into());
+    config.watch_filter = Some(BOUNDS_FILTER.into());
     config.identity_secret_namespace = Some(provider_ns.clone());
     config.tenancy.mailgun_hosts = vec![tenant.addr().to_string()];
     config.tenancy.default_allowed = serde_json::from_value(json!({ "list": [d] })).unwrap();
@@ -585,13 +597,13 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
     config.backoff_max = Duration::from_secs(1);
     env.start_with(config).await;
 
-    create_pair(&client, d, "d1", None).await;
-    create_pair(&client, e, "e1", None).await;
-    create_pair(&client, e, "own1", Some(&id_own)).await;
-    create_pair(&client, e, "other1", Some(&id_other)).await;
-    create_pair(&client, e, "probe1", Some(&id_probe)).await;
-    create_pair(&client, t, "t1", Some(&id_t)).await;
-    create_pair(&client, t, "t2", Some(&id_t)).await;
+    create_bounded_pair(&client, d, "d1", None).await;
+    create_bounded_pair(&client, e, "e1", None).await;
+    create_bounded_pair(&client, e, "own1", Some(&id_own)).await;
+    create_bounded_pair(&client, e, "other1", Some(&id_other)).await;
+    create_bounded_pair(&client, e, "probe1", Some(&id_probe)).await;
+    create_bounded_pair(&client, t, "t1", Some(&id_t)).await;
+    create_bounded_pair(&client, t, "t2", Some(&id_t)).await;
 
     eventually(
         PATIENCE,
