@@ -501,6 +501,8 @@ enum Expect {
     GoneAfter(usize),
     /// The webhook server answers this status with a body containing this text.
     Http(u16, &'static str),
+    /// Accepted, no mail, and `MailSent` False with `IdentityInvalid` saying this.
+    Invalid(&'static str),
 }
 
 type Action =
@@ -692,10 +694,9 @@ fn mailed(name: &'static str, request: &'static str) -> Row {
 }
 
 const OWNER_MISMATCH: (&str, &str, &str) = ("Ready", "False", "OwnerMismatch");
-const INVALID: Expect = Expect::Handled(0, ("MailSent", "False", "IdentityInvalid"));
 /// Placeholders the identity rows' base URLs name, filled with the listeners' addresses.
-const LISTED: &str = "LISTED-LISTENER";
-const UNLISTED: &str = "UNLISTED-LISTENER";
+const LISTED: &str = "LISTENER-ON-THE-LIST";
+const UNLISTED: &str = "LISTENER-OFF-THE-LIST";
 
 fn identities(client: &Client) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk(capm_api::GROUP, "v1beta1", "MailgunClusterIdentity");
@@ -831,12 +832,12 @@ fn rows() -> Vec<Row> {
         row("no identityRef in a namespace the default does not serve", Expect::Handled(0, ("MailSent", "False", "IdentityNotAllowed")), |env| async move {
             env.owned_cluster_in(OTHER_TEAM, "no-identity-other-team", json!({})).await
         }),
-        identity_row("identity naming the provider's API key Secret", |_| mailgun_spec(&format!("http://{LISTED}"), PROVIDER_KEY_SECRET, "api-key"), INVALID),
-        identity_row("identity naming the webhook certificate Secret", |_| mailgun_spec(&format!("http://{LISTED}"), &format!("{FULLNAME}-webhook-cert"), "tls.key"), INVALID),
-        identity_row("identity naming a Secret claimed by another identity", |_| mailgun_spec(&format!("http://{LISTED}"), CLAIMED_SECRET, "api-key"), INVALID),
-        identity_row("identity whose baseURL is an http:// host off the allow-list", |_| mailgun_spec(&format!("http://{UNLISTED}"), CLAIMED_SECRET, "api-key"), INVALID),
-        identity_row("identity whose baseURL is an internal host", |_| mailgun_spec("https://10.0.0.1", CLAIMED_SECRET, "api-key"), INVALID),
-        identity_row("identity whose baseURL is the cloud metadata address", |_| mailgun_spec("http://169.254.169.254/latest/meta-data", CLAIMED_SECRET, "api-key"), INVALID),
+        identity_row("identity naming the provider's API key Secret", |_| mailgun_spec(&format!("http://{LISTED}"), PROVIDER_KEY_SECRET, "api-key"), Expect::Invalid("spec.mailgun.apiKeySecretRef: Secret mailgun-api-key not found in namespace capm-system among the Secrets claimed")),
+        identity_row("identity naming the webhook certificate Secret", |_| mailgun_spec(&format!("http://{LISTED}"), &format!("{FULLNAME}-webhook-cert"), "tls.key"), Expect::Invalid("-webhook-cert not found in namespace capm-system among the Secrets claimed")),
+        identity_row("identity naming a Secret claimed by another identity", |_| mailgun_spec(&format!("http://{LISTED}"), CLAIMED_SECRET, "api-key"), Expect::Invalid("Secret team-b-mailgun is claimed by another identity")),
+        identity_row("identity whose baseURL is an http:// host off the allow-list", |_| mailgun_spec(&format!("http://{UNLISTED}"), CLAIMED_SECRET, "api-key"), Expect::Invalid("spec.mailgun.baseURL: host 127.0.0.1 is not among the hosts")),
+        identity_row("identity whose baseURL is an internal host", |_| mailgun_spec("https://10.0.0.1", CLAIMED_SECRET, "api-key"), Expect::Invalid("spec.mailgun.baseURL: host 10.0.0.1 is not among the hosts")),
+        identity_row("identity whose baseURL is the cloud metadata address", |_| mailgun_spec("http://169.254.169.254/latest/meta-data", CLAIMED_SECRET, "api-key"), Expect::Invalid("spec.mailgun.baseURL: host 169.254.169.254 is not among the hosts")),
         row("identity selector NotIn without values", Expect::Refused("spec.allowedNamespaces.selector.matchExpressions[0].values"), |env| async move {
             let mut spec = mailgun_spec("https://api.mailgun.net", CLAIMED_SECRET, "api-key");
             spec["allowedNamespaces"] = json!({"selector": {"matchExpressions": [{"key": "team", "operator": "NotIn"}]}});
@@ -1172,6 +1173,29 @@ async fn judge(env: &Arc<Env>, expect: Expect, outcome: Outcome) -> Result<usize
             }
             Ok(mails)
         }
+        (
+            Expect::Invalid(says),
+            Outcome::Accepted {
+                kind,
+                namespace,
+                name,
+                ..
+            },
+        ) => {
+            let want = ("MailSent", "False", "IdentityInvalid");
+            condition(env, (&kind, &namespace), &name, want).await?;
+            let api = Api::<DynamicObject>::namespaced_with(
+                env.admin.clone(),
+                &namespace,
+                &resource(capm_api::GROUP, "v1beta1", &kind),
+            );
+            let conditions = api.get(&name).await?.data["status"]["conditions"].to_string();
+            ensure!(
+                conditions.contains(says),
+                "not saying {says:?}: {conditions}"
+            );
+            Ok(0)
+        }
         (Expect::GoneAfter(mails), Outcome::Accepted { kind, name, .. }) => {
             let api = ours(&env.admin, "v1beta1", &kind);
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -1240,7 +1264,7 @@ async fn hostile_objects_and_requests() -> Result<()> {
         match result {
             Ok((mails, obj)) => {
                 expected_mails += mails;
-                if let (Some(obj), Expect::Handled(..)) = (obj, expect) {
+                if let (Some(obj), Expect::Handled(..) | Expect::Invalid(_)) = (obj, expect) {
                     accepted.push((name, mails, obj));
                 }
                 report.push(format!("ok   {name}: {expect:?}"));
