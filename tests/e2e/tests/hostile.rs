@@ -9,7 +9,9 @@
 //! so the chart's RBAC and the policy's notion of "the provider" apply) with the chart's webhook
 //! certificate, reached through the chart's Service; a real SMTP server. The hostile user is
 //! `mallory`, who may create, change and delete MailgunClusters, MailgunMachines, Clusters and
-//! Machines in her namespace and nothing else.
+//! Machines in her namespace (and in a second one the provider's own configuration does not
+//! serve) and nothing else; `eve` is a delegated identity editor, who may write
+//! MailgunClusterIdentities and nothing else (issue 45: the tenant boundaries).
 //!
 //! Each row states its outcome: refused at admission with a message naming the field, handled
 //! with a condition and a number of mails, or an HTTP answer of the webhook server. Every mail
