@@ -19,7 +19,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -30,6 +30,7 @@ use crate::limits::{
     MAX_PROVIDER_ID_LENGTH, MAX_REQUEST_LENGTH, MAX_REQUESTER_LENGTH, PROVIDER_ID_PATTERN,
     REQUEST_PATTERN, REQUESTER_LOCAL_PART_RULE, REQUESTER_PATTERN, string_map_schema,
 };
+use crate::names::IDENTITY_SECRET_LABEL;
 
 /// A DNS-1123 subdomain (object names).
 const DNS_SUBDOMAIN_PATTERN: &str =
@@ -471,6 +472,43 @@ impl AllowedNamespaces {
     /// Whether [`Self::allows`] needs the namespace's labels (a selector that can match).
     pub fn reads_labels(&self) -> bool {
         self.selector.as_ref().is_some_and(|s| !s.is_empty())
+    }
+}
+
+impl MailgunClusterIdentity {
+    /// Whether the Secret `secret` is claimed for this identity: labelled with its name
+    /// ([`crate::names::IDENTITY_SECRET_LABEL`]; the provider watches only labelled Secrets) and
+    /// owned by no other identity (an ownerReference to this one, by its UID, is welcome:
+    /// `clusterctl move` sets it).
+    ///
+    /// # Errors
+    /// Why not, naming the Secret, never a value.
+    pub fn check_claim(&self, secret: &ObjectMeta) -> Result<(), String> {
+        use kube::Resource;
+        let (name, uid) = (self.meta().name.as_deref(), self.meta().uid.as_deref());
+        let secret_name = secret.name.as_deref().unwrap_or_default();
+        let foreign = secret.owner_references.iter().flatten().any(|o| {
+            o.kind == Self::kind(&())
+                && o.api_version.split('/').next() == Some(crate::GROUP)
+                && (Some(o.name.as_str()) != name || Some(o.uid.as_str()) != uid)
+        });
+        let label = secret
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(IDENTITY_SECRET_LABEL));
+        match label {
+            _ if foreign => Err(format!(
+                "Secret {secret_name} is claimed by another identity"
+            )),
+            Some(l) if Some(l.as_str()) != name => Err(format!(
+                "Secret {secret_name} is claimed by another identity"
+            )),
+            Some(_) => Ok(()),
+            None => Err(format!(
+                "Secret {secret_name} is not claimed for this identity (label \
+                 {IDENTITY_SECRET_LABEL}=<identity>)"
+            )),
+        }
     }
 }
 
@@ -964,6 +1002,64 @@ mod tests {
             ];
             assert_eq!(got, want, "{allowed:?}");
             assert_eq!(allowed.reads_labels(), reads, "{allowed:?}");
+        }
+    }
+
+    fn identity_claiming(name: &str, uid: &str) -> MailgunClusterIdentity {
+        let mut i = MailgunClusterIdentity::new(
+            name,
+            MailgunClusterIdentitySpec {
+                mailgun: None,
+                smtp: None,
+                from: None,
+                recipients: vec!["a@b.co".into()],
+                allowed_namespaces: None,
+            },
+        );
+        i.metadata.uid = Some(uid.into());
+        i
+    }
+
+    fn claimed_secret(label: Option<&str>, owner: Option<(&str, &str)>) -> ObjectMeta {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+        ObjectMeta {
+            name: Some("key".into()),
+            labels: label
+                .map(|l| BTreeMap::from([(IDENTITY_SECRET_LABEL.to_owned(), l.to_owned())])),
+            owner_references: owner.map(|(name, uid)| {
+                vec![OwnerReference {
+                    api_version: format!("{}/v1beta1", crate::GROUP),
+                    kind: "MailgunClusterIdentity".into(),
+                    name: name.into(),
+                    uid: uid.into(),
+                    ..OwnerReference::default()
+                }]
+            }),
+            ..ObjectMeta::default()
+        }
+    }
+
+    #[test]
+    fn secrets_claimed_by_label_and_never_by_another() {
+        let a = identity_claiming("team-a", "uid-a");
+        let s = claimed_secret;
+        for (meta, ok) in [
+            (s(Some("team-a"), None), true),
+            // Owned alone is not claimed: only labelled Secrets are watched.
+            (s(None, Some(("team-a", "uid-a"))), false),
+            (s(Some("team-a"), Some(("team-a", "uid-a"))), true),
+            (s(None, None), false),
+            (s(Some("team-b"), None), false),
+            (s(None, Some(("team-b", "uid-b"))), false),
+            // An identity of the same name re-created: the old one's claim is not its.
+            (s(None, Some(("team-a", "uid-old"))), false),
+            (s(Some("team-a"), Some(("team-b", "uid-b"))), false),
+        ] {
+            let got = a.check_claim(&meta);
+            assert_eq!(got.is_ok(), ok, "{meta:?}: {got:?}");
+            if let Err(why) = got {
+                assert!(why.starts_with("Secret key is "), "{why}");
+            }
         }
     }
 }

@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use capm_api::v1beta1::AllowedNamespaces;
+use capm_mailer::AllowedHosts;
+
 /// What the controllers need to know besides the cluster and the mailer.
 ///
 /// There is no `Default`: the defaults are the binary's (its flags), declared once there.
@@ -48,7 +51,42 @@ pub struct Config {
     pub identity_secret_namespace: Option<String>,
     /// What the operator lets tenants do: the default identity's namespaces, the hosts and
     /// Secrets identities may use, how long a release may wait.
-    pub tenancy: crate::Tenancy,
+    pub tenancy: Tenancy,
+}
+
+/// What the operator lets tenants do (docs/multi-tenancy.md): the namespaces the provider's own
+/// configuration serves, whether an `identityRef` is required, the hosts an identity may reach
+/// and how long a release may wait. Which Secrets an identity may name is the API's rule
+/// (`MailgunClusterIdentity::check_claim`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenancy {
+    /// The namespaces whose objects may mail through the provider's own configuration (no
+    /// `identityRef`), in an identity's shape (`--default-identity-allowed-namespaces`; `{}`:
+    /// all, a single team's install).
+    pub default_allowed: AllowedNamespaces,
+    /// Objects without an `identityRef` are refused (`IdentityRequired`, no mail)
+    /// (`--require-identity-ref`).
+    pub require_identity_ref: bool,
+    /// The hosts an identity's Mailgun API URL and SMTP relay may name
+    /// (`--identity-mailgun-hosts`, `--identity-smtp-hosts`).
+    pub hosts: AllowedHosts,
+    /// How long after its deletion an object whose release cannot go out (its identity gone,
+    /// not allowed or unusable, its backend failing) gives the release up, so that the deletion
+    /// finishes (`--release-timeout`).
+    pub release_timeout: Duration,
+}
+
+impl Default for Tenancy {
+    /// The binary's defaults: everything as a single-team install had it, Mailgun's two API
+    /// hosts, no SMTP host, a day for a release.
+    fn default() -> Self {
+        Self {
+            default_allowed: AllowedNamespaces::default(),
+            require_identity_ref: false,
+            hosts: AllowedHosts::default(),
+            release_timeout: Duration::from_secs(24 * 3600),
+        }
+    }
 }
 
 impl Config {

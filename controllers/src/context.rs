@@ -186,6 +186,7 @@ impl Ctx {
         ));
         let identities = crate::identity::Identities::new(
             client.clone(),
+            capi.clone(),
             (
                 config.identity_secret_namespace.clone(),
                 config.tenancy.clone(),
@@ -220,9 +221,12 @@ impl Ctx {
         let ctx = Arc::clone(self);
         tokio::spawn(async move {
             // An error: a store's writer is gone (shutting down).
+            let secrets = ctx.config.identity_secret_namespace.is_some();
             let listed = async {
                 ctx.capi.clusters.wait_until_ready().await.is_ok()
                     && ctx.capi.machines.wait_until_ready().await.is_ok()
+                    && ctx.capi.identities.wait_until_ready().await.is_ok()
+                    && (!secrets || ctx.capi.secrets.wait_until_ready().await.is_ok())
             };
             // Past the bound, reconciles judge owners from what the stores hold (a missing owner
             // is rechecked, never acted on destructively), rather than each waiting the bound.
@@ -340,7 +344,7 @@ mod tests {
             config,
             Leadership::unelected("t"),
             metrics,
-            Stores { clusters, machines },
+            crate::kinds::tests::stores(clusters, machines),
             crate::poller::tests::wakes().0,
         )
     }

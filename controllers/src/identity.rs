@@ -1,7 +1,8 @@
 //! Mail identities: which backend, sender and recipients an object's mails go through
 //! (docs/multi-tenancy.md), within the operator's rules ([`Tenancy`]). Identities, their
 //! claimed Secrets and (for selectors) namespaces' labels come from watched caches
-//! ([`TenantCaches`]): no API request per reconcile, a rotated key used as soon as it is seen; a
+//! ([`crate::kinds::Stores`], [`Namespaces`]): no API request per reconcile (but a machine's first send, which reads its
+//! `MailgunCluster`'s `identityRef`), a rotated key used as soon as it is seen; a
 //! backend is built once per identity and rebuilt when anything it was built from changes,
 //! dropped with its poller when the identity is gone.
 
@@ -21,13 +22,14 @@ use capm_mailer::{
     CommitGate, InlineSecret, Mailer, MailerConfig, MailgunConfig, MailgunRegion, SecretSource,
     SmtpConfig,
 };
-use kube::{Api, Client};
+use kube::{Api, Client, runtime::reflector::ObjectRef};
 
 pub(crate) use crate::kinds::Wanted;
 use crate::{
+    config::Tenancy,
+    kinds::Stores,
     poller::Poller,
-    tenancy::Tenancy,
-    tenant_caches::{NotListed, TenantCaches},
+    tenant_caches::{Namespaces, NotListed, listed},
 };
 
 /// Why an identity gave no route.
@@ -84,7 +86,8 @@ pub(crate) enum Access {
 /// The identities' backends, built on demand and kept while what they were built from holds.
 pub(crate) struct Identities {
     client: Client,
-    caches: TenantCaches,
+    stores: Stores,
+    namespaces: Namespaces,
     secret_namespace: Option<String>,
     tenancy: Tenancy,
     gate: Arc<dyn CommitGate>,
@@ -106,12 +109,14 @@ impl Identities {
     /// each send's commit point.
     pub(crate) fn new(
         client: Client,
+        stores: Stores,
         (secret_namespace, tenancy): (Option<String>, Tenancy),
         gate: Arc<dyn CommitGate>,
         default: Route,
     ) -> Self {
         Self {
-            caches: TenantCaches::new(client.clone(), secret_namespace.clone()),
+            stores,
+            namespaces: Namespaces::default(),
             client,
             secret_namespace,
             tenancy,
@@ -169,7 +174,8 @@ impl Identities {
             }
             return Ok(self.default.clone());
         };
-        let Some(identity) = self.caches.identity(name).await? else {
+        let identities = listed(&self.stores.identities, "MailgunClusterIdentity")?;
+        let Some(identity) = identities.get(&ObjectRef::new(name)) else {
             self.drop_built(name);
             return Err(problem(
                 reasons::IDENTITY_NOT_FOUND,
@@ -199,7 +205,8 @@ impl Identities {
                     None => ("spec.mailgun.region", region.base_url()),
                 };
                 self.tenancy
-                    .check_endpoint(field, url, false)
+                    .hosts
+                    .check(field, url, false)
                     .map_err(|why| invalid(name, why))?;
                 let api_key = secret("spec.mailgun.apiKeySecretRef", &m.api_key_secret_ref).await?;
                 let mut config = MailgunConfig::new(&m.domain, value(api_key)?);
@@ -217,7 +224,8 @@ impl Identities {
             }
             (None, Some(s)) => {
                 self.tenancy
-                    .check_endpoint("spec.smtp.url", &s.url, true)
+                    .hosts
+                    .check("spec.smtp.url", &s.url, true)
                     .map_err(|why| invalid(name, why))?;
                 let mut config = SmtpConfig::new(&s.url);
                 config.username.clone_from(&s.username);
@@ -281,68 +289,54 @@ impl Identities {
             return Ok(false);
         };
         let labels = if allowed.reads_labels() {
-            self.caches.namespace_labels(namespace).await?
+            self.namespaces.labels(&self.client, namespace).await?
         } else {
             BTreeMap::new()
         };
         Ok(allowed.allows(namespace, &labels))
     }
 
-    /// The bytes of the key `reference` names, from a Secret in the provider's namespace
-    /// claimed for `identity` ([`crate::tenancy::check_claim`]).
+    /// The bytes of the key `reference` names (at most [`MAX_SECRET_VALUE_BYTES`]), from a
+    /// Secret in the provider's namespace claimed for `identity`
+    /// (`MailgunClusterIdentity::check_claim`).
     async fn secret(
         &self,
         identity: &MailgunClusterIdentity,
         field: &str,
         reference: &SecretKeyReference,
     ) -> Result<Vec<u8>, IdentityError> {
-        let identity_object = identity;
-        let identity = identity.metadata.name.as_deref().unwrap_or_default();
-        let Some(namespace) = &self.secret_namespace else {
-            return Err(invalid(
-                identity,
-                "the provider does not know its own namespace, where the identities' Secrets \
-                 are read (set --identity-secret-namespace or POD_NAMESPACE)"
-                    .to_owned(),
-            ));
+        let name = identity.metadata.name.as_deref().unwrap_or_default();
+        let refuse = |why: String| invalid(name, format!("{field}: {why}"));
+        let (secret, key) = (&reference.name, &reference.key);
+        let namespace = self
+            .secret_namespace
+            .as_deref()
+            .unwrap_or("(unknown: set --identity-secret-namespace or POD_NAMESPACE)");
+        let found = match self.secret_namespace.as_deref() {
+            Some(ns) => {
+                listed(&self.stores.secrets, "Secret")?.get(&ObjectRef::new(secret).within(ns))
+            }
+            None => None,
         };
-        let secret = self.caches.secret(&reference.name).await?.ok_or_else(|| {
-            invalid(
-                identity,
-                format!(
-                    "{field}: Secret {} not found in namespace {namespace} among the Secrets \
-                     claimed for identities (label {IDENTITY_SECRET_LABEL}=<identity>)",
-                    reference.name
-                ),
-            )
+        let found = found.ok_or_else(|| {
+            refuse(format!(
+                "Secret {secret} not found in namespace {namespace} among the Secrets claimed \
+                 for identities (label {IDENTITY_SECRET_LABEL}=<identity>)"
+            ))
         })?;
-        crate::tenancy::check_claim(&secret.metadata, identity_object)
-            .map_err(|why| invalid(identity, format!("{field}: {why}")))?;
-        let bytes = secret
+        identity.check_claim(&found.metadata).map_err(refuse)?;
+        found
             .data
             .as_ref()
-            .and_then(|data| data.get(&reference.key))
+            .and_then(|data| data.get(key))
             .map(|b| b.0.clone())
-            .filter(|b| !b.is_empty())
+            .filter(|b| (1..=MAX_SECRET_VALUE_BYTES).contains(&b.len()))
             .ok_or_else(|| {
-                invalid(
-                    identity,
-                    format!(
-                        "{field}: Secret {} has no (or an empty) key {}",
-                        reference.name, reference.key
-                    ),
-                )
-            })?;
-        if bytes.len() > MAX_SECRET_VALUE_BYTES {
-            return Err(invalid(
-                identity,
-                format!(
-                    "{field}: the value of key {} in Secret {} is larger than {MAX_SECRET_VALUE_BYTES} bytes",
-                    reference.key, reference.name
-                ),
-            ));
-        }
-        Ok(bytes)
+                refuse(format!(
+                    "Secret {secret} has no key {key} with a value of 1 to \
+                     {MAX_SECRET_VALUE_BYTES} bytes"
+                ))
+            })
     }
 
     /// The backend for `config` and its poller: the ones built before when nothing changed,
@@ -416,25 +410,23 @@ fn invalid(identity: &str, why: String) -> IdentityError {
     )
 }
 
-/// A secret value for the mailer's configuration: UTF-8, one trailing newline removed (as a
+/// A secret value for the mailer's configuration (UTF-8, one trailing newline removed, as a
 /// mounted file's is).
 fn value(bytes: Vec<u8>) -> Result<SecretSource, IdentityError> {
-    let text = String::from_utf8(bytes).map_err(|_| {
-        problem(
-            reasons::IDENTITY_INVALID,
-            "a key of the identity's Secret is not UTF-8 text".to_owned(),
-        )
-    })?;
-    let text = text
-        .strip_suffix('\n')
-        .map(|t| t.strip_suffix('\r').unwrap_or(t).to_owned())
-        .unwrap_or(text);
-    Ok(SecretSource::Value(InlineSecret::new(text)))
+    InlineSecret::from_bytes(bytes)
+        .map(SecretSource::Value)
+        .ok_or_else(|| {
+            problem(
+                reasons::IDENTITY_INVALID,
+                "a key of the identity's Secret is not UTF-8 text".to_owned(),
+            )
+        })
 }
 
 #[cfg(test)]
 mod tests {
     use capm_mailer::MockMailer;
+    use kube::runtime::reflector;
 
     use super::*;
     use crate::{Leadership, poller::Timings};
@@ -464,7 +456,15 @@ mod tests {
             identity: None,
             poller,
         };
-        Identities::new(client, (None, tenancy), Arc::new(leadership), default)
+        let (clusters, machines) = (reflector::store().0, reflector::store().0);
+        let stores = crate::kinds::tests::stores(clusters, machines);
+        Identities::new(
+            client,
+            stores,
+            (None, tenancy),
+            Arc::new(leadership),
+            default,
+        )
     }
 
     fn reason(result: Result<Route, IdentityError>) -> &'static str {

@@ -5,7 +5,7 @@ use std::{fmt::Debug, sync::Arc};
 use capm_api::{
     capi::{self, Cluster, ContractRef, Machine},
     names,
-    v1beta1::{MachineAddress, MailgunCluster, MailgunMachine, Priority},
+    v1beta1::{MachineAddress, MailgunCluster, MailgunClusterIdentity, MailgunMachine, Priority},
     validation::Validate,
 };
 use k8s_openapi::NamespaceResourceScope;
@@ -17,11 +17,14 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{status::Status, workqueue};
 
-/// The reflector stores of the Cluster API objects the reconciles read (never written).
+/// The reflector stores of the objects the reconciles read and never write: Cluster API's, the
+/// mail identities and their claimed Secrets.
 #[derive(Clone)]
 pub struct Stores {
     pub clusters: Store<Cluster>,
     pub machines: Store<Machine>,
+    pub identities: Store<MailgunClusterIdentity>,
+    pub secrets: Store<k8s_openapi::api::core::v1::Secret>,
 }
 
 /// Why a request cannot be mailed yet: the condition's reason and message.
@@ -375,9 +378,26 @@ impl InfraKind for MailgunMachine {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use capm_api::v1beta1::{MailgunClusterStatus, MailgunMachineStatus};
+
+    /// `clusters` and `machines`, beside listed and empty identity and Secret stores.
+    pub(crate) fn stores(clusters: Store<Cluster>, machines: Store<Machine>) -> Stores {
+        use kube::runtime::{reflector, watcher::Event};
+        fn listed<K: Resource<DynamicType = ()> + Clone + 'static>() -> Store<K> {
+            let (store, mut writer) = reflector::store();
+            writer.apply_watcher_event(&Event::Init);
+            writer.apply_watcher_event(&Event::InitDone);
+            store
+        }
+        Stores {
+            clusters,
+            machines,
+            identities: listed(),
+            secrets: listed(),
+        }
+    }
 
     /// A status with every field the typed statuses have today set (a field added to them
     /// belongs here too, and then to `Status` and `take_status`).

@@ -11,10 +11,11 @@
 //!
 //! The modules in layers, lowest first: each imports only its own layer's and lower layers'
 //! modules, with no circle (`make lint` checks it, `hack/module-cycles.py`):
-//! - `failpoint`, `config`, `tenancy`, `status`, `events`, `workqueue`, `metrics`: how the
-//!   provider reports (conditions, Events, the `workqueue_*` series for kube-runtime's
-//!   scheduler, [`Metrics`]), its [`Config`] and the operator's rules for tenants ([`Tenancy`]);
-//! - `kinds`: what differs between our two kinds, and the caches of Cluster API's objects;
+//! - `failpoint`, `config`, `watch`, `status`, `events`, `workqueue`, `metrics`: how the
+//!   provider watches (paged lists, quick reconnects) and reports (conditions, Events, the
+//!   `workqueue_*` series for kube-runtime's scheduler, [`Metrics`]), its [`Config`] and the
+//!   operator's rules for tenants ([`Tenancy`]);
+//! - `kinds`: what differs between our two kinds, and the stores the reconciles read;
 //! - `sendonce`: the send-once protocol's decision, pure (its records: `capm_api::records`);
 //! - `leadership`, `ledger`, `poller`, `tenant_caches`, `identity`: process state:
 //!   [`Leadership`] (may this replica act), the per-object ledger (retry state and tombstones,
@@ -39,12 +40,11 @@ mod poller;
 mod reconcile;
 mod sendonce;
 mod status;
-mod tenancy;
 mod tenant_caches;
+mod watch;
 mod workqueue;
 
-pub use config::{Config, Error, Field, Invalid, Reason};
+pub use config::{Config, Error, Field, Invalid, Reason, Tenancy};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
 pub use pipeline::{run, trim};
-pub use tenancy::Tenancy;

@@ -17,6 +17,7 @@ use capm_mailer::{Delivery, Mailer, MessageId, OpenMail};
 use futures::channel::mpsc;
 use kube::runtime::reflector::ObjectRef;
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::{Leadership, kinds::InfraKind};
@@ -88,10 +89,9 @@ pub struct Poller {
     state: Mutex<State>,
     added: Notify,
     wakes: WakeSenders,
-    /// Set when the first poller's run ends (shutdown): its siblings end with it.
-    stopped: Arc<tokio::sync::watch::Sender<bool>>,
-    /// Ends a sibling alone ([`Self::stop`]: its identity is gone).
-    quit: Notify,
+    /// Cancelled when this poller's run ends (shutdown); a sibling's is a child of it, so the
+    /// siblings end with the first poller, or alone ([`Self::stop`]: its identity is gone).
+    stop: CancellationToken,
 }
 
 impl std::fmt::Debug for Poller {
@@ -137,8 +137,7 @@ impl Poller {
             state: Mutex::default(),
             added: Notify::new(),
             wakes,
-            stopped: Arc::new(tokio::sync::watch::Sender::new(false)),
-            quit: Notify::new(),
+            stop: CancellationToken::new(),
         }
     }
 
@@ -152,26 +151,16 @@ impl Poller {
             state: Mutex::default(),
             added: Notify::new(),
             wakes: self.wakes.clone(),
-            stopped: Arc::clone(&self.stopped),
-            quit: Notify::new(),
+            stop: self.stop.child_token(),
         });
-        let mut stopped = self.stopped.subscribe();
-        let run = Arc::clone(&sibling).run(async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        });
-        let quit = Arc::clone(&sibling);
-        tokio::spawn(async move {
-            tokio::select! {
-                () = run => {}
-                () = quit.quit.notified() => {}
-            }
-        });
+        let stop = sibling.stop.clone();
+        tokio::spawn(Arc::clone(&sibling).run(stop.cancelled_owned()));
         sibling
     }
 
     /// Ends this sibling's run (its identity is gone; nothing more is asked of its backend).
     pub(crate) fn stop(&self) {
-        self.quit.notify_one();
+        self.stop.cancel();
     }
 
     /// Asks `mailer` from now on (a backend rebuilt with a rotated key).
@@ -360,10 +349,12 @@ impl Poller {
 
     /// Runs until `shutdown` resolves.
     pub(crate) async fn run(self: Arc<Self>, shutdown: impl Future<Output = ()>) {
-        let stopped = Arc::clone(&self.stopped);
+        let stop = self.stop.clone();
         let shutdown = async move {
-            shutdown.await;
-            stopped.send_replace(true);
+            tokio::select! {
+                () = shutdown => stop.cancel(),
+                () = stop.cancelled() => {}
+            }
         };
         let mut shutdown = std::pin::pin!(shutdown);
         loop {

@@ -263,8 +263,8 @@ async fn each_tenant_is_mailed_through_its_own_identity_only() {
     config.namespace = None;
     config.watch_filter = Some(FILTER.into());
     config.identity_secret_namespace = Some(provider_ns.clone());
-    config.tenancy.mailgun_hosts = vec![mailgun_a.addr().to_string(), mailgun_b.addr().to_string()];
-    config.tenancy.smtp_hosts = vec![smtp.addr().to_string()];
+    config.tenancy.hosts.mailgun = vec![mailgun_a.addr().to_string(), mailgun_b.addr().to_string()];
+    config.tenancy.hosts.smtp = vec![smtp.addr().to_string()];
     config.backoff_max = Duration::from_secs(1);
     config.delivery_poll_base = Duration::from_millis(200);
     config.delivery_poll_max = Duration::from_secs(1);
@@ -591,7 +591,7 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
     config.namespace = None;
     config.watch_filter = Some(BOUNDS_FILTER.into());
     config.identity_secret_namespace = Some(provider_ns.clone());
-    config.tenancy.mailgun_hosts = vec![tenant.addr().to_string()];
+    config.tenancy.hosts.mailgun = vec![tenant.addr().to_string()];
     config.tenancy.default_allowed = serde_json::from_value(json!({ "list": [d] })).unwrap();
     config.tenancy.release_timeout = Duration::from_secs(3);
     config.backoff_max = Duration::from_secs(1);

@@ -36,6 +36,22 @@ impl InlineSecret {
     pub fn new(value: impl Into<String>) -> Self {
         Self(Secret::from(value.into()))
     }
+
+    /// Holds `bytes` as text, one trailing newline removed as from a file; `None` when they are
+    /// not UTF-8.
+    #[must_use]
+    pub fn from_bytes(bytes: Vec<u8>) -> Option<Self> {
+        String::from_utf8(bytes)
+            .ok()
+            .map(|t| Self::new(without_newline(t)))
+    }
+}
+
+/// `text` without one trailing newline (`\n` or `\r\n`), as a secret file's content is read.
+fn without_newline(text: String) -> String {
+    text.strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t).to_owned())
+        .unwrap_or(text)
 }
 
 impl std::fmt::Debug for InlineSecret {
@@ -87,12 +103,7 @@ impl SecretSource {
                     path: path.clone(),
                     source,
                 })?;
-                let text = text
-                    .strip_suffix('\n')
-                    .map(|t| t.strip_suffix('\r').unwrap_or(t))
-                    .map(str::to_owned)
-                    .unwrap_or(text);
-                (text, format!("file {}", path.display()))
+                (without_newline(text), format!("file {}", path.display()))
             }
             Self::Env(name) => (
                 std::env::var(name).map_err(|_| SecretError::Env { name: name.clone() })?,

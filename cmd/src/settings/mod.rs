@@ -626,8 +626,10 @@ impl Settings {
             tenancy: capm_controllers::Tenancy {
                 default_allowed: args.default_identity_allowed_namespaces,
                 require_identity_ref: args.require_identity_ref,
-                mailgun_hosts: args.identity_mailgun_hosts,
-                smtp_hosts: args.identity_smtp_hosts,
+                hosts: capm_mailer::AllowedHosts {
+                    mailgun: args.identity_mailgun_hosts,
+                    smtp: args.identity_smtp_hosts,
+                },
                 release_timeout: args.release_timeout,
             },
             // Known only once the process runs (see `app::run`).

@@ -761,10 +761,10 @@ fn tenancy_flags_default_to_a_single_team_install_and_bad_values_name_the_flag()
     assert!(tenancy.default_allowed.reads_labels());
     assert!(tenancy.require_identity_ref);
     assert_eq!(
-        tenancy.mailgun_hosts,
+        tenancy.hosts.mailgun,
         ["api.eu.mailgun.net", "127.0.0.1:8080", "[::1]"]
     );
-    assert_eq!(tenancy.smtp_hosts, ["smtp.example.com:587"]);
+    assert_eq!(tenancy.hosts.smtp, ["smtp.example.com:587"]);
     assert_eq!(tenancy.release_timeout, Duration::from_secs(7200));
 
     for (flag, value, says) in [

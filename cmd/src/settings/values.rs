@@ -161,31 +161,13 @@ pub(super) fn allowed_namespaces(
     Ok(allowed)
 }
 
-/// `host`, `host:port`, `[IPv6]` or `[IPv6]:port`, lower-cased.
+/// `host`, `host:port`, `[IPv6]` or `[IPv6]:port` (the identities' allow-lists), lower-cased.
 pub(super) fn host_entry(text: &str) -> Result<String, Refused> {
     let entry = text.trim().to_ascii_lowercase();
-    let (host_ok, port) = match entry.strip_prefix('[').and_then(|v6| v6.split_once(']')) {
-        Some((ip, rest)) => (
-            ip.parse::<std::net::Ipv6Addr>().is_ok(),
-            (!rest.is_empty()).then(|| rest.strip_prefix(':').unwrap_or("-")),
-        ),
-        None => {
-            let (host, port) = entry
-                .split_once(':')
-                .map_or((entry.as_str(), None), |(h, p)| (h, Some(p)));
-            let host_ok = !host.is_empty()
-                && host.len() <= 253
-                && host
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
-            (host_ok, port)
-        }
-    };
-    if host_ok && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|p| p > 0)) {
-        Ok(entry)
-    } else {
-        Err(Refused(format!(
+    match capm_mailer::parse_host_entry(&entry) {
+        Some((_, port)) if port != Some(0) => Ok(entry),
+        _ => Err(Refused(format!(
             "{text:?} is not a host, host:port or [IPv6]:port"
-        )))
+        ))),
     }
 }

@@ -1,7 +1,8 @@
-//! The Cluster API watches, and the reconciles of our objects their changes ask for.
+//! The shared watches: the Cluster API objects' and the reconciles of our objects their changes
+//! ask for; the mail identities' and their claimed Secrets' (read, never a trigger).
 //!
-//! One reflector store per Cluster API kind, shared by both controllers: it is what the
-//! reconciles read ([`crate::kinds::Stores`]). Each change is fanned out to the controllers as
+//! One reflector store per kind, shared by both controllers: it is what the reconciles read
+//! ([`crate::kinds::Stores`]); no reconcile asks the API server for any of these objects. Each change is fanned out to the controllers as
 //! it is applied ([`Heard`]), and each controller maps it to the objects of its kind that the
 //! changed object names ([`Pipelined::capi_triggers`]). Not kube-runtime's shared reflector: its
 //! subscribers stop after an object deleted right after it changed
@@ -12,15 +13,16 @@ use std::{collections::HashSet, future::Future, sync::Arc};
 use capm_api::{
     capi::{Cluster, ContractRef, Machine},
     names,
-    v1beta1::{MailgunCluster, MailgunMachine},
+    v1beta1::{MailgunCluster, MailgunClusterIdentity, MailgunMachine},
 };
 use futures::{
     StreamExt,
     channel::mpsc::{UnboundedSender, unbounded},
     stream::BoxStream,
 };
+use k8s_openapi::api::core::v1::Secret;
 use kube::{
-    Client, Resource, ResourceExt,
+    Api, Client, Resource, ResourceExt,
     runtime::{
         WatchStreamExt,
         reflector::{self, ObjectRef, Store, store::Writer},
@@ -28,13 +30,11 @@ use kube::{
     },
 };
 
-use super::{
-    trim,
-    watch::{list_config, watch},
-};
+use super::trim;
 use crate::{
     Config,
     kinds::{InfraKind, Stores},
+    watch::{list_config, scoped, watch},
 };
 
 /// What a Cluster API store's change brings a subscriber.
@@ -133,10 +133,12 @@ where
     futures::stream::iter(targets)
 }
 
-/// The Cluster API watches, shared by both kinds (see the module docs).
+/// The shared watches, for both kinds (see the module docs).
 pub(crate) struct CapiWatches {
     clusters: Watched<Cluster>,
     machines: Watched<Machine>,
+    identities: Watched<MailgunClusterIdentity>,
+    secrets: Watched<Secret>,
 }
 
 impl CapiWatches {
@@ -144,6 +146,8 @@ impl CapiWatches {
         Self {
             clusters: Watched::new(),
             machines: Watched::new(),
+            identities: Watched::new(),
+            secrets: Watched::new(),
         }
     }
 
@@ -152,11 +156,15 @@ impl CapiWatches {
         Stores {
             clusters: self.clusters.store.clone(),
             machines: self.machines.store.clone(),
+            identities: self.identities.store.clone(),
+            secrets: self.secrets.store.clone(),
         }
     }
 
-    /// Runs both watches into their stores until `shutdown`. The Cluster API objects are not
-    /// filtered by `--watch-filter`: our objects decide what is reconciled.
+    /// Runs the watches into their stores until `shutdown`. The Cluster API objects are not
+    /// filtered by `--watch-filter`: our objects decide what is reconciled. The identities are
+    /// cluster-scoped; their Secrets are the ones in `--identity-secret-namespace` that carry
+    /// the claim label (none watched without that namespace).
     pub(crate) async fn run(
         self,
         client: Client,
@@ -164,20 +172,39 @@ impl CapiWatches {
         shutdown: impl Future<Output = ()> + Send,
     ) {
         let clusters = self.clusters.reflect(
-            watch::<Cluster>(&client, &config, list_config()),
+            watch(scoped::<Cluster>(&client, &config), list_config()),
             trim::cluster,
         );
         let machines = self.machines.reflect(
-            watch::<Machine>(&client, &config, list_config()),
+            watch(scoped::<Machine>(&client, &config), list_config()),
             trim::machine,
         );
-        let both = futures::stream::select(clusters, machines);
-        futures::pin_mut!(both);
+        let identities = self.identities.reflect(
+            watch(Api::all(client.clone()), list_config()),
+            trim::identity,
+        );
+        let secrets = match &config.identity_secret_namespace {
+            Some(ns) => {
+                let claimed = list_config().labels(names::IDENTITY_SECRET_LABEL);
+                let api = Api::namespaced(client.clone(), ns);
+                self.secrets
+                    .reflect(watch(api, claimed), trim::secret)
+                    .boxed()
+            }
+            None => futures::stream::pending().boxed(),
+        };
+        let all = futures::stream::select_all([
+            clusters.boxed(),
+            machines.boxed(),
+            identities.boxed(),
+            secrets,
+        ]);
+        futures::pin_mut!(all);
         let mut shutdown = std::pin::pin!(shutdown);
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
-                next = both.next() => if next.is_none() { break },
+                next = all.next() => if next.is_none() { break },
             }
         }
     }

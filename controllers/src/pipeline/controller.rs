@@ -18,12 +18,12 @@ use tracing::{debug, warn};
 use super::{
     capi_triggers::{CapiWatches, Pipelined},
     lists, resync, trim,
-    watch::{NoTriggerBackoff, list_config, watch},
 };
 use crate::{
     context::{Ctx, ReconcileError},
     kinds::InfraKind,
     reconcile::reconcile,
+    watch::{NoTriggerBackoff, list_config, scoped, watch},
     workqueue::{self, Workqueue},
 };
 
@@ -69,7 +69,7 @@ pub(super) fn controller<K: Pipelined>(
     );
     let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
     let own_queue = queue.clone();
-    let own = watch::<K>(&ctx.client, config, wc)
+    let own = watch(scoped::<K>(&ctx.client, config), wc)
         .modify(trim::ours::<K>)
         .reflect(writer)
         .filter_map(move |event| {

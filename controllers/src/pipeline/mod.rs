@@ -7,22 +7,22 @@ mod controller;
 mod lists;
 mod resync;
 pub mod trim;
-mod watch;
 
 use std::{future::Future, sync::Arc};
 
 use capm_api::{
     capi::{Cluster, Machine},
-    v1beta1::{MailgunCluster, MailgunMachine},
+    v1beta1::{MailgunCluster, MailgunClusterIdentity, MailgunMachine},
 };
 use capm_mailer::Mailer;
 use futures::{FutureExt, channel::mpsc};
-use kube::{Client, api::ListParams};
+use kube::{Api, Client, Resource, api::ListParams};
 use tracing::info;
 
-use self::{capi_triggers::CapiWatches, watch::scoped};
+use self::capi_triggers::CapiWatches;
 use crate::{
     Config, Error, Leadership, Metrics, context::Ctx, events::Events, poller::WakeSenders,
+    watch::scoped,
 };
 
 /// Runs both controllers until `shutdown` resolves. `leadership` is consulted before every
@@ -71,44 +71,45 @@ pub async fn run(
     Ok(())
 }
 
-/// Fails start-up with a clear message when the CRDs are missing or not readable.
+/// Fails start-up with a clear message when a kind the provider watches cannot be listed (its
+/// CRD missing, or listing not allowed).
 async fn preflight(client: &Client, config: &Config) -> Result<(), Error> {
-    let lp = ListParams::default().limit(1);
-    let check = |what: &'static str, result: Result<(), kube::Error>| {
-        result.map_err(|source| Error::Kube {
-            context: what,
-            source,
-        })
-    };
-    check(
+    async fn listable<K>(api: Api<K>, context: &'static str) -> Result<(), Error>
+    where
+        K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        let lp = ListParams::default().limit(1);
+        let listed = api.list_metadata(&lp).await;
+        listed
+            .map(drop)
+            .map_err(|source| Error::Kube { context, source })
+    }
+    listable(
+        scoped::<MailgunCluster>(client, config),
         "listing MailgunClusters (are the provider's CRDs installed and is listing allowed?)",
-        scoped::<MailgunCluster>(client, config)
-            .list_metadata(&lp)
-            .await
-            .map(drop),
-    )?;
-    check(
+    )
+    .await?;
+    listable(
+        scoped::<MailgunMachine>(client, config),
         "listing MailgunMachines (are the provider's CRDs installed and is listing allowed?)",
-        scoped::<MailgunMachine>(client, config)
-            .list_metadata(&lp)
-            .await
-            .map(drop),
-    )?;
-    check(
+    )
+    .await?;
+    listable(
+        Api::<MailgunClusterIdentity>::all(client.clone()),
+        "listing MailgunClusterIdentities (are the provider's CRDs installed and is listing \
+         allowed?)",
+    )
+    .await?;
+    listable(
+        scoped::<Cluster>(client, config),
         "listing cluster.x-k8s.io/v1beta2 Clusters (are the Cluster API CRDs installed?)",
-        scoped::<Cluster>(client, config)
-            .list_metadata(&lp)
-            .await
-            .map(drop),
-    )?;
-    check(
+    )
+    .await?;
+    listable(
+        scoped::<Machine>(client, config),
         "listing cluster.x-k8s.io/v1beta2 Machines (are the Cluster API CRDs installed?)",
-        scoped::<Machine>(client, config)
-            .list_metadata(&lp)
-            .await
-            .map(drop),
-    )?;
-    Ok(())
+    )
+    .await
 }
 
 #[cfg(test)]

@@ -11,8 +11,9 @@ use std::collections::BTreeMap;
 use capm_api::{
     capi::{Cluster, Machine},
     names,
+    v1beta1::MailgunClusterIdentity,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::{api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use kube::Resource;
 
 use crate::kinds::InfraKind;
@@ -43,6 +44,18 @@ pub fn cluster(obj: &mut Cluster) {
 /// A Cluster API `Machine` as its cache keeps it.
 pub fn machine(obj: &mut Machine) {
     read_only(obj.meta_mut(), &[names::CLUSTER_NAME_LABEL]);
+}
+
+/// A `MailgunClusterIdentity` as its cache keeps it: its spec, name and UID.
+pub fn identity(obj: &mut MailgunClusterIdentity) {
+    read_only(obj.meta_mut(), &[]);
+}
+
+/// A claimed Secret as its cache keeps it: its data, the claim label and owner references (what
+/// `MailgunClusterIdentity::check_claim` reads); no annotations (`kubectl apply` copies the
+/// whole Secret, values included, into one).
+pub fn secret(obj: &mut Secret) {
+    keep(obj.meta_mut(), &[], &[names::IDENTITY_SECRET_LABEL]);
 }
 
 /// An object the provider never writes: no annotations, finalizers or owner references either.

@@ -31,7 +31,6 @@ use crate::{
     Config, Leadership, Metrics,
     context::{Ctx, ReconcileError},
     events::Events,
-    kinds::Stores,
     sendonce::records::{self, Sent},
 };
 
@@ -284,7 +283,7 @@ async fn reconcile_once(
         config(),
         Leadership::unelected("t"),
         Metrics::register(&prometheus::Registry::new()).expect("metrics register"),
-        Stores { clusters, machines },
+        crate::kinds::tests::stores(clusters, machines),
         crate::poller::tests::wakes().0,
     ));
     ctx.wait_for_capi_lists();

@@ -86,22 +86,21 @@ where
     }
 }
 
-/// The watch of `K`'s objects in scope, reconnecting with [`watch_backoff`]. Each failure, each
-/// list's start and end, and the first event after a failure are logged at debug level (target
+/// The watch of `api`'s objects, reconnecting with [`watch_backoff`]. Each failure, each list's
+/// start and end, and the first event after a failure are logged at debug level (target
 /// `capm_controllers::watch`): what a partition costs can be read off the log.
 pub(crate) fn watch<K>(
-    client: &Client,
-    config: &Config,
+    api: Api<K>,
     wc: watcher::Config,
 ) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + use<K>
 where
-    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    K: Resource<DynamicType = ()>,
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
 {
     let kind = K::kind(&());
     // Whether the last thing seen was a failure: the next event then says the watch is back.
     let mut failed = false;
-    watcher::watcher(scoped::<K>(client, config), wc)
+    watcher::watcher(api, wc)
         .inspect(move |event| match event {
             Ok(watcher::Event::Init) => {
                 failed = false;
