@@ -239,7 +239,7 @@ pub enum Error {
     #[error("{context}: {source}")]
     Kube {
         /// What was being done.
-        context: &'static str,
+        context: String,
         /// The API error.
         #[source]
         source: kube::Error,

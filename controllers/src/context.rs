@@ -141,14 +141,13 @@ pub struct Ctx {
     pub poller: Arc<Poller>,
     /// Retry state and tombstones, by UID.
     pub(crate) ledger: Ledger,
-    /// True once the Cluster API stores have finished their first list. A `watch` channel, not
-    /// `Store::wait_until_ready` per reconcile: kube-runtime's delayed init wakes only the last
-    /// of several concurrent waiters, which would strand the others (report 5 in
-    /// docs/kube-runtime-recorder.md).
+    /// True once the shared stores have finished their first list. A `watch` channel, not
+    /// `Store::wait_until_ready` per reconcile: kube-runtime's wakes only the last of several
+    /// concurrent waiters (report 5 in docs/kube-runtime-recorder.md).
     capi_listed: watch::Sender<bool>,
 }
 
-/// The longest a reconcile waits for the Cluster API stores' first list.
+/// The longest a reconcile waits for the shared stores' first list.
 const CAPI_LIST_WAIT: Duration = Duration::from_secs(30);
 
 impl Ctx {
@@ -187,10 +186,7 @@ impl Ctx {
         let identities = crate::identity::Identities::new(
             client.clone(),
             capi.clone(),
-            (
-                config.identity_secret_namespace.clone(),
-                config.tenancy.clone(),
-            ),
+            &config,
             Arc::new(leadership.clone()),
             crate::identity::Route {
                 mailer: mailer.clone(),
@@ -215,12 +211,13 @@ impl Ctx {
         }
     }
 
-    /// Marks the Cluster API stores listed once both have finished their first list (called
-    /// once, by the runner): until then a missing owner means "not listed yet", not "absent".
+    /// Marks the shared stores listed once each has finished its first list (called once, by the
+    /// runner): until then a missing owner or identity means "not listed yet", not "absent".
     pub fn wait_for_capi_lists(self: &Arc<Self>) {
         let ctx = Arc::clone(self);
         tokio::spawn(async move {
-            // An error: a store's writer is gone (shutting down).
+            // An error: a store's writer is gone (shutting down). No Secret store without a
+            // namespace for it.
             let secrets = ctx.config.identity_secret_namespace.is_some();
             let listed = async {
                 ctx.capi.clusters.wait_until_ready().await.is_ok()
@@ -229,27 +226,27 @@ impl Ctx {
                     && (!secrets || ctx.capi.secrets.wait_until_ready().await.is_ok())
             };
             // Past the bound, reconciles judge owners from what the stores hold (a missing owner
-            // is rechecked, never acted on destructively), rather than each waiting the bound.
+            // is rechecked, never acted on destructively; an identity lookup fails until its
+            // store is listed), rather than each waiting the bound.
             if !matches!(tokio::time::timeout(CAPI_LIST_WAIT, listed).await, Ok(true)) {
                 tracing::warn!(
-                    "The Cluster API caches have not finished their first list after \
-                     {CAPI_LIST_WAIT:?}; owners are judged from what they hold so far"
+                    "The shared caches (Cluster API's objects, the identities) have not finished \
+                     their first list after {CAPI_LIST_WAIT:?}; owners are judged from what they \
+                     hold so far"
                 );
             }
             ctx.capi_listed.send_replace(true);
         });
     }
 
-    /// Waits (at most [`CAPI_LIST_WAIT`]) until the Cluster API stores have been listed once,
-    /// so no reconcile judges an owner missing from a store that has not been filled yet (a
-    /// new leader would flap `Ready` to `WaitingForOwner` and back).
+    /// Waits (at most [`CAPI_LIST_WAIT`]) until the shared stores have been listed once, so no
+    /// reconcile judges an owner missing from a store not filled yet (a new leader would flap
+    /// `Ready` to `WaitingForOwner` and back).
     pub async fn capi_listed(&self) {
         let mut rx = self.capi_listed.subscribe();
-        if tokio::time::timeout(CAPI_LIST_WAIT, rx.wait_for(|ready| *ready))
-            .await
-            .is_err()
-        {
-            tracing::debug!("Cluster API stores not listed after {CAPI_LIST_WAIT:?}; going on");
+        let listed = tokio::time::timeout(CAPI_LIST_WAIT, rx.wait_for(|ready| *ready));
+        if listed.await.is_err() {
+            tracing::debug!("Shared stores not listed after {CAPI_LIST_WAIT:?}; going on");
         }
     }
 

@@ -18,7 +18,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use tracing::{debug, warn};
 
-use crate::{context::Ctx, events::EventType, kinds::InfraKind, status::Status};
+use crate::{
+    context::Ctx, events::EventType, identity::Access::Recorded, kinds::InfraKind, status::Status,
+};
 
 /// The final `MailDelivered` reasons: no more questions once one of them is shown.
 const FINAL: &[&str] = &[
@@ -72,12 +74,8 @@ pub(crate) async fn track<K: InfraKind>(
         None => (Arc::clone(&ctx.mailer), Arc::clone(&ctx.poller)),
         Some(identity) => {
             let namespace = obj.namespace().unwrap_or_default();
-            let recorded = crate::identity::Access::Recorded;
-            match ctx
-                .identities
-                .route(Some(identity), &namespace, recorded)
-                .await
-            {
+            let route = ctx.identities.route(Some(identity), &namespace, Recorded);
+            match route.await {
                 Ok(route) => (route.mailer, route.poller),
                 Err(error) => {
                     // Not final: the identity may be fixed; the next pass asks again.

@@ -1,10 +1,8 @@
 //! Mail identities: which backend, sender and recipients an object's mails go through
-//! (docs/multi-tenancy.md), within the operator's rules ([`Tenancy`]). Identities, their
-//! claimed Secrets and (for selectors) namespaces' labels come from watched caches
-//! ([`crate::kinds::Stores`], [`Namespaces`]): no API request per reconcile (but a machine's first send, which reads its
-//! `MailgunCluster`'s `identityRef`), a rotated key used as soon as it is seen; a
-//! backend is built once per identity and rebuilt when anything it was built from changes,
-//! dropped with its poller when the identity is gone.
+//! (docs/multi-tenancy.md), within the operator's rules ([`Tenancy`]). Identities, their claimed
+//! Secrets and namespaces' labels come from watched caches ([`Stores`], [`Namespaces`]): a
+//! rotated key is used as soon as it is seen. A backend is built once per identity, rebuilt
+//! when what it was built from changes, dropped with its poller when the identity is gone.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -14,49 +12,36 @@ use std::{
 use capm_api::{
     names::{IDENTITY_SECRET_LABEL, reasons},
     v1beta1::{
-        AllowedNamespaces, MailgunCluster, MailgunClusterIdentity, MailgunRegion as ApiRegion,
-        SecretKeyReference,
+        AllowedNamespaces, MailgunClusterIdentity, MailgunRegion as ApiRegion, SecretKeyReference,
     },
 };
 use capm_mailer::{
     CommitGate, InlineSecret, Mailer, MailerConfig, MailgunConfig, MailgunRegion, SecretSource,
     SmtpConfig,
 };
-use kube::{Api, Client, runtime::reflector::ObjectRef};
+use kube::{Client, runtime::reflector::ObjectRef};
 
 pub(crate) use crate::kinds::Wanted;
 use crate::{
-    config::Tenancy,
+    config::{Config, Tenancy},
     kinds::Stores,
     poller::Poller,
-    tenant_caches::{Namespaces, NotListed, listed},
+    watch::{Namespaces, NotListed, listed},
 };
 
 /// Why an identity gave no route.
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
-    /// It cannot be used: the condition reason it shows and what is wrong (naming the field or
-    /// Secret, never a value).
+    /// It cannot be used: the condition reason it shows (`IdentityNotFound`, `…NotAllowed`,
+    /// `…Invalid`, `…Required`) and what is wrong (naming a field or Secret, never a value).
     #[error("{message}")]
     Unusable {
-        /// `IdentityNotFound`, `IdentityNotAllowed`, `IdentityInvalid` or `IdentityRequired`.
         reason: &'static str,
         message: String,
     },
     /// A cache it is read from has not been listed yet.
     #[error(transparent)]
     NotListed(#[from] NotListed),
-    /// The API server could not be asked.
-    #[error("{context}: {source}")]
-    Kube {
-        context: &'static str,
-        #[source]
-        source: kube::Error,
-    },
-}
-
-fn kube(context: &'static str) -> impl FnOnce(kube::Error) -> IdentityError {
-    move |source| IdentityError::Kube { context, source }
 }
 
 /// The most bytes of one Secret value an identity uses (keys and CA bundles are far smaller).
@@ -74,9 +59,9 @@ pub(crate) struct Route {
     pub poller: Arc<Poller>,
 }
 
-/// Whether a route is for a new conversation (the object's namespace must be allowed now) or
-/// for one a record names (a lookup, a resend, a release, delivery news: it goes on through the
-/// identity it began with, even after the namespace lost access).
+/// A route for a new conversation (the namespace must be allowed now), or for one a record names
+/// (a lookup, resend, release or delivery news: through the identity it began with, even after
+/// the namespace lost access).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Access {
     New,
@@ -105,12 +90,11 @@ fn problem(reason: &'static str, message: String) -> IdentityError {
 }
 
 impl Identities {
-    /// Identities whose Secrets live in `secret_namespace`, their backends asking `gate` at
-    /// each send's commit point.
+    /// Identities by `config`'s rules, their backends asking `gate` at each send's commit point.
     pub(crate) fn new(
         client: Client,
         stores: Stores,
-        (secret_namespace, tenancy): (Option<String>, Tenancy),
+        config: &Config,
         gate: Arc<dyn CommitGate>,
         default: Route,
     ) -> Self {
@@ -118,17 +102,18 @@ impl Identities {
             stores,
             namespaces: Namespaces::default(),
             client,
-            secret_namespace,
-            tenancy,
+            secret_namespace: config.identity_secret_namespace.clone(),
+            tenancy: config.tenancy.clone(),
             gate,
             default,
             built: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The name of the identity `wanted` stands for (`None`: the provider's own); an error when
-    /// a machine's `MailgunCluster` could not be read.
-    pub(crate) async fn wanted(
+    /// The name of the identity `wanted` stands for (`None`: the provider's own). A machine's
+    /// is its Cluster's `MailgunCluster`'s; when that does not exist (any more), the provider's
+    /// own configuration (if it serves the namespace), never another tenant's.
+    pub(crate) fn wanted(
         &self,
         wanted: &Wanted,
         namespace: &str,
@@ -136,25 +121,9 @@ impl Identities {
         match wanted {
             Wanted::Named(name) => Ok(name.clone()),
             Wanted::OfMailgunCluster(cluster) => {
-                let infra = Api::<MailgunCluster>::namespaced(self.client.clone(), namespace)
-                    .get_opt(cluster)
-                    .await
-                    .map_err(kube(
-                        "reading the Cluster's MailgunCluster for its identity",
-                    ))?;
-                match infra {
-                    Some(infra) => Ok(infra.spec.identity_ref.map(|r| r.name)),
-                    // Its Cluster names a MailgunCluster that does not exist (any more): the
-                    // provider's own configuration, never another tenant's.
-                    None => {
-                        tracing::debug!(
-                            namespace,
-                            cluster,
-                            "The Cluster's MailgunCluster is not found; the machine's mails use the provider's own configuration"
-                        );
-                        Ok(None)
-                    }
-                }
+                let infra = listed(&self.stores.mailgun_clusters, "MailgunCluster")?
+                    .get(&ObjectRef::new(cluster).within(namespace));
+                Ok(infra.and_then(|infra| infra.spec.identity_ref.clone().map(|r| r.name)))
             }
         }
     }
@@ -175,8 +144,15 @@ impl Identities {
             return Ok(self.default.clone());
         };
         let identities = listed(&self.stores.identities, "MailgunClusterIdentity")?;
+        // The backends and pollers of identities that are gone are dropped.
+        self.built().retain(|built, (.., poller)| {
+            let kept = identities.get(&ObjectRef::new(built)).is_some();
+            if !kept {
+                poller.stop();
+            }
+            kept
+        });
         let Some(identity) = identities.get(&ObjectRef::new(name)) else {
-            self.drop_built(name);
             return Err(problem(
                 reasons::IDENTITY_NOT_FOUND,
                 format!("MailgunClusterIdentity {name} not found: no mail is sent"),
@@ -269,14 +245,12 @@ impl Identities {
                     .to_owned(),
             ));
         }
-        if self
-            .allows(Some(&self.tenancy.default_allowed), namespace)
+        let allowed = self.allows(Some(&self.tenancy.default_allowed), namespace);
+        let what = "the provider's own configuration";
+        allowed
             .await?
-        {
-            Ok(())
-        } else {
-            Err(not_allowed("the provider's own configuration", namespace))
-        }
+            .then_some(())
+            .ok_or_else(|| not_allowed(what, namespace))
     }
 
     /// Whether `allowed` allows `namespace` (absent: none).
@@ -346,7 +320,7 @@ impl Identities {
         name: &str,
         config: MailerConfig,
     ) -> Result<(Arc<dyn Mailer>, Arc<Poller>), IdentityError> {
-        let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        let mut built = self.built();
         if let Some((was, mailer, poller)) = built.get(name)
             && *was == config
         {
@@ -371,26 +345,13 @@ impl Identities {
         Ok((mailer, poller))
     }
 
-    /// Drops the backend and poller built for the identity `name` (it is gone).
-    fn drop_built(&self, name: &str) {
-        let gone = self
-            .built
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
-        if let Some((_, _, poller)) = gone {
-            poller.stop();
-        }
+    fn built(&self) -> std::sync::MutexGuard<'_, HashMap<String, Built>> {
+        self.built.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Forgets object `uid`'s open mail in every identity's poller.
     pub(crate) fn forget(&self, uid: &str) {
-        for (_, _, poller) in self
-            .built
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-        {
+        for (.., poller) in self.built().values() {
             poller.forget(uid);
         }
     }
@@ -458,20 +419,16 @@ mod tests {
         };
         let (clusters, machines) = (reflector::store().0, reflector::store().0);
         let stores = crate::kinds::tests::stores(clusters, machines);
-        Identities::new(
-            client,
-            stores,
-            (None, tenancy),
-            Arc::new(leadership),
-            default,
-        )
+        let mut config = crate::config::tests::for_tests("example.com");
+        config.tenancy = tenancy;
+        Identities::new(client, stores, &config, Arc::new(leadership), default)
     }
 
     fn reason(result: Result<Route, IdentityError>) -> &'static str {
         match result {
             Ok(_) => "allowed",
             Err(IdentityError::Unusable { reason, .. }) => reason,
-            Err(IdentityError::Kube { .. } | IdentityError::NotListed(_)) => "asked the API server",
+            Err(IdentityError::NotListed(_)) => "not listed",
         }
     }
 

@@ -17,12 +17,14 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{status::Status, workqueue};
 
-/// The reflector stores of the objects the reconciles read and never write: Cluster API's, the
-/// mail identities and their claimed Secrets.
+/// The reflector stores the reconciles read: Cluster API's objects, the mail identities and their
+/// claimed Secrets (never written), and our `MailgunCluster`s (a machine's identity is its
+/// cluster's).
 #[derive(Clone)]
 pub struct Stores {
     pub clusters: Store<Cluster>,
     pub machines: Store<Machine>,
+    pub mailgun_clusters: Store<MailgunCluster>,
     pub identities: Store<MailgunClusterIdentity>,
     pub secrets: Store<k8s_openapi::api::core::v1::Secret>,
 }
@@ -394,6 +396,7 @@ pub(crate) mod tests {
         Stores {
             clusters,
             machines,
+            mailgun_clusters: listed(),
             identities: listed(),
             secrets: listed(),
         }

@@ -17,9 +17,9 @@
 //!   operator's rules for tenants ([`Tenancy`]);
 //! - `kinds`: what differs between our two kinds, and the stores the reconciles read;
 //! - `sendonce`: the send-once protocol's decision, pure (its records: `capm_api::records`);
-//! - `leadership`, `ledger`, `poller`, `tenant_caches`, `identity`: process state:
+//! - `leadership`, `ledger`, `poller`, `identity`: process state:
 //!   [`Leadership`] (may this replica act), the per-object ledger (retry state and tombstones,
-//!   by UID), the delivery questions, the identities' caches, the tenants' mail backends;
+//!   by UID), the delivery questions, the tenants' mail backends;
 //! - `context`: what every reconcile shares;
 //! - `sendonce::execute` and `delivery`: the work: one mail, crash-safely; delivery news;
 //! - `reconcile`: one pass, in Cluster API's step order;
@@ -40,7 +40,6 @@ mod poller;
 mod reconcile;
 mod sendonce;
 mod status;
-mod tenant_caches;
 mod watch;
 mod workqueue;
 

@@ -151,11 +151,12 @@ impl CapiWatches {
         }
     }
 
-    /// The stores the reconciles read.
-    pub(crate) fn stores(&self) -> Stores {
+    /// The stores the reconciles read, with the `MailgunCluster` controller's.
+    pub(crate) fn stores(&self, mailgun_clusters: Store<MailgunCluster>) -> Stores {
         Stores {
             clusters: self.clusters.store.clone(),
             machines: self.machines.store.clone(),
+            mailgun_clusters,
             identities: self.identities.store.clone(),
             secrets: self.secrets.store.clone(),
         }
@@ -183,30 +184,18 @@ impl CapiWatches {
             watch(Api::all(client.clone()), list_config()),
             trim::identity,
         );
-        let secrets = match &config.identity_secret_namespace {
-            Some(ns) => {
-                let claimed = list_config().labels(names::IDENTITY_SECRET_LABEL);
-                let api = Api::namespaced(client.clone(), ns);
+        let mut all = vec![clusters.boxed(), machines.boxed(), identities.boxed()];
+        if let Some(ns) = &config.identity_secret_namespace {
+            let claimed = list_config().labels(names::IDENTITY_SECRET_LABEL);
+            let api = Api::namespaced(client.clone(), ns);
+            all.push(
                 self.secrets
                     .reflect(watch(api, claimed), trim::secret)
-                    .boxed()
-            }
-            None => futures::stream::pending().boxed(),
-        };
-        let all = futures::stream::select_all([
-            clusters.boxed(),
-            machines.boxed(),
-            identities.boxed(),
-            secrets,
-        ]);
-        futures::pin_mut!(all);
-        let mut shutdown = std::pin::pin!(shutdown);
-        loop {
-            tokio::select! {
-                _ = &mut shutdown => break,
-                next = all.next() => if next.is_none() { break },
-            }
+                    .boxed(),
+            );
         }
+        let all = futures::stream::select_all(all).take_until(shutdown);
+        all.for_each(|()| futures::future::ready(())).await;
     }
 }
 

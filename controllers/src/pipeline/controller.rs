@@ -9,7 +9,7 @@ use kube::{
     runtime::{
         Controller, WatchStreamExt,
         controller::{self, Action},
-        reflector::{self, ObjectRef, Store},
+        reflector::{ObjectRef, Store, store::Writer},
         watcher,
     },
 };
@@ -34,6 +34,7 @@ use crate::{
 pub(super) fn controller<K: Pipelined>(
     ctx: &Arc<Ctx>,
     capi: &CapiWatches,
+    (store, writer): (Store<K>, Writer<K>),
     wakes: mpsc::UnboundedReceiver<ObjectRef<K>>,
     shutdown: impl Future<Output = ()> + Send + Sync + Clone + 'static,
 ) -> impl Future<Output = ()> + Send + 'static {
@@ -54,7 +55,6 @@ pub(super) fn controller<K: Pipelined>(
     if let Some(filter) = &config.watch_filter {
         wc = wc.labels(&format!("{}={filter}", names::WATCH_FILTER_LABEL));
     }
-    let (store, writer) = reflector::store::<K>();
     let (relisted, after_list) = mpsc::unbounded();
     let forgetting = Arc::clone(ctx);
     let retrying = Arc::clone(ctx);

@@ -16,7 +16,7 @@ use capm_api::{
 };
 use capm_mailer::Mailer;
 use futures::{FutureExt, channel::mpsc};
-use kube::{Api, Client, Resource, api::ListParams};
+use kube::{Api, Client, Resource, api::ListParams, runtime::reflector};
 use tracing::info;
 
 use self::capi_triggers::CapiWatches;
@@ -45,6 +45,7 @@ pub async fn run(
         "cluster-api-provider-mailgun",
         config.instance.clone(),
     );
+    let mailgun_clusters = reflector::store();
     let (clusters, cluster_wakes) = mpsc::unbounded();
     let (machines, machine_wakes) = mpsc::unbounded();
     let ctx = Arc::new(Ctx::new(
@@ -54,14 +55,26 @@ pub async fn run(
         config.clone(),
         leadership,
         metrics,
-        capi.stores(),
+        capi.stores(mailgun_clusters.0.clone()),
         WakeSenders { clusters, machines },
     ));
     ctx.wait_for_capi_lists();
-    let clusters =
-        controller::controller::<MailgunCluster>(&ctx, &capi, cluster_wakes, shutdown.clone());
-    let machines =
-        controller::controller::<MailgunMachine>(&ctx, &capi, machine_wakes, shutdown.clone());
+    let (clusters, machines) = (
+        controller::controller(
+            &ctx,
+            &capi,
+            mailgun_clusters,
+            cluster_wakes,
+            shutdown.clone(),
+        ),
+        controller::controller(
+            &ctx,
+            &capi,
+            reflector::store(),
+            machine_wakes,
+            shutdown.clone(),
+        ),
+    );
     let capi = capi.run(client, config.clone(), shutdown.clone());
     let poller = ctx.poller.clone().run(shutdown.clone());
     info!(namespace = ?config.namespace, watch_filter = ?config.watch_filter,
@@ -74,42 +87,26 @@ pub async fn run(
 /// Fails start-up with a clear message when a kind the provider watches cannot be listed (its
 /// CRD missing, or listing not allowed).
 async fn preflight(client: &Client, config: &Config) -> Result<(), Error> {
-    async fn listable<K>(api: Api<K>, context: &'static str) -> Result<(), Error>
+    async fn listable<K>(api: Api<K>, what: &str, hint: &str) -> Result<(), Error>
     where
         K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
     {
-        let lp = ListParams::default().limit(1);
-        let listed = api.list_metadata(&lp).await;
+        let listed = api.list_metadata(&ListParams::default().limit(1)).await;
+        let context = format!("listing {what} ({hint})");
         listed
             .map(drop)
             .map_err(|source| Error::Kube { context, source })
     }
-    listable(
-        scoped::<MailgunCluster>(client, config),
-        "listing MailgunClusters (are the provider's CRDs installed and is listing allowed?)",
-    )
-    .await?;
-    listable(
-        scoped::<MailgunMachine>(client, config),
-        "listing MailgunMachines (are the provider's CRDs installed and is listing allowed?)",
-    )
-    .await?;
-    listable(
-        Api::<MailgunClusterIdentity>::all(client.clone()),
-        "listing MailgunClusterIdentities (are the provider's CRDs installed and is listing \
-         allowed?)",
-    )
-    .await?;
-    listable(
-        scoped::<Cluster>(client, config),
-        "listing cluster.x-k8s.io/v1beta2 Clusters (are the Cluster API CRDs installed?)",
-    )
-    .await?;
-    listable(
-        scoped::<Machine>(client, config),
-        "listing cluster.x-k8s.io/v1beta2 Machines (are the Cluster API CRDs installed?)",
-    )
-    .await
+    let ours = "are the provider's CRDs installed and is listing allowed?";
+    let capi = "are the Cluster API CRDs installed?";
+    let (clusters, machines) = (scoped(client, config), scoped(client, config));
+    listable::<MailgunCluster>(clusters, "MailgunClusters", ours).await?;
+    listable::<MailgunMachine>(machines, "MailgunMachines", ours).await?;
+    let identities = Api::<MailgunClusterIdentity>::all(client.clone());
+    listable(identities, "MailgunClusterIdentities", ours).await?;
+    let (clusters, machines) = (scoped(client, config), scoped(client, config));
+    listable::<Cluster>(clusters, "cluster.x-k8s.io/v1beta2 Clusters", capi).await?;
+    listable::<Machine>(machines, "cluster.x-k8s.io/v1beta2 Machines", capi).await
 }
 
 #[cfg(test)]

@@ -46,14 +46,13 @@ pub fn machine(obj: &mut Machine) {
     read_only(obj.meta_mut(), &[names::CLUSTER_NAME_LABEL]);
 }
 
-/// A `MailgunClusterIdentity` as its cache keeps it: its spec, name and UID.
+/// A `MailgunClusterIdentity` as its cache keeps it.
 pub fn identity(obj: &mut MailgunClusterIdentity) {
     read_only(obj.meta_mut(), &[]);
 }
 
-/// A claimed Secret as its cache keeps it: its data, the claim label and owner references (what
-/// `MailgunClusterIdentity::check_claim` reads); no annotations (`kubectl apply` copies the
-/// whole Secret, values included, into one).
+/// A claimed Secret as its cache keeps it: the claim label and owner references are read; no
+/// annotations (`kubectl apply` copies the whole Secret, values included, into one).
 pub fn secret(obj: &mut Secret) {
     keep(obj.meta_mut(), &[], &[names::IDENTITY_SECRET_LABEL]);
 }

@@ -93,6 +93,11 @@ struct Args {
     /// provider's reconciles and API requests (its own metrics), the periodic resync's cost.
     #[arg(long)]
     sync_period: Option<String>,
+    /// After the provider's run, run it again on a backlog of the same size whose objects are
+    /// spread over this many `MailgunClusterIdentity` objects (each with its claimed Secret),
+    /// and compare the two (0: no second run).
+    #[arg(long, default_value_t = 10)]
+    identities: u16,
     /// Where the API server's CPU profiles are written.
     #[arg(long, default_value = "target/bench")]
     profile_dir: PathBuf,
@@ -123,13 +128,27 @@ enum Subject {
     Peer(u16),
     /// This project's provider.
     Provider,
+    /// The provider, its objects spread over this many mail identities.
+    Identities(u16),
 }
+
+/// The namespace of the identities' Secrets (the provider's own, as the chart's).
+const SECRET_NAMESPACE: &str = "bench-identity-secrets";
 
 impl Subject {
     fn label(self) -> String {
         match self {
             Self::Peer(w) => format!("Go peer, {w} worker{}", if w == 1 { "" } else { "s" }),
             Self::Provider => "provider".into(),
+            Self::Identities(k) => format!("provider, {k} identities"),
+        }
+    }
+
+    /// The identity of the `i`-th object, if the subject spreads its objects over identities.
+    fn identity_of(self, i: usize) -> Option<String> {
+        match self {
+            Self::Identities(k) => Some(format!("bench-identity-{}", i % usize::from(k))),
+            _ => None,
         }
     }
 
@@ -137,6 +156,7 @@ impl Subject {
         match self {
             Self::Peer(w) => format!("bench-peer-{w}"),
             Self::Provider => "bench-provider".into(),
+            Self::Identities(_) => "bench-identities".into(),
         }
     }
 
@@ -144,7 +164,7 @@ impl Subject {
     fn version(self) -> &'static str {
         match self {
             Self::Peer(_) => "v1alpha1",
-            Self::Provider => "v1beta1",
+            Self::Provider | Self::Identities(_) => "v1beta1",
         }
     }
 
@@ -152,7 +172,7 @@ impl Subject {
     fn done(self, o: &DynamicObject) -> bool {
         match self {
             Self::Peer(_) => o.data["status"]["messageID"].is_string(),
-            Self::Provider => names::request_recorded_sent(o.annotations()),
+            Self::Provider | Self::Identities(_) => names::request_recorded_sent(o.annotations()),
         }
     }
 }
@@ -332,11 +352,11 @@ async fn write_mix(
                 let value = format!("{round}-{i}");
                 let params = PatchParams::default();
                 match (subject, mix, i % 3) {
-                    (Subject::Provider, Mix::Own, 0 | 1) => {
+                    (Subject::Provider | Subject::Identities(_), Mix::Own, 0 | 1) => {
                         let patch = json!({ "metadata": { "annotations": { "bench.example.com/mark": value } } });
                         api.patch(name, &params, &Patch::Merge(patch)).await?
                     }
-                    (Subject::Provider, _, _) => {
+                    (Subject::Provider | Subject::Identities(_), _, _) => {
                         let patch = json!({ "status": { "observedGeneration": round * 1_000_000 + i } });
                         api.patch_status(name, &params, &Patch::Merge(patch)).await?
                     }
@@ -474,6 +494,11 @@ impl Figures {
                 "    CPU over the resync      its own {:.2} s, the API server's {:.2} s; the first reconcile had finished at {:.2} s",
                 r.own_cpu, r.server_cpu, r.first_secs
             );
+            println!(
+                "    API GETs over the resync {:.0} ({:.3} per object; lists and watches not counted)",
+                r.gets,
+                r.gets / n
+            );
         }
         self.server.print(self.n, self.secs);
         if let Some(p) = &self.profiled {
@@ -525,6 +550,10 @@ async fn create_backlog(
                 let mut mgc = DynamicObject::new(&name, &mgc_ar).data(json!({
                     "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": REQUESTER }
                 }));
+                if let Some(identity) = subject.identity_of(i) {
+                    mgc.data["spec"]["identityRef"] =
+                        json!({ "kind": "MailgunClusterIdentity", "name": identity });
+                }
                 mgc.metadata.labels = Some([(names::CLUSTER_NAME_LABEL.to_owned(), name.clone())].into());
                 mgc.metadata.owner_references = Some(vec![serde_json::from_value(json!({
                     "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
@@ -564,9 +593,14 @@ fn spawn(
                 .args(["-metrics-bind-address", &metrics]);
             c
         }
-        Subject::Provider => {
+        Subject::Provider | Subject::Identities(_) => {
             let mut c = tokio::process::Command::new(&args.provider);
             c.args(["--mailgun-base-url", &mailgun.base_url()])
+                // Each provider run watches its own namespace: the next one does not reconcile
+                // the finished backlog of the one before.
+                .args(["--namespace", &subject.namespace()])
+                .args(["--identity-secret-namespace", SECRET_NAMESPACE])
+                .args(["--identity-mailgun-hosts", &mailgun.addr().to_string()])
                 .arg("--kubeconfig")
                 .arg(kubeconfig)
                 .args(["--leader-elect=false", "--webhook-port", "0"])
@@ -642,6 +676,7 @@ async fn run(
         Subject::Provider => {
             capm_test_support::install_crds(client, &capm_api::crd::crds()?).await?;
         }
+        Subject::Identities(_) => {}
     }
     cp.kubectl_output(&[
         "wait",
@@ -650,6 +685,9 @@ async fn run(
     ])?;
     let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
     let empty = empty_rss(subject, args, &mailgun, cp).await?;
+    if let Subject::Identities(k) = subject {
+        create_identities(client, cp, k, &mailgun, &subject.namespace()).await?;
+    }
     create_backlog(client, subject, n, cp).await?;
 
     let writes_before = api_writes(client).await?;
@@ -657,7 +695,7 @@ async fn run(
     let started = Instant::now();
     // With a sync period, the provider's metrics are read over the idle watch.
     let metrics_port = match subject {
-        Subject::Provider if args.sync_period.is_some() => {
+        Subject::Provider | Subject::Identities(_) if args.sync_period.is_some() => {
             Some(capm_test_support::process::free_port()?)
         }
         _ => None,
@@ -756,7 +794,12 @@ async fn run(
     let names_list: Arc<Vec<String>> = Arc::new((0..n).map(object_name).collect());
     let mut ceilings = Vec::new();
     let mut status_ceilings = Vec::new();
-    for (round, &writers) in args.ceiling_writers.iter().enumerate() {
+    // The identities' run shares the provider's objects' shape: its ceilings are the provider's.
+    let ceiling_writers: &[usize] = match subject {
+        Subject::Identities(_) => &[],
+        _ => &args.ceiling_writers,
+    };
+    for (round, &writers) in ceiling_writers.iter().enumerate() {
         for (mix, out, round) in [
             (Mix::Own, &mut ceilings, 4 * round),
             (Mix::StatusOnly, &mut status_ceilings, 4 * round + 2),
@@ -776,7 +819,7 @@ async fn run(
     // the CRD's schema costs from what the objects' size costs.
     let fresh_status_ceiling = match subject {
         Subject::Provider => Some(fresh_status_ceiling(cp, client, args).await?),
-        Subject::Peer(_) => None,
+        Subject::Peer(_) | Subject::Identities(_) => None,
     };
 
     // Clear the stage for the next subject (the provider runs last; its objects keep their
@@ -896,6 +939,67 @@ async fn fresh_status_ceiling(
     Ok(best)
 }
 
+/// `k` identities `bench-identity-<j>` for the objects in `namespace`, each with a claimed
+/// Secret holding the contract server's key in [`SECRET_NAMESPACE`] and the contract server as
+/// its API URL.
+async fn create_identities(
+    client: &Client,
+    cp: &ControlPlane,
+    k: u16,
+    mailgun: &MailgunServer,
+    namespace: &str,
+) -> anyhow::Result<()> {
+    cp.kubectl_output(&["create", "namespace", SECRET_NAMESPACE])?;
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(client.clone(), SECRET_NAMESPACE);
+    let identities: Api<capm_api::v1beta1::MailgunClusterIdentity> = Api::all(client.clone());
+    for j in 0..k {
+        let name = format!("bench-identity-{j}");
+        let secret = serde_json::from_value(json!({
+            "metadata": { "name": name, "labels": { names::IDENTITY_SECRET_LABEL: name } },
+            "stringData": { "api-key": API_KEY },
+        }))?;
+        secrets.create(&PostParams::default(), &secret).await?;
+        let identity = serde_json::from_value(json!({
+            "apiVersion": format!("{}/v1beta1", capm_api::GROUP),
+            "kind": "MailgunClusterIdentity",
+            "metadata": { "name": name },
+            "spec": {
+                "mailgun": { "domain": DOMAIN, "baseURL": mailgun.base_url(),
+                             "apiKeySecretRef": { "name": name, "key": "api-key" } },
+                "recipients": [format!("ops-{j}@example.com")],
+                "allowedNamespaces": { "list": [namespace] },
+            },
+        }))?;
+        identities.create(&PostParams::default(), &identity).await?;
+    }
+    Ok(())
+}
+
+/// The provider's run with identities beside its run without, on the same control plane.
+fn print_identities(provider: &Figures, ids: &Figures) {
+    let cpu = |f: &Figures| f.server.cpu_seconds / f.n as f64;
+    let gets = |f: &Figures| f.resync.as_ref().map_or(f64::NAN, |r| r.gets / f.n as f64);
+    println!(
+        "== identities ({} / {}, same control plane, same N)",
+        ids.label, provider.label
+    );
+    println!(
+        "  objects/s {:.2}x ({:.1} vs {:.1})   API server CPU per object {:.2}x ({:.2} ms vs {:.2} ms)",
+        ids.objects_per_second() / provider.objects_per_second(),
+        ids.objects_per_second(),
+        provider.objects_per_second(),
+        cpu(ids) / cpu(provider),
+        1000.0 * cpu(ids),
+        1000.0 * cpu(provider),
+    );
+    println!(
+        "  API GETs per reconcile of a finished object (the resync pass): {:.3} with identities, {:.3} without",
+        gets(ids),
+        gets(provider),
+    );
+}
+
 /// The mean size of the subject's objects as JSON, `managedFields` included: what the API
 /// server decodes, patches, validates, encodes and stores on every write. One of them is saved,
 /// pretty-printed, as `<dir>/<namespace>-object.json`, to read where the bytes go.
@@ -941,6 +1045,9 @@ async fn main() -> anyhow::Result<()> {
         None => eprintln!("no --peer (CAPM_PEER_BIN): the provider runs alone, without ratios"),
     }
     subjects.push(Subject::Provider);
+    if args.identities > 0 {
+        subjects.push(Subject::Identities(args.identities));
+    }
 
     // First, before anything else grows this process: the stores' floor.
     let floor = (args.floor_pairs > 0)
@@ -965,10 +1072,18 @@ async fn main() -> anyhow::Result<()> {
     }
     cp.stop();
 
-    let provider = figures.last().context("no provider run")?;
-    if figures.len() > 1 {
+    let with_identities = match figures.last() {
+        Some(f) if args.identities > 0 => Some(f),
+        _ => None,
+    };
+    let runs = figures.len() - usize::from(with_identities.is_some());
+    let provider = figures[..runs].last().context("no provider run")?;
+    if let Some(ids) = with_identities {
+        print_identities(provider, ids);
+    }
+    if runs > 1 {
         println!("== ratios (provider / peer run, same control plane, same N)");
-        for peer in &figures[..figures.len() - 1] {
+        for peer in &figures[..runs - 1] {
             println!(
                 "  vs {:<18} objects/s {:.2}x   peak RSS {:.2}x   writes/object {:.2} vs {:.2}   share of own ceiling {:.0}% vs {:.0}%   status-patch ceiling of the CRDs {:.2}x",
                 peer.label,
@@ -1015,7 +1130,7 @@ async fn main() -> anyhow::Result<()> {
             floor.finished_bytes_per_pair
         );
         // The bars of issue 34: 0.42x of the 1-worker peer's peak at N=1000, 0.5x at N=10 000.
-        let one_worker = figures.first().filter(|_| figures.len() > 1);
+        let one_worker = figures.first().filter(|_| runs > 1);
         if let Some(peer) = one_worker {
             let share = if provider.n >= 10_000 { 0.5 } else { 0.42 };
             let bar = peer.peak_rss * share;

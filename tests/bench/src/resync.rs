@@ -27,6 +27,9 @@ pub(crate) struct Resync {
     pub(crate) own_cpu: f64,
     /// The API server's CPU seconds over the same time.
     pub(crate) server_cpu: f64,
+    /// Single-object reads (`GET` of a resource) the API server answered over the same time:
+    /// what the reconciles of finished objects asked beyond their caches.
+    pub(crate) gets: f64,
 }
 
 /// Restarts the subject over its backlog, all of it done, and times its first pass.
@@ -62,7 +65,13 @@ pub(crate) async fn resync(
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let own_cpu = proc_cpu_seconds(pid).unwrap_or(f64::NAN);
-    let server_cpu = (profile::server_counters(client).await? - server_before).cpu_seconds;
+    let server = profile::server_counters(client).await? - server_before;
+    let gets = server
+        .latency
+        .iter()
+        .filter(|(kind, _)| kind.starts_with("GET ") && kind.len() > "GET ".len())
+        .map(|(_, (_, count))| count)
+        .sum();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let writes = api_writes(client).await? - before;
     let peak_rss = proc_status_mib(pid, "VmHWM").unwrap_or(f64::NAN);
@@ -74,7 +83,8 @@ pub(crate) async fn resync(
         writes,
         peak_rss,
         own_cpu,
-        server_cpu,
+        server_cpu: server.cpu_seconds,
+        gets,
     })
 }
 
