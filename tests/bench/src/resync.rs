@@ -70,8 +70,7 @@ pub(crate) async fn resync(
         .latency
         .iter()
         .filter(|(kind, _)| kind.starts_with("GET ") && kind.len() > "GET ".len())
-        .map(|(_, (_, count))| count)
-        .sum();
+        .fold(0.0, |sum, (_, (_, count))| sum + count);
     tokio::time::sleep(Duration::from_secs(5)).await;
     let writes = api_writes(client).await? - before;
     let peak_rss = proc_status_mib(pid, "VmHWM").unwrap_or(f64::NAN);

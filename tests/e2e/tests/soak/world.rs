@@ -5,7 +5,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     future::Future,
-    path::PathBuf,
+    path::{Path, PathBuf},
     pin::Pin,
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
@@ -82,6 +82,34 @@ impl World {
             capi,
             dir,
         })
+    }
+}
+
+impl World {
+    /// Copies every log under the control plane's state directory (the API server's, etcd's,
+    /// the Cluster API manager's, every replica's of both lanes, each generation) to
+    /// `CARGO_TARGET_TMPDIR/soak-<what>`, keeping their paths: the reaper removes the state
+    /// directory whatever happens, and a violation is read afterwards.
+    fn keep_logs(&self, what: &str) -> Result<PathBuf> {
+        let root = self
+            .cp
+            .dir()
+            .context("a started control plane has a directory")?;
+        let kept = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("soak-{what}"));
+        let mut dirs = vec![root.to_path_buf()];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir)?.flatten() {
+                let path = entry.path();
+                if entry.file_type()?.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|x| x == "log") {
+                    let to = kept.join(path.strip_prefix(root)?);
+                    std::fs::create_dir_all(to.parent().unwrap_or(&kept))?;
+                    std::fs::copy(&path, &to)?;
+                }
+            }
+        }
+        Ok(kept)
     }
 }
 
@@ -2008,6 +2036,18 @@ pub async fn run_round(
         let lines = lane.log_lines(&verdict.needles, 60);
         if !lines.is_empty() {
             let _ = writeln!(report, "  provider log lines naming them:\n{lines}");
+        }
+    }
+    match world.keep_logs(&format!("seed{seed}-{}", label.replace(' ', ""))) {
+        Ok(kept) => {
+            let _ = writeln!(
+                report,
+                "every log (control plane, replicas) kept in {}",
+                kept.display()
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(report, "the logs could not be kept: {e:#}");
         }
     }
     println!("{report}");
