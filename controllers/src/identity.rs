@@ -70,7 +70,6 @@ pub(crate) enum Access {
 
 /// The identities' backends, built on demand and kept while what they were built from holds.
 pub(crate) struct Identities {
-    client: Client,
     stores: Stores,
     namespaces: Namespaces,
     secret_namespace: Option<String>,
@@ -100,8 +99,7 @@ impl Identities {
     ) -> Self {
         Self {
             stores,
-            namespaces: Namespaces::default(),
-            client,
+            namespaces: Namespaces::new(client),
             secret_namespace: config.identity_secret_namespace.clone(),
             tenancy: config.tenancy.clone(),
             gate,
@@ -148,7 +146,7 @@ impl Identities {
         self.built().retain(|built, (.., poller)| {
             let kept = identities.get(&ObjectRef::new(built)).is_some();
             if !kept {
-                poller.stop();
+                poller.stop.cancel();
             }
             kept
         });
@@ -263,7 +261,7 @@ impl Identities {
             return Ok(false);
         };
         let labels = if allowed.reads_labels() {
-            self.namespaces.labels(&self.client, namespace).await?
+            self.namespaces.labels(namespace).await?
         } else {
             BTreeMap::new()
         };
@@ -371,17 +369,10 @@ fn invalid(identity: &str, why: String) -> IdentityError {
     )
 }
 
-/// A secret value for the mailer's configuration (UTF-8, one trailing newline removed, as a
-/// mounted file's is).
+/// A secret value for the mailer's configuration (UTF-8, one trailing newline removed).
 fn value(bytes: Vec<u8>) -> Result<SecretSource, IdentityError> {
-    InlineSecret::from_bytes(bytes)
-        .map(SecretSource::Value)
-        .ok_or_else(|| {
-            problem(
-                reasons::IDENTITY_INVALID,
-                "a key of the identity's Secret is not UTF-8 text".to_owned(),
-            )
-        })
+    let why = "a key of the identity's Secret is not UTF-8 text";
+    InlineSecret::source(bytes).ok_or_else(|| problem(reasons::IDENTITY_INVALID, why.into()))
 }
 
 #[cfg(test)]

@@ -90,8 +90,8 @@ pub struct Poller {
     added: Notify,
     wakes: WakeSenders,
     /// Cancelled when this poller's run ends (shutdown); a sibling's is a child of it, so the
-    /// siblings end with the first poller, or alone ([`Self::stop`]: its identity is gone).
-    stop: CancellationToken,
+    /// siblings end with the first poller, or alone (cancelled: its identity is gone).
+    pub(crate) stop: CancellationToken,
 }
 
 impl std::fmt::Debug for Poller {
@@ -156,11 +156,6 @@ impl Poller {
         let stop = sibling.stop.clone();
         tokio::spawn(Arc::clone(&sibling).run(stop.cancelled_owned()));
         sibling
-    }
-
-    /// Ends this sibling's run (its identity is gone; nothing more is asked of its backend).
-    pub(crate) fn stop(&self) {
-        self.stop.cancel();
     }
 
     /// Asks `mailer` from now on (a backend rebuilt with a rotated key).

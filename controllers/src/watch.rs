@@ -153,24 +153,25 @@ where
 /// The namespaces' metadata, and whether it has been listed once (a `watch` channel: every
 /// waiter is woken, where kube-runtime's `wait_until_ready` wakes only the last of several,
 /// report 5 in docs/kube-runtime-recorder.md). Started on first use.
-#[derive(Default)]
-pub(crate) struct Namespaces(
-    OnceCell<(Store<PartialObjectMeta<Namespace>>, signal::Receiver<bool>)>,
-);
+pub(crate) struct Namespaces {
+    client: Client,
+    cache: OnceCell<(Store<PartialObjectMeta<Namespace>>, signal::Receiver<bool>)>,
+}
 
 impl Namespaces {
+    pub(crate) fn new(client: Client) -> Self {
+        let cache = OnceCell::new();
+        Self { client, cache }
+    }
+
     /// The labels of namespace `name` (none when it is not known).
-    pub(crate) async fn labels(
-        &self,
-        client: &Client,
-        name: &str,
-    ) -> Result<BTreeMap<String, String>, NotListed> {
+    pub(crate) async fn labels(&self, name: &str) -> Result<BTreeMap<String, String>, NotListed> {
         let (store, listed) = self
-            .0
+            .cache
             .get_or_init(|| async {
                 let (store, writer) = reflector::store();
                 let (tx, listed) = signal::channel(false);
-                let events = watch(Api::all(client.clone()), list_config());
+                let events = watch(Api::all(self.client.clone()), list_config());
                 tokio::spawn(events.reflect(writer).for_each(move |event| {
                     if matches!(event, Ok(watcher::Event::InitDone)) {
                         tx.send_replace(true);

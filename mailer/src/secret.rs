@@ -37,13 +37,12 @@ impl InlineSecret {
         Self(Secret::from(value.into()))
     }
 
-    /// Holds `bytes` as text, one trailing newline removed as from a file; `None` when they are
-    /// not UTF-8.
+    /// A [`SecretSource::Value`] holding `bytes` as text, one trailing newline removed as from a
+    /// file; `None` when they are not UTF-8.
     #[must_use]
-    pub fn from_bytes(bytes: Vec<u8>) -> Option<Self> {
-        String::from_utf8(bytes)
-            .ok()
-            .map(|t| Self::new(without_newline(t)))
+    pub fn source(bytes: Vec<u8>) -> Option<SecretSource> {
+        let text = String::from_utf8(bytes).ok()?;
+        Some(SecretSource::Value(Self::new(without_newline(text))))
     }
 }
 
