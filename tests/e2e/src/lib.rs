@@ -431,6 +431,30 @@ pub async fn create_labelled_cluster_pair(
     Ok(())
 }
 
+/// Copies every `*.log` file under `from` (recursively, keeping their paths below it) to `to`:
+/// the control plane's reaper removes its state directory whatever happens, and a failure is
+/// read afterwards.
+///
+/// # Errors
+/// When a directory cannot be read or a file cannot be copied.
+pub fn keep_logs(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    let mut dirs = vec![from.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir)?.flatten() {
+            let path = entry.path();
+            if entry.file_type()?.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|x| x == "log") {
+                let kept = to.join(path.strip_prefix(from)?);
+                std::fs::create_dir_all(kept.parent().unwrap_or(to))?;
+                std::fs::copy(&path, &kept)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Claims Secret `namespace/name` for the `MailgunClusterIdentity` `identity` (its label): only
 /// then may that identity name it.
 ///
@@ -443,6 +467,7 @@ pub async fn claim_secret(
     identity: &str,
 ) -> Result<()> {
     use k8s_openapi::api::core::v1::Secret;
+    // `capm_api::names::IDENTITY_SECRET_LABEL`: this library does not depend on the API crate.
     let patch = serde_json::json!({"metadata": {"labels": {
         "mailgun.infrastructure.cluster.x-k8s.io/identity": identity}}});
     kube::Api::<Secret>::namespaced(client.clone(), namespace)
@@ -1023,4 +1048,26 @@ pub async fn audited_control_plane(dir: &Path, policy: &str) -> Result<(ControlP
     .await?;
     cp.install_capi_crds().await?;
     Ok((cp, audit_log))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_logs_copies_every_log_below_with_its_path_and_nothing_else() {
+        let from = tempfile::tempdir().unwrap();
+        let to = tempfile::tempdir().unwrap();
+        let lane = from.path().join("soak/mailgun");
+        fs::create_dir_all(&lane).unwrap();
+        fs::write(from.path().join("kube-apiserver.log"), "api").unwrap();
+        fs::write(lane.join("replica-0-1.log"), "replica").unwrap();
+        fs::write(lane.join("config.json"), "{}").unwrap();
+        let kept = to.path().join("kept");
+        keep_logs(from.path(), &kept).unwrap();
+        let read = |p: &str| fs::read_to_string(kept.join(p)).unwrap();
+        assert_eq!(read("kube-apiserver.log"), "api");
+        assert_eq!(read("soak/mailgun/replica-0-1.log"), "replica");
+        assert!(!kept.join("soak/mailgun/config.json").exists());
+    }
 }

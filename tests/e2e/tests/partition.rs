@@ -249,12 +249,7 @@ impl World {
     fn keep_logs(&self, what: &str) -> Result<()> {
         let tag = self.dir.file_name().unwrap_or_default().to_string_lossy();
         let kept = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("partition-{tag}-{what}"));
-        std::fs::create_dir_all(&kept)?;
-        for entry in std::fs::read_dir(&self.dir)?.flatten() {
-            if entry.path().extension().is_some_and(|x| x == "log") {
-                std::fs::copy(entry.path(), kept.join(entry.file_name()))?;
-            }
-        }
+        capm_e2e::keep_logs(&self.dir, &kept)?;
         println!("--- every replica's full log is kept in {}", kept.display());
         Ok(())
     }

@@ -96,19 +96,7 @@ impl World {
             .dir()
             .context("a started control plane has a directory")?;
         let kept = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("soak-{what}"));
-        let mut dirs = vec![root.to_path_buf()];
-        while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(&dir)?.flatten() {
-                let path = entry.path();
-                if entry.file_type()?.is_dir() {
-                    dirs.push(path);
-                } else if path.extension().is_some_and(|x| x == "log") {
-                    let to = kept.join(path.strip_prefix(root)?);
-                    std::fs::create_dir_all(to.parent().unwrap_or(&kept))?;
-                    std::fs::copy(&path, &to)?;
-                }
-            }
-        }
+        capm_e2e::keep_logs(root, &kept)?;
         Ok(kept)
     }
 }
