@@ -20,13 +20,20 @@ deps-demo: ## Install only what the demo needs (the SMTP server's Python package
 	$(PIP_INSTALL) -r tests/mail-servers/requirements.txt
 
 .PHONY: deps
-deps: deps-demo deps-node deps-release ## Install what the tests need too (deps-node, deps-release, Debian's Prometheus, cargo-deny)
+deps: deps-demo deps-node deps-release deps-browser ## Install what the tests need too (deps-node, deps-release, deps-browser, Debian's Prometheus, cargo-deny)
 	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
 	  echo "installing Debian's prometheus (prometheus + promtool for the end-to-end tests)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; fi
 	@if ! $(CARGO) deny --version >/dev/null 2>&1; then \
 	  echo "installing cargo-deny $(CARGO_DENY_VERSION) from crates.io (make deny)"; \
 	  $(CARGO) install --locked cargo-deny --version $(CARGO_DENY_VERSION); fi
+
+.PHONY: deps-browser
+deps-browser: ## Install Debian's chromium and Playwright for Python (the fulfilment page's browser test; Playwright's own browsers are not downloaded)
+	$(PIP_INSTALL) -r tests/e2e/browser/requirements.txt
+	@if ! command -v chromium >/dev/null; then \
+	  echo "installing Debian's chromium (the fulfilment page's browser test)"; \
+	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; fi
 
 # runc (built by `make tools`) links libseccomp through cgo; the node needs ip and iptables.
 .PHONY: deps-node

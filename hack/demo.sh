@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The demo: a local control plane with the Cluster API core manager, an SMTP server, and the
 # provider. A sample Cluster + MailgunCluster is applied; the request mail arrives; the request is
-# fulfilled the way the mail says; the Cluster reaches phase Provisioned with
+# fulfilled through the fulfilment page the mail links (curl, no cluster credentials; the mail's
+# kubectl patch is shown beside the link); the Cluster reaches phase Provisioned with
 # InfrastructureReady=True. Everything is stopped and removed at the end, also on failure.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,8 +13,8 @@ die() { echo "demo: $*" >&2; exit 1; }
 
 say "building the provider and the local environment CLI (a fresh clone compiles every crate: minutes)"
 cargo build -q -p cluster-api-provider-mailgun -p capm-test-support --bin cluster-api-provider-mailgun --bin capm-env
-capm_env=target/debug/capm-env
-provider=target/debug/cluster-api-provider-mailgun
+capm_env=${CARGO_TARGET_DIR:-target}/debug/capm-env
+provider=${CARGO_TARGET_DIR:-target}/debug/cluster-api-provider-mailgun
 kubectl=bin/kubectl
 
 start_work demo
@@ -42,7 +43,11 @@ wait_for 20 "the SMTP server" test -s "$work/smtp.port"
 smtp_addr=$(head -1 "$work/smtp.port")
 echo "SMTP server listening on $smtp_addr"
 
-say "starting the provider (SMTP backend)"
+say "starting the provider (SMTP backend; the fulfilment page on loopback, docs/fulfilment.md)"
+# The fulfilment links' key, as the chart's fulfilment.keysSecret would hold it.
+head -c 32 /dev/urandom | base64 > "$work/fulfilment-keys"
+page_port=$(free_port)
+page="http://127.0.0.1:$page_port"
 cat > "$work/provider.json" <<JSON
 { "mailer": { "smtp": { "url": "smtp://$smtp_addr", "starttls": "never" } },
   "mailFrom": "cluster-api-provider-mailgun@capm.example.com" }
@@ -50,6 +55,7 @@ JSON
 MAIL_RECIPIENT=infrastructure-team@example.com "$provider" --config "$work/provider.json" \
   --message-id-domain capm.example.com --kubeconfig "$KUBECONFIG" --leader-elect=false --webhook-port 0 \
   --diagnostics-address "127.0.0.1:$(free_port)" --insecure-diagnostics --health-probe-bind-address "127.0.0.1:$(free_port)" \
+  --fulfilment-url "$page" --fulfilment-keys-file "$work/fulfilment-keys" --fulfilment-bind-address "127.0.0.1:$page_port" \
   > "$work/provider.log" 2>&1 &
 pids+=($!)
 
@@ -72,11 +78,25 @@ echo "----- the mail the recipient got -----"
 cat "$work/mail.txt"
 echo "-----"
 
-say "fulfilling the request as the mail says"
+say "the mail offers two ways to record the cluster: the kubectl patch, and the link beside it"
 fulfil=$(grep -m1 'kubectl patch mailguncluster' "$work/mail.txt" | sed 's/^ *//; s/<host>/api.hello-mailgun.example.com/')
 [ -n "$fulfil" ] || die "the mail carries no kubectl command"
-echo "\$ $fulfil"
-eval "bin/${fulfil}"
+link=$(grep -m1 -o "$page/fulfil/[A-Za-z0-9_-]*" "$work/mail.txt" || true)
+[ -n "$link" ] || die "the mail carries no fulfilment link"
+echo "with cluster credentials:    $fulfil"
+echo "without (the page, a link):  $link"
+
+say "fulfilling the request through the page, with curl as a browser would (no cluster credentials)"
+# What the page says, without its markup.
+text() { python3 -c 'import html, re, sys; t = re.sub(r"<(style|head)[^>]*>.*?</\1>|<[^>]+>", " ", sys.stdin.read(), flags=re.S); print(re.sub(r"[ \t]*\n[\s]*", "\n", html.unescape(t)).strip())'; }
+echo "\$ curl $link"
+curl -sS -c "$work/cookies" -b "$work/cookies" "$link" > "$work/page.html"
+text < "$work/page.html" | sed -n '1,12p'
+token=$(grep -o 'name="form-token" value="[^"]*"' "$work/page.html" | sed 's/.*value="//; s/"$//')
+[ -n "$token" ] || die "the page has no form"
+echo "\$ curl -d host=api.hello-mailgun.example.com -d port=6443 -d form-token=... $link"
+curl -sS -c "$work/cookies" -b "$work/cookies" -d host=api.hello-mailgun.example.com -d port=6443 \
+  --data-urlencode "form-token=$token" "$link" | text
 
 say "waiting for the Cluster to be Provisioned with InfrastructureReady=True"
 wait_for 90 "Cluster phase Provisioned (core manager log: $work/capi-manager.log)" \

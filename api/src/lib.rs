@@ -14,6 +14,8 @@
 //!   binary serves, next to the admission webhook ([`admission`]) that holds writes made through
 //!   `v1alpha1` to every `v1beta1` rule;
 //! - the parts of Cluster API's own `Cluster` and `Machine` that the provider reads ([`capi`]);
+//! - the fulfilment links' tokens, which the request mail carries and the manager's fulfilment
+//!   page opens ([`fulfil`]);
 //! - the CustomResourceDefinitions themselves ([`crd`]), written to `config/crd/` by
 //!   `cargo run -p capm-api --bin crdgen -- config/crd` and checked with `--check`.
 //!
@@ -44,6 +46,7 @@ pub mod admission;
 pub mod capi;
 pub mod conversion;
 pub mod crd;
+pub mod fulfil;
 pub mod limits;
 pub mod names;
 pub mod records;

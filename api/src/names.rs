@@ -58,6 +58,13 @@ pub fn request_recorded_sent(annotations: &std::collections::BTreeMap<String, St
 /// prefix. The retry is recorded in a `MailRetried` Event.
 pub const RETRY_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/retry";
 
+/// Present on a `MailgunCluster` or `MailgunMachine` (any value), it revokes every fulfilment
+/// link to the object: the page refuses them and writes nothing (docs/fulfilment.md). Outside
+/// the provider's record prefix on purpose: it is a user's statement, and anyone who may patch
+/// the object may set or remove it (they could fill in the fields themselves anyway).
+pub const FULFILMENT_REVOKED_ANNOTATION: &str =
+    "fulfilment.mailgun.infrastructure.cluster.x-k8s.io/revoked";
+
 /// Annotation holding, as JSON, the fields an older API version cannot represent, so that a
 /// round trip through that version loses nothing. Written by down-conversion, read and removed by
 /// up-conversion; see [`crate::conversion`]. Not for humans to edit.

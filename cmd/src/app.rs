@@ -20,7 +20,7 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{error, info, warn};
 
 use crate::{
-    client_metrics, diagnostics, http,
+    client_metrics, diagnostics, fulfil, http,
     leader::Elector,
     settings::{DiagnosticsSecurity, Settings, field, mailer_error},
     shutdown::Shutdown,
@@ -91,6 +91,17 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         None => None,
     };
     let diagnostics_tls = diagnostics_tls(&settings)?;
+    // The fulfilment keys, read before the cluster is touched like every other secret file.
+    let fulfilment_keys = match &settings.fulfilment {
+        Some(f) => {
+            let mut file = fulfil::KeyFile::new(f.keys_file.clone());
+            let keys = (file.load())
+                .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file)))?
+                .context("the fulfilment key file")?;
+            Some((file, capm_api::fulfil::KeyRing::new(keys)))
+        }
+        None => None,
+    };
 
     let client = kube_client(settings.kubeconfig.as_deref(), &registry).await?;
 
@@ -98,7 +109,11 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Some(e) = raise_error {
         warn!(error = %e, open_files, "Could not raise the open files limit to its hard limit");
     }
-    let cap = http::connection_cap(open_files, 3);
+    let page = settings
+        .fulfilment
+        .as_ref()
+        .is_some_and(|f| f.bind.is_some());
+    let cap = http::connection_cap(open_files, 3 + u64::from(page));
     info!(open_files, connections_per_server = cap, "Open files limit");
     let rejected = http::rejected_counter(&registry)?;
     let server = |name, listener, tls, limits| http::Server {
@@ -156,6 +171,35 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let readiness = tokio::spawn(watch_api_server(client.clone(), api_reachable));
 
     let mut config = settings.controllers.clone();
+    let mut key_reload = None;
+    if let (Some(f), Some((file, keys))) = (&settings.fulfilment, fulfilment_keys) {
+        config.fulfilment = Some(capm_api::fulfil::Links {
+            base_url: f.url.clone(),
+            validity: f.validity,
+            keys: keys.clone(),
+        });
+        key_reload = Some(tokio::spawn(fulfil::reload_keys(
+            file,
+            keys.clone(),
+            fulfil::KEY_RELOAD_INTERVAL,
+        )));
+        if let Some(bind) = f.bind {
+            let listener = http::bind("fulfilment page", bind).await?;
+            let page = fulfil::Page::new(
+                client.clone(),
+                keys,
+                f,
+                config.recipients.clone(),
+                instance.clone(),
+                &registry,
+            )?;
+            servers.push(http::serve(
+                server("fulfilment", listener, None, http::Limits::page(cap)),
+                Arc::new(page).handler(),
+                shutdown.clone(),
+            ));
+        }
+    }
     config.instance = instance;
     let controllers = Controllers {
         client: client.clone(),
@@ -177,6 +221,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     // Stop serving: on success shutdown was requested already; on failure request it now.
     shutdown.trigger();
     readiness.abort();
+    if let Some(reload) = key_reload {
+        reload.abort();
+    }
     for server in servers {
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     }

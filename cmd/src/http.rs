@@ -1,5 +1,5 @@
-//! The three HTTP endpoints: `/metrics`, the probes `/healthz` + `/readyz`, and the webhooks
-//! (conversion and admission) over TLS. Each stops accepting when shutdown is requested and lets open requests
+//! The HTTP endpoints: `/metrics`, the probes `/healthz` + `/readyz`, the webhooks
+//! (conversion and admission) over TLS, and the fulfilment page (`crate::fulfil`). Each stops accepting when shutdown is requested and lets open requests
 //! finish.
 //!
 //! Any Pod that can reach a port is a client, so every server reads within [`Limits`], applied
@@ -43,7 +43,9 @@ use tokio::{
     task::JoinHandle,
 };
 use tokio_rustls::TlsAcceptor;
-use tower::{BoxError, Service, ServiceBuilder, limit::GlobalConcurrencyLimitLayer, service_fn};
+use tower::{
+    BoxError, Service, ServiceBuilder, ServiceExt, limit::GlobalConcurrencyLimitLayer, service_fn,
+};
 use tower_http::{
     body::Limited,
     limit::{RequestBodyLimitLayer, ResponseBody},
@@ -63,6 +65,10 @@ const BUDGET_UNIT: usize = 1024;
 
 /// A request as the handlers get it: the body read whole, within the server's [`Limits`].
 pub type Req = Request<Full<Bytes>>;
+
+/// The client's address, in every request's extensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer(pub SocketAddr);
 
 /// What one server accepts from its clients at once. See the module documentation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +91,16 @@ impl Limits {
             max_in_flight: 64,
             max_body_bytes: 64 * 1024,
             body_budget_bytes: 1024 * 1024,
+        }
+    }
+
+    /// The fulfilment page: forms of a few fields (16 KiB is generous), from people.
+    pub fn page(max_connections: usize) -> Self {
+        Self {
+            max_connections,
+            max_in_flight: 32,
+            max_body_bytes: 16 * 1024,
+            body_budget_bytes: 256 * 1024,
         }
     }
 
@@ -427,7 +443,12 @@ where
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            let service = service.clone();
+            let service = service
+                .clone()
+                .map_request(move |mut req: Request<Incoming>| {
+                    req.extensions_mut().insert(Peer(peer));
+                    req
+                });
             let shutdown = shutdown.clone();
             let tls = tls.clone();
             tokio::spawn(async move {

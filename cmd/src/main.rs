@@ -11,6 +11,7 @@
 mod app;
 mod client_metrics;
 mod diagnostics;
+mod fulfil;
 mod http;
 mod leader;
 mod logging;

@@ -18,6 +18,8 @@ pub struct Config {
     /// The domain of the deterministic Message-Ids (`<kind.uid@domain>`), usually the Mailgun
     /// sending domain.
     pub message_id_domain: String,
+    /// The fulfilment page's links, put in request mails (`--fulfilment-url`); `None`: no link.
+    pub fulfilment: Option<capm_api::fulfil::Links>,
     /// Reconcile only this namespace (`--namespace`); `None` for all namespaces.
     pub namespace: Option<String>,
     /// Reconcile only objects whose `cluster.x-k8s.io/watch-filter` label has this value
@@ -257,6 +259,7 @@ pub(crate) mod tests {
             recipients: vec!["ops@example.com".into()],
             mail_from: "capm@example.com".into(),
             message_id_domain: domain.into(),
+            fulfilment: None,
             namespace: None,
             watch_filter: None,
             concurrency: 10,

@@ -47,3 +47,6 @@ pub use config::{Config, Error, Field, Invalid, Reason, Tenancy};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
 pub use pipeline::{run, trim};
+
+// The manager's fulfilment page records its Events the way the controllers do.
+pub use events::{EventType, Events};

@@ -41,6 +41,7 @@ pub(crate) use field;
 
 mod controllers;
 mod file;
+mod fulfilment;
 mod mailer;
 #[cfg(test)]
 mod tests;
@@ -48,6 +49,7 @@ mod values;
 
 use controllers::{controllers_error, identity_secret_namespace};
 use file::{FLAG_ONLY, file_error, read_file, snake_to_camel};
+pub use fulfilment::Fulfilment;
 pub use mailer::mailer_error;
 use mailer::{default_message_id_domain, resolve_mailer};
 use values::{
@@ -351,6 +353,46 @@ pub struct Args {
     #[arg(long, env = "SHUTDOWN_TIMEOUT", value_name = "DURATION", default_value = "30s", value_parser = duration)]
     pub shutdown_timeout: Duration,
 
+    /// Public base URL of the fulfilment page, scheme and host only (e.g.
+    /// `https://capm.example.com`, served through an Ingress with TLS): request mails then carry a link to a page where the human records
+    /// what they built without cluster credentials (needs --fulfilment-keys-file) [default: no
+    /// link, no page].
+    #[arg(long, env = "FULFILMENT_URL", value_name = "URL")]
+    pub fulfilment_url: Option<String>,
+
+    /// File listing the fulfilment links' keys, one base64 key of at least 32 bytes per line,
+    /// newest first (it signs; all are accepted); re-read when it changes.
+    #[arg(long, env = "FULFILMENT_KEYS_FILE", value_name = "FILE")]
+    pub fulfilment_keys_file: Option<PathBuf>,
+
+    /// Address of the fulfilment page (plain HTTP; TLS at the Ingress), with --fulfilment-url;
+    /// `0`: links in the mails, the page served elsewhere.
+    #[arg(
+        long,
+        env = "FULFILMENT_BIND_ADDRESS",
+        value_name = "ADDR",
+        default_value = ":8090"
+    )]
+    pub fulfilment_bind_address: String,
+
+    /// How long a fulfilment link is valid after its request mail.
+    #[arg(long, env = "FULFILMENT_LINK_VALIDITY", value_name = "DURATION", default_value = "720h", value_parser = duration)]
+    pub fulfilment_link_validity: Duration,
+
+    /// Take the fulfilment page's client address from the last X-Forwarded-For entry (set it
+    /// when an Ingress or proxy in front of the page appends it) [default: false, the peer].
+    #[arg(
+        long,
+        env = "FULFILMENT_TRUST_FORWARDED_FOR",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = BoolishValueParser::new()
+    )]
+    pub fulfilment_trust_forwarded_for: bool,
+
     /// Kubeconfig file [default: $KUBECONFIG, the in-cluster service account, ~/.kube/config].
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
@@ -539,6 +581,8 @@ pub struct Settings {
     pub shutdown_timeout: Duration,
     /// Explicit kubeconfig file.
     pub kubeconfig: Option<PathBuf>,
+    /// The fulfilment links and page, if configured.
+    pub fulfilment: Option<Fulfilment>,
 }
 
 /// Reads the process environment (the few variables that are not flags' fallbacks).
@@ -611,6 +655,8 @@ impl Settings {
             recipients: args.mail_recipients.unwrap_or_default(),
             mail_from: mail_from.clone().unwrap_or_default(),
             message_id_domain: message_id_domain.clone().unwrap_or_default(),
+            // The keys are read at start (see `app::run`); settings read no secret.
+            fulfilment: None,
             namespace: args.namespace,
             watch_filter: args.watch_filter,
             concurrency: args.concurrency,
@@ -703,7 +749,16 @@ impl Settings {
             cert_dir: args.webhook_cert_dir,
         });
 
+        let fulfilment = fulfilment::resolve(
+            args.fulfilment_url,
+            args.fulfilment_keys_file,
+            &args.fulfilment_bind_address,
+            args.fulfilment_link_validity,
+            args.fulfilment_trust_forwarded_for,
+        )?;
+
         Ok(Self {
+            fulfilment,
             mailer,
             controllers,
             diagnostics,

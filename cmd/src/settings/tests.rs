@@ -60,6 +60,53 @@ fn file(content: &str) -> tempfile::NamedTempFile {
 }
 
 #[test]
+fn fulfilment_needs_a_url_and_keys_together() {
+    let flags = |extra: &[&'static str]| [MAILGUN, extra].concat();
+    assert_eq!(resolve(MAILGUN, &with_key).unwrap().fulfilment, None);
+    let on = resolve(
+        &flags(&[
+            "--fulfilment-url",
+            "https://capm.example.com/",
+            "--fulfilment-keys-file",
+            "/keys",
+        ]),
+        &with_key,
+    )
+    .unwrap()
+    .fulfilment
+    .unwrap();
+    assert_eq!(on.url, "https://capm.example.com");
+    assert!(on.secure);
+    assert_eq!(on.bind, Some("0.0.0.0:8090".parse().unwrap()));
+    assert_eq!(on.validity, Duration::from_secs(30 * 24 * 3600));
+    assert!(!on.trust_forwarded_for);
+    assert_eq!(
+        error(&flags(&["--fulfilment-url", "https://x"]), &with_key),
+        "--fulfilment-keys-file (FULFILMENT_KEYS_FILE): is required with --fulfilment-url (FULFILMENT_URL)"
+    );
+    assert_eq!(
+        error(&flags(&["--fulfilment-keys-file", "/k"]), &with_key),
+        "--fulfilment-keys-file (FULFILMENT_KEYS_FILE): is used only with --fulfilment-url (FULFILMENT_URL)"
+    );
+    for bad in [
+        "capm.example.com",
+        "ftp://x",
+        "https://x/?a=b",
+        "https://x/capm",
+        "https:///p",
+    ] {
+        let e = error(
+            &flags(&["--fulfilment-url", bad, "--fulfilment-keys-file", "/k"]),
+            &with_key,
+        );
+        assert!(
+            e.starts_with("--fulfilment-url (FULFILMENT_URL): "),
+            "{bad}: {e}"
+        );
+    }
+}
+
+#[test]
 fn walkthrough_variables_alone_give_the_mailgun_defaults() {
     let s = resolve(MAILGUN, &with_key).unwrap();
     let MailerConfig::Mailgun(m) = &s.mailer else {

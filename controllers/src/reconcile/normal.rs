@@ -83,13 +83,17 @@ pub(super) async fn reconcile_normal<K: InfraKind>(
     check: &OwnerCheck,
 ) -> Result<Pass, ReconcileError> {
     check_spec(obj, report)?;
-    let text = match obj.request_mail(&ctx.capi, owner) {
+    let mut text = match obj.request_mail(&ctx.capi, owner) {
         Ok(text) => text,
         Err(wait) => {
             report.block(wait.reason, wait.message);
             return Ok(Pass::wait());
         }
     };
+    if let Some(links) = &ctx.config.fulfilment {
+        let (domain, now) = (&ctx.config.message_id_domain, std::time::SystemTime::now());
+        (text.body).push_str(&links.mail_paragraph(K::KIND, obj.meta(), domain, now));
+    }
     if let Some(stop) = reconcile_mail_sent(obj, ctx, report, &text, check).await? {
         return Ok(stop);
     }

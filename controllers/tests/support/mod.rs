@@ -59,6 +59,7 @@ impl Env {
             recipients: vec![RECIPIENT.into()],
             mail_from: format!("capm@{DOMAIN}"),
             message_id_domain: DOMAIN.into(),
+            fulfilment: None,
             namespace: Some(self.ns.name.clone()),
             watch_filter: None,
             concurrency: 10,

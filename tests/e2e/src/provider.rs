@@ -132,6 +132,8 @@ pub async fn start_chart_provider(
             "--diagnostics-address" => metrics.clone(),
             "--health-probe-bind-address" => format!("127.0.0.1:{}", free_port()?),
             "--webhook-port" => webhook_port.to_string(),
+            // The chart's port kept (the public URL the test gave names it), on loopback.
+            "--fulfilment-bind-address" if value.starts_with(':') => format!("127.0.0.1{value}"),
             _ => mounts
                 .iter()
                 .find(|(path, _)| value == path || value.starts_with(&format!("{path}/")))

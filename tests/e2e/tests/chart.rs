@@ -106,6 +106,13 @@ fn bad_values_are_refused_with_the_field_named() {
         "mail.smtp.username=capm",
     ]);
     assert!(err.contains("- mail.smtp.passwordSecret.name:"), "{err}");
+    let err = with(&["fulfilment.url=https://capm.example.com"]);
+    assert!(err.contains("/fulfilment/keysSecret/name"), "{err}");
+    let err = with(&[
+        "fulfilment.url=capm.example.com",
+        "fulfilment.keysSecret.name=k",
+    ]);
+    assert!(err.contains("/fulfilment/url"), "{err}");
     let err = with(&["leaderElection.enabled=false"]);
     assert!(
         err.contains("replicaCount > 1 needs leaderElection.enabled"),
@@ -358,6 +365,23 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
                     .any(|o| o["kind"] == kind && o["metadata"]["labels"][label].is_string())
             };
             ensure!(named("ConfigMap", "kube-state-metrics/custom-resource"));
+            // The fulfilment page: its Service and Ingress, its port, the machines' `get`.
+            ensure!(
+                ours.iter().any(|o| o["kind"] == "Ingress"
+                    && o["spec"]["rules"][0]["http"]["paths"][0]["path"] == "/fulfil/"),
+                "smtp-values.yaml: no fulfilment Ingress"
+            );
+            ensure!(
+                ours.iter().any(|o| o["kind"] == "ClusterRole"
+                    && o["rules"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|r| r["resources"]
+                            == serde_json::json!(["mailgunclusters", "mailgunmachines"])
+                            && r["verbs"] == serde_json::json!(["get"]))),
+                "smtp-values.yaml: the page may not read the objects links name"
+            );
             ensure!(named(
                 "ClusterRole",
                 "kube-state-metrics/aggregate-to-manager"

@@ -76,9 +76,14 @@ struct Env {
     ca_file: PathBuf,
     dir: PathBuf,
     provider: Proc,
+    /// The fulfilment page's base URL.
+    page: String,
     _cp: ControlPlane,
     _work: tempfile::TempDir,
 }
+
+/// The fulfilment links' key in this suite (32 bytes, base64).
+const FULFILMENT_KEY: &str = "aG9zdGlsZS1mdWxmaWxtZW50LWtleS0zMi1ieXRlcyE=";
 
 fn resource(group: &str, version: &str, kind: &str) -> ApiResource {
     let plural = format!("{}s", kind.to_lowercase());
@@ -139,6 +144,10 @@ async fn setup() -> Result<Env> {
     }
     // The chart as a user installs it (its Deployment never runs here: no kubelet; the provider
     // below runs exactly as it would).
+    let page_port = free_port()?;
+    let page = format!("http://127.0.0.1:{page_port}");
+    let keys_file = dir.join("fulfilment-keys");
+    fs::write(&keys_file, FULFILMENT_KEY)?;
     let chart = chart_dir();
     helm(
         Some(cp.kubeconfig()),
@@ -156,6 +165,10 @@ async fn setup() -> Result<Env> {
             "mail.smtp.url=smtp://127.0.0.1:25",
             "--set",
             "mail.from=capm@hostile.example.com",
+            "--set",
+            &format!("fulfilment.url={page}"),
+            "--set",
+            "fulfilment.keysSecret.name=capm-fulfilment-keys",
         ],
     )?;
     let secret = Api::<Secret>::namespaced(admin.clone(), NS)
@@ -207,6 +220,13 @@ async fn setup() -> Result<Env> {
         .env("POD_NAMESPACE", NS)
         .arg("--config")
         .arg(&config)
+        .args(["--fulfilment-url", &page])
+        .arg("--fulfilment-keys-file")
+        .arg(&keys_file)
+        .args([
+            "--fulfilment-bind-address",
+            &format!("127.0.0.1:{page_port}"),
+        ])
         .args(["--message-id-domain", DOMAIN, "--leader-elect=false"])
         .args(["--webhook-port", &webhook_port.to_string()])
         .arg("--webhook-cert-dir")
@@ -301,6 +321,7 @@ async fn setup() -> Result<Env> {
         ca_file: certs.join("ca.crt"),
         dir,
         provider,
+        page,
         _cp: cp,
         _work: work,
     };
@@ -499,6 +520,10 @@ enum Expect {
     Refused(&'static str),
     /// Accepted, then this many request mails and condition `(type, status, reason)`.
     Handled(usize, (&'static str, &'static str, &'static str)),
+    /// The fulfilment page answers this status with a body containing this text, after this
+    /// many mails for the row (its object's request, and its release if deleted); the row's
+    /// action checked that nothing else was written.
+    Page(u16, &'static str, usize),
     /// Deleted after being mailed: gone, with the request and the release mail.
     GoneAfter(usize),
     /// The webhook server answers this status with a body containing this text.
@@ -948,7 +973,338 @@ fn rows() -> Vec<Row> {
         webhook_request("validate: AdmissionReview v1beta1", "POST", "/validate", br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"u","kind":{"group":"infrastructure.cluster.x-k8s.io","version":"v1beta1","kind":"MailgunCluster"},"operation":"CREATE","object":{}}}"#.to_vec(), 400, "admission.k8s.io/v1"),
         webhook_request("validate: an object in v1alpha1", "POST", "/validate", json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u", "kind": {"group": capm_api::GROUP, "version": "v1alpha1", "kind": "MailgunCluster"}, "operation": "CREATE", "object": alpha_cluster_json()}}).to_string().into_bytes(), 200, "\"allowed\":false"),
         webhook_request("unknown path", "POST", "/mutate", b"{}".to_vec(), 404, "not found"),
+        // The fulfilment page (issue 48): each refused, nothing written.
+        fulfil_row("fulfil: forged token", Expect::Page(403, "not valid", 0), Fulfil::Forged),
+        fulfil_row("fulfil: expired token", Expect::Page(410, "expired", 1), Fulfil::Expired),
+        fulfil_row("fulfil: deleted and recreated object", Expect::Page(410, "no longer requested", 2), Fulfil::Recreated),
+        fulfil_row("fulfil: replay after success", Expect::Page(200, "Already fulfilled", 1), Fulfil::Replay),
+        fulfil_row("fulfil: cross-site POST without the page token", Expect::Page(403, "not sent from its page", 1), Fulfil::CrossSite),
+        fulfil_row("fulfil: oversized body", Expect::Page(413, "exceeds", 1), Fulfil::Oversized),
+        fulfil_row("fulfil: a value the API refuses", Expect::Page(422, "spec.controlPlaneEndpoint.host", 1), Fulfil::Refused),
+        fulfil_row("fulfil: burst over the rate limit", Expect::Page(429, "Too many attempts", 1), Fulfil::Burst),
+        fulfil_row("fulfil: link revoked by annotation", Expect::Page(410, "revoked", 1), Fulfil::Revoked),
+        fulfil_row("fulfil: fulfilled with kubectl meanwhile", Expect::Page(200, "Already fulfilled", 1), Fulfil::Meanwhile),
     ]
+}
+
+/// What a fulfilment row does with its object's link.
+#[derive(Debug, Clone, Copy)]
+enum Fulfil {
+    Forged,
+    Expired,
+    Recreated,
+    Replay,
+    CrossSite,
+    Oversized,
+    Refused,
+    Burst,
+    Revoked,
+    Meanwhile,
+}
+
+/// One HTTP exchange with the fulfilment page through curl (with `jar` as its cookie jar):
+/// status and body.
+async fn page_request(
+    env: &Env,
+    url: &str,
+    jar: &std::path::Path,
+    extra: &[&str],
+    body: Option<&[u8]>,
+) -> Result<(u16, String)> {
+    let mut cmd = tokio::process::Command::new("curl");
+    cmd.args(["-sS", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
+        .arg("-c")
+        .arg(jar)
+        .arg("-b")
+        .arg(jar)
+        .args(extra);
+    if let Some(body) = body {
+        let file = env.dir.join(format!("page-body-{}", rand_suffix()));
+        fs::write(&file, body)?;
+        cmd.args([
+            "-H",
+            "Content-Type: application/x-www-form-urlencoded",
+            "--data-binary",
+        ])
+        .arg(format!("@{}", file.display()));
+    }
+    let out = cmd.arg(url).output().await?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').context("curl output")?;
+    Ok((code.trim().parse().context("status code")?, body.to_owned()))
+}
+
+/// The page's hidden form token.
+fn form_token(page: &str) -> Result<String> {
+    let (_, rest) = page
+        .split_once("name=\"form-token\" value=\"")
+        .with_context(|| format!("no form token on the page: {page}"))?;
+    Ok(rest.split('"').next().unwrap_or_default().to_owned())
+}
+
+/// The request mail's fulfilment link for the object `uid`.
+async fn mailed_link(env: &Env, uid: &str) -> Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(mail) = mails_for(&env.smtp.messages()?, uid).first() {
+            let body = body_text(mail);
+            return body
+                .lines()
+                .map(str::trim)
+                .find(|l| l.starts_with(&format!("{}/fulfil/", env.page)))
+                .map(str::to_owned)
+                .with_context(|| format!("no link in the mail:\n{body}"));
+        }
+        ensure!(Instant::now() < deadline, "no request mail for {uid}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether a `FulfilledThroughLink` Event about the MailgunCluster `name` was recorded.
+async fn fulfilled_event(env: &Env, name: &str) -> Result<bool> {
+    let events: Api<DynamicObject> = Api::namespaced_with(
+        env.admin.clone(),
+        TEAM,
+        &ApiResource::from_gvk(&GroupVersionKind::gvk("events.k8s.io", "v1", "Event")),
+    );
+    Ok(events
+        .list(&Default::default())
+        .await?
+        .items
+        .iter()
+        .any(|e| e.data["regarding"]["name"] == name && e.data["reason"] == "FulfilledThroughLink"))
+}
+
+/// The MailgunCluster `name`'s control plane endpoint, as stored.
+async fn endpoint(env: &Env, name: &str) -> Result<Value> {
+    let obj = ours(&env.admin, "v1beta1", "MailgunCluster")
+        .get(name)
+        .await?;
+    Ok(obj.data["spec"]["controlPlaneEndpoint"].clone())
+}
+
+/// A mailed MailgunCluster whose link the row then abuses; each checks that nothing was written.
+fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
+    row(name, expect, move |env| async move {
+        let slug = short(
+            &name
+                .to_lowercase()
+                .replace(|c: char| !c.is_ascii_alphanumeric(), "-"),
+        );
+        let jar = env.dir.join(format!("jar-{slug}"));
+        let seal = |key: &str, uid: &str, expires: u64| -> Result<String> {
+            let claims = capm_api::fulfil::Claims::new(
+                capm_api::fulfil::Kind::MailgunCluster,
+                TEAM,
+                &slug,
+                uid,
+                &format!("<mailguncluster.{uid}@{DOMAIN}>"),
+                expires,
+            );
+            let keys = capm_api::fulfil::Keys::parse(key)?;
+            Ok(format!(
+                "{}/fulfil/{}",
+                env.page,
+                keys.seal(&claims).context("seal")?
+            ))
+        };
+        if let Fulfil::Forged = how {
+            // Sealed for a plausible object with a key the provider does not list.
+            let url = seal(
+                "Zm9yZ2VkLWtleS1vZi10aGlydHktdHdvLWJ5dGVzISE=",
+                "0f0e0d0c-0000-4000-8000-000000000009",
+                u64::MAX,
+            )?;
+            let (code, body) = page_request(&env, &url, &jar, &[], None).await?;
+            return Ok(Outcome::Http(code, body));
+        }
+        let Outcome::Accepted { uid, .. } = env.owned_cluster(&slug, json!({})).await? else {
+            bail!("the object was not created");
+        };
+        let link = mailed_link(&env, &uid).await?;
+        let form = |host: &str, port: &str, token: &str| {
+            format!("host={host}&port={port}&form-token={token}").into_bytes()
+        };
+        let answer = match how {
+            Fulfil::Forged => unreachable!(),
+            Fulfil::Expired => {
+                let url = seal(FULFILMENT_KEY, &uid, 1)?;
+                page_request(&env, &url, &jar, &[], None).await?
+            }
+            Fulfil::Recreated => {
+                let api = ours(&env.mallory, "v1beta1", "MailgunCluster");
+                api.delete(&slug, &DeleteParams::default()).await?;
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while api.get_opt(&slug).await?.is_some() {
+                    ensure!(Instant::now() < deadline, "{slug} not deleted");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                // The release mail, then the same name again (no owner: nothing is mailed).
+                while mails_for(&env.smtp.messages()?, &uid).len() < 2 {
+                    ensure!(Instant::now() < deadline, "no release mail for {slug}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                create(
+                    &api,
+                    cluster(&slug, "v1beta1", "One cluster please.", REQUESTER),
+                )
+                .await?;
+                page_request(&env, &link, &jar, &[], None).await?
+            }
+            Fulfil::Replay => {
+                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
+                let token = form_token(&page)?;
+                let (code, body) = page_request(
+                    &env,
+                    &link,
+                    &jar,
+                    &[],
+                    Some(&form("api.replay.example.com", "6443", &token)),
+                )
+                .await?;
+                ensure!(
+                    code == 200 && body.contains("Recorded"),
+                    "the first submission: {code} {body}"
+                );
+                // The same form again, with other values: the object keeps the first.
+                let again = page_request(
+                    &env,
+                    &link,
+                    &jar,
+                    &[],
+                    Some(&form("evil.example.com", "443", &token)),
+                )
+                .await?;
+                let stored = endpoint(&env, &slug).await?;
+                ensure!(
+                    stored == json!({"host": "api.replay.example.com", "port": 6443}),
+                    "stored {stored}"
+                );
+                // The success was recorded: what the refused rows must not have.
+                ensure!(
+                    fulfilled_event(&env, &slug).await?,
+                    "no FulfilledThroughLink Event"
+                );
+                return Ok(Outcome::Http(again.0, again.1));
+            }
+            Fulfil::CrossSite => {
+                // Another site's form: no cookie (SameSite=Strict), no page token.
+                let (code, body) = page_request(
+                    &env,
+                    &link,
+                    &jar,
+                    &["-H", "Origin: https://evil.example"],
+                    Some(b"host=evil.example.com&port=443"),
+                )
+                .await?;
+                ensure!(code == 403, "without cookie and token: {code} {body}");
+                // With the cookie of a visit but without the page's token.
+                page_request(&env, &link, &jar, &[], None).await?;
+                page_request(
+                    &env,
+                    &link,
+                    &jar,
+                    &[],
+                    Some(b"host=evil.example.com&port=443&form-token=forged"),
+                )
+                .await?
+            }
+            Fulfil::Oversized => {
+                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
+                let token = form_token(&page)?;
+                let mut body = form("evil.example.com", "443", &token);
+                body.extend(format!("&pad={}", "x".repeat(64 * 1024)).into_bytes());
+                page_request(&env, &link, &jar, &[], Some(&body)).await?
+            }
+            Fulfil::Refused => {
+                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
+                let token = form_token(&page)?;
+                page_request(
+                    &env,
+                    &link,
+                    &jar,
+                    &[],
+                    Some(&form("bad%20host%21", "6443", &token)),
+                )
+                .await?
+            }
+            Fulfil::Meanwhile => {
+                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
+                let token = form_token(&page)?;
+                // Someone with credentials records it while the form is open.
+                let patch = json!({"spec": {"controlPlaneEndpoint": {"host": "api.kubectl.example.com", "port": 6443}}});
+                ours(&env.mallory, "v1beta1", "MailgunCluster")
+                    .patch(&slug, &PatchParams::default(), &Patch::Merge(patch))
+                    .await?;
+                let answer = page_request(
+                    &env,
+                    &link,
+                    &jar,
+                    &[],
+                    Some(&form("evil.example.com", "443", &token)),
+                )
+                .await?;
+                ensure!(
+                    answer.1.contains("api.kubectl.example.com:6443"),
+                    "the values are not shown: {}",
+                    answer.1
+                );
+                let stored = endpoint(&env, &slug).await?;
+                ensure!(
+                    stored["host"] == "api.kubectl.example.com",
+                    "stored {stored}"
+                );
+                return Ok(Outcome::Http(answer.0, answer.1));
+            }
+            Fulfil::Revoked => {
+                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
+                let token = form_token(&page)?;
+                let annotate = json!({"metadata": {"annotations": {names::FULFILMENT_REVOKED_ANNOTATION: "leaked"}}});
+                ours(&env.mallory, "v1beta1", "MailgunCluster")
+                    .patch(&slug, &PatchParams::default(), &Patch::Merge(annotate))
+                    .await?;
+                // The page served before the revocation cannot submit either.
+                let (code, body) = page_request(
+                    &env,
+                    &link,
+                    &jar,
+                    &[],
+                    Some(&form("api.example.com", "6443", &token)),
+                )
+                .await?;
+                ensure!(
+                    code == 410,
+                    "a submission after the revocation: {code} {body}"
+                );
+                page_request(&env, &link, &jar, &[], None).await?
+            }
+            Fulfil::Burst => {
+                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
+                let token = form_token(&page)?;
+                let mut last = (0, String::new());
+                for _ in 0..6 {
+                    last = page_request(
+                        &env,
+                        &link,
+                        &jar,
+                        &[],
+                        Some(&form("h.example.com", "0", &token)),
+                    )
+                    .await?;
+                }
+                last
+            }
+        };
+        ensure!(
+            endpoint(&env, &slug).await?.is_null(),
+            "{name}: something was written"
+        );
+        ensure!(
+            !fulfilled_event(&env, &slug).await?,
+            "{name}: a FulfilledThroughLink Event was recorded"
+        );
+        Ok(Outcome::Http(answer.0, answer.1))
+    })
 }
 
 /// Every mail whose Message-ID carries `uid`.
@@ -1208,6 +1564,14 @@ async fn judge(env: &Arc<Env>, expect: Expect, outcome: Outcome) -> Result<usize
                 );
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
+            Ok(mails)
+        }
+        (Expect::Page(status, contains, mails), Outcome::Http(code, body)) => {
+            ensure!(code == status, "HTTP {code} (expected {status}): {body}");
+            ensure!(
+                body.contains(contains),
+                "the page does not say {contains:?}: {body}"
+            );
             Ok(mails)
         }
         (Expect::Http(status, contains), Outcome::Http(code, body)) => {

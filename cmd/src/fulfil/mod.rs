@@ -1,0 +1,748 @@
+//! The fulfilment page: `GET /fulfil/<token>` shows what was asked and a form; `POST` records
+//! what the human built by patching the object as the provider. The token is the capability
+//! (`capm_api::fulfil`); the object itself says whether it is already fulfilled, so a link is
+//! single-use without any state here but the rate limits. docs/fulfilment.md has the threat
+//! model.
+//!
+//! Every refusal writes nothing: a forged, altered, expired or revoked link, an object deleted
+//! or recreated since the mail, a form not sent from its page (the form token binds the link to
+//! the browser's `SameSite=Strict` cookie), a value the API's own rules refuse, a burst past
+//! the rate limits. Bodies and time are bounded by the server's [`crate::http::Limits`].
+
+mod html;
+mod limiter;
+mod target;
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    net::IpAddr,
+    pin::Pin,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+use capm_api::{
+    fulfil::{self, Claims, FulfilError, KeyRing, Keys},
+    records::{Which, read_records},
+    v1beta1::MailgunClusterIdentity,
+};
+use capm_controllers::{EventType, Events};
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
+use http_body_util::Full;
+use kube::{Api, Client};
+use prometheus::{IntCounterVec, Opts, Registry};
+use tracing::{info, warn};
+
+use crate::http::{Peer, Req};
+pub use limiter::Limiter;
+use target::{Form, Target};
+
+/// The Event recorded on the object when the page fulfils it.
+pub const EVENT_REASON: &str = "FulfilledThroughLink";
+/// The browser cookie the form token is bound to.
+const COOKIE: &str = "capm_fulfil";
+/// Address rows on the machine form.
+const ADDRESS_ROWS: usize = 4;
+/// How often the key file is looked at.
+pub const KEY_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
+/// The page's field manager for its patches.
+const FIELD_MANAGER: &str = "cluster-api-provider-mailgun-fulfilment";
+
+/// The key list's file, and what was last read from it.
+#[derive(Debug)]
+pub struct KeyFile {
+    path: std::path::PathBuf,
+    last: Option<Vec<u8>>,
+}
+
+impl KeyFile {
+    /// The key list in `path`, not read yet.
+    pub fn new(path: std::path::PathBuf) -> Self {
+        Self { path, last: None }
+    }
+
+    /// The key list, if the file changed since the last call (the first call always reads).
+    ///
+    /// # Errors
+    /// The file cannot be read, or holds no usable key list (the error names no key); the
+    /// next call reads it again.
+    pub fn load(&mut self) -> anyhow::Result<Option<Keys>> {
+        let path = self.path.display();
+        let bytes =
+            std::fs::read(&self.path).map_err(|e| anyhow::anyhow!("reading {path}: {e}"))?;
+        if self.last.as_ref() == Some(&bytes) {
+            return Ok(None);
+        }
+        let keys = Keys::parse(&String::from_utf8_lossy(&bytes))
+            .map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
+        self.last = Some(bytes);
+        Ok(Some(keys))
+    }
+}
+
+/// Looks at `file` every `interval` ([`KEY_RELOAD_INTERVAL`]) and puts a changed, usable key
+/// list in `ring` (a Secret's keys rotate without a restart). A broken file keeps the keys in
+/// use (logged once until it changes).
+pub async fn reload_keys(mut file: KeyFile, ring: KeyRing, interval: Duration) {
+    let mut failing = false;
+    loop {
+        tokio::time::sleep(interval).await;
+        match file.load() {
+            Ok(Some(keys)) => {
+                info!(keys = keys.len(), "Fulfilment keys reloaded");
+                ring.replace(keys);
+                failing = false;
+            }
+            Ok(None) => failing = false,
+            Err(e) if !failing => {
+                warn!(error = %e, "Fulfilment keys not reloaded; the previous ones stay");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// What the page needs.
+pub struct Page {
+    client: Client,
+    keys: KeyRing,
+    /// `scheme://host[:port]` of the public URL: a POST from another origin is refused.
+    origin: String,
+    secure_cookie: bool,
+    trust_forwarded_for: bool,
+    /// The provider's own recipients (mails without a `MailgunClusterIdentity`).
+    recipients: Vec<String>,
+    events: Events,
+    limiter: Limiter,
+    requests: IntCounterVec,
+    csp: String,
+}
+
+/// The answer of the page's handler.
+pub type PageFuture = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + Send>>;
+
+/// What the page answers, counted in `capm_fulfilment_requests_total{result}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Form,
+    Invalid,
+    Fulfilled,
+    Already,
+    Refused(&'static str),
+    Error,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Form => "form",
+            Self::Invalid => "invalid_values",
+            Self::Fulfilled => "fulfilled",
+            Self::Already => "already_fulfilled",
+            Self::Refused(reason) => reason,
+            Self::Error => "error",
+        }
+    }
+}
+
+impl Page {
+    /// The page for the public `url`, its counters registered in `registry`.
+    ///
+    /// # Errors
+    /// When the counters are already registered.
+    pub fn new(
+        client: Client,
+        keys: KeyRing,
+        settings: &crate::settings::Fulfilment,
+        recipients: Vec<String>,
+        instance: String,
+        registry: &Registry,
+    ) -> anyhow::Result<Self> {
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "capm_fulfilment_requests_total",
+                "Requests to the fulfilment page, by what it answered",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        let origin = settings
+            .url
+            .parse::<http::Uri>()
+            .ok()
+            .and_then(|u| Some(format!("{}://{}", u.scheme_str()?, u.authority()?)))
+            .unwrap_or_default();
+        let css_hash = {
+            use base64::Engine as _;
+            let digest = ring::digest::digest(&ring::digest::SHA256, html::CSS.as_bytes());
+            base64::engine::general_purpose::STANDARD.encode(digest.as_ref())
+        };
+        Ok(Self {
+            events: Events::new(client.clone(), FIELD_MANAGER, instance),
+            client,
+            keys,
+            origin,
+            secure_cookie: settings.secure,
+            trust_forwarded_for: settings.trust_forwarded_for,
+            recipients,
+            limiter: Limiter::default(),
+            requests,
+            csp: format!(
+                "default-src 'none'; style-src 'sha256-{css_hash}'; form-action 'self'; \
+                 frame-ancestors 'none'; base-uri 'none'"
+            ),
+        })
+    }
+
+    /// The server's handler.
+    pub fn handler(self: Arc<Self>) -> impl Fn(Req) -> PageFuture + Send + Sync + Clone + 'static {
+        move |req| {
+            let page = Arc::clone(&self);
+            Box::pin(async move { page.handle(req).await })
+        }
+    }
+
+    async fn handle(&self, req: Req) -> Response<Full<Bytes>> {
+        let Some(token) = req.uri().path().strip_prefix(fulfil::PATH_PREFIX) else {
+            return crate::http::text(StatusCode::NOT_FOUND, "not found\n");
+        };
+        let token = token.to_owned();
+        let address = self.client_address(&req);
+        let post = req.method() == Method::POST;
+        let (outcome, mut response) =
+            if !post && req.method() != Method::GET && req.method() != Method::HEAD {
+                let mut r = self.answer(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    html::refusal("Use the link or the form."),
+                );
+                r.headers_mut()
+                    .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST"));
+                (Outcome::Refused("method"), r)
+            } else if !self.limiter.allow_address(address, post)
+                || (post && !self.limiter.allow_token(&token))
+            {
+                (Outcome::Refused("rate_limited"), self.too_many())
+            } else if post {
+                self.submit(&token, req, address).await
+            } else {
+                self.show(&token, req.headers()).await
+            };
+        self.requests.with_label_values(&[outcome.label()]).inc();
+        if let Outcome::Refused(reason) = outcome {
+            info!(reason, client = %address, "Fulfilment page refused a request");
+        }
+        let headers = response.headers_mut();
+        for (name, value) in [
+            (header::CACHE_CONTROL, "no-store"),
+            (header::REFERRER_POLICY, "same-origin"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::X_FRAME_OPTIONS, "DENY"),
+        ] {
+            headers.insert(name, HeaderValue::from_static(value));
+        }
+        if let Ok(csp) = HeaderValue::from_str(&self.csp) {
+            headers.insert(header::CONTENT_SECURITY_POLICY, csp);
+        }
+        response
+    }
+
+    /// The peer, or with `--fulfilment-trust-forwarded-for` the last `X-Forwarded-For` entry.
+    fn client_address(&self, req: &Req) -> IpAddr {
+        let peer = req
+            .extensions()
+            .get::<Peer>()
+            .map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0.ip());
+        if !self.trust_forwarded_for {
+            return peer;
+        }
+        req.headers()
+            .get_all("x-forwarded-for")
+            .iter()
+            .next_back()
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.rsplit(',').next())
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(peer)
+    }
+
+    fn answer(&self, status: StatusCode, body: String) -> Response<Full<Bytes>> {
+        let mut response = Response::new(Full::new(Bytes::from(body)));
+        *response.status_mut() = status;
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        response
+    }
+
+    fn too_many(&self) -> Response<Full<Bytes>> {
+        let mut r = self.answer(
+            StatusCode::TOO_MANY_REQUESTS,
+            html::refusal("Too many attempts for now; try again in a few minutes."),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("600"));
+        r
+    }
+
+    fn refused(&self, reason: &'static str, status: StatusCode, message: &str) -> Answered {
+        (
+            Outcome::Refused(reason),
+            self.answer(status, html::refusal(message)),
+        )
+    }
+
+    /// Opens the token and finds its object, still the one it was made for.
+    async fn resolve(&self, token: &str) -> Result<(Claims, Target), Answered> {
+        let claims = match self.keys.current().open(token, SystemTime::now()) {
+            Ok(claims) => claims,
+            Err(FulfilError::Expired { .. }) => {
+                return Err(self.refused("expired", StatusCode::GONE, "This link has expired."));
+            }
+            Err(_) => {
+                return Err(self.refused(
+                    "invalid",
+                    StatusCode::FORBIDDEN,
+                    "This link is not valid: it was altered, or it was revoked.",
+                ));
+            }
+        };
+        let target = match Target::get(&self.client, &claims).await {
+            Ok(Some(target)) => target,
+            Ok(None) => {
+                return Err(self.refused(
+                    "gone",
+                    StatusCode::GONE,
+                    "What this link asks for is no longer requested.",
+                ));
+            }
+            Err(e) => {
+                warn!(error = %e, "Fulfilment page: reading the object failed");
+                return Err((
+                    Outcome::Error,
+                    self.answer(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        html::page(
+                            "Try again shortly",
+                            "<p>The request could not be read just now. Nothing was recorded.</p>\n",
+                        ),
+                    ),
+                ));
+            }
+        };
+        if let Err(mismatch) = claims.check_object(target.meta()) {
+            let message = if mismatch == FulfilError::Revoked {
+                "This link was revoked."
+            } else {
+                "What this link asks for is no longer requested: the object was replaced."
+            };
+            return Err(self.refused(mismatch.metric_label(), StatusCode::GONE, message));
+        }
+        if target.meta().deletion_timestamp.is_some() {
+            return Err(self.refused(
+                "deleting",
+                StatusCode::GONE,
+                "What this link asks for is no longer needed.",
+            ));
+        }
+        Ok((claims, target))
+    }
+
+    async fn show(&self, token: &str, headers: &HeaderMap) -> Answered {
+        let (_, target) = match self.resolve(token).await {
+            Ok(found) => found,
+            Err(answered) => return answered,
+        };
+        if let Some(values) = target.fulfilment() {
+            return (Outcome::Already, self.already(&target, &values).await);
+        }
+        let cookie = cookie(headers).unwrap_or_else(new_cookie);
+        let mut response = self
+            .form_page(&target, token, &cookie, &Form::default(), StatusCode::OK)
+            .await;
+        let secure = if self.secure_cookie { "; Secure" } else { "" };
+        let set = format!(
+            "{COOKIE}={cookie}; Path={}; HttpOnly; SameSite=Strict{secure}",
+            fulfil::PATH_PREFIX
+        );
+        if let Ok(value) = HeaderValue::from_str(&set) {
+            response.headers_mut().insert(header::SET_COOKIE, value);
+        }
+        (Outcome::Form, response)
+    }
+
+    async fn submit(&self, token: &str, req: Req, address: IpAddr) -> Answered {
+        let headers = req.headers().clone();
+        let form_type = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
+        if !form_type {
+            return self.refused(
+                "not_a_form",
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "Send the values with the page's form.",
+            );
+        }
+        let body = http_body_util::BodyExt::collect(req.into_body())
+            .await
+            .map(http_body_util::Collected::to_bytes)
+            .unwrap_or_default();
+        let fields: HashMap<String, String> = form_urlencoded::parse(&body).into_owned().collect();
+        // A browser that hides the origin sends `null`: the page token decides then.
+        let origin_ok = headers
+            .get(header::ORIGIN)
+            .is_none_or(|o| o.as_bytes() == self.origin.as_bytes() || o.as_bytes() == b"null");
+        let page_token_ok = match (cookie(&headers), fields.get("form-token")) {
+            (Some(cookie), Some(form)) => {
+                self.keys.current().check_form_token(token, &cookie, form)
+            }
+            _ => false,
+        };
+        if !origin_ok || !page_token_ok {
+            let origin = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok());
+            info!(
+                origin,
+                expected = self.origin,
+                page_token_ok,
+                cookie = cookie(&headers).is_some(),
+                "Fulfilment form refused: not from its page"
+            );
+            return self.refused(
+                if origin_ok {
+                    "no_page_token"
+                } else {
+                    "cross_origin"
+                },
+                StatusCode::FORBIDDEN,
+                "This form was not sent from its page. Open the link from the mail again.",
+            );
+        }
+        let (claims, target) = match self.resolve(token).await {
+            Ok(found) => found,
+            Err(answered) => return answered,
+        };
+        if let Some(values) = target.fulfilment() {
+            return (Outcome::Already, self.already(&target, &values).await);
+        }
+        let cookie = cookie(&headers).unwrap_or_default();
+        let form = Form::from_fields(&fields);
+        let (patch, problems) = target.apply(&form);
+        let Some(patch) = patch.filter(|_| problems.is_empty()) else {
+            let response = self
+                .form_page(
+                    &target,
+                    token,
+                    &cookie,
+                    &form.with(problems),
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                )
+                .await;
+            return (Outcome::Invalid, response);
+        };
+        match target.patch(&self.client, &claims, patch).await {
+            Ok(updated) => {
+                let values = updated.fulfilment().unwrap_or_default();
+                self.record(&updated, &values, address, &headers).await;
+                let body = format!(
+                    "<div class=\"done\" role=\"status\">\n<p>Recorded. Thank you: the {} {} is \
+                     marked provisioned shortly.</p>\n</div>\n{}",
+                    html::escape(claims.kind.as_str()),
+                    html::shown(&claims.name),
+                    html::values(&values)
+                );
+                (
+                    Outcome::Fulfilled,
+                    self.answer(StatusCode::OK, html::page("Recorded", &body)),
+                )
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                match Target::get(&self.client, &claims).await {
+                    Ok(Some(now)) if now.fulfilment().is_some() => {
+                        let values = now.fulfilment().unwrap_or_default();
+                        (Outcome::Already, self.already(&now, &values).await)
+                    }
+                    _ => {
+                        let problem = "The request changed while you filled in the form; check the values and send them again.";
+                        let form = form.with(vec![(None, problem.to_owned())]);
+                        (
+                            Outcome::Invalid,
+                            self.form_page(&target, token, &cookie, &form, StatusCode::CONFLICT)
+                                .await,
+                        )
+                    }
+                }
+            }
+            Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
+                let problem = format!("The API server refused the values: {}", e.message);
+                let form = form.with(vec![(None, problem)]);
+                (
+                    Outcome::Invalid,
+                    self.form_page(
+                        &target,
+                        token,
+                        &cookie,
+                        &form,
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                    )
+                    .await,
+                )
+            }
+            Err(e) => {
+                warn!(error = %e, "Fulfilment page: the patch failed");
+                (
+                    Outcome::Error,
+                    self.answer(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        html::page(
+                            "Try again shortly",
+                            "<p>The values could not be recorded just now. Nothing was recorded; send the form again in a moment.</p>\n",
+                        ),
+                    ),
+                )
+            }
+        }
+    }
+
+    /// The Event saying who fulfilled the object: the mail's recipients (the link's holders),
+    /// the client's address and user agent.
+    async fn record(
+        &self,
+        target: &Target,
+        values: &[(String, String)],
+        address: IpAddr,
+        headers: &HeaderMap,
+    ) {
+        let recipients = self.recipients_of(target).await;
+        let agent = headers
+            .get(header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("none");
+        let set = values
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let note = format!(
+            "{set} recorded through the fulfilment link mailed to {recipients}, from {address} \
+             (user agent: {agent})"
+        );
+        if let Err(e) = self
+            .events
+            .publish(&target.object_ref(), EventType::Normal, EVENT_REASON, &note)
+            .await
+        {
+            warn!(error = %e, "Fulfilment page: recording the Event failed");
+        }
+    }
+
+    /// Who the request mail went to: its identity's recipients, else the provider's.
+    async fn recipients_of(&self, target: &Target) -> String {
+        let empty = Default::default();
+        let annotations = target.meta().annotations.as_ref().unwrap_or(&empty);
+        let records = read_records(annotations, target.kind().as_str(), Which::Request);
+        let identity = records
+            .sent
+            .and_then(|s| s.identity)
+            .or(records.intent.and_then(|i| i.identity));
+        let recipients = match identity {
+            None => self.recipients.clone(),
+            Some(name) => self
+                .identity_recipients(&name)
+                .await
+                .unwrap_or_else(|| vec![format!("the recipients of identity {name}")]),
+        };
+        recipients.join(", ")
+    }
+
+    /// The recipients of the identity `name`: read with `get`, else with a `list` of that one
+    /// name (whichever the provider's role grants).
+    async fn identity_recipients(&self, name: &str) -> Option<Vec<String>> {
+        let api = Api::<MailgunClusterIdentity>::all(self.client.clone());
+        if let Ok(found) = api.get_opt(name).await {
+            return found.map(|i| i.spec.recipients);
+        }
+        let one = kube::api::ListParams::default().fields(&format!("metadata.name={name}"));
+        let listed = api.list(&one).await.ok()?;
+        listed.items.into_iter().next().map(|i| i.spec.recipients)
+    }
+
+    async fn already(&self, target: &Target, values: &[(String, String)]) -> Response<Full<Bytes>> {
+        let body = format!(
+            "<div class=\"done\" role=\"status\">\n<p>Already recorded: nothing more to do.</p>\n</div>\n{}{}",
+            html::values(values),
+            html::summary(&target.summary(&self.client).await)
+        );
+        self.answer(StatusCode::OK, html::page("Already fulfilled", &body))
+    }
+
+    async fn form_page(
+        &self,
+        target: &Target,
+        token: &str,
+        cookie: &str,
+        form: &Form,
+        status: StatusCode,
+    ) -> Response<Full<Bytes>> {
+        let form_token = self.keys.current().form_token(token, cookie);
+        let action = format!("{}{token}", fulfil::PATH_PREFIX);
+        let problem = |name: &str| {
+            form.problems
+                .iter()
+                .find(|(n, _)| n.as_deref() == Some(name))
+                .map(|(_, p)| p.as_str())
+        };
+        let general = form
+            .problems
+            .iter()
+            .filter(|(n, _)| n.is_none())
+            .map(|(_, p)| p.as_str())
+            .next();
+        let general = general.or_else(|| {
+            (!form.problems.is_empty()).then_some("Some values need another look (below).")
+        });
+        let summary = html::summary(&target.summary(&self.client).await);
+        let body = match target {
+            Target::Cluster(_) => {
+                let fields = [
+                    html::Field {
+                        name: "host",
+                        label: "Control plane host",
+                        hint: "The DNS name or IP address of the cluster's API server endpoint (letters, digits, '.', ':' and '-').",
+                        value: &form.host,
+                        problem: problem("host"),
+                        input_type: "text",
+                        required: true,
+                    },
+                    html::Field {
+                        name: "port",
+                        label: "Control plane port",
+                        hint: "The TCP port of the endpoint, 1 to 65535 (usually 6443).",
+                        value: &form.port,
+                        problem: problem("port"),
+                        input_type: "number",
+                        required: true,
+                    },
+                ];
+                html::form(&action, &form_token, &fields, &[], general)
+            }
+            Target::Machine(_) => {
+                let fields = [html::Field {
+                    name: "provider-id",
+                    label: "Provider ID",
+                    hint: "How the machine is known to the cluster: <scheme>://<id>, e.g. datacentre://rack4/slot12.",
+                    value: &form.provider_id,
+                    problem: problem("provider-id"),
+                    input_type: "text",
+                    required: true,
+                }];
+                let names: Vec<String> =
+                    (0..ADDRESS_ROWS).map(|i| format!("address-{i}")).collect();
+                let rows: Vec<_> = (0..ADDRESS_ROWS)
+                    .map(|i| {
+                        let (type_, address) = form
+                            .addresses
+                            .get(i)
+                            .map_or(("InternalIP", ""), |(t, a)| (t.as_str(), a.as_str()));
+                        html::AddressRow {
+                            index: i,
+                            type_,
+                            address,
+                            problem: problem(&names[i]),
+                        }
+                    })
+                    .collect();
+                html::form(&action, &form_token, &fields, &rows, general)
+            }
+        };
+        let title = match target {
+            Target::Cluster(_) => "A cluster was requested",
+            Target::Machine(_) => "A machine was requested",
+        };
+        self.answer(status, html::page(title, &format!("{summary}{body}")))
+    }
+}
+
+type Answered = (Outcome, Response<Full<Bytes>>);
+
+/// The cookie's value, if it is one this page set.
+fn cookie(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='))
+        .find(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
+        .map(str::to_owned)
+}
+
+fn new_cookie() -> String {
+    rand::random::<[u8; 16]>()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use capm_api::fulfil::Kind;
+
+    use super::*;
+
+    const KEY_A: &str = "QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUE=";
+    const KEY_B: &str = "QkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkI=";
+
+    #[tokio::test]
+    async fn a_rotated_key_file_is_used_and_a_broken_one_ignored() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), KEY_A).unwrap();
+        let mut keys = KeyFile::new(file.path().to_owned());
+        let ring = KeyRing::new(keys.load().unwrap().unwrap());
+        assert!(keys.load().unwrap().is_none(), "unchanged");
+        let task = tokio::spawn(reload_keys(keys, ring.clone(), Duration::from_millis(20)));
+        let claims = Claims::new(Kind::MailgunCluster, "ns", "c", "u", "<m@d>", u64::MAX);
+        let old = ring.current().seal(&claims).unwrap();
+        std::fs::write(file.path(), format!("{KEY_B}\n{KEY_A}\n")).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while ring.current().len() != 2 {
+            assert!(std::time::Instant::now() < deadline, "not reloaded");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_ne!(ring.current().seal(&claims).unwrap(), old);
+        assert!(ring.current().open(&old, SystemTime::now()).is_ok());
+        // A broken file keeps the keys in use.
+        std::fs::write(file.path(), "not a key").unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(ring.current().len(), 2);
+        task.abort();
+        let broken = KeyFile::new(file.path().to_owned())
+            .load()
+            .unwrap_err()
+            .to_string();
+        assert!(broken.contains("line 1"), "{broken}");
+        assert!(
+            !broken.contains(KEY_A) && !broken.contains("not a key"),
+            "{broken}"
+        );
+    }
+
+    #[test]
+    fn only_a_cookie_this_page_sets_is_read() {
+        let mut headers = HeaderMap::new();
+        let good = new_cookie();
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_str(&format!("other=1; {COOKIE}=short; {COOKIE}={good}")).unwrap(),
+        );
+        assert_eq!(cookie(&headers), Some(good));
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_static("capm_fulfil=<script>"),
+        );
+        assert_eq!(cookie(&headers), None);
+    }
+}

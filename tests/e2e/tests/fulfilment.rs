@@ -1,0 +1,447 @@
+//! Fulfilment without cluster credentials (issue 48), in a real browser: the chart installed with
+//! `fulfilment.url`, the provider run as its Deployment runs it, the Cluster API core manager and
+//! the test control plane and bootstrap providers; a Mailgun contract server receives the
+//! request mails. A headless Chromium (Debian's `chromium`, driven by Playwright for Python:
+//! `tests/e2e/browser/fulfil_page.py`) opens the link from each received mail, fills the form by
+//! its labels and submits it: the `Cluster` reaches `Provisioned`, and so does a `MailgunMachine`
+//! of a MachineDeployment. The screenshots of each page state go to `docs/fulfilment/`.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, ensure};
+use capm_e2e::{
+    CHART_NAMESPACE as NS, FULLNAME, RELEASE, create_namespace, create_secret, dynamic_api,
+    dynamic_object, eventually, free_port, helm_chart, mailgun_mails, mailgun_values,
+    start_capi_manager, start_routed_chart_provider,
+    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+};
+use capm_mail_servers::MailgunServer;
+use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use k8s_openapi::api::events::v1::Event;
+use kube::{
+    Api, Client,
+    api::{DynamicObject, ListParams, PostParams},
+};
+use serde_json::{Value, json};
+
+const USER_NS: &str = "team-web";
+const DOMAIN: &str = "mg.web.example.com";
+const RECIPIENT: &str = "datacentre-team@example.com";
+const INFRA: &str = "infrastructure.cluster.x-k8s.io";
+const CAPI: &str = "cluster.x-k8s.io";
+const CLUSTER: &str = "web";
+const WORKERS: &str = "web-workers";
+/// A test key (32 bytes, base64): the links are sealed with it.
+const KEY: &str = "ZnVsZmlsbWVudC1lMmUta2V5LW9mLXRoaXJ0eS10d28h";
+
+/// Debian's chromium (`CAPM_CHROMIUM` overrides).
+fn chromium() -> Result<PathBuf> {
+    let path = std::env::var_os("CAPM_CHROMIUM")
+        .map_or_else(|| PathBuf::from("/usr/bin/chromium"), PathBuf::from);
+    ensure!(
+        path.exists(),
+        "{} not found: `apt-get install chromium` (make deps does)",
+        path.display()
+    );
+    Ok(path)
+}
+
+fn docs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/fulfilment")
+}
+
+/// The fulfilment link in a mail's text.
+fn link_in(body: &str) -> Result<String> {
+    body.lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("http") && l.contains("/fulfil/"))
+        .map(str::to_owned)
+        .with_context(|| format!("no fulfilment link in the mail:\n{body}"))
+}
+
+/// The browser fulfils `link`: (label, value) fields, (select id, option) choices; with
+/// `refused`, an altered link opened last. What each page said, as JSON.
+fn browse(
+    link: &str,
+    prefix: &str,
+    fill: &[(&str, &str)],
+    select: &[(&str, &str)],
+    refused: Option<&str>,
+) -> Result<Value> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("browser/fulfil_page.py");
+    let shots = docs_dir();
+    fs::create_dir_all(&shots)?;
+    let mut cmd = Command::new("python3");
+    cmd.arg(&script)
+        .arg("--chromium")
+        .arg(chromium()?)
+        .args(["--link", link, "--prefix", prefix])
+        .arg("--screenshots")
+        .arg(&shots);
+    for (label, value) in fill {
+        cmd.arg("--fill").arg(format!("{label}={value}"));
+    }
+    for (id, option) in select {
+        cmd.arg("--select").arg(format!("{id}={option}"));
+    }
+    if let Some(refused) = refused {
+        cmd.args(["--refused", refused]);
+    }
+    let out = capm_e2e::run(&mut cmd, "the browser")?;
+    serde_json::from_str(&out).with_context(|| format!("the browser's report: {out}"))
+}
+
+/// The page state `key` of a browser report has `h1` and contains every `texts`.
+fn page_says(report: &Value, key: &str, h1: &str, texts: &[&str]) -> Result<()> {
+    let state = &report[key];
+    ensure!(state["h1"] == h1, "{key}: heading {}: {state}", state["h1"]);
+    let text = state["text"].as_str().unwrap_or_default();
+    for want in texts {
+        ensure!(
+            text.contains(want),
+            "{key}: {want:?} not on the page:\n{text}"
+        );
+    }
+    Ok(())
+}
+
+fn condition_true(object: &DynamicObject, kind: &str) -> bool {
+    object.data["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == kind && c["status"] == "True")
+}
+
+/// The `FulfilledThroughLink` Event's note about `name`.
+async fn fulfilled_event(admin: &Client, name: &str) -> Result<String> {
+    let events: Api<Event> = Api::namespaced(admin.clone(), USER_NS);
+    eventually(
+        Duration::from_secs(30),
+        "the FulfilledThroughLink Event",
+        || {
+            let events = events.clone();
+            async move {
+                Ok(events
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .find(|e| {
+                        e.reason.as_deref() == Some("FulfilledThroughLink")
+                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                    })
+                    .and_then(|e| e.note))
+            }
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_browser_fulfils_a_cluster_and_a_machine_from_the_mailed_links() -> Result<()> {
+    let chromium = chromium()?;
+    let work = tempfile::tempdir()?;
+    let dir = work.path();
+    let cp = ControlPlane::start(Options::default()).await?;
+    cp.install_capi_crds().await?;
+    let admin = cp.client().await?;
+    topology::install_crds(&admin).await?;
+    let mailgun = MailgunServer::start("key-fulfilment-e2e-not-logged", DOMAIN)?;
+    let result = story(&cp, &admin, &mailgun, dir, &chromium).await;
+    if let Err(e) = &result {
+        eprintln!("failed: {e:#}");
+        for name in ["capi-manager.log", "provider.log"] {
+            eprintln!(
+                "--- last lines of {name}:\n{}",
+                capm_test_support::process::tail(&dir.join(name), 40)
+            );
+        }
+    }
+    result
+}
+
+async fn story(
+    cp: &ControlPlane,
+    admin: &Client,
+    mailgun: &MailgunServer,
+    dir: &Path,
+    chromium: &Path,
+) -> Result<()> {
+    ensure!(chromium.exists());
+    // The chart with the page on; its keys in a Secret, as docs/fulfilment.md says.
+    let port = free_port()?;
+    let url = format!("http://127.0.0.1:{port}");
+    create_namespace(admin, NS, true).await?;
+    create_secret(
+        admin,
+        NS,
+        "mailgun-credentials",
+        &[("api-key", mailgun.api_key())],
+    )
+    .await?;
+    create_secret(admin, NS, "capm-fulfilment-keys", &[("keys", KEY)]).await?;
+    let values = dir.join("values.yaml");
+    fs::write(
+        &values,
+        format!(
+            "{}fulfilment:\n  url: {url}\n  port: {port}\n  keysSecret: {{name: capm-fulfilment-keys}}\n",
+            mailgun_values(RECIPIENT, DOMAIN, &mailgun.base_url())
+        ),
+    )?;
+    helm_chart(cp.kubeconfig(), "install", RELEASE, NS, &values, &[])?;
+    let provider = start_routed_chart_provider(cp, admin, NS, FULLNAME, dir).await?;
+    ensure!(
+        provider
+            .chart_args
+            .iter()
+            .any(|a| a == &format!("--fulfilment-url={url}")),
+        "{:?}",
+        provider.chart_args
+    );
+    create_namespace(admin, USER_NS, false).await?;
+    let capi = start_capi_manager(cp.kubeconfig(), dir)?;
+    let _providers = TestProviders::start(admin, USER_NS);
+
+    let create = |group: &str, version: &str, kind: &str, name: &str, spec: Value| {
+        let api = dynamic_api(admin, USER_NS, group, version, kind);
+        let object = dynamic_object(&format!("{group}/{version}"), kind, USER_NS, name, spec);
+        let what = format!("creating {kind} {name}");
+        async move {
+            api.create(&PostParams::default(), &object?)
+                .await
+                .context(what)
+        }
+    };
+    topology::create_templates(admin, USER_NS, WORKERS).await?;
+    create(
+        CONTROL_PLANE_GROUP,
+        topology::VERSION,
+        "TestControlPlane",
+        CLUSTER,
+        json!({"version": KUBERNETES_VERSION, "replicas": 1}),
+    )
+    .await?;
+    create(INFRA, "v1beta1", "MailgunCluster", CLUSTER,
+        json!({"priority": "Urgent", "request": "One cluster please.\nThree control plane nodes.", "requester": "web-admin@example.com"})).await?;
+    create(CAPI, "v1beta2", "Cluster", CLUSTER, json!({
+        "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": CLUSTER},
+        "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": CLUSTER},
+    })).await?;
+
+    // The cluster's request mail: the kubectl patch and, beside it, the link.
+    let wait = Duration::from_secs(120);
+    let body = eventually(wait, "the cluster request mail", || async {
+        provider.proc.check_alive()?;
+        capi.check_alive()?;
+        Ok(mailgun_mails(mailgun)?
+            .into_iter()
+            .find(|(m, _)| {
+                m.subject
+                    .contains(&format!("New Cluster {CLUSTER} requested"))
+            })
+            .map(|(_, body)| body))
+    })
+    .await?;
+    ensure!(body.contains("kubectl patch mailguncluster"), "{body}");
+    let link = link_in(&body)?;
+    ensure!(link.starts_with(&format!("{url}/fulfil/")), "{link}");
+    ensure!(
+        !link.contains(CLUSTER) && !link.contains(USER_NS),
+        "the link names the object: {link}"
+    );
+
+    // An altered link: one character of the token changed.
+    let mut altered = link.clone();
+    let last = altered.pop().context("empty link")?;
+    altered.push(if last == 'A' { 'B' } else { 'A' });
+    let report = browse(
+        &link,
+        "cluster",
+        &[
+            ("Control plane host", "api.web.example.com"),
+            ("Control plane port", "6443"),
+        ],
+        &[],
+        Some(&altered),
+    )?;
+    ensure!(report["request"]["status"] == 200, "{report}");
+    ensure!(
+        report["scripts"] == 0,
+        "the page has no JavaScript: {report}"
+    );
+    page_says(
+        &report,
+        "request",
+        "A cluster was requested",
+        &[
+            "MailgunCluster",
+            CLUSTER,
+            USER_NS,
+            "Urgent",
+            "Three control plane nodes.",
+            "web-admin@example.com",
+        ],
+    )?;
+    page_says(
+        &report,
+        "submitted",
+        "Recorded",
+        &["api.web.example.com:6443"],
+    )?;
+    page_says(
+        &report,
+        "again",
+        "Already fulfilled",
+        &["api.web.example.com:6443"],
+    )?;
+    ensure!(report["refused"]["status"] == 403, "{report}");
+    page_says(
+        &report,
+        "refused",
+        "This link cannot be used",
+        &["Nothing was recorded"],
+    )?;
+
+    let clusters = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Cluster");
+    eventually(
+        wait,
+        "Cluster InfrastructureReady, Provisioned, control plane initialized",
+        || async {
+            let c = clusters.get(CLUSTER).await?;
+            let phase = c.data["status"]["phase"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            Ok((condition_true(&c, "InfrastructureReady")
+                && condition_true(&c, "ControlPlaneInitialized")
+                && phase == "Provisioned")
+                .then_some(()))
+        },
+    )
+    .await?;
+    let note = fulfilled_event(admin, CLUSTER).await?;
+    for want in [RECIPIENT, "127.0.0.1", "Chrome", "api.web.example.com:6443"] {
+        ensure!(note.contains(want), "{want:?} not in the Event: {note}");
+    }
+
+    // A MachineDeployment of one worker: its MailgunMachine's mail, fulfilled in the browser.
+    create(INFRA, "v1beta1", "MailgunMachineTemplate", WORKERS,
+        json!({"template": {"spec": {"priority": "BusinessCritical", "request": "A worker please", "requester": "web-admin@example.com"}}})).await?;
+    create(CAPI, "v1beta2", "MachineDeployment", WORKERS, json!({
+        "clusterName": CLUSTER,
+        "replicas": 1,
+        "selector": {"matchLabels": {"e2e.capm.example.com/pool": WORKERS}},
+        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
+        "deletion": {"order": "Random"},
+        "template": {
+            "metadata": {"labels": {"e2e.capm.example.com/pool": WORKERS}},
+            "spec": {
+                "clusterName": CLUSTER,
+                "version": KUBERNETES_VERSION,
+                "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": WORKERS}},
+                "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": WORKERS},
+            },
+        },
+    })).await?;
+    let (subject, body) = eventually(wait, "the machine request mail", || async {
+        provider.proc.check_alive()?;
+        Ok(mailgun_mails(mailgun)?
+            .into_iter()
+            .find(|(m, _)| {
+                m.subject.contains("New Machine")
+                    && m.subject.contains(&format!("for Cluster {CLUSTER}"))
+            })
+            .map(|(m, body)| (m.subject, body)))
+    })
+    .await?;
+    let machine = subject
+        .split_whitespace()
+        .skip_while(|w| *w != "Machine")
+        .nth(1)
+        .context("machine name in the subject")?
+        .to_owned();
+    let secret_line = body
+        .lines()
+        .find(|l| l.starts_with("Bootstrap data: Secret "))
+        .with_context(|| format!("no bootstrap line:\n{body}"))?;
+    let secret = secret_line
+        .trim_start_matches("Bootstrap data: Secret ")
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let link = link_in(&body)?;
+    let report = browse(
+        &link,
+        "machine",
+        &[
+            ("Provider ID", "datacentre://rack4/slot12"),
+            ("Address", "192.0.2.10"),
+        ],
+        &[("address-type-0", "InternalIP")],
+        None,
+    )?;
+    page_says(
+        &report,
+        "request",
+        "A machine was requested",
+        &[
+            "MailgunMachine",
+            &machine,
+            "BusinessCritical",
+            "A worker please",
+            "Bootstrap data",
+            &secret,
+        ],
+    )?;
+    page_says(
+        &report,
+        "submitted",
+        "Recorded",
+        &["datacentre://rack4/slot12", "192.0.2.10"],
+    )?;
+    page_says(
+        &report,
+        "again",
+        "Already fulfilled",
+        &["datacentre://rack4/slot12"],
+    )?;
+
+    let mailgun_machines = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunMachine");
+    let machines = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine");
+    eventually(
+        wait,
+        "the MailgunMachine and its Machine provisioned",
+        || async {
+            let m = mailgun_machines.get(&machine).await?;
+            let provisioned = m.data["status"]["initialization"]["provisioned"] == true
+                && m.data["status"]["addresses"][0]["address"] == "192.0.2.10";
+            let owner = m
+                .metadata
+                .owner_references
+                .unwrap_or_default()
+                .into_iter()
+                .find(|o| o.kind == "Machine");
+            let Some(owner) = owner else { return Ok(None) };
+            let capi_machine = machines.get(&owner.name).await?;
+            let infra = capi_machine.data["status"]["initialization"]["infrastructureProvisioned"]
+                == true
+                && capi_machine.data["spec"]["providerID"] == "datacentre://rack4/slot12";
+            Ok((provisioned && infra).then_some(()))
+        },
+    )
+    .await?;
+    let note = fulfilled_event(admin, &machine).await?;
+    ensure!(
+        note.contains("datacentre://rack4/slot12") && note.contains(RECIPIENT),
+        "{note}"
+    );
+    println!("screenshots in {}", docs_dir().display());
+    Ok(())
+}
