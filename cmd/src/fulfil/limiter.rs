@@ -27,9 +27,12 @@ pub struct Limiter {
 
 impl Limiter {
     /// Counts a request from `address` (a submission when `post`); false past a limit.
+    /// An IPv6 client counts by its /64 (one host usually holds a whole /64, and would
+    /// otherwise get a fresh budget per address and fill the table).
     pub fn allow_address(&self, address: IpAddr, post: bool) -> bool {
-        let any = self.allow(format!("a:{address}"), REQUESTS_PER_ADDRESS);
-        any && (!post || self.allow(format!("p:{address}"), POSTS_PER_ADDRESS))
+        let client = client_key(address);
+        let any = self.allow(format!("a:{client}"), REQUESTS_PER_ADDRESS);
+        any && (!post || self.allow(format!("p:{client}"), POSTS_PER_ADDRESS))
     }
 
     /// Counts a submission for the link `token`; false past the limit.
@@ -61,6 +64,21 @@ impl Limiter {
     }
 }
 
+/// The key an address counts under: an IPv4 address (also IPv4-mapped IPv6) itself, an IPv6
+/// address its /64 prefix.
+fn client_key(address: IpAddr) -> String {
+    match address {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => {
+                let s = v6.segments();
+                format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+            }
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +98,18 @@ mod tests {
         assert!(!limiter.allow_address(one, true));
         assert!(limiter.allow_address(one, false));
         assert!(limiter.allow_address(two, true));
+    }
+
+    #[test]
+    fn an_ipv6_client_counts_by_its_prefix() {
+        let limiter = Limiter::default();
+        let host = |last: u16| IpAddr::from([0x2001, 0xdb8, 1, 2, 0, 0, 0, last]);
+        for i in 0..POSTS_PER_ADDRESS {
+            assert!(limiter.allow_address(host(i as u16), true));
+        }
+        assert!(!limiter.allow_address(host(999), true), "same /64");
+        assert!(limiter.allow_address(IpAddr::from([0x2001, 0xdb8, 1, 3, 0, 0, 0, 1]), true));
+        let mapped: IpAddr = "::ffff:10.0.0.9".parse().unwrap();
+        assert_eq!(client_key(mapped), "10.0.0.9");
     }
 }

@@ -47,6 +47,10 @@ const COOKIE: &str = "capm_fulfil";
 const ADDRESS_ROWS: usize = 4;
 /// How often the key file is looked at.
 pub const KEY_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
+/// How much of the client's `User-Agent` the Event keeps.
+const MAX_AGENT_BYTES: usize = 200;
+/// The key file is read up to this size (a Secret holds at most 1 MiB; a key line is ~45 bytes).
+const MAX_KEY_FILE_BYTES: u64 = 64 * 1024;
 /// The page's field manager for its patches.
 const FIELD_MANAGER: &str = "cluster-api-provider-mailgun-fulfilment";
 
@@ -70,8 +74,18 @@ impl KeyFile {
     /// next call reads it again.
     pub fn load(&mut self) -> anyhow::Result<Option<Keys>> {
         let path = self.path.display();
-        let bytes =
-            std::fs::read(&self.path).map_err(|e| anyhow::anyhow!("reading {path}: {e}"))?;
+        let mut bytes = Vec::new();
+        std::fs::File::open(&self.path)
+            .and_then(|f| {
+                std::io::Read::read_to_end(
+                    &mut std::io::Read::take(f, MAX_KEY_FILE_BYTES + 1),
+                    &mut bytes,
+                )
+            })
+            .map_err(|e| anyhow::anyhow!("reading {path}: {e}"))?;
+        if bytes.len() as u64 > MAX_KEY_FILE_BYTES {
+            anyhow::bail!("{path} is larger than {MAX_KEY_FILE_BYTES} bytes");
+        }
         if self.last.as_ref() == Some(&bytes) {
             return Ok(None);
         }
@@ -517,10 +531,14 @@ impl Page {
         headers: &HeaderMap,
     ) {
         let recipients = self.recipients_of(target).await;
+        // The client's own text: cleaned and cut short, so that it never crowds out the rest.
         let agent = headers
             .get(header::USER_AGENT)
             .and_then(|v| v.to_str().ok())
-            .unwrap_or("none");
+            .map_or_else(
+                || "none".to_owned(),
+                |a| capm_mailer::text::clean(a, MAX_AGENT_BYTES),
+            );
         let set = values
             .iter()
             .map(|(k, v)| format!("{k} {v}"))
