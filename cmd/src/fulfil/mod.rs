@@ -51,6 +51,10 @@ pub const KEY_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 const MAX_AGENT_BYTES: usize = 200;
 /// The key file is read up to this size (a Secret holds at most 1 MiB; a key line is ~45 bytes).
 const MAX_KEY_FILE_BYTES: u64 = 64 * 1024;
+/// Patches tried when the object changes under one (each after reading and checking it again).
+const PATCH_ATTEMPTS: u32 = 4;
+/// The pause before the next attempt, times the attempts so far.
+const CONFLICT_PAUSE: Duration = Duration::from_millis(250);
 /// The page's field manager for its patches.
 const FIELD_MANAGER: &str = "cluster-api-provider-mailgun-fulfilment";
 
@@ -435,29 +439,42 @@ impl Page {
                 "This form was not sent from its page. Open the link from the mail again.",
             );
         }
-        let (claims, target) = match self.resolve(token).await {
-            Ok(found) => found,
-            Err(answered) => return answered,
-        };
-        if let Some(values) = target.fulfilment() {
-            return (Outcome::Already, self.already(&target, &values).await);
-        }
         let cookie = cookie(&headers).unwrap_or_default();
         let form = Form::from_fields(&fields);
-        let (patch, problems) = target.apply(&form);
-        let Some(patch) = patch.filter(|_| problems.is_empty()) else {
-            let response = self
-                .form_page(
-                    &target,
-                    token,
-                    &cookie,
-                    &form.with(problems),
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                )
-                .await;
-            return (Outcome::Invalid, response);
+        // The patch carries the object's resourceVersion, so every check holds at the write. A
+        // conflict (the controller records the request's send right after the mail goes out, so
+        // a quick human meets one) reads the object again and checks it all again.
+        let mut attempt = 0;
+        let (claims, target, result) = loop {
+            attempt += 1;
+            let (claims, target) = match self.resolve(token).await {
+                Ok(found) => found,
+                Err(answered) => return answered,
+            };
+            if let Some(values) = target.fulfilment() {
+                return (Outcome::Already, self.already(&target, &values).await);
+            }
+            let (patch, problems) = target.apply(&form);
+            let Some(patch) = patch.filter(|_| problems.is_empty()) else {
+                let response = self
+                    .form_page(
+                        &target,
+                        token,
+                        &cookie,
+                        &form.with(problems),
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                    )
+                    .await;
+                return (Outcome::Invalid, response);
+            };
+            match target.patch(&self.client, &claims, patch).await {
+                Err(kube::Error::Api(e)) if e.code == 409 && attempt < PATCH_ATTEMPTS => {
+                    tokio::time::sleep(CONFLICT_PAUSE * attempt).await;
+                }
+                result => break (claims, target, result),
+            }
         };
-        match target.patch(&self.client, &claims, patch).await {
+        match result {
             Ok(updated) => {
                 let values = updated.fulfilment().unwrap_or_default();
                 self.record(&updated, &values, address, &headers).await;
@@ -474,21 +491,13 @@ impl Page {
                 )
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
-                match Target::get(&self.client, &claims).await {
-                    Ok(Some(now)) if now.fulfilment().is_some() => {
-                        let values = now.fulfilment().unwrap_or_default();
-                        (Outcome::Already, self.already(&now, &values).await)
-                    }
-                    _ => {
-                        let problem = "The request changed while you filled in the form; check the values and send them again.";
-                        let form = form.with(vec![(None, problem.to_owned())]);
-                        (
-                            Outcome::Invalid,
-                            self.form_page(&target, token, &cookie, &form, StatusCode::CONFLICT)
-                                .await,
-                        )
-                    }
-                }
+                let problem = "The request kept changing while the values were recorded; check them and send them again.";
+                let form = form.with(vec![(None, problem.to_owned())]);
+                (
+                    Outcome::Invalid,
+                    self.form_page(&target, token, &cookie, &form, StatusCode::CONFLICT)
+                        .await,
+                )
             }
             Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
                 let problem = format!("The API server refused the values: {}", e.message);
@@ -745,6 +754,174 @@ mod tests {
         assert!(
             !broken.contains(KEY_A) && !broken.contains("not a key"),
             "{broken}"
+        );
+    }
+
+    /// A fake API server holding one MailgunCluster: `conflicts` PATCHes answer 409 (after
+    /// each, the object moves on a version, as when the controller writes meanwhile), the next
+    /// one applies. Returns the page's client and the log of requests (`METHOD path rv`).
+    fn fake_api(conflicts: usize) -> (Client, Arc<std::sync::Mutex<Vec<String>>>) {
+        use http::Request;
+        use kube::client::Body;
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&log);
+        let mut object = serde_json::json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunCluster",
+            "metadata": {
+                "name": "c", "namespace": "team-a", "uid": "u-1", "resourceVersion": "1",
+                "annotations": { capm_api::names::MAIL_ANNOTATION: serde_json::json!({
+                    "messageId": "<mailguncluster.u-1@mg.example.com>", "state": "sent",
+                    "backendId": "<x@mg.example.com>",
+                }).to_string() },
+            },
+            "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "dev@example.com" },
+        });
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        tokio::spawn(async move {
+            let mut left = conflicts;
+            while let Some((request, respond)) = handle.next_request().await {
+                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+                let body: serde_json::Value =
+                    serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
+                        .unwrap_or_default();
+                let rv = body["metadata"]["resourceVersion"].as_str().unwrap_or("-");
+                seen.lock().unwrap().push(format!("{method} {path} {rv}"));
+                let version = |o: &serde_json::Value| {
+                    o["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap()
+                        .parse::<u32>()
+                        .unwrap()
+                };
+                let (code, answer) = match method {
+                    Method::GET => (200, object.clone()),
+                    Method::PATCH if left > 0 => {
+                        left -= 1;
+                        let next = version(&object) + 1;
+                        object["metadata"]["resourceVersion"] = next.to_string().into();
+                        let status = serde_json::json!({
+                            "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                            "reason": "Conflict", "code": 409, "message": "the object has been modified",
+                        });
+                        (409, status)
+                    }
+                    Method::PATCH => {
+                        assert_eq!(
+                            rv, object["metadata"]["resourceVersion"],
+                            "a patch on the version read"
+                        );
+                        object["spec"]["controlPlaneEndpoint"] =
+                            body["spec"]["controlPlaneEndpoint"].clone();
+                        (200, object.clone())
+                    }
+                    _ => (201, body),
+                };
+                let response = Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                    .unwrap();
+                respond.send_response(response);
+            }
+        });
+        (Client::new(service, "default"), log)
+    }
+
+    /// The page's answer to the form for the MailgunCluster `team-a/c` sent from its page.
+    async fn submit_form(client: Client) -> (StatusCode, String) {
+        let keys = KeyRing::new(Keys::parse(KEY_A).unwrap());
+        let settings = crate::settings::Fulfilment {
+            url: "https://capm.example.com".into(),
+            secure: true,
+            keys_file: "unused".into(),
+            bind: None,
+            validity: fulfil::DEFAULT_VALIDITY,
+            trust_forwarded_for: false,
+        };
+        let page = Page::new(
+            client,
+            keys.clone(),
+            &settings,
+            vec!["ops@example.com".into()],
+            "test".into(),
+            &Registry::new(),
+        )
+        .unwrap();
+        let claims = Claims::new(
+            Kind::MailgunCluster,
+            "team-a",
+            "c",
+            "u-1",
+            "<mailguncluster.u-1@mg.example.com>",
+            u64::MAX / 2,
+        );
+        let token = keys.current().seal(&claims).unwrap();
+        let cookie = new_cookie();
+        let form = format!(
+            "host=api.example.com&port=6443&form-token={}",
+            keys.current().form_token(&token, &cookie)
+        );
+        let mut req = http::Request::builder()
+            .method(Method::POST)
+            .uri(format!("{}{token}", fulfil::PATH_PREFIX))
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .header(header::ORIGIN, "https://capm.example.com")
+            .header(header::COOKIE, format!("{COOKIE}={cookie}"))
+            .body(Full::new(Bytes::from(form)))
+            .unwrap();
+        req.extensions_mut()
+            .insert(Peer(std::net::SocketAddr::from(([192, 0, 2, 1], 40000))));
+        let response = page.handle(req).await;
+        let status = response.status();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_conflict_reads_checks_and_patches_again() {
+        let (client, log) = fake_api(2);
+        let (status, body) = submit_form(client).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(body.contains("Recorded"), "{body}");
+        let log = log.lock().unwrap().clone();
+        let path =
+            "/apis/infrastructure.cluster.x-k8s.io/v1beta1/namespaces/team-a/mailgunclusters/c";
+        let writes: Vec<_> = log.iter().filter(|l| l.starts_with("PATCH")).collect();
+        assert_eq!(
+            writes,
+            [1, 2, 3]
+                .map(|v| format!("PATCH {path} {v}"))
+                .iter()
+                .collect::<Vec<_>>(),
+            "each attempt on the version it read: {log:?}"
+        );
+        assert_eq!(
+            log.iter().filter(|l| l.starts_with("GET")).count(),
+            3,
+            "{log:?}"
+        );
+        assert!(
+            log.iter()
+                .any(|l| l.starts_with("POST /apis/events.k8s.io/v1/namespaces/team-a/events")),
+            "{log:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_write_that_keeps_conflicting_records_nothing() {
+        let (client, log) = fake_api(usize::MAX);
+        let (status, body) = submit_form(client).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{body}");
+        assert!(body.contains("kept changing"), "{body}");
+        let log = log.lock().unwrap().clone();
+        let patches = log.iter().filter(|l| l.starts_with("PATCH")).count();
+        assert_eq!(patches, PATCH_ATTEMPTS as usize, "{log:?}");
+        assert!(
+            !log.iter().any(|l| l.starts_with("POST")),
+            "no Event: {log:?}"
         );
     }
 
