@@ -585,13 +585,11 @@ impl Page {
         recipients.join(", ")
     }
 
-    /// The recipients of the identity `name`: read with `get`, else with a `list` of that one
-    /// name (whichever the provider's role grants).
+    /// The recipients of the identity `name`, read with a `list` of that one name: the role
+    /// grants `list` on identities (the controllers watch them), never `get`, so a `get` would
+    /// only be denied (and show as a denial in the audit log).
     async fn identity_recipients(&self, name: &str) -> Option<Vec<String>> {
         let api = Api::<MailgunClusterIdentity>::all(self.client.clone());
-        if let Ok(found) = api.get_opt(name).await {
-            return found.map(|i| i.spec.recipients);
-        }
         let one = kube::api::ListParams::default().fields(&format!("metadata.name={name}"));
         let listed = api.list(&one).await.ok()?;
         listed.items.into_iter().next().map(|i| i.spec.recipients)
@@ -760,19 +758,24 @@ mod tests {
     /// A fake API server holding one MailgunCluster: `conflicts` PATCHes answer 409 (after
     /// each, the object moves on a version, as when the controller writes meanwhile), the next
     /// one applies. Returns the page's client and the log of requests (`METHOD path rv`).
-    fn fake_api(conflicts: usize) -> (Client, Arc<std::sync::Mutex<Vec<String>>>) {
+    /// With `identity`, the request went through the MailgunClusterIdentity `team-a-mail`.
+    fn fake_api(conflicts: usize, identity: bool) -> (Client, Arc<std::sync::Mutex<Vec<String>>>) {
         use http::Request;
         use kube::client::Body;
         let log = Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = Arc::clone(&log);
+        let mut record = serde_json::json!({
+            "messageId": "<mailguncluster.u-1@mg.example.com>", "state": "sent",
+            "backendId": "<x@mg.example.com>",
+        });
+        if identity {
+            record["identity"] = "team-a-mail".into();
+        }
         let mut object = serde_json::json!({
             "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunCluster",
             "metadata": {
                 "name": "c", "namespace": "team-a", "uid": "u-1", "resourceVersion": "1",
-                "annotations": { capm_api::names::MAIL_ANNOTATION: serde_json::json!({
-                    "messageId": "<mailguncluster.u-1@mg.example.com>", "state": "sent",
-                    "backendId": "<x@mg.example.com>",
-                }).to_string() },
+                "annotations": { capm_api::names::MAIL_ANNOTATION: record.to_string() },
             },
             "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "dev@example.com" },
         });
@@ -781,11 +784,19 @@ mod tests {
             let mut left = conflicts;
             while let Some((request, respond)) = handle.next_request().await {
                 let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+                let query = request
+                    .uri()
+                    .query()
+                    .map(|q| format!("?{q}"))
+                    .unwrap_or_default();
                 let body: serde_json::Value =
                     serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
                         .unwrap_or_default();
                 let rv = body["metadata"]["resourceVersion"].as_str().unwrap_or("-");
-                seen.lock().unwrap().push(format!("{method} {path} {rv}"));
+                let note = body["note"].as_str().unwrap_or_default();
+                seen.lock()
+                    .unwrap()
+                    .push(format!("{method} {path}{query} {rv} {note}"));
                 let version = |o: &serde_json::Value| {
                     o["metadata"]["resourceVersion"]
                         .as_str()
@@ -794,6 +805,27 @@ mod tests {
                         .unwrap()
                 };
                 let (code, answer) = match method {
+                    Method::GET if path.ends_with("/mailgunclusteridentities") => {
+                        let list = serde_json::json!({
+                            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+                            "kind": "MailgunClusterIdentityList", "metadata": {},
+                            "items": [{
+                                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+                                "kind": "MailgunClusterIdentity",
+                                "metadata": { "name": "team-a-mail" },
+                                "spec": {
+                                    "mailgun": { "domain": "mg.example.com", "apiKeySecretRef": { "name": "k", "key": "k" } },
+                                    "recipients": ["team-a-builders@example.com"],
+                                    "allowedNamespaces": {},
+                                },
+                            }],
+                        });
+                        (200, list)
+                    }
+                    Method::GET if path.contains("/mailgunclusteridentities/") => (
+                        403,
+                        serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403}),
+                    ),
                     Method::GET => (200, object.clone()),
                     Method::PATCH if left > 0 => {
                         left -= 1;
@@ -882,7 +914,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_conflict_reads_checks_and_patches_again() {
-        let (client, log) = fake_api(2);
+        let (client, log) = fake_api(2, false);
         let (status, body) = submit_form(client).await;
         assert_eq!(status, StatusCode::OK, "{body}");
         assert!(body.contains("Recorded"), "{body}");
@@ -893,7 +925,7 @@ mod tests {
         assert_eq!(
             writes,
             [1, 2, 3]
-                .map(|v| format!("PATCH {path} {v}"))
+                .map(|v| format!("PATCH {path}?&fieldManager={FIELD_MANAGER} {v} "))
                 .iter()
                 .collect::<Vec<_>>(),
             "each attempt on the version it read: {log:?}"
@@ -912,7 +944,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_write_that_keeps_conflicting_records_nothing() {
-        let (client, log) = fake_api(usize::MAX);
+        let (client, log) = fake_api(usize::MAX, false);
         let (status, body) = submit_form(client).await;
         assert_eq!(status, StatusCode::CONFLICT, "{body}");
         assert!(body.contains("kept changing"), "{body}");
@@ -922,6 +954,33 @@ mod tests {
         assert!(
             !log.iter().any(|l| l.starts_with("POST")),
             "no Event: {log:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_event_names_the_recipients_of_the_request_identity() {
+        let (client, log) = fake_api(0, true);
+        let (status, body) = submit_form(client).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let log = log.lock().unwrap().clone();
+        let identities = "/apis/infrastructure.cluster.x-k8s.io/v1beta1/mailgunclusteridentities";
+        assert!(
+            log.iter()
+                .any(|l| l.starts_with(&format!("GET {identities}?"))
+                    && l.contains("fieldSelector=metadata.name%3Dteam-a-mail")),
+            "a one-name list: {log:?}"
+        );
+        assert!(
+            !log.iter().any(|l| l.contains(&format!("{identities}/"))),
+            "no get: {log:?}"
+        );
+        let event = log
+            .iter()
+            .find(|l| l.starts_with("POST"))
+            .expect("an Event");
+        assert!(
+            event.contains("mailed to team-a-builders@example.com, from 192.0.2.1"),
+            "{event}"
         );
     }
 
