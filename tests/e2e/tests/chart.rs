@@ -113,6 +113,16 @@ fn bad_values_are_refused_with_the_field_named() {
         "fulfilment.keysSecret.name=k",
     ]);
     assert!(err.contains("/fulfilment/url"), "{err}");
+    // A NetworkPolicy for the page without peers would admit every client.
+    let err = with(&[
+        "fulfilment.url=https://capm.example.com",
+        "fulfilment.keysSecret.name=k",
+        "fulfilment.networkPolicy.enabled=true",
+    ]);
+    assert!(
+        err.contains("fulfilment.networkPolicy.from must name"),
+        "{err}"
+    );
     let err = with(&["leaderElection.enabled=false"]);
     assert!(
         err.contains("replicaCount > 1 needs leaderElection.enabled"),
@@ -381,6 +391,24 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
                             == serde_json::json!(["mailgunclusters", "mailgunmachines"])
                             && r["verbs"] == serde_json::json!(["get"]))),
                 "smtp-values.yaml: the page may not read the objects links name"
+            );
+            // Its NetworkPolicy (accepted by the API server above): the page's port only from
+            // the Ingress controller's namespace, the Pods' other ports as open as before.
+            let policy = ours
+                .iter()
+                .find(|o| o["kind"] == "NetworkPolicy")
+                .context("smtp-values.yaml: no fulfilment NetworkPolicy")?;
+            let rules = &policy["spec"]["ingress"];
+            ensure!(
+                rules[0]["ports"] == serde_json::json!([{"port": "fulfilment", "protocol": "TCP"}])
+                    && rules[0]["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                        == "ingress-nginx"
+                    && rules[1].get("from").is_none()
+                    && rules[1]["ports"]
+                        .as_array()
+                        .is_some_and(|p| p.iter().any(|p| p["port"] == "webhook-server")
+                            && p.iter().any(|p| p["port"] == "healthz")),
+                "smtp-values.yaml: the NetworkPolicy's rules: {rules}"
             );
             ensure!(named(
                 "ClusterRole",
