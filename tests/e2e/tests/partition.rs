@@ -64,6 +64,8 @@ const CAPI: &str = "cluster.x-k8s.io";
 /// hand-over window, 70 s with this test's Lease timings; an unknown outcome waits for the
 /// backend's lookup and its grace), and a loaded machine stretches those.
 const SETTLE: Duration = Duration::from_secs(240);
+/// How long Cluster API may take to adopt a pair (a wait on Cluster API, not on the provider).
+const ADOPTION: Duration = Duration::from_secs(180);
 
 /// One provider process and the proxy it reaches the API server through.
 struct Replica {
@@ -283,20 +285,18 @@ impl World {
         Ok(self.infra().get(name).await?.uid().unwrap_or_default())
     }
 
-    /// Waits until Cluster API made `name`'s Cluster the owner of its MailgunCluster.
+    /// Waits until Cluster API made `name`'s Cluster the owner of its MailgunCluster: up to
+    /// [`ADOPTION`] (after an API server restart, Cluster API's own per-object backoff can
+    /// outlast a minute on a loaded machine; a make test run once waited past 60 s).
     async fn adopted(&self, name: &str) -> Result<()> {
-        eventually(
-            Duration::from_secs(60),
-            &format!("{name} adopted"),
-            || async {
-                let obj = self.infra().get(name).await?;
-                Ok(obj
-                    .owner_references()
-                    .iter()
-                    .any(|o| o.kind == "Cluster")
-                    .then_some(()))
-            },
-        )
+        eventually(ADOPTION, &format!("{name} adopted"), || async {
+            let obj = self.infra().get(name).await?;
+            Ok(obj
+                .owner_references()
+                .iter()
+                .any(|o| o.kind == "Cluster")
+                .then_some(()))
+        })
         .await
     }
 
@@ -354,8 +354,20 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
     println!(
         "partition ({replicas} replica(s)): seed {seed} (replay with PARTITION_SEED={seed}), {cycles} cycles"
     );
-    let mut rng = StdRng::seed_from_u64(seed);
     let mut world = World::start(replicas, tag).await?;
+    let result = cycles_of(&mut world, seed, cycles).await;
+    if result.is_err() {
+        // Whatever failed (a mail check, or a wait on Cluster API or the API server), the logs
+        // of that run are kept: the control plane's directory goes with `world`.
+        world.keep_logs(&format!("seed{seed}-failed"))?;
+    }
+    result
+}
+
+/// [`run`]'s cycles on `world`, its random choices from `seed`.
+async fn cycles_of(world: &mut World, seed: u64, cycles: u64) -> Result<()> {
+    let replicas = world.replicas.len();
+    let mut rng = StdRng::seed_from_u64(seed);
     let mut next = 0u32;
     let mut new_name = || {
         next += 1;
@@ -371,7 +383,7 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
         create_cluster_pair(&world.client, &world.ns, &name, "partition@example.com").await?;
         expect.mailed.insert(name);
     }
-    settle(&world, &expect).await?;
+    settle(world, &expect).await?;
     live.extend(std::mem::take(&mut expect.mailed));
 
     let mut recoveries = Vec::new();
@@ -497,7 +509,7 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
 
         let (reachable, settled) = tokio::join!(
             api_reachable(&world.replicas[leader].kubeconfig, restored),
-            settle(&world, &expect)
+            settle(world, &expect)
         );
         if let Err(e) = &settled {
             world.keep_logs(&format!("seed{seed}-cycle{cycle}"))?;
@@ -580,7 +592,7 @@ async fn run(replicas: usize, tag: &str, default_seed: u64) -> Result<()> {
         world.pause(&name, false).await?;
         last.mailed.insert(name);
     }
-    settle(&world, &last).await?;
+    settle(world, &last).await?;
     let mut sorted = recoveries.clone();
     sorted.sort();
     println!(
