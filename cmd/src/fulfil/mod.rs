@@ -414,10 +414,9 @@ impl Page {
         let origin_ok = headers
             .get(header::ORIGIN)
             .is_none_or(|o| o.as_bytes() == self.origin.as_bytes() || o.as_bytes() == b"null");
-        let page_token_ok = match (cookie(&headers), fields.get("form-token")) {
-            (Some(cookie), Some(form)) => {
-                self.keys.current().check_form_token(token, &cookie, form)
-            }
+        let cookie = cookie(&headers);
+        let page_token_ok = match (&cookie, fields.get("form-token")) {
+            (Some(cookie), Some(form)) => self.keys.current().check_form_token(token, cookie, form),
             _ => false,
         };
         if !origin_ok || !page_token_ok {
@@ -426,7 +425,7 @@ impl Page {
                 origin,
                 expected = self.origin,
                 page_token_ok,
-                cookie = cookie(&headers).is_some(),
+                cookie = cookie.is_some(),
                 "Fulfilment form refused: not from its page"
             );
             return self.refused(
@@ -439,7 +438,7 @@ impl Page {
                 "This form was not sent from its page. Open the link from the mail again.",
             );
         }
-        let cookie = cookie(&headers).unwrap_or_default();
+        let cookie = cookie.unwrap_or_default();
         let form = Form::from_fields(&fields);
         // The patch carries the object's resourceVersion, so every check holds at the write. A
         // conflict (the controller records the request's send right after the mail goes out, so
@@ -454,18 +453,20 @@ impl Page {
             if let Some(values) = target.fulfilment() {
                 return (Outcome::Already, self.already(&target, &values).await);
             }
-            let (patch, problems) = target.apply(&form);
-            let Some(patch) = patch.filter(|_| problems.is_empty()) else {
-                let response = self
-                    .form_page(
-                        &target,
-                        token,
-                        &cookie,
-                        &form.with(problems),
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                    )
-                    .await;
-                return (Outcome::Invalid, response);
+            let patch = match target.apply(&form) {
+                Ok(patch) => patch,
+                Err(problems) => {
+                    let response = self
+                        .form_page(
+                            &target,
+                            token,
+                            &cookie,
+                            &form.with(problems),
+                            StatusCode::UNPROCESSABLE_ENTITY,
+                        )
+                        .await;
+                    return (Outcome::Invalid, response);
+                }
             };
             match target.patch(&self.client, &claims, patch).await {
                 Err(kube::Error::Api(e)) if e.code == 409 && attempt < PATCH_ATTEMPTS => {

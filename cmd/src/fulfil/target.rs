@@ -211,15 +211,15 @@ impl Target {
     }
 
     /// The merge patch of the form's values (with the object's resourceVersion as a
-    /// precondition), and the problems: the form's own, then the API's rules
+    /// precondition), or the problems: the form's own, then the API's rules
     /// (`Validate::validate_update`).
     pub(super) fn apply(
         &self,
         form: &Form,
-    ) -> (Option<serde_json::Value>, Vec<(Option<String>, String)>) {
+    ) -> Result<serde_json::Value, Vec<(Option<String>, String)>> {
         let mut problems = Vec::new();
         let rv = self.meta().resource_version.clone();
-        match self {
+        let patch = match self {
             Self::Cluster(old) => {
                 if form.host.is_empty() {
                     problems.push((Some("host".into()), "Enter the host.".into()));
@@ -250,11 +250,10 @@ impl Target {
                         },
                     ));
                 }
-                let patch = serde_json::json!({
+                serde_json::json!({
                     "metadata": { "resourceVersion": rv },
                     "spec": { "controlPlaneEndpoint": endpoint },
-                });
-                (Some(patch), problems)
+                })
             }
             Self::Machine(old) => {
                 if form.provider_id.is_empty() {
@@ -307,12 +306,16 @@ impl Target {
                 if !list.is_empty() {
                     spec["addresses"] = serde_json::json!(list);
                 }
-                let patch = serde_json::json!({
+                serde_json::json!({
                     "metadata": { "resourceVersion": rv },
                     "spec": spec,
-                });
-                (Some(patch), problems)
+                })
             }
+        };
+        if problems.is_empty() {
+            Ok(patch)
+        } else {
+            Err(problems)
         }
     }
 
@@ -390,7 +393,8 @@ mod tests {
     fn problems(target: &Target, pairs: &[(&str, &str)]) -> Vec<Option<String>> {
         target
             .apply(&fields(pairs))
-            .1
+            .err()
+            .unwrap_or_default()
             .into_iter()
             .map(|(f, _)| f)
             .collect()
@@ -398,10 +402,11 @@ mod tests {
 
     #[test]
     fn the_form_is_judged_by_the_api_rules_on_its_own_fields() {
-        let ok = cluster().apply(&fields(&[("host", " api.example.com "), ("port", "6443")]));
-        assert!(ok.1.is_empty(), "{:?}", ok.1);
+        let ok = cluster()
+            .apply(&fields(&[("host", " api.example.com "), ("port", "6443")]))
+            .unwrap();
         assert_eq!(
-            ok.0.unwrap()["spec"],
+            ok["spec"],
             serde_json::json!({"controlPlaneEndpoint": {"host": "api.example.com", "port": 6443}})
         );
         assert_eq!(
@@ -415,7 +420,7 @@ mod tests {
         // The API's own pattern, not the form's.
         let bad = cluster()
             .apply(&fields(&[("host", "bad host!"), ("port", "1")]))
-            .1;
+            .unwrap_err();
         assert_eq!(bad.len(), 1);
         assert_eq!(bad[0].0.as_deref(), Some("host"));
         assert!(
@@ -423,14 +428,15 @@ mod tests {
             "{bad:?}"
         );
 
-        let ok = machine().apply(&fields(&[
-            ("provider-id", "dc://rack/1"),
-            ("address-type-1", "ExternalIP"),
-            ("address-1", "192.0.2.1"),
-        ]));
-        assert!(ok.1.is_empty(), "{:?}", ok.1);
+        let ok = machine()
+            .apply(&fields(&[
+                ("provider-id", "dc://rack/1"),
+                ("address-type-1", "ExternalIP"),
+                ("address-1", "192.0.2.1"),
+            ]))
+            .unwrap();
         assert_eq!(
-            ok.0.unwrap()["spec"],
+            ok["spec"],
             serde_json::json!({"providerID": "dc://rack/1", "addresses": [{"type": "ExternalIP", "address": "192.0.2.1"}]})
         );
         assert_eq!(
