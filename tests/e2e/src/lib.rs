@@ -363,6 +363,40 @@ pub fn dynamic_object(
     }))?)
 }
 
+/// Creates an object of any namespaced kind from its `spec` ([`dynamic_api`],
+/// [`dynamic_object`]); the error names the kind and the name. The future owns what it needs, so
+/// a closure over the client and namespace can return it.
+pub fn create_object(
+    client: &kube::Client,
+    namespace: &str,
+    group: &str,
+    version: &str,
+    kind: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> impl std::future::Future<Output = Result<kube::api::DynamicObject>> + use<> {
+    let api = dynamic_api(client, namespace, group, version, kind);
+    let object = dynamic_object(&format!("{group}/{version}"), kind, namespace, name, spec);
+    let what = format!("creating {kind} {name}");
+    async move {
+        api.create(&kube::api::PostParams::default(), &object?)
+            .await
+            .context(what)
+    }
+}
+
+/// Prints a failed test's error and the last `lines` lines of each log `names` (paths below
+/// `dir`), for the reader of a red run.
+pub fn report_failure(error: &anyhow::Error, dir: &Path, names: &[&str], lines: usize) {
+    eprintln!("failed: {error:#}");
+    for name in names {
+        eprintln!(
+            "--- last lines of {name}:\n{}",
+            process::tail(&dir.join(name), lines)
+        );
+    }
+}
+
 /// A MailgunCluster and the Cluster that names it in `spec.infrastructureRef`, as a user writes
 /// them: no owner references (Cluster API's core manager adds them).
 ///

@@ -313,13 +313,7 @@ async fn clusterclass_topology_mails_each_object_once() -> Result<()> {
     };
     let result = story(&mut world, dir, started).await;
     if let Err(e) = &result {
-        eprintln!("failed: {e:#}");
-        for name in ["capi-manager.log", "provider.log"] {
-            eprintln!(
-                "--- last lines of {name}:\n{}",
-                capm_test_support::process::tail(&dir.join(name), 40)
-            );
-        }
+        capm_e2e::report_failure(e, dir, &["capi-manager.log", "provider.log"], 40);
     }
     world.cp.stop();
     result

@@ -15,8 +15,8 @@ use std::{
 
 use anyhow::{Context, Result, ensure};
 use capm_e2e::{
-    CHART_NAMESPACE as NS, FULLNAME, RELEASE, create_namespace, create_secret, dynamic_api,
-    dynamic_object, eventually, free_port, helm_chart, mailgun_mails, mailgun_values,
+    CHART_NAMESPACE as NS, FULLNAME, RELEASE, create_namespace, create_object, create_secret,
+    dynamic_api, eventually, free_port, helm_chart, mailgun_mails, mailgun_values,
     start_capi_manager, start_routed_chart_provider,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
@@ -25,7 +25,7 @@ use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
 use k8s_openapi::api::events::v1::Event;
 use kube::{
     Api, Client,
-    api::{DynamicObject, ListParams, PostParams},
+    api::{DynamicObject, ListParams},
 };
 use serde_json::{Value, json};
 
@@ -155,13 +155,7 @@ async fn a_browser_fulfils_a_cluster_and_a_machine_from_the_mailed_links() -> Re
     let mailgun = MailgunServer::start("key-fulfilment-e2e-not-logged", DOMAIN)?;
     let result = story(&cp, &admin, &mailgun, dir, &chromium).await;
     if let Err(e) = &result {
-        eprintln!("failed: {e:#}");
-        for name in ["capi-manager.log", "provider.log"] {
-            eprintln!(
-                "--- last lines of {name}:\n{}",
-                capm_test_support::process::tail(&dir.join(name), 40)
-            );
-        }
+        capm_e2e::report_failure(e, dir, &["capi-manager.log", "provider.log"], 40);
     }
     result
 }
@@ -209,14 +203,7 @@ async fn story(
     let _providers = TestProviders::start(admin, USER_NS);
 
     let create = |group: &str, version: &str, kind: &str, name: &str, spec: Value| {
-        let api = dynamic_api(admin, USER_NS, group, version, kind);
-        let object = dynamic_object(&format!("{group}/{version}"), kind, USER_NS, name, spec);
-        let what = format!("creating {kind} {name}");
-        async move {
-            api.create(&PostParams::default(), &object?)
-                .await
-                .context(what)
-        }
+        create_object(admin, USER_NS, group, version, kind, name, spec)
     };
     topology::create_templates(admin, USER_NS, WORKERS).await?;
     create(

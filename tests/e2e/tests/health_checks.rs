@@ -30,7 +30,7 @@ use std::{
 
 use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
-    create_namespace, dynamic_api, dynamic_object, fulfil_command, install_chart_and_provider,
+    create_namespace, create_object, dynamic_api, fulfil_command, install_chart_and_provider,
     ledger::{Kind, Ledger, Object, Which, parse_message_id},
     mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
@@ -184,13 +184,7 @@ async fn a_node_startup_check_remediates_unbuilt_machines_and_the_documented_set
     };
     let result = story(&mut world, dir).await;
     if let Err(e) = &result {
-        eprintln!("failed: {e:#}");
-        for name in ["capi-manager.log", "provider.log"] {
-            eprintln!(
-                "--- last lines of {name}:\n{}",
-                capm_test_support::process::tail(&dir.join(name), 40)
-            );
-        }
+        capm_e2e::report_failure(e, dir, &["capi-manager.log", "provider.log"], 40);
     }
     world.cp.stop();
     result
@@ -229,14 +223,7 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
     // The Cluster: its MailgunCluster and a test control plane.
     topology::create_templates(&admin, USER_NS, WORKERS).await?;
     let create = |group: &str, version: &str, kind: &str, name: &str, spec: Value| {
-        let api = api(&admin, group, version, kind);
-        let object = dynamic_object(&format!("{group}/{version}"), kind, USER_NS, name, spec);
-        let what = format!("creating {kind} {name}");
-        async move {
-            api.create(&PostParams::default(), &object?)
-                .await
-                .context(what)
-        }
+        create_object(&admin, USER_NS, group, version, kind, name, spec)
     };
     create(
         CONTROL_PLANE_GROUP,

@@ -1042,6 +1042,29 @@ fn form_token(page: &str) -> Result<String> {
     Ok(rest.split('"').next().unwrap_or_default().to_owned())
 }
 
+/// Opens `link` as a browser does (the page's cookie lands in `jar`): the form's token.
+async fn open_form(env: &Env, link: &str, jar: &std::path::Path) -> Result<String> {
+    let (_, page) = page_request(env, link, jar, &[], None).await?;
+    form_token(&page)
+}
+
+/// The cluster form's body: `host`, `port` and the form token.
+fn form_body(host: &str, port: &str, token: &str) -> Vec<u8> {
+    format!("host={host}&port={port}&form-token={token}").into_bytes()
+}
+
+/// Submits the cluster form with the cookie in `jar`: status and body.
+async fn submit(
+    env: &Env,
+    link: &str,
+    jar: &std::path::Path,
+    host: &str,
+    port: &str,
+    token: &str,
+) -> Result<(u16, String)> {
+    page_request(env, link, jar, &[], Some(&form_body(host, port, token))).await
+}
+
 /// The request mail's fulfilment link for the object `uid`.
 async fn mailed_link(env: &Env, uid: &str) -> Result<String> {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1122,9 +1145,6 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
             bail!("the object was not created");
         };
         let link = mailed_link(&env, &uid).await?;
-        let form = |host: &str, port: &str, token: &str| {
-            format!("host={host}&port={port}&form-token={token}").into_bytes()
-        };
         let answer = match how {
             Fulfil::Forged => unreachable!(),
             Fulfil::Expired => {
@@ -1152,29 +1172,15 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 page_request(&env, &link, &jar, &[], None).await?
             }
             Fulfil::Replay => {
-                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
-                let token = form_token(&page)?;
-                let (code, body) = page_request(
-                    &env,
-                    &link,
-                    &jar,
-                    &[],
-                    Some(&form("api.replay.example.com", "6443", &token)),
-                )
-                .await?;
+                let token = open_form(&env, &link, &jar).await?;
+                let (code, body) =
+                    submit(&env, &link, &jar, "api.replay.example.com", "6443", &token).await?;
                 ensure!(
                     code == 200 && body.contains("Recorded"),
                     "the first submission: {code} {body}"
                 );
                 // The same form again, with other values: the object keeps the first.
-                let again = page_request(
-                    &env,
-                    &link,
-                    &jar,
-                    &[],
-                    Some(&form("evil.example.com", "443", &token)),
-                )
-                .await?;
+                let again = submit(&env, &link, &jar, "evil.example.com", "443", &token).await?;
                 let stored = endpoint(&env, &slug).await?;
                 ensure!(
                     stored == json!({"host": "api.replay.example.com", "port": 6443}),
@@ -1210,40 +1216,23 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 .await?
             }
             Fulfil::Oversized => {
-                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
-                let token = form_token(&page)?;
-                let mut body = form("evil.example.com", "443", &token);
+                let token = open_form(&env, &link, &jar).await?;
+                let mut body = form_body("evil.example.com", "443", &token);
                 body.extend(format!("&pad={}", "x".repeat(64 * 1024)).into_bytes());
                 page_request(&env, &link, &jar, &[], Some(&body)).await?
             }
             Fulfil::Refused => {
-                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
-                let token = form_token(&page)?;
-                page_request(
-                    &env,
-                    &link,
-                    &jar,
-                    &[],
-                    Some(&form("bad%20host%21", "6443", &token)),
-                )
-                .await?
+                let token = open_form(&env, &link, &jar).await?;
+                submit(&env, &link, &jar, "bad%20host%21", "6443", &token).await?
             }
             Fulfil::Meanwhile => {
-                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
-                let token = form_token(&page)?;
+                let token = open_form(&env, &link, &jar).await?;
                 // Someone with credentials records it while the form is open.
                 let patch = json!({"spec": {"controlPlaneEndpoint": {"host": "api.kubectl.example.com", "port": 6443}}});
                 ours(&env.mallory, "v1beta1", "MailgunCluster")
                     .patch(&slug, &PatchParams::default(), &Patch::Merge(patch))
                     .await?;
-                let answer = page_request(
-                    &env,
-                    &link,
-                    &jar,
-                    &[],
-                    Some(&form("evil.example.com", "443", &token)),
-                )
-                .await?;
+                let answer = submit(&env, &link, &jar, "evil.example.com", "443", &token).await?;
                 ensure!(
                     answer.1.contains("api.kubectl.example.com:6443"),
                     "the values are not shown: {}",
@@ -1257,21 +1246,14 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 return Ok(Outcome::Http(answer.0, answer.1));
             }
             Fulfil::Revoked => {
-                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
-                let token = form_token(&page)?;
+                let token = open_form(&env, &link, &jar).await?;
                 let annotate = json!({"metadata": {"annotations": {names::FULFILMENT_REVOKED_ANNOTATION: "leaked"}}});
                 ours(&env.mallory, "v1beta1", "MailgunCluster")
                     .patch(&slug, &PatchParams::default(), &Patch::Merge(annotate))
                     .await?;
                 // The page served before the revocation cannot submit either.
-                let (code, body) = page_request(
-                    &env,
-                    &link,
-                    &jar,
-                    &[],
-                    Some(&form("api.example.com", "6443", &token)),
-                )
-                .await?;
+                let (code, body) =
+                    submit(&env, &link, &jar, "api.example.com", "6443", &token).await?;
                 ensure!(
                     code == 410,
                     "a submission after the revocation: {code} {body}"
@@ -1279,18 +1261,10 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 page_request(&env, &link, &jar, &[], None).await?
             }
             Fulfil::Burst => {
-                let (_, page) = page_request(&env, &link, &jar, &[], None).await?;
-                let token = form_token(&page)?;
+                let token = open_form(&env, &link, &jar).await?;
                 let mut last = (0, String::new());
                 for _ in 0..6 {
-                    last = page_request(
-                        &env,
-                        &link,
-                        &jar,
-                        &[],
-                        Some(&form("h.example.com", "0", &token)),
-                    )
-                    .await?;
+                    last = submit(&env, &link, &jar, "h.example.com", "0", &token).await?;
                 }
                 last
             }

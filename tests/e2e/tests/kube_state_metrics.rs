@@ -432,18 +432,17 @@ async fn kube_state_metrics_and_prometheus_on_the_real_series() -> Result<()> {
     let cp = ControlPlane::start(Options::default()).await?;
     let result = story(&cp, dir).await;
     if let Err(e) = &result {
-        eprintln!("failed: {e:#}");
-        for name in [
-            "provider.log",
-            "capi-manager.log",
-            "kube-state-metrics.log",
-            "prometheus/prometheus.log",
-        ] {
-            eprintln!(
-                "--- last lines of {name}:\n{}",
-                capm_test_support::process::tail(&dir.join(name), 30)
-            );
-        }
+        capm_e2e::report_failure(
+            e,
+            dir,
+            &[
+                "provider.log",
+                "capi-manager.log",
+                "kube-state-metrics.log",
+                "prometheus/prometheus.log",
+            ],
+            30,
+        );
     }
     cp.stop();
     result
