@@ -239,10 +239,8 @@ impl Page {
                 r.headers_mut()
                     .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST"));
                 (Outcome::Refused("method"), r)
-            } else if !self.limiter.allow_address(address, post)
-                || (post && !self.limiter.allow_token(&token))
-            {
-                (Outcome::Refused("rate_limited"), self.too_many())
+            } else if let Err(wait) = self.limiter.allow_address(address, post) {
+                (Outcome::Refused("rate_limited"), self.too_many(wait))
             } else if post {
                 self.submit(&token, req, address).await
             } else {
@@ -296,13 +294,15 @@ impl Page {
         response
     }
 
-    fn too_many(&self) -> Response<Full<Bytes>> {
+    /// 429, with the seconds until the next attempt is allowed.
+    fn too_many(&self, wait: Duration) -> Response<Full<Bytes>> {
         let mut r = self.answer(
             StatusCode::TOO_MANY_REQUESTS,
             html::refusal("Too many attempts for now; try again in a few minutes."),
         );
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
         r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("600"));
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
         r
     }
 
@@ -450,6 +450,12 @@ impl Page {
                 Ok(found) => found,
                 Err(answered) => return answered,
             };
+            // Counted once the link opened, by its object: made-up links fill no table.
+            if attempt == 1
+                && let Err(wait) = self.limiter.allow_link(&claims.uid)
+            {
+                return (Outcome::Refused("rate_limited"), self.too_many(wait));
+            }
             if let Some(values) = target.fulfilment() {
                 return (Outcome::Already, self.already(&target, &values).await);
             }

@@ -984,6 +984,7 @@ fn rows() -> Vec<Row> {
         fulfil_row("fulfil: burst over the rate limit", Expect::Page(429, "Too many attempts", 1), Fulfil::Burst),
         fulfil_row("fulfil: link revoked by annotation", Expect::Page(410, "revoked", 1), Fulfil::Revoked),
         fulfil_row("fulfil: fulfilled with kubectl meanwhile", Expect::Page(200, "Already fulfilled", 1), Fulfil::Meanwhile),
+        fulfil_row("fulfil: 400 clients post made-up links, then a newcomer", Expect::Page(200, "Recorded", 1), Fulfil::Crowd),
     ]
 }
 
@@ -1000,6 +1001,7 @@ enum Fulfil {
     Burst,
     Revoked,
     Meanwhile,
+    Crowd,
 }
 
 /// One HTTP exchange with the fulfilment page through curl (with `jar` as its cookie jar):
@@ -1260,6 +1262,28 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 );
                 page_request(&env, &link, &jar, &[], None).await?
             }
+            Fulfil::Crowd => {
+                let (sent, took, statuses) = crowd(&env).await?;
+                eprintln!(
+                    "fulfil crowd: {sent} POSTs of made-up links from 400 addresses in {took:?}: {statuses:?}"
+                );
+                ensure!(
+                    statuses.get(&429).copied().unwrap_or(0) > 0,
+                    "the crowd was never limited: {statuses:?}"
+                );
+                // A newcomer from a network the crowd did not use, with the mailed link.
+                let newcomer = ["--interface", "127.0.9.7"];
+                let (_, page) = page_request(&env, &link, &jar, &newcomer, None).await?;
+                let token = form_token(&page)?;
+                let body = form_body("api.newcomer.example.com", "6443", &token);
+                let answer = page_request(&env, &link, &jar, &newcomer, Some(&body)).await?;
+                let stored = endpoint(&env, &slug).await?;
+                ensure!(
+                    stored == json!({"host": "api.newcomer.example.com", "port": 6443}),
+                    "stored {stored}"
+                );
+                return Ok(Outcome::Http(answer.0, answer.1));
+            }
             Fulfil::Burst => {
                 let token = open_form(&env, &link, &jar).await?;
                 let mut last = (0, String::new());
@@ -1279,6 +1303,53 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
         );
         Ok(Outcome::Http(answer.0, answer.1))
     })
+}
+
+/// The attack of issue 54: 400 loopback addresses (127.0.1.1 to 127.0.2.200) each POST 32
+/// made-up links to the page, 32 at a time: how many were sent, in how long, and the statuses.
+async fn crowd(env: &Env) -> Result<(usize, Duration, BTreeMap<u16, usize>)> {
+    use futures::StreamExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let page = env.page.trim_start_matches("http://").to_owned();
+    let target: std::net::SocketAddr = page.parse().context("the page's address")?;
+    let started = Instant::now();
+    let requests = (1..=2u8)
+        .flat_map(|x| (1..=200u8).map(move |y| std::net::Ipv4Addr::new(127, 0, x, y)))
+        .flat_map(|source| (0..32).map(move |_| source));
+    let statuses: Vec<u16> = futures::stream::iter(requests)
+        .map(|source| {
+            let page = page.clone();
+            async move {
+                let socket = tokio::net::TcpSocket::new_v4()?;
+                socket.bind((source, 0).into())?;
+                let mut stream = socket.connect(target).await?;
+                let body = "host=evil.example.com&port=443&form-token=made-up";
+                let request = format!(
+                    "POST /fulfil/{:032x}{:016x} HTTP/1.1\r\nHost: {page}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    rand_suffix(),
+                    u64::from(source.to_bits()),
+                    body.len()
+                );
+                stream.write_all(request.as_bytes()).await?;
+                let mut answer = Vec::new();
+                stream.read_to_end(&mut answer).await?;
+                let status = String::from_utf8_lossy(&answer)
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                anyhow::Ok(status)
+            }
+        })
+        .buffer_unordered(32)
+        .map(|r| r.unwrap_or(0))
+        .collect()
+        .await;
+    let mut counts = BTreeMap::new();
+    for status in &statuses {
+        *counts.entry(*status).or_insert(0) += 1;
+    }
+    Ok((statuses.len(), started.elapsed(), counts))
 }
 
 /// Every mail whose Message-ID carries `uid`.
