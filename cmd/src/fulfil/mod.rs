@@ -410,10 +410,7 @@ impl Page {
             .map(http_body_util::Collected::to_bytes)
             .unwrap_or_default();
         let fields: HashMap<String, String> = form_urlencoded::parse(&body).into_owned().collect();
-        // A browser that hides the origin sends `null`: the page token decides then.
-        let origin_ok = headers
-            .get(header::ORIGIN)
-            .is_none_or(|o| o.as_bytes() == self.origin.as_bytes() || o.as_bytes() == b"null");
+        let origin_ok = same_origin(&headers, &self.origin);
         let cookie = cookie(&headers);
         let page_token_ok = match (&cookie, fields.get("form-token")) {
             (Some(cookie), Some(form)) => self.keys.current().check_form_token(token, cookie, form),
@@ -421,8 +418,11 @@ impl Page {
         };
         if !origin_ok || !page_token_ok {
             let origin = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok());
+            let fetch_site = headers.get("sec-fetch-site").and_then(|o| o.to_str().ok());
             info!(
+                client = %address,
                 origin,
+                fetch_site,
                 expected = self.origin,
                 page_token_ok,
                 cookie = cookie.is_some(),
@@ -560,9 +560,21 @@ impl Page {
             .map(|(k, v)| format!("{k} {v}"))
             .collect::<Vec<_>>()
             .join(", ");
+        // The address first: a long recipient list or value is cut from the end, never it.
         let note = format!(
-            "{set} recorded through the fulfilment link mailed to {recipients}, from {address} \
+            "From {address}: {set} recorded through the fulfilment link mailed to {recipients} \
              (user agent: {agent})"
+        );
+        info!(
+            client = %address,
+            kind = target.kind().as_str(),
+            namespace = target.meta().namespace.as_deref().unwrap_or_default(),
+            name = target.meta().name.as_deref().unwrap_or_default(),
+            uid = target.meta().uid.as_deref().unwrap_or_default(),
+            values = set,
+            recipients,
+            user_agent = agent,
+            "Fulfilled through a link"
         );
         if let Err(e) = self
             .events
@@ -701,6 +713,21 @@ impl Page {
 type Answered = (Outcome, Response<Full<Bytes>>);
 
 /// The cookie's value, if it is one this page set.
+/// Whether a POST's headers allow it to come from the page itself (`origin`, normalised as
+/// browsers send it). `Origin` when sent must be the page's (`null`, from a sandboxed frame, a
+/// `data:` page or a redirect across sites, is refused); `Sec-Fetch-Site` when sent must be
+/// `same-origin` (or `none`: the user's own action). Without either (an old browser, curl), the
+/// form token decides alone.
+fn same_origin(headers: &HeaderMap, origin: &str) -> bool {
+    let origin_ok = headers
+        .get(header::ORIGIN)
+        .is_none_or(|o| o.as_bytes() == origin.as_bytes());
+    let site_ok = headers
+        .get("sec-fetch-site")
+        .is_none_or(|s| matches!(s.as_bytes(), b"same-origin" | b"none"));
+    origin_ok && site_ok
+}
+
 fn cookie(headers: &HeaderMap) -> Option<String> {
     headers
         .get_all(header::COOKIE)
@@ -986,9 +1013,40 @@ mod tests {
             .find(|l| l.starts_with("POST"))
             .expect("an Event");
         assert!(
-            event.contains("mailed to team-a-builders@example.com, from 192.0.2.1"),
+            event.contains("From 192.0.2.1: Control plane endpoint")
+                && event.contains("mailed to team-a-builders@example.com (user agent"),
             "{event}"
         );
+    }
+
+    #[test]
+    fn a_post_from_another_site_or_a_null_origin_is_refused() {
+        let origin = "https://capm.example.com";
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (name, value) in pairs {
+                h.insert(*name, HeaderValue::from_static(value));
+            }
+            h
+        };
+        for accepted in [
+            headers(&[]),
+            headers(&[("origin", origin)]),
+            headers(&[("origin", origin), ("sec-fetch-site", "same-origin")]),
+            headers(&[("sec-fetch-site", "none")]),
+        ] {
+            assert!(same_origin(&accepted, origin), "{accepted:?}");
+        }
+        for refused in [
+            headers(&[("origin", "null")]),
+            headers(&[("origin", "https://evil.example.com")]),
+            headers(&[("origin", "https://CAPM.example.com:443")]),
+            headers(&[("origin", origin), ("sec-fetch-site", "cross-site")]),
+            headers(&[("origin", origin), ("sec-fetch-site", "same-site")]),
+            headers(&[("sec-fetch-site", "cross-site")]),
+        ] {
+            assert!(!same_origin(&refused, origin), "{refused:?}");
+        }
     }
 
     #[test]

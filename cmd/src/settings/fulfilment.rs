@@ -4,10 +4,14 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use super::{SettingsError, invalid, values::bind_address};
 
+/// The longest a link may be valid (`--fulfilment-link-validity`): 90 days.
+pub const MAX_LINK_VALIDITY: Duration = Duration::from_secs(90 * 24 * 3600);
+
 /// The fulfilment links (in the request mails) and the page (docs/fulfilment.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fulfilment {
-    /// The page's public base URL, without a trailing `/`.
+    /// The page's public base URL, normalised: lower-case scheme and host, no default port, no
+    /// trailing `/` (it is also the Origin the page's own form is posted from).
     pub url: String,
     /// `https` public URL: the page's cookie is `Secure`.
     pub secure: bool,
@@ -38,17 +42,7 @@ pub(super) fn resolve(
         }
         return Ok(None);
     };
-    let uri: http::Uri = url.parse().map_err(|_| bad_url(&url))?;
-    let secure = match uri.scheme_str() {
-        Some("https") => true,
-        Some("http") => false,
-        _ => return Err(bad_url(&url)),
-    };
-    // The page answers at /fulfil/ of its host: a path would need rewriting in front of it.
-    let bare = matches!(uri.path(), "" | "/");
-    if uri.authority().is_none_or(|a| a.host().is_empty()) || uri.query().is_some() || !bare {
-        return Err(bad_url(&url));
-    }
+    let (url, secure) = normalise(&url)?;
     let Some(keys_file) = keys_file else {
         return Err(invalid(
             field!(fulfilment_keys_file),
@@ -61,8 +55,18 @@ pub(super) fn resolve(
             "must be positive",
         ));
     }
+    if validity > MAX_LINK_VALIDITY {
+        return Err(invalid(
+            field!(fulfilment_link_validity),
+            format!(
+                "{}h is above the cap of {}h (90 days): a link is a bearer credential",
+                validity.as_secs().div_ceil(3600),
+                MAX_LINK_VALIDITY.as_secs() / 3600
+            ),
+        ));
+    }
     Ok(Some(Fulfilment {
-        url: url.trim_end_matches('/').to_owned(),
+        url,
         secure,
         keys_file,
         bind: bind_address(field!(fulfilment_bind_address), bind)?,
@@ -71,11 +75,73 @@ pub(super) fn resolve(
     }))
 }
 
+/// `url` normalised as a browser serialises its origin (scheme and host in lower case, the
+/// default port dropped), and whether it is `https`. `http` only for a loopback host; no
+/// userinfo, path, query or fragment.
+fn normalise(url: &str) -> Result<(String, bool), SettingsError> {
+    // `http::Uri` first: the URL standard's parser would read `https:///p` as host `p`.
+    let uri: http::Uri = url.parse().map_err(|_| bad_url(url))?;
+    if uri.authority().is_none_or(|a| a.host().is_empty()) {
+        return Err(bad_url(url));
+    }
+    let parsed = url::Url::parse(url).map_err(|_| bad_url(url))?;
+    let secure = match parsed.scheme() {
+        "https" => true,
+        "http" => false,
+        _ => return Err(bad_url(url)),
+    };
+    // The page answers at /fulfil/ of its host: a path would need rewriting in front of it.
+    if parsed.host().is_none()
+        || !matches!(parsed.path(), "" | "/")
+        || parsed.query().is_some()
+        || parsed.fragment().is_some()
+    {
+        return Err(bad_url(url));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(invalid(
+            field!(fulfilment_url),
+            format!(
+                "{:?} carries a user name or password: the URL goes into every request mail",
+                redact(url)
+            ),
+        ));
+    }
+    let loopback = match parsed.host() {
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        Some(url::Host::Domain(name)) => name == "localhost",
+        None => false,
+    };
+    if !secure && !loopback {
+        return Err(invalid(
+            field!(fulfilment_url),
+            format!(
+                "{url:?} is http: the link is a bearer credential, so the public URL must be \
+                 https (TLS at the Ingress); http is accepted only for a loopback host"
+            ),
+        ));
+    }
+    Ok((parsed.origin().ascii_serialization(), secure))
+}
+
+/// `url` without what could be a password.
+fn redact(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((_, host)) => format!("{scheme}://…@{host}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
 fn bad_url(url: &str) -> SettingsError {
     invalid(
         field!(fulfilment_url),
         format!(
-            "{url:?} is not an http(s) URL with a host and nothing after it (no path, no query)"
+            "{:?} is not an http(s) URL with a host and nothing after it (no path, no query)",
+            redact(url)
         ),
     )
 }

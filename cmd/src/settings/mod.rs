@@ -354,7 +354,8 @@ pub struct Args {
     pub shutdown_timeout: Duration,
 
     /// Public base URL of the fulfilment page, scheme and host only (e.g.
-    /// `https://capm.example.com`, served through an Ingress with TLS): request mails then carry a link to a page where the human records
+    /// `https://capm.example.com`, served through an Ingress with TLS; `http` only on a
+    /// loopback host): request mails then carry a link to a page where the human records
     /// what they built without cluster credentials (needs --fulfilment-keys-file) [default: no
     /// link, no page].
     #[arg(long, env = "FULFILMENT_URL", value_name = "URL")]
@@ -375,7 +376,7 @@ pub struct Args {
     )]
     pub fulfilment_bind_address: String,
 
-    /// How long a fulfilment link is valid after its request mail.
+    /// How long a fulfilment link is valid after its request mail (at most 2160h, 90 days).
     #[arg(long, env = "FULFILMENT_LINK_VALIDITY", value_name = "DURATION", default_value = "720h", value_parser = duration)]
     pub fulfilment_link_validity: Duration,
 

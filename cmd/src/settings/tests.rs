@@ -94,6 +94,10 @@ fn fulfilment_needs_a_url_and_keys_together() {
         "https://x/?a=b",
         "https://x/capm",
         "https:///p",
+        "https://x/#f",
+        "http://capm.example.com",
+        "http://10.0.0.1:8090",
+        "https://user:secret@capm.example.com",
     ] {
         let e = error(
             &flags(&["--fulfilment-url", bad, "--fulfilment-keys-file", "/k"]),
@@ -104,6 +108,63 @@ fn fulfilment_needs_a_url_and_keys_together() {
             "{bad}: {e}"
         );
     }
+}
+
+#[test]
+fn the_fulfilment_url_is_normalised_https_and_without_userinfo() {
+    let flags = |url: &'static str, extra: &[&'static str]| {
+        [
+            MAILGUN,
+            &["--fulfilment-url", url, "--fulfilment-keys-file", "/k"],
+            extra,
+        ]
+        .concat()
+    };
+    let url = |u: &'static str| {
+        resolve(&flags(u, &[]), &with_key)
+            .map(|s| s.fulfilment.unwrap().url)
+            .map_err(|e| e.to_string())
+    };
+    // As a browser sends it in `Origin`.
+    assert_eq!(
+        url("HTTPS://Capm.Example.com:443").unwrap(),
+        "https://capm.example.com"
+    );
+    assert_eq!(
+        url("https://capm.example.com:8443/").unwrap(),
+        "https://capm.example.com:8443"
+    );
+    for loopback in [
+        "http://127.0.0.1:8090",
+        "http://localhost:1",
+        "http://[::1]:2",
+    ] {
+        assert!(url(loopback).is_ok(), "{loopback}");
+    }
+    let e = url("http://capm.example.com").unwrap_err();
+    assert!(e.contains("must be https"), "{e}");
+    let e = url("https://capm:hunter2@capm.example.com").unwrap_err();
+    assert!(
+        e.contains("user name or password") && !e.contains("hunter2"),
+        "{e}"
+    );
+    let validity = |v: &'static str| {
+        resolve(
+            &flags("https://x", &["--fulfilment-link-validity", v]),
+            &with_key,
+        )
+        .map(|s| s.fulfilment.unwrap().validity)
+        .map_err(|e| e.to_string())
+    };
+    assert_eq!(
+        validity("2160h").unwrap(),
+        Duration::from_secs(90 * 24 * 3600)
+    );
+    assert_eq!(
+        validity("2161h").unwrap_err(),
+        "--fulfilment-link-validity (FULFILMENT_LINK_VALIDITY): 2161h is above the cap of \
+         2160h (90 days): a link is a bearer credential"
+    );
 }
 
 #[test]
