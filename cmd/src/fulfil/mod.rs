@@ -130,7 +130,8 @@ pub struct Page {
     /// `scheme://host[:port]` of the public URL: a POST from another origin is refused.
     origin: String,
     secure_cookie: bool,
-    trust_forwarded_for: bool,
+    /// The proxies whose `X-Forwarded-For` is read.
+    trusted_proxies: Vec<ipnet::IpNet>,
     /// The provider's own recipients (mails without a `MailgunClusterIdentity`).
     recipients: Vec<String>,
     events: Events,
@@ -204,7 +205,7 @@ impl Page {
             keys,
             origin,
             secure_cookie: settings.secure,
-            trust_forwarded_for: settings.trust_forwarded_for,
+            trusted_proxies: settings.trusted_proxies.clone(),
             recipients,
             limiter: Limiter::default(),
             requests,
@@ -265,23 +266,14 @@ impl Page {
         response
     }
 
-    /// The peer, or with `--fulfilment-trust-forwarded-for` the last `X-Forwarded-For` entry.
+    /// The client's address: the peer, or through `--fulfilment-trusted-proxies`
+    /// [`forwarded_client`].
     fn client_address(&self, req: &Req) -> IpAddr {
         let peer = req
             .extensions()
             .get::<Peer>()
             .map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0.ip());
-        if !self.trust_forwarded_for {
-            return peer;
-        }
-        req.headers()
-            .get_all("x-forwarded-for")
-            .iter()
-            .next_back()
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.rsplit(',').next())
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(peer)
+        forwarded_client(peer, req.headers(), &self.trusted_proxies)
     }
 
     fn answer(&self, status: StatusCode, body: String) -> Response<Full<Bytes>> {
@@ -713,6 +705,48 @@ impl Page {
 type Answered = (Outcome, Response<Full<Bytes>>);
 
 /// The cookie's value, if it is one this page set.
+/// The client behind `peer`: `peer` itself unless it is one of the `trusted` proxies; then the
+/// `X-Forwarded-For` entries (all the header's lines, in order) read right to left, each
+/// trusted hop skipped, up to the first entry that is not a trusted proxy. An entry that is
+/// not an address ends the walk at the last trusted hop (whoever wrote it chose it). Only what
+/// trusted proxies appended is believed, whatever a client sent before them.
+fn forwarded_client(peer: IpAddr, headers: &HeaderMap, trusted: &[ipnet::IpNet]) -> IpAddr {
+    let is_trusted = |address: IpAddr| {
+        let address = match address {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(address, IpAddr::V4),
+            v4 @ IpAddr::V4(_) => v4,
+        };
+        trusted.iter().any(|net| net.contains(&address))
+    };
+    if !is_trusted(peer) {
+        return peer;
+    }
+    let lines: Vec<&str> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .map(|v| v.to_str().unwrap_or(""))
+        .collect();
+    let mut client = peer;
+    for entry in lines.iter().rev().flat_map(|line| line.rsplit(',')) {
+        let Some(hop) = parse_hop(entry.trim()) else {
+            return client;
+        };
+        client = hop;
+        if !is_trusted(hop) {
+            return hop;
+        }
+    }
+    client
+}
+
+/// An `X-Forwarded-For` entry: an address, possibly with a port (`[::1]:80`, `1.2.3.4:5`).
+fn parse_hop(entry: &str) -> Option<IpAddr> {
+    entry
+        .parse()
+        .ok()
+        .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|s| s.ip()))
+}
+
 /// Whether a POST's headers allow it to come from the page itself (`origin`, normalised as
 /// browsers send it). `Origin` when sent must be the page's (`null`, from a sandboxed frame, a
 /// `data:` page or a redirect across sites, is refused); `Sec-Fetch-Site` when sent must be
@@ -902,7 +936,7 @@ mod tests {
             keys_file: "unused".into(),
             bind: None,
             validity: fulfil::DEFAULT_VALIDITY,
-            trust_forwarded_for: false,
+            trusted_proxies: Vec::new(),
         };
         let page = Page::new(
             client,
@@ -1016,6 +1050,58 @@ mod tests {
             event.contains("From 192.0.2.1: Control plane endpoint")
                 && event.contains("mailed to team-a-builders@example.com (user agent"),
             "{event}"
+        );
+    }
+
+    #[test]
+    fn x_forwarded_for_is_read_right_to_left_from_trusted_proxies_only() {
+        let trusted: Vec<ipnet::IpNet> =
+            vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
+        let xff = |lines: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for line in lines {
+                h.append("x-forwarded-for", HeaderValue::from_static(line));
+            }
+            h
+        };
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let (proxy, stranger) = (ip("10.1.2.3"), ip("203.0.113.9"));
+        // A peer that is no trusted proxy is the client, whatever it says.
+        assert_eq!(
+            forwarded_client(stranger, &xff(&["198.51.100.1"]), &trusted),
+            stranger
+        );
+        assert_eq!(
+            forwarded_client(stranger, &xff(&["198.51.100.1"]), &[]),
+            stranger
+        );
+        // Through the proxy: the entry it appended, not what the client put before it.
+        assert_eq!(
+            forwarded_client(proxy, &xff(&["1.1.1.1, 198.51.100.7"]), &trusted),
+            ip("198.51.100.7")
+        );
+        // Two trusted hops (a load balancer, then the Ingress), over two header lines.
+        assert_eq!(
+            forwarded_client(
+                proxy,
+                &xff(&["6.6.6.6, 198.51.100.7", "10.9.9.9"]),
+                &trusted
+            ),
+            ip("198.51.100.7")
+        );
+        assert_eq!(
+            forwarded_client(
+                ip("::ffff:10.0.0.1"),
+                &xff(&["[2001:db8::1]:4711"]),
+                &trusted
+            ),
+            ip("2001:db8::1")
+        );
+        // Nothing, or garbage, past the trusted hops: the last trusted hop.
+        assert_eq!(forwarded_client(proxy, &xff(&[]), &trusted), proxy);
+        assert_eq!(
+            forwarded_client(proxy, &xff(&["198.51.100.7, junk, 10.2.2.2"]), &trusted),
+            ip("10.2.2.2")
         );
     }
 

@@ -1,6 +1,12 @@
 //! The fulfilment link and page settings (`--fulfilment-*`).
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
+
+use ipnet::IpNet;
 
 use super::{SettingsError, invalid, values::bind_address};
 
@@ -21,8 +27,8 @@ pub struct Fulfilment {
     pub bind: Option<SocketAddr>,
     /// How long a link is valid after its mail.
     pub validity: Duration,
-    /// The client address is the last `X-Forwarded-For` entry.
-    pub trust_forwarded_for: bool,
+    /// The proxies whose `X-Forwarded-For` is read (`--fulfilment-trusted-proxies`).
+    pub trusted_proxies: Vec<IpNet>,
 }
 
 /// The settings, checked; `None` without a URL.
@@ -32,7 +38,19 @@ pub(super) fn resolve(
     bind: &str,
     validity: Duration,
     trust_forwarded_for: bool,
+    trusted_proxies: Option<&str>,
 ) -> Result<Option<Fulfilment>, SettingsError> {
+    if trust_forwarded_for {
+        return Err(invalid(
+            field!(fulfilment_trust_forwarded_for),
+            format!(
+                "was replaced by {}: list the proxies in front of the page (CIDRs); \
+                 X-Forwarded-For is then read only from them, right to left past them",
+                field!(fulfilment_trusted_proxies)
+            ),
+        ));
+    }
+    let trusted_proxies = parse_proxies(trusted_proxies.unwrap_or_default())?;
     let Some(url) = url.filter(|u| !u.is_empty()) else {
         if keys_file.is_some() {
             return Err(invalid(
@@ -71,7 +89,7 @@ pub(super) fn resolve(
         keys_file,
         bind: bind_address(field!(fulfilment_bind_address), bind)?,
         validity,
-        trust_forwarded_for,
+        trusted_proxies,
     }))
 }
 
@@ -123,6 +141,25 @@ fn normalise(url: &str) -> Result<(String, bool), SettingsError> {
         ));
     }
     Ok((parsed.origin().ascii_serialization(), secure))
+}
+
+/// The comma-separated CIDRs (or single addresses) of `--fulfilment-trusted-proxies`.
+fn parse_proxies(list: &str) -> Result<Vec<IpNet>, SettingsError> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            p.parse::<IpNet>()
+                .map(|net| net.trunc())
+                .or_else(|_| p.parse::<IpAddr>().map(IpNet::from))
+                .map_err(|_| {
+                    invalid(
+                        field!(fulfilment_trusted_proxies),
+                        format!("{p:?} is not a CIDR (10.0.0.0/8, fd00::/8) or an address"),
+                    )
+                })
+        })
+        .collect()
 }
 
 /// `url` without what could be a password.

@@ -79,7 +79,7 @@ fn fulfilment_needs_a_url_and_keys_together() {
     assert!(on.secure);
     assert_eq!(on.bind, Some("0.0.0.0:8090".parse().unwrap()));
     assert_eq!(on.validity, Duration::from_secs(30 * 24 * 3600));
-    assert!(!on.trust_forwarded_for);
+    assert!(on.trusted_proxies.is_empty());
     assert_eq!(
         error(&flags(&["--fulfilment-url", "https://x"]), &with_key),
         "--fulfilment-keys-file (FULFILMENT_KEYS_FILE): is required with --fulfilment-url (FULFILMENT_URL)"
@@ -165,6 +165,56 @@ fn the_fulfilment_url_is_normalised_https_and_without_userinfo() {
         "--fulfilment-link-validity (FULFILMENT_LINK_VALIDITY): 2161h is above the cap of \
          2160h (90 days): a link is a bearer credential"
     );
+}
+
+#[test]
+fn trusted_proxies_replace_trusting_every_forwarded_for() {
+    let base = [
+        MAILGUN,
+        &[
+            "--fulfilment-url",
+            "https://x",
+            "--fulfilment-keys-file",
+            "/k",
+        ],
+    ]
+    .concat();
+    let on = resolve(
+        &[
+            &base[..],
+            &[
+                "--fulfilment-trusted-proxies",
+                "10.0.0.0/8, 192.168.1.7,fd00::1/8",
+            ],
+        ]
+        .concat(),
+        &with_key,
+    )
+    .unwrap()
+    .fulfilment
+    .unwrap();
+    let shown: Vec<String> = on.trusted_proxies.iter().map(ToString::to_string).collect();
+    assert_eq!(shown, ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8"]);
+    assert_eq!(
+        error(
+            &[&base[..], &["--fulfilment-trusted-proxies", "10.0.0.0/33"]].concat(),
+            &with_key
+        ),
+        "--fulfilment-trusted-proxies (FULFILMENT_TRUSTED_PROXIES): \"10.0.0.0/33\" is not a \
+         CIDR (10.0.0.0/8, fd00::/8) or an address"
+    );
+    assert_eq!(
+        error(
+            &[&base[..], &["--fulfilment-trust-forwarded-for"]].concat(),
+            &with_key
+        ),
+        "--fulfilment-trust-forwarded-for (FULFILMENT_TRUST_FORWARDED_FOR): was replaced by \
+         --fulfilment-trusted-proxies (FULFILMENT_TRUSTED_PROXIES): list the proxies in front \
+         of the page (CIDRs); X-Forwarded-For is then read only from them, right to left past \
+         them"
+    );
+    let off = [&base[..], &["--fulfilment-trust-forwarded-for=false"]].concat();
+    assert!(resolve(&off, &with_key).is_ok());
 }
 
 #[test]
