@@ -975,6 +975,7 @@ fn rows() -> Vec<Row> {
         webhook_request("unknown path", "POST", "/mutate", b"{}".to_vec(), 404, "not found"),
         // The fulfilment page (issue 48): each refused, nothing written.
         fulfil_row("fulfil: forged token", Expect::Page(403, "not valid", 0), Fulfil::Forged),
+        fulfil_row("fulfil: token resealed under another nonce", Expect::Page(403, "not valid", 1), Fulfil::Resealed),
         fulfil_row("fulfil: expired token", Expect::Page(410, "expired", 1), Fulfil::Expired),
         fulfil_row("fulfil: deleted and recreated object", Expect::Page(410, "no longer requested", 2), Fulfil::Recreated),
         fulfil_row("fulfil: replay after success", Expect::Page(200, "Already fulfilled", 1), Fulfil::Replay),
@@ -992,6 +993,7 @@ fn rows() -> Vec<Row> {
 #[derive(Debug, Clone, Copy)]
 enum Fulfil {
     Forged,
+    Resealed,
     Expired,
     Recreated,
     Replay,
@@ -1151,6 +1153,11 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
             Fulfil::Forged => unreachable!(),
             Fulfil::Expired => {
                 let url = seal(FULFILMENT_KEY, &uid, 1)?;
+                page_request(&env, &url, &jar, &[], None).await?
+            }
+            Fulfil::Resealed => {
+                let url = reseal(&link)?;
+                ensure!(url != link, "the same token");
                 page_request(&env, &url, &jar, &[], None).await?
             }
             Fulfil::Recreated => {
@@ -1350,6 +1357,64 @@ async fn crowd(env: &Env) -> Result<(usize, Duration, BTreeMap<u16, usize>)> {
         *counts.entry(*status).or_insert(0) += 1;
     }
     Ok((statuses.len(), started.elapsed(), counts))
+}
+
+/// The mailed `link` sealed again under the suite's own key (the one a thief of the key Secret
+/// holds) with its synthetic nonce one bit off: a token AES-GCM alone would accept. Derived as
+/// `capm_api::fulfil` documents (HKDF-SHA-256 of the key, AES-256-GCM, the version byte as
+/// associated data), written out here so that the row does not trust the code it tests.
+fn reseal(link: &str) -> Result<String> {
+    use base64::{
+        Engine,
+        engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD},
+    };
+    use ring::{aead, hkdf};
+    struct Len(usize);
+    impl hkdf::KeyType for Len {
+        fn len(&self) -> usize {
+            self.0
+        }
+    }
+    let crypto = |what: &str| anyhow::anyhow!("{what} failed");
+    let (base, token) = link.rsplit_once('/').context("a link")?;
+    let bytes = URL_SAFE_NO_PAD.decode(token)?;
+    let (&version, rest) = bytes.split_first().context("empty token")?;
+    let (nonce, sealed) = rest.split_first_chunk::<12>().context("short token")?;
+    let prk = hkdf::Salt::new(
+        hkdf::HKDF_SHA256,
+        b"cluster-api-provider-mailgun fulfilment v1",
+    )
+    .extract(&STANDARD.decode(FULFILMENT_KEY)?);
+    let mut seal = [0u8; 32];
+    prk.expand(&[b"seal"], Len(32))
+        .map_err(|_| crypto("HKDF"))?
+        .fill(&mut seal)
+        .map_err(|_| crypto("HKDF"))?;
+    let key = aead::LessSafeKey::new(
+        aead::UnboundKey::new(&aead::AES_256_GCM, &seal).map_err(|_| crypto("key"))?,
+    );
+    let mut plain = sealed.to_vec();
+    let len = key
+        .open_in_place(
+            aead::Nonce::assume_unique_for_key(*nonce),
+            aead::Aad::from([version]),
+            &mut plain,
+        )
+        .map_err(|_| crypto("opening the mailed link"))?
+        .len();
+    plain.truncate(len);
+    let mut other = *nonce;
+    other[0] ^= 1;
+    key.seal_in_place_append_tag(
+        aead::Nonce::assume_unique_for_key(other),
+        aead::Aad::from([version]),
+        &mut plain,
+    )
+    .map_err(|_| crypto("sealing"))?;
+    let mut token = vec![version];
+    token.extend_from_slice(&other);
+    token.extend_from_slice(&plain);
+    Ok(format!("{base}/{}", URL_SAFE_NO_PAD.encode(token)))
 }
 
 /// Every mail whose Message-ID carries `uid`.
