@@ -986,6 +986,8 @@ fn rows() -> Vec<Row> {
         fulfil_row("fulfil: link revoked by annotation", Expect::Page(410, "revoked", 1), Fulfil::Revoked),
         fulfil_row("fulfil: fulfilled with kubectl meanwhile", Expect::Page(200, "Already fulfilled", 1), Fulfil::Meanwhile),
         fulfil_row("fulfil: 400 clients post made-up links, then a newcomer", Expect::Page(200, "Recorded", 1), Fulfil::Crowd),
+        fulfil_row("fulfil: Origin null with the page's token", Expect::Page(403, "not sent from its page", 1), Fulfil::Headers(&["-H", "Origin: null"])),
+        fulfil_row("fulfil: Sec-Fetch-Site cross-site with the page's token", Expect::Page(403, "not sent from its page", 1), Fulfil::Headers(&["-H", "Sec-Fetch-Site: cross-site"])),
     ]
 }
 
@@ -1004,6 +1006,8 @@ enum Fulfil {
     Revoked,
     Meanwhile,
     Crowd,
+    /// The page's own form, cookie and token, sent with these extra curl arguments.
+    Headers(&'static [&'static str]),
 }
 
 /// One HTTP exchange with the fulfilment page through curl (with `jar` as its cookie jar):
@@ -1229,6 +1233,11 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 let mut body = form_body("evil.example.com", "443", &token);
                 body.extend(format!("&pad={}", "x".repeat(64 * 1024)).into_bytes());
                 page_request(&env, &link, &jar, &[], Some(&body)).await?
+            }
+            Fulfil::Headers(extra) => {
+                let token = open_form(&env, &link, &jar).await?;
+                let body = form_body("evil.example.com", "443", &token);
+                page_request(&env, &link, &jar, extra, Some(&body)).await?
             }
             Fulfil::Refused => {
                 let token = open_form(&env, &link, &jar).await?;
