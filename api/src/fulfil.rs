@@ -291,6 +291,13 @@ impl hkdf::KeyType for Len {
 }
 
 impl Key {
+    /// The nonce sealing `plaintext` under this key: its HMAC, cut to 96 bits.
+    fn synthetic_nonce(&self, plaintext: &[u8]) -> Option<[u8; NONCE_LEN]> {
+        hmac::sign(&self.nonce, plaintext).as_ref()[..NONCE_LEN]
+            .try_into()
+            .ok()
+    }
+
     fn derive(material: &[u8]) -> Option<Self> {
         let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, HKDF_SALT).extract(material);
         let expand = |info: &'static [u8], len: usize| -> Option<Vec<u8>> {
@@ -363,8 +370,7 @@ impl Keys {
     pub fn seal(&self, claims: &Claims) -> Option<String> {
         let key = self.0.first()?;
         let mut payload = claims.encode()?;
-        let tag = hmac::sign(&key.nonce, &payload);
-        let nonce: [u8; NONCE_LEN] = tag.as_ref()[..NONCE_LEN].try_into().ok()?;
+        let nonce = key.synthetic_nonce(&payload)?;
         key.seal
             .seal_in_place_append_tag(
                 Nonce::assume_unique_for_key(nonce),
@@ -411,6 +417,11 @@ impl Keys {
                         &mut buffer,
                     )
                     .ok()?;
+                // Only the nonce this key derives from the plaintext: a token sealed under
+                // another nonce (by whoever learnt the key, or two sealings under one nonce)
+                // is no token of ours.
+                let expected = key.synthetic_nonce(plain)?;
+                equal_in_constant_time(&expected, nonce).then_some(())?;
                 Claims::decode(plain)
             })
             .ok_or(FulfilError::Invalid)?;
@@ -449,6 +460,15 @@ fn form_input(token: &str, cookie: &str) -> Vec<u8> {
     input.push(0);
     input.extend_from_slice(cookie.as_bytes());
     input
+}
+
+/// Whether `a` and `b` hold the same bytes, in a time that depends only on their length.
+fn equal_in_constant_time(a: &[u8; NONCE_LEN], b: &[u8; NONCE_LEN]) -> bool {
+    let difference = a
+        .iter()
+        .zip(b)
+        .fold(0u8, |acc, (x, y)| acc | std::hint::black_box(x ^ y));
+    std::hint::black_box(difference) == 0
 }
 
 fn decode_base64(text: &str) -> Option<Vec<u8>> {
@@ -641,6 +661,35 @@ mod tests {
         ] {
             assert_eq!(k.open(&forged, at(0)), Err(FulfilError::Invalid));
         }
+    }
+
+    /// Issue 54: the plaintext sealed again, under the right key, with a nonce of the
+    /// sealer's choice (as whoever learnt the key, or a nonce reuse, could).
+    #[test]
+    fn a_token_resealed_under_another_nonce_is_refused() {
+        let k = keys(KEY_A);
+        let c = claims("u-1", 1000);
+        let key = &k.0[0];
+        let genuine = URL_SAFE_NO_PAD.decode(k.seal(&c).unwrap()).unwrap();
+        let mut nonce: [u8; NONCE_LEN] = genuine[1..=NONCE_LEN].try_into().unwrap();
+        nonce[0] ^= 1;
+        let mut payload = c.encode().unwrap();
+        key.seal
+            .seal_in_place_append_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from([VERSION]),
+                &mut payload,
+            )
+            .unwrap();
+        let mut token = vec![VERSION];
+        token.extend_from_slice(&nonce);
+        token.extend_from_slice(&payload);
+        assert_eq!(
+            k.open(&URL_SAFE_NO_PAD.encode(token), at(0)),
+            Err(FulfilError::Invalid)
+        );
+        assert!(equal_in_constant_time(&nonce, &nonce));
+        assert!(!equal_in_constant_time(&nonce, &[0; NONCE_LEN]));
     }
 
     #[test]

@@ -130,7 +130,8 @@ pub struct Page {
     /// `scheme://host[:port]` of the public URL: a POST from another origin is refused.
     origin: String,
     secure_cookie: bool,
-    trust_forwarded_for: bool,
+    /// The proxies whose `X-Forwarded-For` is read.
+    trusted_proxies: Vec<ipnet::IpNet>,
     /// The provider's own recipients (mails without a `MailgunClusterIdentity`).
     recipients: Vec<String>,
     events: Events,
@@ -204,7 +205,7 @@ impl Page {
             keys,
             origin,
             secure_cookie: settings.secure,
-            trust_forwarded_for: settings.trust_forwarded_for,
+            trusted_proxies: settings.trusted_proxies.clone(),
             recipients,
             limiter: Limiter::default(),
             requests,
@@ -239,10 +240,8 @@ impl Page {
                 r.headers_mut()
                     .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST"));
                 (Outcome::Refused("method"), r)
-            } else if !self.limiter.allow_address(address, post)
-                || (post && !self.limiter.allow_token(&token))
-            {
-                (Outcome::Refused("rate_limited"), self.too_many())
+            } else if let Err(wait) = self.limiter.allow_address(address, post) {
+                (Outcome::Refused("rate_limited"), self.too_many(wait))
             } else if post {
                 self.submit(&token, req, address).await
             } else {
@@ -267,23 +266,14 @@ impl Page {
         response
     }
 
-    /// The peer, or with `--fulfilment-trust-forwarded-for` the last `X-Forwarded-For` entry.
+    /// The client's address: the peer, or through `--fulfilment-trusted-proxies`
+    /// [`forwarded_client`].
     fn client_address(&self, req: &Req) -> IpAddr {
         let peer = req
             .extensions()
             .get::<Peer>()
             .map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0.ip());
-        if !self.trust_forwarded_for {
-            return peer;
-        }
-        req.headers()
-            .get_all("x-forwarded-for")
-            .iter()
-            .next_back()
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.rsplit(',').next())
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(peer)
+        forwarded_client(peer, req.headers(), &self.trusted_proxies)
     }
 
     fn answer(&self, status: StatusCode, body: String) -> Response<Full<Bytes>> {
@@ -296,13 +286,15 @@ impl Page {
         response
     }
 
-    fn too_many(&self) -> Response<Full<Bytes>> {
+    /// 429, with the seconds until the next attempt is allowed.
+    fn too_many(&self, wait: Duration) -> Response<Full<Bytes>> {
         let mut r = self.answer(
             StatusCode::TOO_MANY_REQUESTS,
             html::refusal("Too many attempts for now; try again in a few minutes."),
         );
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
         r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("600"));
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
         r
     }
 
@@ -410,10 +402,7 @@ impl Page {
             .map(http_body_util::Collected::to_bytes)
             .unwrap_or_default();
         let fields: HashMap<String, String> = form_urlencoded::parse(&body).into_owned().collect();
-        // A browser that hides the origin sends `null`: the page token decides then.
-        let origin_ok = headers
-            .get(header::ORIGIN)
-            .is_none_or(|o| o.as_bytes() == self.origin.as_bytes() || o.as_bytes() == b"null");
+        let origin_ok = same_origin(&headers, &self.origin);
         let cookie = cookie(&headers);
         let page_token_ok = match (&cookie, fields.get("form-token")) {
             (Some(cookie), Some(form)) => self.keys.current().check_form_token(token, cookie, form),
@@ -421,8 +410,11 @@ impl Page {
         };
         if !origin_ok || !page_token_ok {
             let origin = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok());
+            let fetch_site = headers.get("sec-fetch-site").and_then(|o| o.to_str().ok());
             info!(
+                client = %address,
                 origin,
+                fetch_site,
                 expected = self.origin,
                 page_token_ok,
                 cookie = cookie.is_some(),
@@ -450,6 +442,12 @@ impl Page {
                 Ok(found) => found,
                 Err(answered) => return answered,
             };
+            // Counted once the link opened, by its object: made-up links fill no table.
+            if attempt == 1
+                && let Err(wait) = self.limiter.allow_link(&claims.uid)
+            {
+                return (Outcome::Refused("rate_limited"), self.too_many(wait));
+            }
             if let Some(values) = target.fulfilment() {
                 return (Outcome::Already, self.already(&target, &values).await);
             }
@@ -554,9 +552,21 @@ impl Page {
             .map(|(k, v)| format!("{k} {v}"))
             .collect::<Vec<_>>()
             .join(", ");
+        // The address first: a long recipient list or value is cut from the end, never it.
         let note = format!(
-            "{set} recorded through the fulfilment link mailed to {recipients}, from {address} \
+            "From {address}: {set} recorded through the fulfilment link mailed to {recipients} \
              (user agent: {agent})"
+        );
+        info!(
+            client = %address,
+            kind = target.kind().as_str(),
+            namespace = target.meta().namespace.as_deref().unwrap_or_default(),
+            name = target.meta().name.as_deref().unwrap_or_default(),
+            uid = target.meta().uid.as_deref().unwrap_or_default(),
+            values = set,
+            recipients,
+            user_agent = agent,
+            "Fulfilled through a link"
         );
         if let Err(e) = self
             .events
@@ -695,6 +705,63 @@ impl Page {
 type Answered = (Outcome, Response<Full<Bytes>>);
 
 /// The cookie's value, if it is one this page set.
+/// The client behind `peer`: `peer` itself unless it is one of the `trusted` proxies; then the
+/// `X-Forwarded-For` entries (all the header's lines, in order) read right to left, each
+/// trusted hop skipped, up to the first entry that is not a trusted proxy. An entry that is
+/// not an address ends the walk at the last trusted hop (whoever wrote it chose it). Only what
+/// trusted proxies appended is believed, whatever a client sent before them.
+fn forwarded_client(peer: IpAddr, headers: &HeaderMap, trusted: &[ipnet::IpNet]) -> IpAddr {
+    let is_trusted = |address: IpAddr| {
+        let address = match address {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(address, IpAddr::V4),
+            v4 @ IpAddr::V4(_) => v4,
+        };
+        trusted.iter().any(|net| net.contains(&address))
+    };
+    if !is_trusted(peer) {
+        return peer;
+    }
+    let lines: Vec<&str> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .map(|v| v.to_str().unwrap_or(""))
+        .collect();
+    let mut client = peer;
+    for entry in lines.iter().rev().flat_map(|line| line.rsplit(',')) {
+        let Some(hop) = parse_hop(entry.trim()) else {
+            return client;
+        };
+        client = hop;
+        if !is_trusted(hop) {
+            return hop;
+        }
+    }
+    client
+}
+
+/// An `X-Forwarded-For` entry: an address, possibly with a port (`[::1]:80`, `1.2.3.4:5`).
+fn parse_hop(entry: &str) -> Option<IpAddr> {
+    entry
+        .parse()
+        .ok()
+        .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|s| s.ip()))
+}
+
+/// Whether a POST's headers allow it to come from the page itself (`origin`, normalised as
+/// browsers send it). `Origin` when sent must be the page's (`null`, from a sandboxed frame, a
+/// `data:` page or a redirect across sites, is refused); `Sec-Fetch-Site` when sent must be
+/// `same-origin` (or `none`: the user's own action). Without either (an old browser, curl), the
+/// form token decides alone.
+fn same_origin(headers: &HeaderMap, origin: &str) -> bool {
+    let origin_ok = headers
+        .get(header::ORIGIN)
+        .is_none_or(|o| o.as_bytes() == origin.as_bytes());
+    let site_ok = headers
+        .get("sec-fetch-site")
+        .is_none_or(|s| matches!(s.as_bytes(), b"same-origin" | b"none"));
+    origin_ok && site_ok
+}
+
 fn cookie(headers: &HeaderMap) -> Option<String> {
     headers
         .get_all(header::COOKIE)
@@ -869,7 +936,7 @@ mod tests {
             keys_file: "unused".into(),
             bind: None,
             validity: fulfil::DEFAULT_VALIDITY,
-            trust_forwarded_for: false,
+            trusted_proxies: Vec::new(),
         };
         let page = Page::new(
             client,
@@ -980,9 +1047,92 @@ mod tests {
             .find(|l| l.starts_with("POST"))
             .expect("an Event");
         assert!(
-            event.contains("mailed to team-a-builders@example.com, from 192.0.2.1"),
+            event.contains("From 192.0.2.1: Control plane endpoint")
+                && event.contains("mailed to team-a-builders@example.com (user agent"),
             "{event}"
         );
+    }
+
+    #[test]
+    fn x_forwarded_for_is_read_right_to_left_from_trusted_proxies_only() {
+        let trusted: Vec<ipnet::IpNet> =
+            vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
+        let xff = |lines: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            for line in lines {
+                h.append("x-forwarded-for", HeaderValue::from_static(line));
+            }
+            h
+        };
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let (proxy, stranger) = (ip("10.1.2.3"), ip("203.0.113.9"));
+        // A peer that is no trusted proxy is the client, whatever it says.
+        assert_eq!(
+            forwarded_client(stranger, &xff(&["198.51.100.1"]), &trusted),
+            stranger
+        );
+        assert_eq!(
+            forwarded_client(stranger, &xff(&["198.51.100.1"]), &[]),
+            stranger
+        );
+        // Through the proxy: the entry it appended, not what the client put before it.
+        assert_eq!(
+            forwarded_client(proxy, &xff(&["1.1.1.1, 198.51.100.7"]), &trusted),
+            ip("198.51.100.7")
+        );
+        // Two trusted hops (a load balancer, then the Ingress), over two header lines.
+        assert_eq!(
+            forwarded_client(
+                proxy,
+                &xff(&["6.6.6.6, 198.51.100.7", "10.9.9.9"]),
+                &trusted
+            ),
+            ip("198.51.100.7")
+        );
+        assert_eq!(
+            forwarded_client(
+                ip("::ffff:10.0.0.1"),
+                &xff(&["[2001:db8::1]:4711"]),
+                &trusted
+            ),
+            ip("2001:db8::1")
+        );
+        // Nothing, or garbage, past the trusted hops: the last trusted hop.
+        assert_eq!(forwarded_client(proxy, &xff(&[]), &trusted), proxy);
+        assert_eq!(
+            forwarded_client(proxy, &xff(&["198.51.100.7, junk, 10.2.2.2"]), &trusted),
+            ip("10.2.2.2")
+        );
+    }
+
+    #[test]
+    fn a_post_from_another_site_or_a_null_origin_is_refused() {
+        let origin = "https://capm.example.com";
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (name, value) in pairs {
+                h.insert(*name, HeaderValue::from_static(value));
+            }
+            h
+        };
+        for accepted in [
+            headers(&[]),
+            headers(&[("origin", origin)]),
+            headers(&[("origin", origin), ("sec-fetch-site", "same-origin")]),
+            headers(&[("sec-fetch-site", "none")]),
+        ] {
+            assert!(same_origin(&accepted, origin), "{accepted:?}");
+        }
+        for refused in [
+            headers(&[("origin", "null")]),
+            headers(&[("origin", "https://evil.example.com")]),
+            headers(&[("origin", "https://CAPM.example.com:443")]),
+            headers(&[("origin", origin), ("sec-fetch-site", "cross-site")]),
+            headers(&[("origin", origin), ("sec-fetch-site", "same-site")]),
+            headers(&[("sec-fetch-site", "cross-site")]),
+        ] {
+            assert!(!same_origin(&refused, origin), "{refused:?}");
+        }
     }
 
     #[test]

@@ -1,13 +1,23 @@
 //! The fulfilment link and page settings (`--fulfilment-*`).
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
+
+use ipnet::IpNet;
 
 use super::{SettingsError, invalid, values::bind_address};
+
+/// The longest a link may be valid (`--fulfilment-link-validity`): 90 days.
+pub const MAX_LINK_VALIDITY: Duration = Duration::from_secs(90 * 24 * 3600);
 
 /// The fulfilment links (in the request mails) and the page (docs/fulfilment.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fulfilment {
-    /// The page's public base URL, without a trailing `/`.
+    /// The page's public base URL, normalised: lower-case scheme and host, no default port, no
+    /// trailing `/` (it is also the Origin the page's own form is posted from).
     pub url: String,
     /// `https` public URL: the page's cookie is `Secure`.
     pub secure: bool,
@@ -17,8 +27,8 @@ pub struct Fulfilment {
     pub bind: Option<SocketAddr>,
     /// How long a link is valid after its mail.
     pub validity: Duration,
-    /// The client address is the last `X-Forwarded-For` entry.
-    pub trust_forwarded_for: bool,
+    /// The proxies whose `X-Forwarded-For` is read (`--fulfilment-trusted-proxies`).
+    pub trusted_proxies: Vec<IpNet>,
 }
 
 /// The settings, checked; `None` without a URL.
@@ -28,7 +38,19 @@ pub(super) fn resolve(
     bind: &str,
     validity: Duration,
     trust_forwarded_for: bool,
+    trusted_proxies: Option<&str>,
 ) -> Result<Option<Fulfilment>, SettingsError> {
+    if trust_forwarded_for {
+        return Err(invalid(
+            field!(fulfilment_trust_forwarded_for),
+            format!(
+                "was replaced by {}: list the proxies in front of the page (CIDRs); \
+                 X-Forwarded-For is then read only from them, right to left past them",
+                field!(fulfilment_trusted_proxies)
+            ),
+        ));
+    }
+    let trusted_proxies = parse_proxies(trusted_proxies.unwrap_or_default())?;
     let Some(url) = url.filter(|u| !u.is_empty()) else {
         if keys_file.is_some() {
             return Err(invalid(
@@ -38,17 +60,7 @@ pub(super) fn resolve(
         }
         return Ok(None);
     };
-    let uri: http::Uri = url.parse().map_err(|_| bad_url(&url))?;
-    let secure = match uri.scheme_str() {
-        Some("https") => true,
-        Some("http") => false,
-        _ => return Err(bad_url(&url)),
-    };
-    // The page answers at /fulfil/ of its host: a path would need rewriting in front of it.
-    let bare = matches!(uri.path(), "" | "/");
-    if uri.authority().is_none_or(|a| a.host().is_empty()) || uri.query().is_some() || !bare {
-        return Err(bad_url(&url));
-    }
+    let (url, secure) = normalise(&url)?;
     let Some(keys_file) = keys_file else {
         return Err(invalid(
             field!(fulfilment_keys_file),
@@ -61,21 +73,112 @@ pub(super) fn resolve(
             "must be positive",
         ));
     }
+    if validity > MAX_LINK_VALIDITY {
+        return Err(invalid(
+            field!(fulfilment_link_validity),
+            format!(
+                "{}h is above the cap of {}h (90 days): a link is a bearer credential",
+                validity.as_secs().div_ceil(3600),
+                MAX_LINK_VALIDITY.as_secs() / 3600
+            ),
+        ));
+    }
     Ok(Some(Fulfilment {
-        url: url.trim_end_matches('/').to_owned(),
+        url,
         secure,
         keys_file,
         bind: bind_address(field!(fulfilment_bind_address), bind)?,
         validity,
-        trust_forwarded_for,
+        trusted_proxies,
     }))
+}
+
+/// `url` normalised as a browser serialises its origin (scheme and host in lower case, the
+/// default port dropped), and whether it is `https`. `http` only for a loopback host; no
+/// userinfo, path, query or fragment.
+fn normalise(url: &str) -> Result<(String, bool), SettingsError> {
+    // `http::Uri` first: the URL standard's parser would read `https:///p` as host `p`.
+    let uri: http::Uri = url.parse().map_err(|_| bad_url(url))?;
+    if uri.authority().is_none_or(|a| a.host().is_empty()) {
+        return Err(bad_url(url));
+    }
+    let parsed = url::Url::parse(url).map_err(|_| bad_url(url))?;
+    let secure = match parsed.scheme() {
+        "https" => true,
+        "http" => false,
+        _ => return Err(bad_url(url)),
+    };
+    // The page answers at /fulfil/ of its host: a path would need rewriting in front of it.
+    if parsed.host().is_none()
+        || !matches!(parsed.path(), "" | "/")
+        || parsed.query().is_some()
+        || parsed.fragment().is_some()
+    {
+        return Err(bad_url(url));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(invalid(
+            field!(fulfilment_url),
+            format!(
+                "{:?} carries a user name or password: the URL goes into every request mail",
+                redact(url)
+            ),
+        ));
+    }
+    let loopback = match parsed.host() {
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        Some(url::Host::Domain(name)) => name == "localhost",
+        None => false,
+    };
+    if !secure && !loopback {
+        return Err(invalid(
+            field!(fulfilment_url),
+            format!(
+                "{url:?} is http: the link is a bearer credential, so the public URL must be \
+                 https (TLS at the Ingress); http is accepted only for a loopback host"
+            ),
+        ));
+    }
+    Ok((parsed.origin().ascii_serialization(), secure))
+}
+
+/// The comma-separated CIDRs (or single addresses) of `--fulfilment-trusted-proxies`.
+fn parse_proxies(list: &str) -> Result<Vec<IpNet>, SettingsError> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            p.parse::<IpNet>()
+                .map(|net| net.trunc())
+                .or_else(|_| p.parse::<IpAddr>().map(IpNet::from))
+                .map_err(|_| {
+                    invalid(
+                        field!(fulfilment_trusted_proxies),
+                        format!("{p:?} is not a CIDR (10.0.0.0/8, fd00::/8) or an address"),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// `url` without what could be a password.
+fn redact(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((_, host)) => format!("{scheme}://…@{host}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
 }
 
 fn bad_url(url: &str) -> SettingsError {
     invalid(
         field!(fulfilment_url),
         format!(
-            "{url:?} is not an http(s) URL with a host and nothing after it (no path, no query)"
+            "{:?} is not an http(s) URL with a host and nothing after it (no path, no query)",
+            redact(url)
         ),
     )
 }

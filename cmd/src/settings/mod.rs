@@ -354,7 +354,8 @@ pub struct Args {
     pub shutdown_timeout: Duration,
 
     /// Public base URL of the fulfilment page, scheme and host only (e.g.
-    /// `https://capm.example.com`, served through an Ingress with TLS): request mails then carry a link to a page where the human records
+    /// `https://capm.example.com`, served through an Ingress with TLS; `http` only on a
+    /// loopback host): request mails then carry a link to a page where the human records
     /// what they built without cluster credentials (needs --fulfilment-keys-file) [default: no
     /// link, no page].
     #[arg(long, env = "FULFILMENT_URL", value_name = "URL")]
@@ -375,12 +376,12 @@ pub struct Args {
     )]
     pub fulfilment_bind_address: String,
 
-    /// How long a fulfilment link is valid after its request mail.
+    /// How long a fulfilment link is valid after its request mail (at most 2160h, 90 days).
     #[arg(long, env = "FULFILMENT_LINK_VALIDITY", value_name = "DURATION", default_value = "720h", value_parser = duration)]
     pub fulfilment_link_validity: Duration,
 
-    /// Take the fulfilment page's client address from the last X-Forwarded-For entry (set it
-    /// when an Ingress or proxy in front of the page appends it) [default: false, the peer].
+    /// Replaced by --fulfilment-trusted-proxies: `true` stops the provider at start-up saying so
+    /// (it made any client able to choose its address).
     #[arg(
         long,
         env = "FULFILMENT_TRUST_FORWARDED_FOR",
@@ -392,6 +393,13 @@ pub struct Args {
         value_parser = BoolishValueParser::new()
     )]
     pub fulfilment_trust_forwarded_for: bool,
+
+    /// The proxies in front of the fulfilment page (comma-separated CIDRs or addresses, e.g. the
+    /// Ingress controller's Pod network): when the peer is one of them, the client address is
+    /// the X-Forwarded-For entry read right to left past the trusted hops [default: none, the
+    /// peer].
+    #[arg(long, env = "FULFILMENT_TRUSTED_PROXIES", value_name = "CIDRS")]
+    pub fulfilment_trusted_proxies: Option<String>,
 
     /// Kubeconfig file [default: $KUBECONFIG, the in-cluster service account, ~/.kube/config].
     #[arg(long, value_name = "FILE")]
@@ -755,6 +763,7 @@ impl Settings {
             &args.fulfilment_bind_address,
             args.fulfilment_link_validity,
             args.fulfilment_trust_forwarded_for,
+            args.fulfilment_trusted_proxies.as_deref(),
         )?;
 
         Ok(Self {

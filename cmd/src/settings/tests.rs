@@ -79,7 +79,7 @@ fn fulfilment_needs_a_url_and_keys_together() {
     assert!(on.secure);
     assert_eq!(on.bind, Some("0.0.0.0:8090".parse().unwrap()));
     assert_eq!(on.validity, Duration::from_secs(30 * 24 * 3600));
-    assert!(!on.trust_forwarded_for);
+    assert!(on.trusted_proxies.is_empty());
     assert_eq!(
         error(&flags(&["--fulfilment-url", "https://x"]), &with_key),
         "--fulfilment-keys-file (FULFILMENT_KEYS_FILE): is required with --fulfilment-url (FULFILMENT_URL)"
@@ -94,6 +94,10 @@ fn fulfilment_needs_a_url_and_keys_together() {
         "https://x/?a=b",
         "https://x/capm",
         "https:///p",
+        "https://x/#f",
+        "http://capm.example.com",
+        "http://10.0.0.1:8090",
+        "https://user:secret@capm.example.com",
     ] {
         let e = error(
             &flags(&["--fulfilment-url", bad, "--fulfilment-keys-file", "/k"]),
@@ -104,6 +108,113 @@ fn fulfilment_needs_a_url_and_keys_together() {
             "{bad}: {e}"
         );
     }
+}
+
+#[test]
+fn the_fulfilment_url_is_normalised_https_and_without_userinfo() {
+    let flags = |url: &'static str, extra: &[&'static str]| {
+        [
+            MAILGUN,
+            &["--fulfilment-url", url, "--fulfilment-keys-file", "/k"],
+            extra,
+        ]
+        .concat()
+    };
+    let url = |u: &'static str| {
+        resolve(&flags(u, &[]), &with_key)
+            .map(|s| s.fulfilment.unwrap().url)
+            .map_err(|e| e.to_string())
+    };
+    // As a browser sends it in `Origin`.
+    assert_eq!(
+        url("HTTPS://Capm.Example.com:443").unwrap(),
+        "https://capm.example.com"
+    );
+    assert_eq!(
+        url("https://capm.example.com:8443/").unwrap(),
+        "https://capm.example.com:8443"
+    );
+    for loopback in [
+        "http://127.0.0.1:8090",
+        "http://localhost:1",
+        "http://[::1]:2",
+    ] {
+        assert!(url(loopback).is_ok(), "{loopback}");
+    }
+    let e = url("http://capm.example.com").unwrap_err();
+    assert!(e.contains("must be https"), "{e}");
+    let e = url("https://capm:hunter2@capm.example.com").unwrap_err();
+    assert!(
+        e.contains("user name or password") && !e.contains("hunter2"),
+        "{e}"
+    );
+    let validity = |v: &'static str| {
+        resolve(
+            &flags("https://x", &["--fulfilment-link-validity", v]),
+            &with_key,
+        )
+        .map(|s| s.fulfilment.unwrap().validity)
+        .map_err(|e| e.to_string())
+    };
+    assert_eq!(
+        validity("2160h").unwrap(),
+        Duration::from_secs(90 * 24 * 3600)
+    );
+    assert_eq!(
+        validity("2161h").unwrap_err(),
+        "--fulfilment-link-validity (FULFILMENT_LINK_VALIDITY): 2161h is above the cap of \
+         2160h (90 days): a link is a bearer credential"
+    );
+}
+
+#[test]
+fn trusted_proxies_replace_trusting_every_forwarded_for() {
+    let base = [
+        MAILGUN,
+        &[
+            "--fulfilment-url",
+            "https://x",
+            "--fulfilment-keys-file",
+            "/k",
+        ],
+    ]
+    .concat();
+    let on = resolve(
+        &[
+            &base[..],
+            &[
+                "--fulfilment-trusted-proxies",
+                "10.0.0.0/8, 192.168.1.7,fd00::1/8",
+            ],
+        ]
+        .concat(),
+        &with_key,
+    )
+    .unwrap()
+    .fulfilment
+    .unwrap();
+    let shown: Vec<String> = on.trusted_proxies.iter().map(ToString::to_string).collect();
+    assert_eq!(shown, ["10.0.0.0/8", "192.168.1.7/32", "fd00::/8"]);
+    assert_eq!(
+        error(
+            &[&base[..], &["--fulfilment-trusted-proxies", "10.0.0.0/33"]].concat(),
+            &with_key
+        ),
+        "--fulfilment-trusted-proxies (FULFILMENT_TRUSTED_PROXIES): \"10.0.0.0/33\" is not a \
+         CIDR (10.0.0.0/8, fd00::/8) or an address"
+    );
+    assert_eq!(
+        error(
+            &[&base[..], &["--fulfilment-trust-forwarded-for"]].concat(),
+            &with_key
+        ),
+        "--fulfilment-trust-forwarded-for (FULFILMENT_TRUST_FORWARDED_FOR): was replaced by \
+         --fulfilment-trusted-proxies (FULFILMENT_TRUSTED_PROXIES): list the proxies in front \
+         of the page (CIDRs); X-Forwarded-For is then read only from them, right to left past \
+         them"
+    );
+    let off = [&base[..], &["--fulfilment-trust-forwarded-for=false"]].concat();
+    assert!(resolve(&off, &with_key).is_ok());
 }
 
 #[test]

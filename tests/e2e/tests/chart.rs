@@ -123,6 +123,30 @@ fn bad_values_are_refused_with_the_field_named() {
         err.contains("fulfilment.networkPolicy.from must name"),
         "{err}"
     );
+    // Issue 54: client addresses only from named proxies, and those only behind the policy.
+    let page = [
+        "fulfilment.url=https://capm.example.com",
+        "fulfilment.keysSecret.name=k",
+    ];
+    let err = with(&[page[0], page[1], "fulfilment.ingress.enabled=true"]);
+    assert!(
+        err.contains("fulfilment.ingress.enabled needs fulfilment.trustedProxies"),
+        "{err}"
+    );
+    let err = with(&[
+        page[0],
+        page[1],
+        "fulfilment.trustedProxies={10.244.0.0/16}",
+    ]);
+    assert!(
+        err.contains("fulfilment.trustedProxies needs fulfilment.networkPolicy.enabled=true"),
+        "{err}"
+    );
+    let err = with(&[page[0], page[1], "fulfilment.trustForwardedFor=true"]);
+    assert!(
+        err.contains("fulfilment.trustForwardedFor was replaced by fulfilment.trustedProxies"),
+        "{err}"
+    );
     let err = with(&["leaderElection.enabled=false"]);
     assert!(
         err.contains("replicaCount > 1 needs leaderElection.enabled"),

@@ -975,6 +975,7 @@ fn rows() -> Vec<Row> {
         webhook_request("unknown path", "POST", "/mutate", b"{}".to_vec(), 404, "not found"),
         // The fulfilment page (issue 48): each refused, nothing written.
         fulfil_row("fulfil: forged token", Expect::Page(403, "not valid", 0), Fulfil::Forged),
+        fulfil_row("fulfil: token resealed under another nonce", Expect::Page(403, "not valid", 1), Fulfil::Resealed),
         fulfil_row("fulfil: expired token", Expect::Page(410, "expired", 1), Fulfil::Expired),
         fulfil_row("fulfil: deleted and recreated object", Expect::Page(410, "no longer requested", 2), Fulfil::Recreated),
         fulfil_row("fulfil: replay after success", Expect::Page(200, "Already fulfilled", 1), Fulfil::Replay),
@@ -984,6 +985,9 @@ fn rows() -> Vec<Row> {
         fulfil_row("fulfil: burst over the rate limit", Expect::Page(429, "Too many attempts", 1), Fulfil::Burst),
         fulfil_row("fulfil: link revoked by annotation", Expect::Page(410, "revoked", 1), Fulfil::Revoked),
         fulfil_row("fulfil: fulfilled with kubectl meanwhile", Expect::Page(200, "Already fulfilled", 1), Fulfil::Meanwhile),
+        fulfil_row("fulfil: 400 clients post made-up links, then a newcomer", Expect::Page(200, "Recorded", 1), Fulfil::Crowd),
+        fulfil_row("fulfil: Origin null with the page's token", Expect::Page(403, "not sent from its page", 1), Fulfil::Headers(&["-H", "Origin: null"])),
+        fulfil_row("fulfil: Sec-Fetch-Site cross-site with the page's token", Expect::Page(403, "not sent from its page", 1), Fulfil::Headers(&["-H", "Sec-Fetch-Site: cross-site"])),
     ]
 }
 
@@ -991,6 +995,7 @@ fn rows() -> Vec<Row> {
 #[derive(Debug, Clone, Copy)]
 enum Fulfil {
     Forged,
+    Resealed,
     Expired,
     Recreated,
     Replay,
@@ -1000,6 +1005,9 @@ enum Fulfil {
     Burst,
     Revoked,
     Meanwhile,
+    Crowd,
+    /// The page's own form, cookie and token, sent with these extra curl arguments.
+    Headers(&'static [&'static str]),
 }
 
 /// One HTTP exchange with the fulfilment page through curl (with `jar` as its cookie jar):
@@ -1151,6 +1159,11 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 let url = seal(FULFILMENT_KEY, &uid, 1)?;
                 page_request(&env, &url, &jar, &[], None).await?
             }
+            Fulfil::Resealed => {
+                let url = reseal(&link)?;
+                ensure!(url != link, "the same token");
+                page_request(&env, &url, &jar, &[], None).await?
+            }
             Fulfil::Recreated => {
                 let api = ours(&env.mallory, "v1beta1", "MailgunCluster");
                 api.delete(&slug, &DeleteParams::default()).await?;
@@ -1221,6 +1234,11 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 body.extend(format!("&pad={}", "x".repeat(64 * 1024)).into_bytes());
                 page_request(&env, &link, &jar, &[], Some(&body)).await?
             }
+            Fulfil::Headers(extra) => {
+                let token = open_form(&env, &link, &jar).await?;
+                let body = form_body("evil.example.com", "443", &token);
+                page_request(&env, &link, &jar, extra, Some(&body)).await?
+            }
             Fulfil::Refused => {
                 let token = open_form(&env, &link, &jar).await?;
                 submit(&env, &link, &jar, "bad%20host%21", "6443", &token).await?
@@ -1260,6 +1278,28 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
                 );
                 page_request(&env, &link, &jar, &[], None).await?
             }
+            Fulfil::Crowd => {
+                let (sent, took, statuses) = crowd(&env).await?;
+                eprintln!(
+                    "fulfil crowd: {sent} POSTs of made-up links from 400 addresses in {took:?}: {statuses:?}"
+                );
+                ensure!(
+                    statuses.get(&429).copied().unwrap_or(0) > 0,
+                    "the crowd was never limited: {statuses:?}"
+                );
+                // A newcomer from a network the crowd did not use, with the mailed link.
+                let newcomer = ["--interface", "127.0.9.7"];
+                let (_, page) = page_request(&env, &link, &jar, &newcomer, None).await?;
+                let token = form_token(&page)?;
+                let body = form_body("api.newcomer.example.com", "6443", &token);
+                let answer = page_request(&env, &link, &jar, &newcomer, Some(&body)).await?;
+                let stored = endpoint(&env, &slug).await?;
+                ensure!(
+                    stored == json!({"host": "api.newcomer.example.com", "port": 6443}),
+                    "stored {stored}"
+                );
+                return Ok(Outcome::Http(answer.0, answer.1));
+            }
             Fulfil::Burst => {
                 let token = open_form(&env, &link, &jar).await?;
                 let mut last = (0, String::new());
@@ -1279,6 +1319,111 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
         );
         Ok(Outcome::Http(answer.0, answer.1))
     })
+}
+
+/// The attack of issue 54: 400 loopback addresses (127.0.1.1 to 127.0.2.200) each POST 32
+/// made-up links to the page, 32 at a time: how many were sent, in how long, and the statuses.
+async fn crowd(env: &Env) -> Result<(usize, Duration, BTreeMap<u16, usize>)> {
+    use futures::StreamExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let page = env.page.trim_start_matches("http://").to_owned();
+    let target: std::net::SocketAddr = page.parse().context("the page's address")?;
+    let started = Instant::now();
+    let requests = (1..=2u8)
+        .flat_map(|x| (1..=200u8).map(move |y| std::net::Ipv4Addr::new(127, 0, x, y)))
+        .flat_map(|source| (0..32).map(move |_| source));
+    let statuses: Vec<u16> = futures::stream::iter(requests)
+        .map(|source| {
+            let page = page.clone();
+            async move {
+                let socket = tokio::net::TcpSocket::new_v4()?;
+                socket.bind((source, 0).into())?;
+                let mut stream = socket.connect(target).await?;
+                let body = "host=evil.example.com&port=443&form-token=made-up";
+                let request = format!(
+                    "POST /fulfil/{:032x}{:016x} HTTP/1.1\r\nHost: {page}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    rand_suffix(),
+                    u64::from(source.to_bits()),
+                    body.len()
+                );
+                stream.write_all(request.as_bytes()).await?;
+                let mut answer = Vec::new();
+                stream.read_to_end(&mut answer).await?;
+                let status = String::from_utf8_lossy(&answer)
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0);
+                anyhow::Ok(status)
+            }
+        })
+        .buffer_unordered(32)
+        .map(|r| r.unwrap_or(0))
+        .collect()
+        .await;
+    let mut counts = BTreeMap::new();
+    for status in &statuses {
+        *counts.entry(*status).or_insert(0) += 1;
+    }
+    Ok((statuses.len(), started.elapsed(), counts))
+}
+
+/// The mailed `link` sealed again under the suite's own key (the one a thief of the key Secret
+/// holds) with its synthetic nonce one bit off: a token AES-GCM alone would accept. Derived as
+/// `capm_api::fulfil` documents (HKDF-SHA-256 of the key, AES-256-GCM, the version byte as
+/// associated data), written out here so that the row does not trust the code it tests.
+fn reseal(link: &str) -> Result<String> {
+    use base64::{
+        Engine,
+        engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD},
+    };
+    use ring::{aead, hkdf};
+    struct Len(usize);
+    impl hkdf::KeyType for Len {
+        fn len(&self) -> usize {
+            self.0
+        }
+    }
+    let crypto = |what: &str| anyhow::anyhow!("{what} failed");
+    let (base, token) = link.rsplit_once('/').context("a link")?;
+    let bytes = URL_SAFE_NO_PAD.decode(token)?;
+    let (&version, rest) = bytes.split_first().context("empty token")?;
+    let (nonce, sealed) = rest.split_first_chunk::<12>().context("short token")?;
+    let prk = hkdf::Salt::new(
+        hkdf::HKDF_SHA256,
+        b"cluster-api-provider-mailgun fulfilment v1",
+    )
+    .extract(&STANDARD.decode(FULFILMENT_KEY)?);
+    let mut seal = [0u8; 32];
+    prk.expand(&[b"seal"], Len(32))
+        .map_err(|_| crypto("HKDF"))?
+        .fill(&mut seal)
+        .map_err(|_| crypto("HKDF"))?;
+    let key = aead::LessSafeKey::new(
+        aead::UnboundKey::new(&aead::AES_256_GCM, &seal).map_err(|_| crypto("key"))?,
+    );
+    let mut plain = sealed.to_vec();
+    let len = key
+        .open_in_place(
+            aead::Nonce::assume_unique_for_key(*nonce),
+            aead::Aad::from([version]),
+            &mut plain,
+        )
+        .map_err(|_| crypto("opening the mailed link"))?
+        .len();
+    plain.truncate(len);
+    let mut other = *nonce;
+    other[0] ^= 1;
+    key.seal_in_place_append_tag(
+        aead::Nonce::assume_unique_for_key(other),
+        aead::Aad::from([version]),
+        &mut plain,
+    )
+    .map_err(|_| crypto("sealing"))?;
+    let mut token = vec![version];
+    token.extend_from_slice(&other);
+    token.extend_from_slice(&plain);
+    Ok(format!("{base}/{}", URL_SAFE_NO_PAD.encode(token)))
 }
 
 /// Every mail whose Message-ID carries `uid`.
