@@ -11,6 +11,24 @@ const RECONCILE_BUCKETS: &[f64] = &[
     25.0, 30.0, 40.0, 50.0, 60.0,
 ];
 
+/// Why a release mail was given up (`capm_release_abandoned_total`'s `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AbandonReason {
+    /// Its identity (or the Secret it names) could not be used.
+    Identity,
+    /// Its backend kept failing.
+    Mail,
+}
+
+impl AbandonReason {
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::Identity => "identity",
+            Self::Mail => "mail",
+        }
+    }
+}
+
 /// The controllers' metrics, registered once per process; each series and its labels:
 /// docs/observability.md, "The provider's own series".
 #[derive(Debug, Clone)]
@@ -28,6 +46,7 @@ pub struct Metrics {
     pub(crate) orphan_releases: IntCounterVec,
     pub(crate) delivery: IntCounterVec,
     pub(crate) abandoned: IntCounterVec,
+    pub(crate) releases_abandoned: IntCounterVec,
     pub(crate) remembered: IntGaugeVec,
     pub(crate) workqueue: Workqueue,
 }
@@ -66,7 +85,17 @@ impl Metrics {
             &["state"],
         )?;
         registry.register(Box::new(remembered.clone()))?;
+        let releases_abandoned = counter(
+            "capm_release_abandoned_total",
+            "Release mails given up after --release-timeout because their identity could not be used (identity) or their backend kept failing (mail); the deletion went on without them",
+            &["reason"],
+        )?;
+        // Both series exist from the start, so an alert on their increase sees the first one.
+        for reason in [AbandonReason::Identity, AbandonReason::Mail] {
+            releases_abandoned.with_label_values(&[reason.label()]);
+        }
         Ok(Self {
+            releases_abandoned,
             remembered,
             workqueue: Workqueue::register(registry)?,
             reconcile_total: counter(

@@ -743,6 +743,14 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
         .filter(|ev| ev.reason.as_deref() == Some(reasons::RELEASE_ABANDONED))
         .collect();
     assert_eq!(abandoned.len(), 1, "{abandoned:?}");
+    assert_eq!(
+        (
+            env.metric("capm_release_abandoned_total", Some(("reason", "identity"))),
+            env.metric("capm_release_abandoned_total", Some(("reason", "mail"))),
+        ),
+        (1.0, 0.0),
+        "the release given up is counted under its reason"
+    );
     let note = abandoned[0].note.clone().unwrap_or_default();
     assert!(
         note.contains("given up")
