@@ -571,6 +571,11 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
         })
     };
     let probe_url = format!("http://{}", probe.local_addr().unwrap());
+    // The operator's list names ports: the refusal names the probe's.
+    let probe_refusal = format!(
+        "spec.mailgun.baseURL: host {} is not among the hosts",
+        probe.local_addr().unwrap()
+    );
     let identities = Api::<MailgunClusterIdentity>::all(client.clone());
     for (name, spec) in [
         (
@@ -627,11 +632,7 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
             reasons::IDENTITY_INVALID,
             "spec.mailgun.apiKeySecretRef: Secret tenant-t is claimed by another identity",
         ),
-        (
-            "probe1",
-            reasons::IDENTITY_INVALID,
-            "spec.mailgun.baseURL: host 127.0.0.1 is not among the hosts",
-        ),
+        ("probe1", reasons::IDENTITY_INVALID, probe_refusal.as_str()),
     ];
     eventually(PATIENCE, "each refusal shown", || async {
         let mut all = true;
