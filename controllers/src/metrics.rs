@@ -11,24 +11,6 @@ const RECONCILE_BUCKETS: &[f64] = &[
     25.0, 30.0, 40.0, 50.0, 60.0,
 ];
 
-/// Why a release mail was given up (`capm_release_abandoned_total`'s `reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum AbandonReason {
-    /// Its identity (or the Secret it names) could not be used.
-    Identity,
-    /// Its backend kept failing.
-    Mail,
-}
-
-impl AbandonReason {
-    pub(crate) fn label(self) -> &'static str {
-        match self {
-            Self::Identity => "identity",
-            Self::Mail => "mail",
-        }
-    }
-}
-
 /// The controllers' metrics, registered once per process; each series and its labels:
 /// docs/observability.md, "The provider's own series".
 #[derive(Debug, Clone)]
@@ -91,8 +73,8 @@ impl Metrics {
             &["reason"],
         )?;
         // Both series exist from the start, so an alert on their increase sees the first one.
-        for reason in [AbandonReason::Identity, AbandonReason::Mail] {
-            releases_abandoned.with_label_values(&[reason.label()]);
+        for reason in ["identity", "mail"] {
+            releases_abandoned.with_label_values(&[reason]);
         }
         Ok(Self {
             releases_abandoned,

@@ -12,7 +12,6 @@ use crate::{
     events::EventType,
     identity::IdentityError,
     kinds::InfraKind,
-    metrics::AbandonReason,
     sendonce::{
         Which,
         decide::{Release, Withheld, release_needed},
@@ -55,7 +54,7 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
                 warn!(%why, "Giving up the release mail; the deletion goes on");
                 ctx.metrics
                     .releases_abandoned
-                    .with_label_values(&[reason.label()])
+                    .with_label_values(&[reason])
                     .inc();
                 let note = format!(
                     "the release mail could not go out for {:?} after the deletion and was given up: {why}",
@@ -90,18 +89,19 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
 }
 
 /// Why the release is given up: it could not go out (its identity cannot be used, its backend
-/// fails) and the object was deleted longer than `--release-timeout` ago.
+/// fails) and the object was deleted longer than `--release-timeout` ago, with
+/// `capm_release_abandoned_total`'s reason.
 fn abandon<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
     error: &ReconcileError,
-) -> Option<(AbandonReason, String)> {
+) -> Option<(&'static str, String)> {
     let deleted = obj.meta().deletion_timestamp.as_ref()?.0;
     let waited = Timestamp::now().duration_since(deleted);
     let timeout = SignedDuration::try_from(ctx.config.tenancy.release_timeout).ok()?;
     let reason = match error {
-        ReconcileError::Identity(IdentityError::Unusable { .. }) => AbandonReason::Identity,
-        ReconcileError::Mail(_) => AbandonReason::Mail,
+        ReconcileError::Identity(IdentityError::Unusable { .. }) => "identity",
+        ReconcileError::Mail(_) => "mail",
         _ => return None,
     };
     (waited >= timeout).then(|| (reason, error.to_string()))
