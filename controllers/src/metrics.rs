@@ -28,6 +28,7 @@ pub struct Metrics {
     pub(crate) orphan_releases: IntCounterVec,
     pub(crate) delivery: IntCounterVec,
     pub(crate) abandoned: IntCounterVec,
+    pub(crate) releases_abandoned: IntCounterVec,
     pub(crate) remembered: IntGaugeVec,
     pub(crate) workqueue: Workqueue,
 }
@@ -66,7 +67,17 @@ impl Metrics {
             &["state"],
         )?;
         registry.register(Box::new(remembered.clone()))?;
+        let releases_abandoned = counter(
+            "capm_release_abandoned_total",
+            "Release mails given up after --release-timeout because their identity could not be used (identity) or their backend kept failing (mail); the deletion went on without them",
+            &["reason"],
+        )?;
+        // Both series exist from the start, so an alert on their increase sees the first one.
+        for reason in ["identity", "mail"] {
+            releases_abandoned.with_label_values(&[reason]);
+        }
         Ok(Self {
+            releases_abandoned,
             remembered,
             workqueue: Workqueue::register(registry)?,
             reconcile_total: counter(

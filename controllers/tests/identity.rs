@@ -571,6 +571,11 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
         })
     };
     let probe_url = format!("http://{}", probe.local_addr().unwrap());
+    // The operator's list names ports: the refusal names the probe's.
+    let probe_refusal = format!(
+        "spec.mailgun.baseURL: host {} is not among the hosts",
+        probe.local_addr().unwrap()
+    );
     let identities = Api::<MailgunClusterIdentity>::all(client.clone());
     for (name, spec) in [
         (
@@ -627,11 +632,7 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
             reasons::IDENTITY_INVALID,
             "spec.mailgun.apiKeySecretRef: Secret tenant-t is claimed by another identity",
         ),
-        (
-            "probe1",
-            reasons::IDENTITY_INVALID,
-            "spec.mailgun.baseURL: host 127.0.0.1 is not among the hosts",
-        ),
+        ("probe1", reasons::IDENTITY_INVALID, probe_refusal.as_str()),
     ];
     eventually(PATIENCE, "each refusal shown", || async {
         let mut all = true;
@@ -743,6 +744,14 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
         .filter(|ev| ev.reason.as_deref() == Some(reasons::RELEASE_ABANDONED))
         .collect();
     assert_eq!(abandoned.len(), 1, "{abandoned:?}");
+    assert_eq!(
+        (
+            env.metric("capm_release_abandoned_total", Some(("reason", "identity"))),
+            env.metric("capm_release_abandoned_total", Some(("reason", "mail"))),
+        ),
+        (1.0, 0.0),
+        "the release given up is counted under its reason"
+    );
     let note = abandoned[0].note.clone().unwrap_or_default();
     assert!(
         note.contains("given up")

@@ -64,16 +64,19 @@ impl AllowedHosts {
             (&self.mailgun, "--identity-mailgun-hosts")
         };
         let port = url.port_or_known_default();
-        let listed = list
-            .iter()
-            .filter_map(|e| parse_host_entry(e))
-            .any(|(h, p)| {
-                h.to_string().eq_ignore_ascii_case(&host.to_string()) && (p.is_none() || p == port)
-            });
+        let entries: Vec<_> = list.iter().filter_map(|e| parse_host_entry(e)).collect();
+        let listed = entries.iter().any(|(h, p)| {
+            h.to_string().eq_ignore_ascii_case(&host.to_string()) && (p.is_none() || *p == port)
+        });
         if !listed {
+            // A list that names ports refuses a host and port, so the refusal names both.
+            let endpoint = match port {
+                Some(port) if entries.iter().any(|(_, p)| p.is_some()) => format!("{host}:{port}"),
+                _ => host.to_string(),
+            };
             return Err(format!(
-                "{field}: host {host} is not among the hosts the operator allows identities to \
-                 reach ({flag})"
+                "{field}: host {endpoint} is not among the hosts the operator allows identities \
+                 to reach ({flag})"
             ));
         }
         let scheme = url.scheme();
@@ -143,16 +146,24 @@ mod tests {
             assert_eq!(ok(url, smtp), Ok(()), "{url}");
         }
         for (url, smtp, says) in [
+            // The Mailgun list names a port: the refusal names the URL's.
             (
                 "https://api.eu.mailgun.net",
                 false,
-                "host api.eu.mailgun.net is not among",
+                "host api.eu.mailgun.net:443 is not among",
             ),
-            ("https://10.0.0.1", false, "host 10.0.0.1 is not among"),
+            ("https://10.0.0.1", false, "host 10.0.0.1:443 is not among"),
             (
                 "http://127.0.0.1:8081",
                 false,
-                "host 127.0.0.1 is not among",
+                "host 127.0.0.1:8081 is not among",
+            ),
+            ("http://[::2]:9", false, "host [::2]:9 is not among"),
+            // The SMTP list names none: the host alone.
+            (
+                "smtp://relay.example.com:587",
+                true,
+                "host relay.example.com is not among",
             ),
             (
                 "http://169.254.169.254/latest",

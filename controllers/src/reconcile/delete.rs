@@ -50,8 +50,12 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
         )
         .await
         {
-            if let Some(why) = abandon(obj, ctx, &error) {
+            if let Some((reason, why)) = abandon(obj, ctx, &error) {
                 warn!(%why, "Giving up the release mail; the deletion goes on");
+                ctx.metrics
+                    .releases_abandoned
+                    .with_label_values(&[reason])
+                    .inc();
                 let note = format!(
                     "the release mail could not go out for {:?} after the deletion and was given up: {why}",
                     ctx.config.tenancy.release_timeout
@@ -85,16 +89,22 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
 }
 
 /// Why the release is given up: it could not go out (its identity cannot be used, its backend
-/// fails) and the object was deleted longer than `--release-timeout` ago.
-fn abandon<K: InfraKind>(obj: &K, ctx: &Ctx, error: &ReconcileError) -> Option<String> {
+/// fails) and the object was deleted longer than `--release-timeout` ago, with
+/// `capm_release_abandoned_total`'s reason.
+fn abandon<K: InfraKind>(
+    obj: &K,
+    ctx: &Ctx,
+    error: &ReconcileError,
+) -> Option<(&'static str, String)> {
     let deleted = obj.meta().deletion_timestamp.as_ref()?.0;
     let waited = Timestamp::now().duration_since(deleted);
     let timeout = SignedDuration::try_from(ctx.config.tenancy.release_timeout).ok()?;
-    let cannot = matches!(
-        error,
-        ReconcileError::Identity(IdentityError::Unusable { .. }) | ReconcileError::Mail(_)
-    );
-    (cannot && waited >= timeout).then(|| error.to_string())
+    let reason = match error {
+        ReconcileError::Identity(IdentityError::Unusable { .. }) => "identity",
+        ReconcileError::Mail(_) => "mail",
+        _ => return None,
+    };
+    (waited >= timeout).then(|| (reason, error.to_string()))
 }
 
 async fn remove_finalizer<K: InfraKind>(
