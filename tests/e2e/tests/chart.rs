@@ -405,6 +405,13 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
                     && o["spec"]["rules"][0]["http"]["paths"][0]["path"] == "/fulfil/"),
                 "smtp-values.yaml: no fulfilment Ingress"
             );
+            // Its paths hold links (bearer credentials): ingress-nginx logs none of them.
+            ensure!(
+                ours.iter().any(|o| o["kind"] == "Ingress"
+                    && o["metadata"]["annotations"]["nginx.ingress.kubernetes.io/enable-access-log"]
+                        == "false"),
+                "smtp-values.yaml: the fulfilment Ingress keeps an access log of its links"
+            );
             ensure!(
                 ours.iter().any(|o| o["kind"] == "ClusterRole"
                     && o["rules"]
