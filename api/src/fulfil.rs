@@ -42,6 +42,8 @@ use crate::records::{Which, read_records};
 
 /// How long a link is valid after its request mail, unless configured otherwise.
 pub const DEFAULT_VALIDITY: Duration = Duration::from_secs(30 * 24 * 3600);
+/// The longest a link may be valid: 90 days (a link is a bearer credential).
+pub const MAX_VALIDITY: Duration = Duration::from_secs(90 * 24 * 3600);
 /// The path of the page, followed by the token.
 pub const PATH_PREFIX: &str = "/fulfil/";
 /// The shortest key accepted, in bytes (after base64 decoding).

@@ -232,7 +232,7 @@ impl<K: Hash + Eq + Clone> ShrinkableKeyedStateStore<K> for Bounded<K> {
 /// The key an address counts under: an IPv4 address (also IPv4-mapped IPv6) itself, an IPv6
 /// address its /64 prefix (one host usually holds a whole /64).
 fn client_key(address: IpAddr) -> IpAddr {
-    match canonical(address) {
+    match address.to_canonical() {
         IpAddr::V4(v4) => IpAddr::V4(v4),
         IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from_bits(v6.to_bits() & !((1 << 64) - 1))),
     }
@@ -240,16 +240,9 @@ fn client_key(address: IpAddr) -> IpAddr {
 
 /// The network an address counts under as well: its IPv4 /24, its IPv6 /48.
 fn network_key(address: IpAddr) -> IpAddr {
-    match canonical(address) {
+    match address.to_canonical() {
         IpAddr::V4(v4) => IpAddr::V4(Ipv4Addr::from_bits(v4.to_bits() & 0xffff_ff00)),
         IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from_bits(v6.to_bits() & !((1 << 80) - 1))),
-    }
-}
-
-fn canonical(address: IpAddr) -> IpAddr {
-    match address {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(address, IpAddr::V4),
-        v4 @ IpAddr::V4(_) => v4,
     }
 }
 

@@ -704,7 +704,6 @@ impl Page {
 
 type Answered = (Outcome, Response<Full<Bytes>>);
 
-/// The cookie's value, if it is one this page set.
 /// The client behind `peer`: `peer` itself unless it is one of the `trusted` proxies; then the
 /// `X-Forwarded-For` entries (all the header's lines, in order) read right to left, each
 /// trusted hop skipped, up to the first entry that is not a trusted proxy. An entry that is
@@ -712,22 +711,19 @@ type Answered = (Outcome, Response<Full<Bytes>>);
 /// trusted proxies appended is believed, whatever a client sent before them.
 fn forwarded_client(peer: IpAddr, headers: &HeaderMap, trusted: &[ipnet::IpNet]) -> IpAddr {
     let is_trusted = |address: IpAddr| {
-        let address = match address {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(address, IpAddr::V4),
-            v4 @ IpAddr::V4(_) => v4,
-        };
+        let address = address.to_canonical();
         trusted.iter().any(|net| net.contains(&address))
     };
     if !is_trusted(peer) {
         return peer;
     }
-    let lines: Vec<&str> = headers
+    let entries = headers
         .get_all("x-forwarded-for")
         .iter()
-        .map(|v| v.to_str().unwrap_or(""))
-        .collect();
+        .rev()
+        .flat_map(|line| line.to_str().unwrap_or("").rsplit(','));
     let mut client = peer;
-    for entry in lines.iter().rev().flat_map(|line| line.rsplit(',')) {
+    for entry in entries {
         let Some(hop) = parse_hop(entry.trim()) else {
             return client;
         };
@@ -762,6 +758,7 @@ fn same_origin(headers: &HeaderMap, origin: &str) -> bool {
     origin_ok && site_ok
 }
 
+/// The cookie's value, if it is one this page set.
 fn cookie(headers: &HeaderMap) -> Option<String> {
     headers
         .get_all(header::COOKIE)

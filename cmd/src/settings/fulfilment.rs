@@ -6,12 +6,10 @@ use std::{
     time::Duration,
 };
 
+use capm_api::fulfil;
 use ipnet::IpNet;
 
 use super::{SettingsError, invalid, values::bind_address};
-
-/// The longest a link may be valid (`--fulfilment-link-validity`): 90 days.
-pub const MAX_LINK_VALIDITY: Duration = Duration::from_secs(90 * 24 * 3600);
 
 /// The fulfilment links (in the request mails) and the page (docs/fulfilment.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,13 +71,14 @@ pub(super) fn resolve(
             "must be positive",
         ));
     }
-    if validity > MAX_LINK_VALIDITY {
+    if validity > fulfil::MAX_VALIDITY {
         return Err(invalid(
             field!(fulfilment_link_validity),
             format!(
-                "{}h is above the cap of {}h (90 days): a link is a bearer credential",
+                "{}h is above the cap of {}h ({} days): a link is a bearer credential",
                 validity.as_secs().div_ceil(3600),
-                MAX_LINK_VALIDITY.as_secs() / 3600
+                fulfil::MAX_VALIDITY.as_secs() / 3600,
+                fulfil::MAX_VALIDITY.as_secs() / (24 * 3600)
             ),
         ));
     }
