@@ -116,14 +116,10 @@ impl Identities {
         wanted: &Wanted,
         namespace: &str,
     ) -> Result<Option<String>, IdentityError> {
-        match wanted {
-            Wanted::Named(name) => Ok(name.clone()),
-            Wanted::OfMailgunCluster(cluster) => {
-                let infra = listed(&self.stores.mailgun_clusters, "MailgunCluster")?
-                    .get(&ObjectRef::new(cluster).within(namespace));
-                Ok(infra.and_then(|infra| infra.spec.identity_ref.clone().map(|r| r.name)))
-            }
+        if let Wanted::OfMailgunCluster(_) = wanted {
+            listed(&self.stores.mailgun_clusters, "MailgunCluster")?;
         }
+        Ok(wanted.name(&self.stores.mailgun_clusters, namespace))
     }
 
     /// The route of the identity `name` (`None`: the provider's own configuration) for an
