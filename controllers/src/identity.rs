@@ -425,14 +425,14 @@ mod tests {
             list: Some(names.iter().map(|n| (*n).to_owned()).collect()),
             selector: None,
         };
-        let open = identities(Tenancy::default());
+        let open = identities(crate::config::tests::tenancy());
         assert_eq!(
             reason(open.route(None, "any", Access::New).await),
             "allowed"
         );
         let listed = identities(Tenancy {
             default_allowed: list(&["platform"]),
-            ..Tenancy::default()
+            ..crate::config::tests::tenancy()
         });
         assert_eq!(
             reason(listed.route(None, "platform", Access::New).await),
@@ -449,7 +449,7 @@ mod tests {
         );
         let required = identities(Tenancy {
             require_identity_ref: true,
-            ..Tenancy::default()
+            ..crate::config::tests::tenancy()
         });
         let Err(error) = required.route(None, "platform", Access::New).await else {
             panic!("the default served an object without identityRef");
