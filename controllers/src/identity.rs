@@ -343,6 +343,12 @@ impl Identities {
         self.built.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The names of namespaces whose labels may have changed (an identity's, or the provider's
+    /// own, `allowedNamespaces` selector reads them): see [`Namespaces::changes`].
+    pub(crate) fn namespace_changes(&self) -> futures::channel::mpsc::UnboundedReceiver<String> {
+        self.namespaces.changes()
+    }
+
     /// Forgets object `uid`'s open mail in every identity's poller.
     pub(crate) fn forget(&self, uid: &str) {
         for (.., poller) in self.built().values() {

@@ -2,9 +2,13 @@
 //! failure, list and return visible at debug level; whether a store has been listed; and the
 //! namespaces' watch, started only when a selector first needs a namespace's labels.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
-use futures::{FutureExt, StreamExt};
+use futures::{FutureExt, StreamExt, channel::mpsc};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::{
     Api, Client, Resource,
@@ -156,12 +160,30 @@ where
 pub(crate) struct Namespaces {
     client: Client,
     cache: OnceCell<(Store<PartialObjectMeta<Namespace>>, signal::Receiver<bool>)>,
+    /// Where the names of namespaces that changed after the first list go ([`Self::changes`]).
+    subscribers: Arc<Mutex<Vec<mpsc::UnboundedSender<String>>>>,
 }
 
 impl Namespaces {
     pub(crate) fn new(client: Client) -> Self {
         let cache = OnceCell::new();
-        Self { client, cache }
+        let subscribers = Arc::default();
+        Self {
+            client,
+            cache,
+            subscribers,
+        }
+    }
+
+    /// The names of the namespaces that change (their labels may decide an identity's scope)
+    /// once the watch has been started and has listed; a re-list is no news.
+    pub(crate) fn changes(&self) -> mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = mpsc::unbounded();
+        self.subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(tx);
+        rx
     }
 
     /// The labels of namespace `name` (none when it is not known).
@@ -169,12 +191,22 @@ impl Namespaces {
         let (store, listed) = self
             .cache
             .get_or_init(|| async {
-                let (store, writer) = reflector::store();
+                let (store, writer) = reflector::store::<PartialObjectMeta<Namespace>>();
                 let (tx, listed) = signal::channel(false);
                 let events = watch(Api::all(self.client.clone()), list_config());
+                let subscribers = Arc::clone(&self.subscribers);
                 tokio::spawn(events.reflect(writer).for_each(move |event| {
-                    if matches!(event, Ok(watcher::Event::InitDone)) {
-                        tx.send_replace(true);
+                    match event {
+                        Ok(watcher::Event::InitDone) => {
+                            tx.send_replace(true);
+                        }
+                        Ok(watcher::Event::Apply(ns)) if *tx.borrow() => {
+                            let name = ns.metadata.name.unwrap_or_default();
+                            let mut subscribers =
+                                subscribers.lock().unwrap_or_else(|e| e.into_inner());
+                            subscribers.retain(|s| s.unbounded_send(name.clone()).is_ok());
+                        }
+                        _ => {}
                     }
                     std::future::ready(())
                 }));

@@ -786,6 +786,8 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
 
 /// The watch-filter value of the identity-fix test's objects.
 const WAKE_FILTER: &str = "identity-wake-test";
+/// The namespace label the provider's own configuration serves in the identity-fix test.
+const WAKE_LABEL: &str = "capm-test-wake";
 
 /// Polls every 20 ms until `done` (at most [`PATIENCE`]) and returns how long it took.
 async fn latency<F: std::future::Future<Output = bool>>(
@@ -807,7 +809,8 @@ async fn latency<F: std::future::Future<Output = bool>>(
 /// Secret) is fixed, not after its backoff: with the backoff at 5 s doubling up to 10 minutes,
 /// each object waits out three refusals (its next retry at least 20 s away) before the fix, and
 /// is mailed within 5 s of it. Once with the claimed Secret created (`IdentityInvalid`), once
-/// with the identity allowing the namespace (`IdentityNotAllowed`).
+/// with the identity allowing the namespace (`IdentityNotAllowed`), once for an object without
+/// an identity, its namespace labelled into the provider's own scope (`IdentityNotAllowed`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fixed_identity_wakes_the_objects_it_refused() {
     let mut env = Env::new("mgc-wake").await;
@@ -851,6 +854,10 @@ async fn a_fixed_identity_wakes_the_objects_it_refused() {
     config.tenancy.hosts.mailgun = vec![tenant.addr().to_string()];
     config.backoff_base = Duration::from_secs(5);
     config.backoff_max = Duration::from_secs(600);
+    // The provider's own configuration serves the namespaces labelled so.
+    config.tenancy.default_allowed =
+        serde_json::from_value(json!({ "selector": { "matchLabels": { WAKE_LABEL: "yes" } } }))
+            .unwrap();
     env.start_with(config).await;
 
     let retries =
@@ -858,13 +865,14 @@ async fn a_fixed_identity_wakes_the_objects_it_refused() {
     let filter = json!({ "labels": { "cluster.x-k8s.io/watch-filter": WAKE_FILTER } });
     let mut latencies = Vec::new();
     for (name, id, refusal) in [
-        ("wa", &id_a, reasons::IDENTITY_INVALID),
-        ("wb", &id_b, reasons::IDENTITY_NOT_ALLOWED),
+        ("wa", Some(&id_a), reasons::IDENTITY_INVALID),
+        ("wb", Some(&id_b), reasons::IDENTITY_NOT_ALLOWED),
+        ("wd", None, reasons::IDENTITY_NOT_ALLOWED),
     ] {
         // The other object is mailed (or not yet created): every retry counted from here is
         // this object's.
         let before = retries(&env);
-        create_pair_with(&client, &ns, name, Some(id), filter.clone()).await;
+        create_pair_with(&client, &ns, name, id.map(String::as_str), filter.clone()).await;
         eventually(PATIENCE, "refused for its identity", || async {
             reason(&client, &ns, name, "MailSent")
                 .await
@@ -876,21 +884,30 @@ async fn a_fixed_identity_wakes_the_objects_it_refused() {
             retries(&env) - before >= 3.0
         })
         .await;
-        let mailed = tenant.messages().unwrap().len();
-        if name == "wa" {
-            let fixed = secret("wake-a", &id_a, &[("api-key", key.as_bytes())]);
-            secrets.create(&pp, &fixed).await.unwrap();
-        } else {
-            let allowed = json!({ "spec": { "allowedNamespaces": { "list": [ns] } } });
-            identities
-                .patch(id, &PatchParams::default(), &Patch::Merge(&allowed))
-                .await
-                .unwrap();
+        // Mails through the tenant's identity and through the provider's own.
+        let count = || tenant.messages().unwrap().len() + env.mails().len();
+        let mailed = count();
+        match name {
+            "wa" => {
+                let fixed = secret("wake-a", &id_a, &[("api-key", key.as_bytes())]);
+                secrets.create(&pp, &fixed).await.unwrap();
+            }
+            "wb" => {
+                let allowed = json!({ "spec": { "allowedNamespaces": { "list": [ns] } } });
+                identities
+                    .patch(&id_b, &PatchParams::default(), &Patch::Merge(&allowed))
+                    .await
+                    .unwrap();
+            }
+            _ => {
+                let labelled = json!({ "metadata": { "labels": { WAKE_LABEL: "yes" } } });
+                Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+                    .patch(&ns, &PatchParams::default(), &Patch::Merge(&labelled))
+                    .await
+                    .unwrap();
+            }
         }
-        let took = latency("mailed after the fix", || async {
-            tenant.messages().unwrap().len() == mailed + 1
-        })
-        .await;
+        let took = latency("mailed after the fix", || async { count() == mailed + 1 }).await;
         println!("{name} ({refusal}): mailed {took:?} after its identity was fixed");
         assert!(
             took < Duration::from_secs(5),
@@ -903,9 +920,10 @@ async fn a_fixed_identity_wakes_the_objects_it_refused() {
         latencies.push(took);
     }
     println!("identity-fix latencies: {latencies:?}");
-    assert!(
-        env.mails().is_empty(),
-        "a refused object went through the default"
+    assert_eq!(
+        (tenant.messages().unwrap().len(), env.mails().len()),
+        (2, 1),
+        "wa and wb through their identities, wd through the provider's own"
     );
     env.stop().await;
     for i in [&id_a, &id_b] {

@@ -100,6 +100,11 @@ pub(super) fn controller<K: Pipelined>(
         store.clone(),
         capi_stores,
     ));
+    let relabelled = ctx.identities.namespace_changes().boxed();
+    triggers.push(identity_triggers::namespace_triggers(
+        relabelled,
+        store.clone(),
+    ));
     triggers.push(after_list.boxed());
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
     triggers.push(wakes.boxed());

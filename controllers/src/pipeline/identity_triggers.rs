@@ -5,7 +5,9 @@
 //! Read from the stores the reconciles read ([`Stores`]): a `MailgunCluster` names its identity,
 //! a `MailgunMachine` has its Cluster's `MailgunCluster`'s. No hot loop: an identity that changes
 //! often asks for a reconcile of each object naming it per change, and a reconcile of an
-//! unchanged object whose mail is done sends and writes nothing.
+//! unchanged object whose mail is done sends and writes nothing. A namespace whose labels
+//! changed (an `allowedNamespaces` selector, the provider's own scope's included, reads them)
+//! asks for the objects in it ([`namespace_triggers`]).
 
 use futures::{StreamExt, stream::BoxStream};
 use kube::{
@@ -22,6 +24,25 @@ pub(super) enum IdentityNews {
     Changed(String),
     /// A watch listed again (after a failure): any identity may have changed.
     Relisted,
+}
+
+/// Every object of `own` in each namespace `changed` names: a namespace's labels may decide
+/// whether an identity (the provider's own included) serves it.
+pub(super) fn namespace_triggers<K: InfraKind>(
+    changed: BoxStream<'static, String>,
+    own: Store<K>,
+) -> BoxStream<'static, ObjectRef<K>> {
+    changed
+        .flat_map(move |namespace| {
+            let objects: Vec<ObjectRef<K>> = own
+                .state()
+                .iter()
+                .filter(|obj| obj.namespace().as_deref() == Some(namespace.as_str()))
+                .map(|obj| ObjectRef::from_obj(&**obj))
+                .collect();
+            futures::stream::iter(objects)
+        })
+        .boxed()
 }
 
 /// The objects of `own` that `news` concerns, as they come.
