@@ -99,7 +99,8 @@ impl Identities {
     ) -> Self {
         Self {
             stores,
-            namespaces: Namespaces::new(client),
+            // The watch ends with the controllers' run, as the delivery poller does.
+            namespaces: Namespaces::new(client, default.poller.stop.child_token()),
             secret_namespace: config.identity_secret_namespace.clone(),
             tenancy: config.tenancy.clone(),
             gate,

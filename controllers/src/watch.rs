@@ -1,6 +1,7 @@
 //! The watches: paged lists, quick reconnects, a bounded wait on a silent connection, and each
 //! failure, list and return visible at debug level; whether a store has been listed; and the
-//! namespaces' watch, started only when a selector first needs a namespace's labels.
+//! namespaces' watch, started only when a selector first needs a namespace's labels and ended
+//! with the controllers' run; the namespaces that change after its list, as news.
 
 use std::{
     collections::BTreeMap,
@@ -21,6 +22,7 @@ use kube::{
     },
 };
 use tokio::sync::{OnceCell, watch as signal};
+use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::Config;
@@ -162,16 +164,20 @@ pub(crate) struct Namespaces {
     cache: OnceCell<(Store<PartialObjectMeta<Namespace>>, signal::Receiver<bool>)>,
     /// Where the names of namespaces that changed after the first list go ([`Self::changes`]).
     subscribers: Arc<Mutex<Vec<mpsc::UnboundedSender<String>>>>,
+    /// Ends the watch with the controllers' run (a process that runs them again starts anew).
+    stop: CancellationToken,
 }
 
 impl Namespaces {
-    pub(crate) fn new(client: Client) -> Self {
+    /// The namespaces' cache, its watch (once started) ending when `stop` is cancelled.
+    pub(crate) fn new(client: Client, stop: CancellationToken) -> Self {
         let cache = OnceCell::new();
         let subscribers = Arc::default();
         Self {
             client,
             cache,
             subscribers,
+            stop,
         }
     }
 
@@ -195,6 +201,7 @@ impl Namespaces {
                 let (tx, listed) = signal::channel(false);
                 let events = watch(Api::all(self.client.clone()), list_config());
                 let subscribers = Arc::clone(&self.subscribers);
+                let events = events.take_until(self.stop.clone().cancelled_owned());
                 tokio::spawn(events.reflect(writer).for_each(move |event| {
                     match event {
                         Ok(watcher::Event::InitDone) => {
