@@ -78,19 +78,6 @@ pub struct Tenancy {
     pub release_timeout: Duration,
 }
 
-impl Default for Tenancy {
-    /// The binary's defaults: everything as a single-team install had it, Mailgun's two API
-    /// hosts, no SMTP host, a day for a release.
-    fn default() -> Self {
-        Self {
-            default_allowed: AllowedNamespaces::default(),
-            require_identity_ref: false,
-            hosts: AllowedHosts::default(),
-            release_timeout: Duration::from_secs(24 * 3600),
-        }
-    }
-}
-
 impl Config {
     /// Checks that this configuration can work: the one place each field's rule lives (the
     /// binary names a refused field by its flag, see [`Invalid`]).
@@ -252,6 +239,20 @@ pub enum Error {
 pub(crate) mod tests {
     use super::*;
 
+    /// The binary's tenancy defaults: everything as a single-team install had it, Mailgun's two
+    /// API hosts, no SMTP host, a day for a release.
+    pub(crate) fn tenancy() -> Tenancy {
+        Tenancy {
+            default_allowed: AllowedNamespaces::default(),
+            require_identity_ref: false,
+            hosts: AllowedHosts {
+                mailgun: vec!["api.mailgun.net".into(), "api.eu.mailgun.net".into()],
+                smtp: Vec::new(),
+            },
+            release_timeout: Duration::from_secs(24 * 3600),
+        }
+    }
+
     /// A configuration for the crate's unit tests: one recipient, a sender and Message-Ids on
     /// `domain`, short backoffs, the binary's other defaults.
     pub(crate) fn for_tests(domain: &str) -> Config {
@@ -272,7 +273,7 @@ pub(crate) mod tests {
             delivery_retention: Duration::from_secs(72 * 3600),
             sync_period: Duration::from_secs(10 * 3600),
             identity_secret_namespace: None,
-            tenancy: crate::Tenancy::default(),
+            tenancy: tenancy(),
         }
     }
 

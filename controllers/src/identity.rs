@@ -99,7 +99,8 @@ impl Identities {
     ) -> Self {
         Self {
             stores,
-            namespaces: Namespaces::new(client),
+            // The watch ends with the controllers' run, as the delivery poller does.
+            namespaces: Namespaces::new(client, default.poller.stop.child_token()),
             secret_namespace: config.identity_secret_namespace.clone(),
             tenancy: config.tenancy.clone(),
             gate,
@@ -116,14 +117,10 @@ impl Identities {
         wanted: &Wanted,
         namespace: &str,
     ) -> Result<Option<String>, IdentityError> {
-        match wanted {
-            Wanted::Named(name) => Ok(name.clone()),
-            Wanted::OfMailgunCluster(cluster) => {
-                let infra = listed(&self.stores.mailgun_clusters, "MailgunCluster")?
-                    .get(&ObjectRef::new(cluster).within(namespace));
-                Ok(infra.and_then(|infra| infra.spec.identity_ref.clone().map(|r| r.name)))
-            }
+        if let Wanted::OfMailgunCluster(_) = wanted {
+            listed(&self.stores.mailgun_clusters, "MailgunCluster")?;
         }
+        Ok(wanted.name(&self.stores.mailgun_clusters, namespace))
     }
 
     /// The route of the identity `name` (`None`: the provider's own configuration) for an
@@ -347,6 +344,12 @@ impl Identities {
         self.built.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The names of namespaces whose labels may have changed (an identity's, or the provider's
+    /// own, `allowedNamespaces` selector reads them): see [`Namespaces::changes`].
+    pub(crate) fn namespace_changes(&self) -> futures::channel::mpsc::UnboundedReceiver<String> {
+        self.namespaces.changes()
+    }
+
     /// Forgets object `uid`'s open mail in every identity's poller.
     pub(crate) fn forget(&self, uid: &str) {
         for (.., poller) in self.built().values() {
@@ -429,14 +432,14 @@ mod tests {
             list: Some(names.iter().map(|n| (*n).to_owned()).collect()),
             selector: None,
         };
-        let open = identities(Tenancy::default());
+        let open = identities(crate::config::tests::tenancy());
         assert_eq!(
             reason(open.route(None, "any", Access::New).await),
             "allowed"
         );
         let listed = identities(Tenancy {
             default_allowed: list(&["platform"]),
-            ..Tenancy::default()
+            ..crate::config::tests::tenancy()
         });
         assert_eq!(
             reason(listed.route(None, "platform", Access::New).await),
@@ -453,7 +456,7 @@ mod tests {
         );
         let required = identities(Tenancy {
             require_identity_ref: true,
-            ..Tenancy::default()
+            ..crate::config::tests::tenancy()
         });
         let Err(error) = required.route(None, "platform", Access::New).await else {
             panic!("the default served an object without identityRef");

@@ -52,6 +52,23 @@ pub enum Wanted {
     OfMailgunCluster(String),
 }
 
+impl Wanted {
+    /// The identity's name (`None`: the provider's own), a machine's read from `mailgun_clusters`
+    /// (its `MailgunCluster` not there: the provider's own, as a reconcile finds).
+    pub fn name(
+        &self,
+        mailgun_clusters: &Store<MailgunCluster>,
+        namespace: &str,
+    ) -> Option<String> {
+        match self {
+            Self::Named(name) => name.clone(),
+            Self::OfMailgunCluster(cluster) => mailgun_clusters
+                .get(&ObjectRef::new(cluster).within(namespace))
+                .and_then(|infra| infra.spec.identity_ref.clone().map(|r| r.name)),
+        }
+    }
+}
+
 /// An infrastructure kind this provider reconciles.
 pub trait InfraKind:
     Resource<DynamicType = (), Scope = NamespaceResourceScope>

@@ -1,10 +1,15 @@
 //! The watches: paged lists, quick reconnects, a bounded wait on a silent connection, and each
 //! failure, list and return visible at debug level; whether a store has been listed; and the
-//! namespaces' watch, started only when a selector first needs a namespace's labels.
+//! namespaces' watch, started only when a selector first needs a namespace's labels and ended
+//! with the controllers' run; the namespaces that change after its list, as news.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
-use futures::{FutureExt, StreamExt};
+use futures::{FutureExt, StreamExt, channel::mpsc};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::{
     Api, Client, Resource,
@@ -17,6 +22,7 @@ use kube::{
     },
 };
 use tokio::sync::{OnceCell, watch as signal};
+use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::Config;
@@ -156,12 +162,34 @@ where
 pub(crate) struct Namespaces {
     client: Client,
     cache: OnceCell<(Store<PartialObjectMeta<Namespace>>, signal::Receiver<bool>)>,
+    /// Where the names of namespaces that changed after the first list go ([`Self::changes`]).
+    subscribers: Arc<Mutex<Vec<mpsc::UnboundedSender<String>>>>,
+    /// Ends the watch with the controllers' run (a process that runs them again starts anew).
+    stop: CancellationToken,
 }
 
 impl Namespaces {
-    pub(crate) fn new(client: Client) -> Self {
+    /// The namespaces' cache, its watch (once started) ending when `stop` is cancelled.
+    pub(crate) fn new(client: Client, stop: CancellationToken) -> Self {
         let cache = OnceCell::new();
-        Self { client, cache }
+        let subscribers = Arc::default();
+        Self {
+            client,
+            cache,
+            subscribers,
+            stop,
+        }
+    }
+
+    /// The names of the namespaces that change (their labels may decide an identity's scope)
+    /// once the watch has been started and has listed; a re-list is no news.
+    pub(crate) fn changes(&self) -> mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = mpsc::unbounded();
+        self.subscribers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(tx);
+        rx
     }
 
     /// The labels of namespace `name` (none when it is not known).
@@ -169,12 +197,23 @@ impl Namespaces {
         let (store, listed) = self
             .cache
             .get_or_init(|| async {
-                let (store, writer) = reflector::store();
+                let (store, writer) = reflector::store::<PartialObjectMeta<Namespace>>();
                 let (tx, listed) = signal::channel(false);
                 let events = watch(Api::all(self.client.clone()), list_config());
+                let subscribers = Arc::clone(&self.subscribers);
+                let events = events.take_until(self.stop.clone().cancelled_owned());
                 tokio::spawn(events.reflect(writer).for_each(move |event| {
-                    if matches!(event, Ok(watcher::Event::InitDone)) {
-                        tx.send_replace(true);
+                    match event {
+                        Ok(watcher::Event::InitDone) => {
+                            tx.send_replace(true);
+                        }
+                        Ok(watcher::Event::Apply(ns)) if *tx.borrow() => {
+                            let name = ns.metadata.name.unwrap_or_default();
+                            let mut subscribers =
+                                subscribers.lock().unwrap_or_else(|e| e.into_inner());
+                            subscribers.retain(|s| s.unbounded_send(name.clone()).is_ok());
+                        }
+                        _ => {}
                     }
                     std::future::ready(())
                 }));

@@ -783,3 +783,150 @@ async fn the_operator_bounds_tenants_and_every_release_ends() {
         let _ = identities.delete(i, &DeleteParams::default()).await;
     }
 }
+
+/// The watch-filter value of the identity-fix test's objects.
+const WAKE_FILTER: &str = "identity-wake-test";
+/// The namespace label the provider's own configuration serves in the identity-fix test.
+const WAKE_LABEL: &str = "capm-test-wake";
+
+/// Polls every 20 ms until `done` (at most [`PATIENCE`]) and returns how long it took.
+async fn latency<F: std::future::Future<Output = bool>>(
+    what: &str,
+    mut done: impl FnMut() -> F,
+) -> Duration {
+    let start = std::time::Instant::now();
+    while !done().await {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "{what}: not within {PATIENCE:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    start.elapsed()
+}
+
+/// An object refused for its identity is reconciled as soon as the identity (or its claimed
+/// Secret) is fixed, not after its backoff: with the backoff at 5 s doubling up to 10 minutes,
+/// each object waits out three refusals (its next retry at least 20 s away) before the fix, and
+/// is mailed within 5 s of it. Once with the claimed Secret created (`IdentityInvalid`), once
+/// with the identity allowing the namespace (`IdentityNotAllowed`), once for an object without
+/// an identity, its namespace labelled into the provider's own scope (`IdentityNotAllowed`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_identity_wakes_the_objects_it_refused() {
+    let mut env = Env::new("mgc-wake").await;
+    let client = env.ns.client.clone();
+    let ns = env.ns.name.clone();
+    let tenant = MailgunServer::start("key-tenant-w", "mg.tenant-w.test").unwrap();
+    let suffix = ns.rsplit('-').next().unwrap().to_owned();
+    let (id_a, id_b) = (format!("wake-a-{suffix}"), format!("wake-b-{suffix}"));
+    let secrets = Api::<Secret>::namespaced(client.clone(), &ns);
+    let identities = Api::<MailgunClusterIdentity>::all(client.clone());
+    let pp = PostParams::default();
+    let key = tenant.api_key().to_owned();
+    let spec = |secret: &str, allowed: serde_json::Value| {
+        json!({
+            "mailgun": { "domain": "mg.tenant-w.test", "baseURL": tenant.base_url(),
+                "apiKeySecretRef": { "name": secret, "key": "api-key" } },
+            "recipients": ["oncall@tenant-w.test"], "allowedNamespaces": allowed
+        })
+    };
+    // a: its Secret missing; b: its namespace not allowed.
+    identities
+        .create(&pp, &identity(&id_a, spec("wake-a", json!({}))))
+        .await
+        .unwrap();
+    secrets
+        .create(
+            &pp,
+            &secret("wake-b", &id_b, &[("api-key", key.as_bytes())]),
+        )
+        .await
+        .unwrap();
+    let nobody = json!({ "list": ["nobody"] });
+    identities
+        .create(&pp, &identity(&id_b, spec("wake-b", nobody)))
+        .await
+        .unwrap();
+
+    let mut config = env.config();
+    config.watch_filter = Some(WAKE_FILTER.into());
+    config.identity_secret_namespace = Some(ns.clone());
+    config.tenancy.hosts.mailgun = vec![tenant.addr().to_string()];
+    config.backoff_base = Duration::from_secs(5);
+    config.backoff_max = Duration::from_secs(600);
+    // The provider's own configuration serves the namespaces labelled so.
+    config.tenancy.default_allowed =
+        serde_json::from_value(json!({ "selector": { "matchLabels": { WAKE_LABEL: "yes" } } }))
+            .unwrap();
+    env.start_with(config).await;
+
+    let retries =
+        |env: &Env| env.metric("workqueue_retries_total", Some(("name", "mailguncluster")));
+    let filter = json!({ "labels": { "cluster.x-k8s.io/watch-filter": WAKE_FILTER } });
+    let mut latencies = Vec::new();
+    for (name, id, refusal) in [
+        ("wa", Some(&id_a), reasons::IDENTITY_INVALID),
+        ("wb", Some(&id_b), reasons::IDENTITY_NOT_ALLOWED),
+        ("wd", None, reasons::IDENTITY_NOT_ALLOWED),
+    ] {
+        // The other object is mailed (or not yet created): every retry counted from here is
+        // this object's.
+        let before = retries(&env);
+        create_pair_with(&client, &ns, name, id.map(String::as_str), filter.clone()).await;
+        eventually(PATIENCE, "refused for its identity", || async {
+            reason(&client, &ns, name, "MailSent")
+                .await
+                .is_some_and(|(r, _)| r == refusal)
+        })
+        .await;
+        // Three refusals: the next retry is 20 s after the third, at the earliest.
+        eventually(PATIENCE, "three refusals", || async {
+            retries(&env) - before >= 3.0
+        })
+        .await;
+        // Mails through the tenant's identity and through the provider's own.
+        let count = || tenant.messages().unwrap().len() + env.mails().len();
+        let mailed = count();
+        match name {
+            "wa" => {
+                let fixed = secret("wake-a", &id_a, &[("api-key", key.as_bytes())]);
+                secrets.create(&pp, &fixed).await.unwrap();
+            }
+            "wb" => {
+                let allowed = json!({ "spec": { "allowedNamespaces": { "list": [ns] } } });
+                identities
+                    .patch(&id_b, &PatchParams::default(), &Patch::Merge(&allowed))
+                    .await
+                    .unwrap();
+            }
+            _ => {
+                let labelled = json!({ "metadata": { "labels": { WAKE_LABEL: "yes" } } });
+                Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+                    .patch(&ns, &PatchParams::default(), &Patch::Merge(&labelled))
+                    .await
+                    .unwrap();
+            }
+        }
+        let took = latency("mailed after the fix", || async { count() == mailed + 1 }).await;
+        println!("{name} ({refusal}): mailed {took:?} after its identity was fixed");
+        assert!(
+            took < Duration::from_secs(5),
+            "{name} was mailed {took:?} after the fix"
+        );
+        assert!(
+            retries(&env) - before < 4.0,
+            "a fourth refusal: the object's backoff was not long"
+        );
+        latencies.push(took);
+    }
+    println!("identity-fix latencies: {latencies:?}");
+    assert_eq!(
+        (tenant.messages().unwrap().len(), env.mails().len()),
+        (2, 1),
+        "wa and wb through their identities, wd through the provider's own"
+    );
+    env.stop().await;
+    for i in [&id_a, &id_b] {
+        let _ = identities.delete(i, &DeleteParams::default()).await;
+    }
+}

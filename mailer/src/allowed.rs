@@ -13,16 +13,6 @@ pub struct AllowedHosts {
     pub smtp: Vec<String>,
 }
 
-impl Default for AllowedHosts {
-    /// Mailgun's US and EU API hosts; no SMTP relay.
-    fn default() -> Self {
-        Self {
-            mailgun: vec!["api.mailgun.net".into(), "api.eu.mailgun.net".into()],
-            smtp: Vec::new(),
-        }
-    }
-}
-
 /// The host and port of one allow-list entry; `None` when it is not one.
 #[must_use]
 pub fn parse_host_entry(entry: &str) -> Option<(Host, Option<u16>)> {

@@ -894,7 +894,15 @@ fn tenancy_flags_default_to_a_single_team_install_and_bad_values_name_the_flag()
     let settings = resolve(MAILGUN, &with_key).unwrap();
     assert_eq!(
         settings.controllers.tenancy,
-        capm_controllers::Tenancy::default()
+        capm_controllers::Tenancy {
+            default_allowed: capm_api::v1beta1::AllowedNamespaces::default(),
+            require_identity_ref: false,
+            hosts: capm_mailer::AllowedHosts {
+                mailgun: vec!["api.mailgun.net".into(), "api.eu.mailgun.net".into()],
+                smtp: Vec::new(),
+            },
+            release_timeout: Duration::from_secs(24 * 3600),
+        }
     );
     let flags = [
         MAILGUN,

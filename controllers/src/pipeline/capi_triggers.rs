@@ -1,5 +1,6 @@
 //! The shared watches: the Cluster API objects' and the reconciles of our objects their changes
-//! ask for; the mail identities' and their claimed Secrets' (read, never a trigger).
+//! ask for; the mail identities' and their claimed Secrets' (their changes as
+//! [`IdentityNews`]).
 //!
 //! One reflector store per kind, shared by both controllers: it is what the reconciles read
 //! ([`crate::kinds::Stores`]); no reconcile asks the API server for any of these objects. Each change is fanned out to the controllers as
@@ -30,7 +31,7 @@ use kube::{
     },
 };
 
-use super::trim;
+use super::{identity_triggers::IdentityNews, trim};
 use crate::{
     Config,
     kinds::{InfraKind, Stores},
@@ -160,6 +161,37 @@ impl CapiWatches {
             identities: self.identities.store.clone(),
             secrets: self.secrets.store.clone(),
         }
+    }
+
+    /// What the identities' and their claimed Secrets' watches hear, as [`IdentityNews`]: a
+    /// changed identity, a changed Secret's claim (its label), a re-list. The first list is
+    /// not news: every object is reconciled at start.
+    pub(crate) fn identity_news(&self) -> BoxStream<'static, IdentityNews> {
+        fn after_first_list<K>(
+            heard: BoxStream<'static, Heard<K>>,
+            name: impl Fn(&K) -> Option<String> + Send + 'static,
+        ) -> BoxStream<'static, IdentityNews>
+        where
+            K: Send + Sync + 'static,
+        {
+            let mut lists = 0_u64;
+            heard
+                .filter_map(move |heard| {
+                    futures::future::ready(match heard {
+                        Heard::Changed(obj) => name(&obj).map(IdentityNews::Changed),
+                        Heard::Listed => {
+                            lists += 1;
+                            (lists > 1).then_some(IdentityNews::Relisted)
+                        }
+                    })
+                })
+                .boxed()
+        }
+        let identities = after_first_list(self.identities.subscribe(), |i| i.metadata.name.clone());
+        let secrets = after_first_list(self.secrets.subscribe(), |s: &Secret| {
+            s.labels().get(names::IDENTITY_SECRET_LABEL).cloned()
+        });
+        futures::stream::select(identities, secrets).boxed()
     }
 
     /// Runs the watches into their stores until `shutdown`. The Cluster API objects are not

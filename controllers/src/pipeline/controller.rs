@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 
 use super::{
     capi_triggers::{CapiWatches, Pipelined},
-    lists, resync, trim,
+    identity_triggers, lists, resync, trim,
 };
 use crate::{
     context::{Ctx, ReconcileError},
@@ -29,7 +29,8 @@ use crate::{
 
 /// One kind's pipeline as a future that runs until `shutdown`: watch → trim → reflector store
 /// → [`lists::AfterLists`] → kube-runtime's `Controller`, which also takes the reconciles the
-/// Cluster API objects ask for ([`Pipelined::capi_triggers`]), the delivery poller's wake-ups,
+/// Cluster API objects ask for ([`Pipelined::capi_triggers`]), the identities' changes
+/// ([`identity_triggers`]), the delivery poller's wake-ups,
 /// what each list asks for and the sync period's ([`resync`]).
 pub(super) fn controller<K: Pipelined>(
     ctx: &Arc<Ctx>,
@@ -93,6 +94,17 @@ pub(super) fn controller<K: Pipelined>(
         });
 
     let mut triggers = K::capi_triggers(capi, &store);
+    let (news, capi_stores) = (capi.identity_news(), ctx.capi.clone());
+    triggers.push(identity_triggers::identity_triggers(
+        news,
+        store.clone(),
+        capi_stores,
+    ));
+    let relabelled = ctx.identities.namespace_changes().boxed();
+    triggers.push(identity_triggers::namespace_triggers(
+        relabelled,
+        store.clone(),
+    ));
     triggers.push(after_list.boxed());
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
     triggers.push(wakes.boxed());

@@ -4,6 +4,7 @@
 
 mod capi_triggers;
 mod controller;
+mod identity_triggers;
 mod lists;
 mod resync;
 pub mod trim;

@@ -72,7 +72,15 @@ impl Env {
             instance: "test".into(),
             sync_period: Duration::from_secs(10 * 3600),
             identity_secret_namespace: None,
-            tenancy: capm_controllers::Tenancy::default(),
+            tenancy: capm_controllers::Tenancy {
+                default_allowed: capm_api::v1beta1::AllowedNamespaces::default(),
+                require_identity_ref: false,
+                hosts: capm_mailer::AllowedHosts {
+                    mailgun: vec!["api.mailgun.net".into(), "api.eu.mailgun.net".into()],
+                    smtp: Vec::new(),
+                },
+                release_timeout: Duration::from_secs(24 * 3600),
+            },
         }
     }
 
