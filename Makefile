@@ -29,11 +29,11 @@ deps: deps-demo deps-node deps-release deps-browser ## Install what the tests ne
 	  $(CARGO) install --locked cargo-deny --version $(CARGO_DENY_VERSION); fi
 
 .PHONY: deps-browser
-deps-browser: ## Install Debian's chromium and Playwright for Python (the fulfilment page's browser test; Playwright's own browsers are not downloaded)
+deps-browser: ## Install Debian's chromium, nginx-light and Playwright for Python (the fulfilment page's browser tests, one behind a reverse proxy; Playwright's own browsers are not downloaded)
 	$(PIP_INSTALL) -r tests/e2e/browser/requirements.txt
-	@if ! command -v chromium >/dev/null; then \
-	  echo "installing Debian's chromium (the fulfilment page's browser test)"; \
-	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; fi
+	@if ! command -v chromium >/dev/null || ! test -x /usr/sbin/nginx; then \
+	  echo "installing Debian's chromium and nginx-light (the fulfilment page's browser tests)"; \
+	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium nginx-light; fi
 
 # runc (built by `make tools`) links libseccomp through cgo; the node needs ip and iptables.
 .PHONY: deps-node

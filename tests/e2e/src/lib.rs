@@ -15,6 +15,7 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_test_support::{ControlPlane, Options, process};
 
+pub mod browser;
 pub mod cert_manager;
 pub mod clusterctl;
 pub mod ledger;

@@ -9,15 +9,15 @@
 use std::{
     fs,
     path::{Path, PathBuf},
-    process::Command,
     time::Duration,
 };
 
 use anyhow::{Context, Result, ensure};
 use capm_e2e::{
-    CHART_NAMESPACE as NS, FULLNAME, RELEASE, create_namespace, create_object, create_secret,
-    dynamic_api, eventually, free_port, helm_chart, mailgun_mails, mailgun_values,
-    start_capi_manager, start_routed_chart_provider,
+    CHART_NAMESPACE as NS, FULLNAME, RELEASE,
+    browser::{self, Visit, chromium, link_in, page_says},
+    create_namespace, create_object, create_secret, dynamic_api, eventually, free_port, helm_chart,
+    mailgun_mails, mailgun_values, start_capi_manager, start_routed_chart_provider,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -39,33 +39,11 @@ const WORKERS: &str = "web-workers";
 /// A test key (32 bytes, base64): the links are sealed with it.
 const KEY: &str = "ZnVsZmlsbWVudC1lMmUta2V5LW9mLXRoaXJ0eS10d28h";
 
-/// Debian's chromium (`CAPM_CHROMIUM` overrides).
-fn chromium() -> Result<PathBuf> {
-    let path = std::env::var_os("CAPM_CHROMIUM")
-        .map_or_else(|| PathBuf::from("/usr/bin/chromium"), PathBuf::from);
-    ensure!(
-        path.exists(),
-        "{} not found: `apt-get install chromium` (make deps does)",
-        path.display()
-    );
-    Ok(path)
-}
-
 fn docs_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/fulfilment")
 }
 
-/// The fulfilment link in a mail's text.
-fn link_in(body: &str) -> Result<String> {
-    body.lines()
-        .map(str::trim)
-        .find(|l| l.starts_with("http") && l.contains("/fulfil/"))
-        .map(str::to_owned)
-        .with_context(|| format!("no fulfilment link in the mail:\n{body}"))
-}
-
-/// The browser fulfils `link`: (label, value) fields, (select id, option) choices; with
-/// `refused`, an altered link opened last. What each page said, as JSON.
+/// The browser fulfils `link`, its screenshots in `docs/fulfilment/`.
 fn browse(
     link: &str,
     prefix: &str,
@@ -73,41 +51,14 @@ fn browse(
     select: &[(&str, &str)],
     refused: Option<&str>,
 ) -> Result<Value> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("browser/fulfil_page.py");
-    let shots = docs_dir();
-    fs::create_dir_all(&shots)?;
-    let mut cmd = Command::new("python3");
-    cmd.arg(&script)
-        .arg("--chromium")
-        .arg(chromium()?)
-        .args(["--link", link, "--prefix", prefix])
-        .arg("--screenshots")
-        .arg(&shots);
-    for (label, value) in fill {
-        cmd.arg("--fill").arg(format!("{label}={value}"));
-    }
-    for (id, option) in select {
-        cmd.arg("--select").arg(format!("{id}={option}"));
-    }
-    if let Some(refused) = refused {
-        cmd.args(["--refused", refused]);
-    }
-    let out = capm_e2e::run(&mut cmd, "the browser")?;
-    serde_json::from_str(&out).with_context(|| format!("the browser's report: {out}"))
-}
-
-/// The page state `key` of a browser report has `h1` and contains every `texts`.
-fn page_says(report: &Value, key: &str, h1: &str, texts: &[&str]) -> Result<()> {
-    let state = &report[key];
-    ensure!(state["h1"] == h1, "{key}: heading {}: {state}", state["h1"]);
-    let text = state["text"].as_str().unwrap_or_default();
-    for want in texts {
-        ensure!(
-            text.contains(want),
-            "{key}: {want:?} not on the page:\n{text}"
-        );
-    }
-    Ok(())
+    browser::browse(&Visit {
+        link,
+        screenshots: &docs_dir(),
+        prefix,
+        fill,
+        select,
+        refused,
+    })
 }
 
 fn condition_true(object: &DynamicObject, kind: &str) -> bool {

@@ -1,0 +1,101 @@
+//! The fulfilment page in a real browser: Debian's headless Chromium driven by Playwright for
+//! Python (`tests/e2e/browser/fulfil_page.py`), and the checks the browser tests make of what each
+//! page said.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, ensure};
+use serde_json::Value;
+
+/// Debian's chromium (`CAPM_CHROMIUM` overrides).
+///
+/// # Errors
+/// When it is not installed.
+pub fn chromium() -> Result<PathBuf> {
+    let path = std::env::var_os("CAPM_CHROMIUM")
+        .map_or_else(|| PathBuf::from("/usr/bin/chromium"), PathBuf::from);
+    ensure!(
+        path.exists(),
+        "{} not found: `apt-get install chromium` (make deps does)",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// The fulfilment link in a mail's text.
+///
+/// # Errors
+/// When the text has none.
+pub fn link_in(body: &str) -> Result<String> {
+    body.lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("http") && l.contains("/fulfil/"))
+        .map(str::to_owned)
+        .with_context(|| format!("no fulfilment link in the mail:\n{body}"))
+}
+
+/// What the browser does with one link.
+#[derive(Debug, Clone, Copy)]
+pub struct Visit<'a> {
+    /// The mailed link.
+    pub link: &'a str,
+    /// Where the screenshots go.
+    pub screenshots: &'a Path,
+    /// The screenshots' name prefix.
+    pub prefix: &'a str,
+    /// (label, value): fields filled by their accessible label.
+    pub fill: &'a [(&'a str, &'a str)],
+    /// (select id, option): choices made.
+    pub select: &'a [(&'a str, &'a str)],
+    /// An altered link, opened last.
+    pub refused: Option<&'a str>,
+}
+
+/// The browser opens the link, fills the form, submits it and opens the link again: what each
+/// page said, as JSON (keys `request`, `submitted`, `again`, and `refused` when asked).
+///
+/// # Errors
+/// When the browser cannot be run or its report cannot be read.
+pub fn browse(visit: &Visit<'_>) -> Result<Value> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("browser/fulfil_page.py");
+    fs::create_dir_all(visit.screenshots)?;
+    let mut cmd = Command::new("python3");
+    cmd.arg(&script)
+        .arg("--chromium")
+        .arg(chromium()?)
+        .args(["--link", visit.link, "--prefix", visit.prefix])
+        .arg("--screenshots")
+        .arg(visit.screenshots);
+    for (label, value) in visit.fill {
+        cmd.arg("--fill").arg(format!("{label}={value}"));
+    }
+    for (id, option) in visit.select {
+        cmd.arg("--select").arg(format!("{id}={option}"));
+    }
+    if let Some(refused) = visit.refused {
+        cmd.args(["--refused", refused]);
+    }
+    let out = crate::run(&mut cmd, "the browser")?;
+    serde_json::from_str(&out).with_context(|| format!("the browser's report: {out}"))
+}
+
+/// The page state `key` of a browser report has `h1` and contains every `texts`.
+///
+/// # Errors
+/// When it does not.
+pub fn page_says(report: &Value, key: &str, h1: &str, texts: &[&str]) -> Result<()> {
+    let state = &report[key];
+    ensure!(state["h1"] == h1, "{key}: heading {}: {state}", state["h1"]);
+    let text = state["text"].as_str().unwrap_or_default();
+    for want in texts {
+        ensure!(
+            text.contains(want),
+            "{key}: {want:?} not on the page:\n{text}"
+        );
+    }
+    Ok(())
+}

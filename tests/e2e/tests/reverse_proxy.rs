@@ -1,0 +1,440 @@
+//! The fulfilment page behind a real reverse proxy (issue 54): Debian's `nginx`, started by this
+//! test, in front of the page as an Ingress controller would be, configured as
+//! `--fulfilment-trusted-proxies` says (the proxy reaches the page from 127.0.0.2, the only
+//! trusted address; it appends the peer it saw to `X-Forwarded-For` and keeps no access log of
+//! `/fulfil/`).
+//!
+//! A headless Chromium fulfils a cluster's mailed link through the proxy: the Event and the log
+//! line name the browser's address (127.0.0.1), never the proxy's. Then the forgeries: a client
+//! that sends its own `X-Forwarded-For` through the proxy is still the address the proxy saw; a
+//! client that reaches the page directly with a forged `X-Forwarded-For` is the peer it is, in the
+//! Event and in the rate limits (a made-up address per request does not buy a fresh budget).
+//!
+//! Real parts: a control plane of its own, the Cluster API core manager, the provider from this
+//! build, a Mailgun contract server, nginx, Chromium.
+
+use std::{
+    fs,
+    net::TcpStream,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context, Result, ensure};
+use capm_e2e::{
+    Proc,
+    browser::{self, Visit, link_in, page_says},
+    create_cluster_pair, dynamic_api, eventually, free_port, mailgun_mails, provider_binary,
+    start_capi_manager,
+};
+use capm_mail_servers::MailgunServer;
+use capm_test_support::{ControlPlane, Options, install_crds, provider::Launch};
+use k8s_openapi::api::events::v1::Event;
+use kube::{Api, Client, api::ListParams};
+use serde_json::{Value, json};
+
+const NS: &str = "proxied";
+const DOMAIN: &str = "mg.proxied.example.com";
+const API_KEY: &str = "key-reverse-proxy-e2e-not-logged";
+const RECIPIENT: &str = "datacentre-team@example.com";
+/// The links' key (32 bytes, base64).
+const KEY: &str = "cmV2ZXJzZS1wcm94eS1lMmUta2V5LW9mLXRoaXJ0eTI=";
+/// The proxy's own address towards the page: the only trusted one.
+const PROXY: &str = "127.0.0.2";
+/// The browser's address, as the proxy sees it.
+const BROWSER: &str = "127.0.0.1";
+/// A client that reaches the page directly, around the proxy.
+const DIRECT: &str = "127.0.0.3";
+/// A client that spends its budget on made-up links, each request under another forged address.
+const SPENDER: &str = "127.0.0.4";
+/// Submissions one address may make at once: the page's limiter's `POSTS_PER_ADDRESS`
+/// (`cmd/src/fulfil/limiter.rs`), its burst.
+const POSTS_PER_ADDRESS: usize = 30;
+/// An address no one here has: what forgers claim to be.
+const FORGED: &str = "203.0.113.50";
+
+/// Debian's nginx (`CAPM_NGINX` overrides).
+fn nginx_binary() -> Result<PathBuf> {
+    let path = std::env::var_os("CAPM_NGINX")
+        .map_or_else(|| PathBuf::from("/usr/sbin/nginx"), PathBuf::from);
+    ensure!(
+        path.exists(),
+        "{} not found: `apt-get install nginx-light` (make deps does)",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// nginx in one process (no master, so stopping it stops all of it) on `port`, proxying
+/// `/fulfil/` to the page on `page_port` from [`PROXY`].
+fn start_nginx(dir: &Path, port: u16, page_port: u16) -> Result<Proc> {
+    let prefix = dir.join("nginx");
+    fs::create_dir_all(prefix.join("logs"))?;
+    let root = fs::metadata(&prefix)?.uid() == 0;
+    let p = prefix.display();
+    let conf = format!(
+        "{user}master_process off;
+daemon off;
+pid {p}/nginx.pid;
+error_log {p}/logs/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    access_log {p}/logs/access.log;
+    client_body_temp_path {p}/client_body;
+    proxy_temp_path {p}/proxy;
+    fastcgi_temp_path {p}/fastcgi;
+    uwsgi_temp_path {p}/uwsgi;
+    scgi_temp_path {p}/scgi;
+    server {{
+        listen 127.0.0.1:{port};
+        location /fulfil/ {{
+            access_log off;
+            proxy_pass http://127.0.0.1:{page_port};
+            proxy_bind {PROXY};
+            proxy_set_header Host $http_host;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto $scheme;
+        }}
+        location / {{ return 404; }}
+    }}
+}}
+",
+        user = if root { "user root;\n" } else { "" },
+    );
+    let conf_file = prefix.join("nginx.conf");
+    fs::write(&conf_file, conf)?;
+    let mut cmd = Command::new(nginx_binary()?);
+    cmd.arg("-p")
+        .arg(&prefix)
+        .arg("-e")
+        .arg(prefix.join("logs/startup.log"))
+        .arg("-c")
+        .arg(&conf_file);
+    let proc = Proc::spawn("nginx", cmd, dir.join("nginx.log"))?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        proc.check_alive().with_context(|| {
+            fs::read_to_string(prefix.join("logs/error.log")).unwrap_or_default()
+        })?;
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "nginx does not listen on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(proc)
+}
+
+/// The request mail's link for the MailgunCluster `name`.
+async fn mailed_link(mailgun: &MailgunServer, provider: &Proc, name: &str) -> Result<String> {
+    let body = eventually(
+        Duration::from_secs(120),
+        &format!("the request mail of {name}"),
+        || async {
+            provider.check_alive()?;
+            Ok(mailgun_mails(mailgun)?
+                .into_iter()
+                .find(|(m, _)| m.subject.contains(&format!("New Cluster {name} requested")))
+                .map(|(_, body)| body))
+        },
+    )
+    .await?;
+    link_in(&body)
+}
+
+/// The `FulfilledThroughLink` Event's note about `name`.
+async fn fulfilled_event(admin: &Client, name: &str) -> Result<String> {
+    let events: Api<Event> = Api::namespaced(admin.clone(), NS);
+    eventually(
+        Duration::from_secs(30),
+        "the FulfilledThroughLink Event",
+        || {
+            let events = events.clone();
+            async move {
+                Ok(events
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .find(|e| {
+                        e.reason.as_deref() == Some("FulfilledThroughLink")
+                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                    })
+                    .and_then(|e| e.note))
+            }
+        },
+    )
+    .await
+}
+
+/// A field of a JSON log line, wherever the format nests it.
+fn field<'a>(line: &'a Value, key: &str) -> Option<&'a Value> {
+    match line {
+        Value::Object(map) => map
+            .get(key)
+            .or_else(|| map.values().find_map(|v| field(v, key))),
+        Value::Array(items) => items.iter().find_map(|v| field(v, key)),
+        _ => None,
+    }
+}
+
+/// The client of the provider's `Fulfilled through a link` line about `name`.
+fn logged_client(log: &str, name: &str) -> Result<String> {
+    log.lines()
+        .filter(|l| l.contains("Fulfilled through a link"))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|l| field(l, "name").and_then(Value::as_str) == Some(name))
+        .and_then(|l| {
+            field(&l, "client")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .with_context(|| format!("no `Fulfilled through a link` line for {name}"))
+}
+
+/// curl from `from` (a loopback address of this host), with the cookies in `jar` and `headers`;
+/// the status and the body.
+fn curl(
+    from: &str,
+    url: &str,
+    jar: &Path,
+    headers: &[String],
+    form: Option<&str>,
+) -> Result<(u16, String)> {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
+        .args(["--interface", from])
+        .arg("-c")
+        .arg(jar)
+        .arg("-b")
+        .arg(jar);
+    for h in headers {
+        cmd.args(["-H", h]);
+    }
+    if let Some(form) = form {
+        cmd.args(["-H", "Content-Type: application/x-www-form-urlencoded"])
+            .args(["--data-binary", form]);
+    }
+    let out = capm_e2e::run(cmd.arg(url), "curl")?;
+    let (body, code) = out.rsplit_once('\n').context("curl's output")?;
+    Ok((code.trim().parse().context("status code")?, body.to_owned()))
+}
+
+/// The page's hidden form token.
+fn form_token(page: &str) -> Result<String> {
+    let (_, rest) = page
+        .split_once("name=\"form-token\" value=\"")
+        .with_context(|| format!("no form token on the page: {page}"))?;
+    Ok(rest.split('"').next().unwrap_or_default().to_owned())
+}
+
+/// Opens `link` and submits the cluster form as `from` with `headers` on both requests: the
+/// submission's status and body.
+fn fulfil_with_curl(
+    dir: &Path,
+    from: &str,
+    link: &str,
+    headers: &[String],
+    host: &str,
+) -> Result<(u16, String)> {
+    let jar = dir.join(format!("cookies-{from}-{host}"));
+    let (status, page) = curl(from, link, &jar, headers, None)?;
+    ensure!(status == 200, "opening {link} as {from}: {status}\n{page}");
+    let token = form_token(&page)?;
+    curl(
+        from,
+        link,
+        &jar,
+        headers,
+        Some(&format!("host={host}&port=6443&form-token={token}")),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_page_behind_nginx_names_the_browser_and_ignores_forged_forwarded_for() -> Result<()> {
+    browser::chromium()?;
+    nginx_binary()?;
+    let work = tempfile::tempdir()?;
+    let dir = work.path();
+    let cp = ControlPlane::start(Options::default()).await?;
+    cp.install_capi_crds().await?;
+    let admin = cp.client().await?;
+    install_crds(&admin, &capm_api::crd::crds()?).await?;
+    let capi = start_capi_manager(cp.kubeconfig(), dir)?;
+    cp.adopt(capi.pid())?;
+    capm_e2e::create_namespace(&admin, NS, false).await?;
+    let mailgun = MailgunServer::start(API_KEY, DOMAIN)?;
+
+    let page_port = free_port()?;
+    let proxy_port = free_port()?;
+    let public = format!("http://127.0.0.1:{proxy_port}");
+    let nginx = start_nginx(dir, proxy_port, page_port)?;
+    cp.adopt(nginx.pid())?;
+
+    let keys = dir.join("fulfilment-keys");
+    fs::write(&keys, KEY)?;
+    let config = dir.join("config.json");
+    fs::write(
+        &config,
+        json!({"mailer": {"mailgun": {
+            "domain": DOMAIN, "baseUrl": mailgun.base_url(), "apiKey": {"env": "MAILGUN_API_KEY"},
+        }}})
+        .to_string(),
+    )?;
+    let launch = Launch::new(provider_binary()?, cp.kubeconfig())
+        .on_free_ports()?
+        .0
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .env("MAIL_RECIPIENT", RECIPIENT)
+        .env("MAILGUN_API_KEY", API_KEY)
+        .args(["--namespace", NS, "--log-format", "json"])
+        .args(["--webhook-port", "0", "--leader-elect=false"])
+        .args(["--message-id-domain", DOMAIN, "--shutdown-timeout", "5s"])
+        .arg("--config")
+        .arg(&config)
+        .args(["--fulfilment-url", &public])
+        .arg("--fulfilment-keys-file")
+        .arg(&keys)
+        .args([
+            "--fulfilment-bind-address",
+            &format!("127.0.0.1:{page_port}"),
+        ])
+        .args(["--fulfilment-trusted-proxies", PROXY]);
+    let provider = Proc::spawn("provider", launch.command(), dir.join("provider.log"))?;
+    cp.adopt(provider.pid())?;
+
+    let result = story(&admin, &mailgun, &provider, dir, page_port, &public).await;
+    if let Err(e) = &result {
+        capm_e2e::report_failure(
+            e,
+            dir,
+            &["provider.log", "nginx.log", "nginx/logs/error.log"],
+            40,
+        );
+    }
+    drop(nginx);
+    result
+}
+
+async fn story(
+    admin: &Client,
+    mailgun: &MailgunServer,
+    provider: &Proc,
+    dir: &Path,
+    page_port: u16,
+    public: &str,
+) -> Result<()> {
+    for name in ["browsed", "spoofed", "direct"] {
+        create_cluster_pair(admin, NS, name, "web-admin@example.com").await?;
+    }
+
+    // The browser, through the proxy.
+    let link = mailed_link(mailgun, provider, "browsed").await?;
+    ensure!(link.starts_with(&format!("{public}/fulfil/")), "{link}");
+    let report = browser::browse(&Visit {
+        link: &link,
+        screenshots: &dir.join("screenshots"),
+        prefix: "proxied",
+        fill: &[
+            ("Control plane host", "api.browsed.example.com"),
+            ("Control plane port", "6443"),
+        ],
+        select: &[],
+        refused: None,
+    })?;
+    ensure!(report["request"]["status"] == 200, "{report}");
+    page_says(
+        &report,
+        "submitted",
+        "Recorded",
+        &["api.browsed.example.com:6443"],
+    )?;
+    let note = fulfilled_event(admin, "browsed").await?;
+    ensure!(
+        note.starts_with(&format!("From {BROWSER}:")) && !note.contains(PROXY),
+        "the Event names the proxy, not the browser: {note}"
+    );
+    let client = logged_client(&provider.log(), "browsed")?;
+    ensure!(
+        client == BROWSER,
+        "the log line names {client}, not the browser"
+    );
+
+    // A client that sends its own X-Forwarded-For through the proxy: the proxy appends the peer
+    // it saw, and that (the first untrusted entry from the right) is the client.
+    let link = mailed_link(mailgun, provider, "spoofed").await?;
+    let forged = vec![format!("X-Forwarded-For: {FORGED}")];
+    let (status, body) = fulfil_with_curl(dir, BROWSER, &link, &forged, "api.spoofed.example.com")?;
+    ensure!(status == 200, "{status}: {body}");
+    let note = fulfilled_event(admin, "spoofed").await?;
+    ensure!(
+        note.starts_with(&format!("From {BROWSER}:")) && !note.contains(FORGED),
+        "a forged X-Forwarded-For through the proxy was believed: {note}"
+    );
+    ensure!(logged_client(&provider.log(), "spoofed")? == BROWSER);
+
+    // A client around the proxy, straight to the page, with a forged X-Forwarded-For: it is the
+    // peer it is.
+    let link = mailed_link(mailgun, provider, "direct").await?;
+    let direct = link.replacen(public, &format!("http://127.0.0.1:{page_port}"), 1);
+    ensure!(direct != link, "{link}");
+    let (status, body) = fulfil_with_curl(dir, DIRECT, &direct, &forged, "api.direct.example.com")?;
+    ensure!(status == 200, "{status}: {body}");
+    let note = fulfilled_event(admin, "direct").await?;
+    ensure!(
+        note.starts_with(&format!("From {DIRECT}:")) && !note.contains(FORGED),
+        "a forged X-Forwarded-For from an untrusted peer was believed: {note}"
+    );
+    ensure!(logged_client(&provider.log(), "direct")? == DIRECT);
+
+    // The same peer, a made-up link and another forged address (each in another /24) per
+    // request: were the header believed, every request would have a fresh budget.
+    let made_up = format!(
+        "http://127.0.0.1:{page_port}/fulfil/{}",
+        "A".repeat(link.rsplit('/').next().unwrap_or_default().len())
+    );
+    let jar = dir.join("cookies-spender");
+    let mut statuses = Vec::new();
+    for i in 0..POSTS_PER_ADDRESS + 10 {
+        let header = vec![format!("X-Forwarded-For: 198.51.{i}.7")];
+        let (status, _) = curl(
+            SPENDER,
+            &made_up,
+            &jar,
+            &header,
+            Some("host=h&port=1&form-token=x"),
+        )?;
+        statuses.push(status);
+    }
+    let refused = statuses.iter().filter(|s| **s == 429).count();
+    // (GCRA gives one submission back every 20 s: the last ten, sent within seconds, are refused
+    // but for at most one.)
+    ensure!(
+        refused >= 9 && statuses[..POSTS_PER_ADDRESS].iter().all(|s| *s != 429),
+        "forged addresses bought fresh budgets: {statuses:?}"
+    );
+
+    // The proxy kept no access log of the links.
+    let access = fs::read_to_string(dir.join("nginx/logs/access.log")).unwrap_or_default();
+    ensure!(
+        !access.contains("/fulfil/"),
+        "the proxy logged a link:\n{access}"
+    );
+
+    // Every object fulfilled: the endpoints as submitted.
+    let clusters = dynamic_api(
+        admin,
+        NS,
+        "infrastructure.cluster.x-k8s.io",
+        "v1beta1",
+        "MailgunCluster",
+    );
+    for name in ["browsed", "spoofed", "direct"] {
+        let host = clusters.get(name).await?.data["spec"]["controlPlaneEndpoint"]["host"].clone();
+        ensure!(host == format!("api.{name}.example.com"), "{name}: {host}");
+    }
+    Ok(())
+}
