@@ -36,16 +36,30 @@ def main():
         "--select", action="append", default=[], help="ID=OPTION, a select by id"
     )
     parser.add_argument("--refused", help="an altered link to open last")
+    parser.add_argument(
+        "--map-host",
+        help="HOST=ADDRESS:PORT: the browser reaches HOST there (a proxy in front of the page)",
+    )
+    parser.add_argument(
+        "--ignore-https-errors",
+        action="store_true",
+        help="accept the proxy's test certificate (Chromium trusts an NSS database, not a file)",
+    )
     args = parser.parse_args()
 
     out = {}
     with sync_playwright() as p:
+        flags = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        if args.map_host:
+            host, target = args.map_host.split("=", 1)
+            flags.append(f"--host-resolver-rules=MAP {host} {target}")
         browser = p.chromium.launch(
-            executable_path=args.chromium,
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+            executable_path=args.chromium, headless=True, args=flags
         )
-        page = browser.new_page(viewport={"width": 900, "height": 600})
+        page = browser.new_page(
+            viewport={"width": 900, "height": 600},
+            ignore_https_errors=args.ignore_https_errors,
+        )
         shot = lambda name: page.screenshot(
             path=f"{args.screenshots}/{name}.png", full_page=True
         )

@@ -53,6 +53,10 @@ pub struct Visit<'a> {
     pub select: &'a [(&'a str, &'a str)],
     /// An altered link, opened last.
     pub refused: Option<&'a str>,
+    /// (host, `address:port`): the browser reaches the link's host there, a TLS proxy whose
+    /// test certificate it accepts (Chromium trusts an NSS database, not a CA file; the tests
+    /// check the certificate with curl `--cacert`).
+    pub proxy: Option<(&'a str, &'a str)>,
 }
 
 /// The browser opens the link, fills the form, submits it and opens the link again: what each
@@ -78,6 +82,11 @@ pub fn browse(visit: &Visit<'_>) -> Result<Value> {
     }
     if let Some(refused) = visit.refused {
         cmd.args(["--refused", refused]);
+    }
+    if let Some((host, target)) = visit.proxy {
+        cmd.arg("--map-host")
+            .arg(format!("{host}={target}"))
+            .arg("--ignore-https-errors");
     }
     let out = crate::run(&mut cmd, "the browser")?;
     serde_json::from_str(&out).with_context(|| format!("the browser's report: {out}"))

@@ -58,6 +58,7 @@ fn browse(
         fill,
         select,
         refused,
+        proxy: None,
     })
 }
 

@@ -1,10 +1,12 @@
 //! The fulfilment page behind a real reverse proxy (issue 54): Debian's `nginx`, started by this
-//! test, in front of the page as an Ingress controller would be, configured as
-//! `--fulfilment-trusted-proxies` says (the proxy reaches the page from 127.0.0.2, the only
-//! trusted address; it appends the peer it saw to `X-Forwarded-For` and keeps no access log of
-//! `/fulfil/`).
+//! test, in front of the page as an Ingress controller would be: TLS for `capm.example.com`
+//! (a test CA), configured as `--fulfilment-trusted-proxies` says (the proxy reaches the page
+//! from 127.0.0.2, the only trusted address; it appends the peer it saw to `X-Forwarded-For` and
+//! keeps no access log of `/fulfil/`). The provider's public URL is written as a user might,
+//! `HTTPS://Capm.Example.com:443`: the links and the page's origin check use its normal form.
 //!
-//! A headless Chromium fulfils a cluster's mailed link through the proxy: the Event and the log
+//! A headless Chromium fulfils a cluster's mailed link through the proxy (its own POST, with
+//! `Origin` and `Sec-Fetch-Site` as a browser sends them, is accepted): the Event and the log
 //! line name the browser's address (127.0.0.1), never the proxy's. Then the forgeries: a client
 //! that sends its own `X-Forwarded-For` through the proxy is still the address the proxy saw; a
 //! client that reaches the page directly with a forged `X-Forwarded-For` is the peer it is, in the
@@ -30,7 +32,11 @@ use capm_e2e::{
     start_capi_manager,
 };
 use capm_mail_servers::MailgunServer;
-use capm_test_support::{ControlPlane, Options, install_crds, provider::Launch};
+use capm_test_support::{
+    ControlPlane, Options, install_crds,
+    pki::{CertPair, CertificateAuthority},
+    provider::Launch,
+};
 use k8s_openapi::api::events::v1::Event;
 use kube::{Api, Client, api::ListParams};
 use serde_json::{Value, json};
@@ -52,6 +58,10 @@ const SPENDER: &str = "127.0.0.4";
 /// Submissions one address may make at once: the page's limiter's `POSTS_PER_ADDRESS`
 /// (`cmd/src/fulfil/limiter.rs`), its burst.
 const POSTS_PER_ADDRESS: usize = 30;
+/// The public URL as the operator wrote it, and its normal form (the links' base).
+const PUBLIC_AS_WRITTEN: &str = "HTTPS://Capm.Example.com:443";
+const PUBLIC: &str = "https://capm.example.com";
+const PUBLIC_HOST: &str = "capm.example.com";
 /// An address no one here has: what forgers claim to be.
 const FORGED: &str = "203.0.113.50";
 
@@ -67,11 +77,13 @@ fn nginx_binary() -> Result<PathBuf> {
     Ok(path)
 }
 
-/// nginx in one process (no master, so stopping it stops all of it) on `port`, proxying
-/// `/fulfil/` to the page on `page_port` from [`PROXY`].
-fn start_nginx(dir: &Path, port: u16, page_port: u16) -> Result<Proc> {
+/// nginx in one process (no master, so stopping it stops all of it) on `port`, TLS for
+/// [`PUBLIC_HOST`] with `cert`, proxying `/fulfil/` to the page on `page_port` from [`PROXY`].
+fn start_nginx(dir: &Path, port: u16, page_port: u16, cert: &CertPair) -> Result<Proc> {
     let prefix = dir.join("nginx");
     fs::create_dir_all(prefix.join("logs"))?;
+    fs::write(prefix.join("tls.crt"), &cert.cert_pem)?;
+    fs::write(prefix.join("tls.key"), &cert.key_pem)?;
     let root = fs::metadata(&prefix)?.uid() == 0;
     let p = prefix.display();
     let conf = format!(
@@ -88,7 +100,10 @@ http {{
     uwsgi_temp_path {p}/uwsgi;
     scgi_temp_path {p}/scgi;
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port} ssl;
+        server_name {PUBLIC_HOST};
+        ssl_certificate {p}/tls.crt;
+        ssl_certificate_key {p}/tls.key;
         location /fulfil/ {{
             access_log off;
             proxy_pass http://127.0.0.1:{page_port};
@@ -194,9 +209,17 @@ fn logged_client(log: &str, name: &str) -> Result<String> {
         .with_context(|| format!("no `Fulfilled through a link` line for {name}"))
 }
 
+/// How curl reaches the public host: the proxy's address and the test CA.
+struct Reach<'a> {
+    proxy_port: u16,
+    ca: &'a Path,
+}
+
 /// curl from `from` (a loopback address of this host), with the cookies in `jar` and `headers`;
-/// the status and the body.
+/// the status and the body. [`PUBLIC_HOST`] is the proxy, its certificate checked against the
+/// test CA.
 fn curl(
+    reach: &Reach<'_>,
     from: &str,
     url: &str,
     jar: &Path,
@@ -206,6 +229,10 @@ fn curl(
     let mut cmd = Command::new("curl");
     cmd.args(["-sS", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
         .args(["--interface", from])
+        .arg("--connect-to")
+        .arg(format!("{PUBLIC_HOST}:443:127.0.0.1:{}", reach.proxy_port))
+        .arg("--cacert")
+        .arg(reach.ca)
         .arg("-c")
         .arg(jar)
         .arg("-b")
@@ -233,6 +260,7 @@ fn form_token(page: &str) -> Result<String> {
 /// Opens `link` and submits the cluster form as `from` with `headers` on both requests: the
 /// submission's status and body.
 fn fulfil_with_curl(
+    reach: &Reach<'_>,
     dir: &Path,
     from: &str,
     link: &str,
@@ -240,10 +268,11 @@ fn fulfil_with_curl(
     host: &str,
 ) -> Result<(u16, String)> {
     let jar = dir.join(format!("cookies-{from}-{host}"));
-    let (status, page) = curl(from, link, &jar, headers, None)?;
+    let (status, page) = curl(reach, from, link, &jar, headers, None)?;
     ensure!(status == 200, "opening {link} as {from}: {status}\n{page}");
     let token = form_token(&page)?;
     curl(
+        reach,
         from,
         link,
         &jar,
@@ -269,8 +298,11 @@ async fn the_page_behind_nginx_names_the_browser_and_ignores_forged_forwarded_fo
 
     let page_port = free_port()?;
     let proxy_port = free_port()?;
-    let public = format!("http://127.0.0.1:{proxy_port}");
-    let nginx = start_nginx(dir, proxy_port, page_port)?;
+    let ca = CertificateAuthority::new("reverse-proxy-e2e-ca")?;
+    let ca_file = dir.join("ca.crt");
+    fs::write(&ca_file, ca.cert_pem())?;
+    let cert = ca.serving_cert(PUBLIC_HOST, &[PUBLIC_HOST], &[])?;
+    let nginx = start_nginx(dir, proxy_port, page_port, &cert)?;
     cp.adopt(nginx.pid())?;
 
     let keys = dir.join("fulfilment-keys");
@@ -295,7 +327,7 @@ async fn the_page_behind_nginx_names_the_browser_and_ignores_forged_forwarded_fo
         .args(["--message-id-domain", DOMAIN, "--shutdown-timeout", "5s"])
         .arg("--config")
         .arg(&config)
-        .args(["--fulfilment-url", &public])
+        .args(["--fulfilment-url", PUBLIC_AS_WRITTEN])
         .arg("--fulfilment-keys-file")
         .arg(&keys)
         .args([
@@ -306,7 +338,11 @@ async fn the_page_behind_nginx_names_the_browser_and_ignores_forged_forwarded_fo
     let provider = Proc::spawn("provider", launch.command(), dir.join("provider.log"))?;
     cp.adopt(provider.pid())?;
 
-    let result = story(&admin, &mailgun, &provider, dir, page_port, &public).await;
+    let reach = Reach {
+        proxy_port,
+        ca: &ca_file,
+    };
+    let result = story(&admin, &mailgun, &provider, dir, page_port, &reach).await;
     if let Err(e) = &result {
         capm_e2e::report_failure(
             e,
@@ -325,7 +361,7 @@ async fn story(
     provider: &Proc,
     dir: &Path,
     page_port: u16,
-    public: &str,
+    reach: &Reach<'_>,
 ) -> Result<()> {
     for name in ["browsed", "spoofed", "direct"] {
         create_cluster_pair(admin, NS, name, "web-admin@example.com").await?;
@@ -333,7 +369,8 @@ async fn story(
 
     // The browser, through the proxy.
     let link = mailed_link(mailgun, provider, "browsed").await?;
-    ensure!(link.starts_with(&format!("{public}/fulfil/")), "{link}");
+    ensure!(link.starts_with(&format!("{PUBLIC}/fulfil/")), "{link}");
+    let target = format!("127.0.0.1:{}", reach.proxy_port);
     let report = browser::browse(&Visit {
         link: &link,
         screenshots: &dir.join("screenshots"),
@@ -344,6 +381,7 @@ async fn story(
         ],
         select: &[],
         refused: None,
+        proxy: Some((PUBLIC_HOST, &target)),
     })?;
     ensure!(report["request"]["status"] == 200, "{report}");
     page_says(
@@ -367,7 +405,14 @@ async fn story(
     // it saw, and that (the first untrusted entry from the right) is the client.
     let link = mailed_link(mailgun, provider, "spoofed").await?;
     let forged = vec![format!("X-Forwarded-For: {FORGED}")];
-    let (status, body) = fulfil_with_curl(dir, BROWSER, &link, &forged, "api.spoofed.example.com")?;
+    let (status, body) = fulfil_with_curl(
+        reach,
+        dir,
+        BROWSER,
+        &link,
+        &forged,
+        "api.spoofed.example.com",
+    )?;
     ensure!(status == 200, "{status}: {body}");
     let note = fulfilled_event(admin, "spoofed").await?;
     ensure!(
@@ -379,9 +424,16 @@ async fn story(
     // A client around the proxy, straight to the page, with a forged X-Forwarded-For: it is the
     // peer it is.
     let link = mailed_link(mailgun, provider, "direct").await?;
-    let direct = link.replacen(public, &format!("http://127.0.0.1:{page_port}"), 1);
+    let direct = link.replacen(PUBLIC, &format!("http://127.0.0.1:{page_port}"), 1);
     ensure!(direct != link, "{link}");
-    let (status, body) = fulfil_with_curl(dir, DIRECT, &direct, &forged, "api.direct.example.com")?;
+    let (status, body) = fulfil_with_curl(
+        reach,
+        dir,
+        DIRECT,
+        &direct,
+        &forged,
+        "api.direct.example.com",
+    )?;
     ensure!(status == 200, "{status}: {body}");
     let note = fulfilled_event(admin, "direct").await?;
     ensure!(
@@ -401,6 +453,7 @@ async fn story(
     for i in 0..POSTS_PER_ADDRESS + 10 {
         let header = vec![format!("X-Forwarded-For: 198.51.{i}.7")];
         let (status, _) = curl(
+            reach,
             SPENDER,
             &made_up,
             &jar,
