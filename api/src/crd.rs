@@ -127,13 +127,28 @@ pub fn crds() -> Result<Vec<CustomResourceDefinition>, CrdError> {
         }
         out.push(crd);
     }
-    // Mail identities exist in v1beta1 only: no conversion, nothing to merge.
-    let mut identity = v1beta1::MailgunClusterIdentity::crd();
-    identity.spec.conversion = Some(CustomResourceConversion {
-        strategy: "None".into(),
-        webhook: None,
-    });
-    out.push(identity);
+    // Mail identities and remediations exist in v1beta1 only: no conversion, nothing to merge.
+    let mut remediation_template = v1beta1::MailgunRemediationTemplate::crd();
+    for version in &mut remediation_template.spec.versions {
+        if let Some(schema) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        {
+            drop_transition_rules(schema);
+        }
+    }
+    for mut crd in [
+        v1beta1::MailgunClusterIdentity::crd(),
+        v1beta1::MailgunRemediation::crd(),
+        remediation_template,
+    ] {
+        crd.spec.conversion = Some(CustomResourceConversion {
+            strategy: "None".into(),
+            webhook: None,
+        });
+        out.push(crd);
+    }
     out.sort_by(|x, y| x.metadata.name.cmp(&y.metadata.name));
     Ok(out)
 }
@@ -363,8 +378,23 @@ mod tests {
                 "mailgunclustertemplates.infrastructure.cluster.x-k8s.io",
                 "mailgunmachines.infrastructure.cluster.x-k8s.io",
                 "mailgunmachinetemplates.infrastructure.cluster.x-k8s.io",
+                "mailgunremediations.infrastructure.cluster.x-k8s.io",
+                "mailgunremediationtemplates.infrastructure.cluster.x-k8s.io",
             ]
         );
+        // Remediation by mail: v1beta1 only, both contracts' labels naming it, namespaced.
+        for crd in &crds[5..] {
+            let labels = crd.metadata.labels.clone().unwrap_or_default();
+            for contract in ["cluster.x-k8s.io/v1beta1", "cluster.x-k8s.io/v1beta2"] {
+                assert_eq!(labels.get(contract).map(String::as_str), Some("v1beta1"));
+            }
+            assert_eq!(crd.spec.scope, "Namespaced");
+            assert_eq!(crd.spec.versions.len(), 1);
+            assert_eq!(
+                crd.spec.conversion.as_ref().map(|c| c.strategy.as_str()),
+                Some("None")
+            );
+        }
         // The mail identity: cluster-scoped, v1beta1 only, and moved by clusterctl.
         let identity = &crds[0];
         assert_eq!(identity.spec.scope, "Cluster");
@@ -380,7 +410,7 @@ mod tests {
             labels.get("cluster.x-k8s.io/provider").map(String::as_str),
             Some("infrastructure-mailgun")
         );
-        for crd in &crds[1..] {
+        for crd in &crds[1..5] {
             assert_eq!(
                 crd.metadata.name.as_deref(),
                 Some(format!("{}.{}", crd.spec.names.plural, crate::GROUP).as_str())
@@ -444,7 +474,7 @@ mod tests {
                     .join(",")
             })
             .collect();
-        assert_eq!(short, ["mgci", "mgc", "mgct", "mgm", "mgmt"]);
+        assert_eq!(short, ["mgci", "mgc", "mgct", "mgm", "mgmt", "mgr", "mgrt"]);
     }
 
     #[test]

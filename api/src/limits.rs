@@ -26,6 +26,14 @@ pub const MAX_MESSAGE_ID_LENGTH: u32 = 998;
 pub const MAX_TEMPLATE_METADATA_ENTRIES: u32 = 64;
 /// Maximum length of one label or annotation value in a template's metadata.
 pub const MAX_TEMPLATE_METADATA_VALUE_LENGTH: u32 = 4096;
+/// Maximum length of a duration (`24h`, `1h30m`).
+pub const MAX_DURATION_LENGTH: u32 = 32;
+/// Maximum number of reminders a remediation sends.
+pub const MAX_REMINDERS: u8 = 3;
+/// Maximum length of a remediation answer's message.
+pub const MAX_ANSWER_MESSAGE_LENGTH: u32 = 1024;
+/// Maximum length of a Machine owner's message copied into a remediation's status.
+pub const MAX_OWNER_MESSAGE_LENGTH: u32 = 1024;
 
 /// `spec.requester`: a plain e-mail address, `local@domain`: the local part a dot-atom of ASCII
 /// `atext` (no leading, trailing or doubled dot; at most [`MAX_REQUESTER_LOCAL_LENGTH`]
@@ -58,6 +66,10 @@ pub const PROVIDER_ID_PATTERN: &str = r"^[a-z0-9][a-z0-9+.-]*://[!-~]+$";
 pub const FAILURE_DOMAIN_PATTERN: &str = r"^[!-~]+$";
 /// A machine address: printable ASCII, no spaces.
 pub const ADDRESS_PATTERN: &str = r"^[!-~]+$";
+
+/// A duration as Go's `time.ParseDuration` and CEL's `duration()` read it, limited to whole or
+/// decimal numbers of hours, minutes, seconds and milliseconds (`24h`, `1h30m`, `90s`).
+pub const DURATION_PATTERN: &str = r"^([0-9]+(\.[0-9]+)?(h|m|s|ms))+$";
 
 /// Schema of a bounded string-to-string map (template labels and annotations).
 ///

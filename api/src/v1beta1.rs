@@ -32,6 +32,9 @@ use crate::limits::{
 };
 use crate::names::IDENTITY_SECRET_LABEL;
 
+mod remediation;
+pub use remediation::*;
+
 /// A DNS-1123 subdomain (object names).
 const DNS_SUBDOMAIN_PATTERN: &str =
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";

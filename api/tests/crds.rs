@@ -337,7 +337,7 @@ async fn crds_are_established_and_every_sample_is_accepted() {
     let cp = ns.control_plane();
     cp.install_capi_crds().await.expect("Cluster API CRDs");
     let files = samples();
-    assert_eq!(files.len(), 12, "{files:?}");
+    assert_eq!(files.len(), 13, "{files:?}");
     for file in files {
         let path = file.to_string_lossy().into_owned();
         let mut last = None;
@@ -1213,4 +1213,173 @@ async fn only_the_provider_writes_our_annotations() {
             .patch("moved", &pp, &annotate(sent, json!("changed")))
             .await,
     );
+}
+
+fn remediation(name: &str) -> Value {
+    json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+        "kind": "MailgunRemediation",
+        "metadata": {"name": name},
+        "spec": {"request": "Power-cycle it."},
+    })
+}
+
+fn remediation_template(name: &str, template: Value) -> Value {
+    json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+        "kind": "MailgunRemediationTemplate",
+        "metadata": {"name": name},
+        "spec": {"template": template},
+    })
+}
+
+/// A merge patch of `spec` on the MailgunRemediation `name`: the API server's message, or `None`
+/// when it was accepted.
+async fn patch_spec(api: &Api<DynamicObject>, name: &str, spec: Value) -> Option<String> {
+    match api
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": spec})),
+        )
+        .await
+    {
+        Ok(_) => None,
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 422, "{e:?}");
+            Some(e.message)
+        }
+        Err(e) => panic!("unexpected error {e}"),
+    }
+}
+
+#[tokio::test]
+async fn remediations_take_their_defaults_and_keep_their_answer_and_strategy() {
+    let ns = setup("api-remediation").await;
+    let remediations = api(&ns, "v1beta1", "MailgunRemediation");
+    let created = create(&remediations, remediation("worker-0"))
+        .await
+        .expect("a remediation with only its request");
+    // The API server fills in what the template (or a hand) left out.
+    let spec = &created.data["spec"];
+    assert_eq!(spec["priority"], "Urgent", "{spec}");
+    assert_eq!(
+        spec["strategy"],
+        json!({"answerTimeout": "24h", "reminders": 1, "repairTimeout": "1h", "unfulfilled": "Wait"}),
+    );
+    assert!(spec.get("answer").is_none(), "{spec}");
+    let decoded: v1beta1::MailgunRemediation =
+        serde_json::from_value(serde_json::to_value(&created).expect("JSON")).expect("typed");
+    assert_eq!(
+        decoded.spec.strategy,
+        v1beta1::RemediationStrategy::default()
+    );
+
+    // The strategy is immutable.
+    let refused = patch_spec(
+        &remediations,
+        "worker-0",
+        json!({"strategy": {"reminders": 3}}),
+    )
+    .await
+    .expect("a changed strategy is refused");
+    assert!(refused.contains("strategy is immutable"), "{refused}");
+    // The answer: set once, then neither changed nor removed.
+    assert_eq!(
+        patch_spec(
+            &remediations,
+            "worker-0",
+            json!({"answer": {"result": "Repaired", "message": "Reseated the cable."}})
+        )
+        .await,
+        None
+    );
+    for (what, answer) in [
+        ("changed", json!({"result": "CannotRepair"})),
+        ("removed", Value::Null),
+    ] {
+        let refused = patch_spec(&remediations, "worker-0", json!({"answer": answer}))
+            .await
+            .unwrap_or_else(|| panic!("an answer {what} was accepted"));
+        assert!(refused.contains("answer is set-once"), "{what}: {refused}");
+        assert!(refused.contains("spec.answer"), "{what}: {refused}");
+    }
+
+    // Bounds, each refused naming its field.
+    let r = || remediation("bad");
+    for (what, value, field) in [
+        (
+            "five reminders",
+            with(r(), "/spec/strategy", json!({"reminders": 5})),
+            "spec.strategy.reminders",
+        ),
+        (
+            "an answer timeout under a minute",
+            with(r(), "/spec/strategy", json!({"answerTimeout": "30s"})),
+            "spec.strategy.answerTimeout",
+        ),
+        (
+            "a repair timeout in days",
+            with(r(), "/spec/strategy", json!({"repairTimeout": "2d"})),
+            "spec.strategy.repairTimeout",
+        ),
+        (
+            "an unknown answer",
+            with(r(), "/spec/answer", json!({"result": "Replaced"})),
+            "spec.answer.result",
+        ),
+        (
+            "an unknown strategy for unbuilt machines",
+            with(r(), "/spec/strategy", json!({"unfulfilled": "Replace"})),
+            "spec.strategy.unfulfilled",
+        ),
+        (
+            "a request with an escape character",
+            with(r(), "/spec/request", json!("Reboot \u{1b}[2J it")),
+            "spec.request",
+        ),
+        (
+            "no request",
+            json!({"apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
+                   "metadata": {"name": "bad"}, "spec": {}}),
+            "spec.request",
+        ),
+    ] {
+        let message = error_message(create(&remediations, value).await);
+        assert!(message.contains(field), "{what}: {message}");
+    }
+
+    // Templates: neither an answer nor the provider's record annotations.
+    let templates = api(&ns, "v1beta1", "MailgunRemediationTemplate");
+    let spec = json!({"request": "Power-cycle it.", "strategy": {"answerTimeout": "4h"}});
+    create(
+        &templates,
+        remediation_template(
+            "fine",
+            json!({"metadata": {"annotations": {"team.example.com/pager": "workers"}}, "spec": spec}),
+        ),
+    )
+    .await
+    .expect("a template with its own annotation");
+    for (what, template, field, says) in [
+        (
+            "an answer",
+            json!({"spec": {"request": "x", "answer": {"result": "Repaired"}}}),
+            "spec.template.spec.answer",
+            "every remediation gets its own",
+        ),
+        (
+            "a record annotation",
+            json!({"metadata": {"annotations": {"mailgun.infrastructure.cluster.x-k8s.io/mail": "{}"}}, "spec": spec}),
+            "spec.template.metadata.annotations",
+            "they are its records",
+        ),
+    ] {
+        let message =
+            error_message(create(&templates, remediation_template("bad", template)).await);
+        assert!(
+            message.contains(field) && message.contains(says),
+            "{what}: {message}"
+        );
+    }
 }
