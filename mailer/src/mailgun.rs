@@ -282,6 +282,10 @@ impl MailgunMailer {
         if let Some(reply_to) = message.reply_to() {
             fields.push(("h:Reply-To".into(), reply_to.to_string()));
         }
+        if let Some(first) = message.in_reply_to() {
+            fields.push(("h:In-Reply-To".into(), first.to_string()));
+            fields.push(("h:References".into(), first.to_string()));
+        }
         for tag in message.tags() {
             fields.push(("o:tag".into(), tag.clone()));
         }

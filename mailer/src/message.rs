@@ -262,6 +262,7 @@ pub struct Message {
     subject: String,
     text: String,
     message_id: MessageId,
+    in_reply_to: Option<MessageId>,
     tags: Vec<String>,
     variables: BTreeMap<String, String>,
 }
@@ -302,6 +303,12 @@ impl Message {
         &self.message_id
     }
 
+    /// The mail this one follows up (`In-Reply-To` and `References`), if any: mail clients
+    /// show the two in one thread.
+    pub fn in_reply_to(&self) -> Option<&MessageId> {
+        self.in_reply_to.as_ref()
+    }
+
     /// Tags (Mailgun `o:tag`; SMTP `X-Mailgun-Tag`).
     pub fn tags(&self) -> &[String] {
         &self.tags
@@ -322,6 +329,7 @@ pub struct MessageBuilder {
     subject: Option<String>,
     text: Option<String>,
     message_id: Option<String>,
+    in_reply_to: Option<String>,
     tags: Vec<String>,
     variables: Vec<(String, String)>,
 }
@@ -364,6 +372,14 @@ impl MessageBuilder {
     /// Sets the Message-Id, bracketed: `<left@right>` (required).
     pub fn message_id(mut self, id: impl Into<String>) -> Self {
         self.message_id = Some(id.into());
+        self
+    }
+
+    /// Makes the mail a follow-up of the mail whose Message-Id (bracketed) is `id`: both its
+    /// `In-Reply-To` and its `References` name it (RFC 5322 section 3.6.4), so mail clients
+    /// thread the two.
+    pub fn in_reply_to(mut self, id: impl Into<String>) -> Self {
+        self.in_reply_to = Some(id.into());
         self
     }
 
@@ -421,6 +437,14 @@ impl MessageBuilder {
                 .message_id
                 .ok_or(MessageError::Missing { field: "messageId" })?,
         )?;
+        let in_reply_to = self
+            .in_reply_to
+            .as_deref()
+            .map(MessageId::parse)
+            .transpose()?;
+        if in_reply_to.as_ref() == Some(&message_id) {
+            return Err(invalid("inReplyTo", "a mail cannot follow up itself"));
+        }
         if self.tags.len() > MAX_TAGS {
             return Err(invalid("tags", format!("at most {MAX_TAGS} tags")));
         }
@@ -439,7 +463,8 @@ impl MessageBuilder {
                 .iter()
                 .map(|(k, v)| k.len() + v.len())
                 .sum::<usize>()
-            + message_id.as_str().len();
+            + message_id.as_str().len()
+            + in_reply_to.as_ref().map_or(0, |id| id.as_str().len());
         if metadata > MAX_METADATA_BYTES {
             return Err(invalid(
                 "variables",
@@ -455,6 +480,7 @@ impl MessageBuilder {
             subject,
             text,
             message_id,
+            in_reply_to,
             tags: self.tags,
             variables,
         })
@@ -638,6 +664,30 @@ mod tests {
             .build()
             .unwrap_err();
         assert!(err.to_string().contains("16384"), "{err}");
+    }
+
+    #[test]
+    fn a_follow_up_names_a_valid_first_mail_other_than_itself() {
+        let m = base()
+            .in_reply_to("<first@capm.example.com>")
+            .build()
+            .unwrap();
+        assert_eq!(
+            m.in_reply_to().map(MessageId::as_str),
+            Some("<first@capm.example.com>")
+        );
+        assert_eq!(base().build().unwrap().in_reply_to(), None);
+        assert!(
+            base()
+                .in_reply_to("first@capm.example.com")
+                .build()
+                .is_err()
+        );
+        let err = base()
+            .in_reply_to("<abc.123@capm.example.com>")
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("inReplyTo"), "{err}");
     }
 
     #[test]

@@ -247,6 +247,11 @@ impl SmtpMailer {
         if let Some(reply_to) = message.reply_to() {
             builder = builder.reply_to(reply_to.clone());
         }
+        if let Some(first) = message.in_reply_to() {
+            builder = builder
+                .in_reply_to(first.to_string())
+                .references(first.to_string());
+        }
         if !message.variables().is_empty() {
             let json =
                 serde_json::to_string(message.variables()).map_err(|e| MailError::Permanent {
@@ -369,6 +374,31 @@ mod tests {
         );
         assert_eq!(body, "line 1\r\nline 2");
         assert_eq!(envelope.to().len(), 1);
+    }
+
+    #[test]
+    fn a_follow_up_names_the_first_mail_in_in_reply_to_and_references() {
+        let m = Message::builder()
+            .from("capm@example.com")
+            .to("ops@example.com")
+            .subject("Re: Machine m-0 needs repair")
+            .text("Still unhealthy.")
+            .message_id("<reminder-1@capm.test>")
+            .in_reply_to("<repair@capm.test>")
+            .build()
+            .unwrap();
+        let (_, raw) = SmtpMailer::render(&m).unwrap();
+        let text = String::from_utf8(raw).unwrap();
+        let (head, _) = text.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.contains("In-Reply-To: <repair@capm.test>\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains("References: <repair@capm.test>\r\n"),
+            "{head}"
+        );
+        assert_eq!(head.matches("In-Reply-To:").count(), 1, "{head}");
     }
 
     #[test]

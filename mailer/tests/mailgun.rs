@@ -104,6 +104,32 @@ async fn send_posts_every_field_and_returns_our_id() {
 }
 
 #[tokio::test]
+async fn a_follow_up_is_threaded_under_the_first_mail() {
+    let f = fixture();
+    let first = message("<mg-first@capm.test>");
+    let follow_up = Message::builder()
+        .from(format!("Cluster requests <capm@{DOMAIN}>"))
+        .to("ops@example.com")
+        .subject("Re: [Urgent] New Cluster demo requested")
+        .text("A reminder.")
+        .message_id("<mg-reminder@capm.test>")
+        .in_reply_to(first.message_id().as_str())
+        .build()
+        .unwrap();
+    f.mailer().send(&first).await.unwrap();
+    f.mailer().send(&follow_up).await.unwrap();
+    let stored = f.server.messages().unwrap();
+    assert_eq!(stored.len(), 2);
+    assert!(
+        !stored[0].headers.contains_key("In-Reply-To"),
+        "{:?}",
+        stored[0].headers
+    );
+    assert_eq!(stored[1].headers["In-Reply-To"], "<mg-first@capm.test>");
+    assert_eq!(stored[1].headers["References"], "<mg-first@capm.test>");
+}
+
+#[tokio::test]
 async fn a_from_off_the_sending_domain_is_refused_by_the_contract_server() {
     let f = fixture();
     let off_domain = Message::builder()
