@@ -49,6 +49,7 @@ pub mod crd;
 pub mod fulfil;
 pub mod limits;
 pub mod names;
+pub mod owner_remediated;
 pub mod records;
 pub mod v1alpha1;
 pub mod v1beta1;

@@ -1383,3 +1383,148 @@ async fn remediations_take_their_defaults_and_keep_their_answer_and_strategy() {
         );
     }
 }
+
+fn machines(ns: &TestNamespace) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk("cluster.x-k8s.io", "v1beta2", "Machine");
+    Api::namespaced_with(
+        ns.client.clone(),
+        &ns.name,
+        &ApiResource::from_gvk_with_plural(&gvk, "machines"),
+    )
+}
+
+/// A Machine `name` with the conditions other controllers wrote (v1beta2 and deprecated v1beta1).
+async fn unhealthy_machine(api: &Api<DynamicObject>, name: &str) -> Value {
+    create(
+        api,
+        json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": {"name": name},
+            "spec": {"clusterName": "c", "bootstrap": {"dataSecretName": "b"},
+                     "infrastructureRef": {"apiGroup": capm_api::GROUP, "kind": "MailgunMachine", "name": name}},
+        }),
+    )
+    .await
+    .expect("a Machine");
+    let status = json!({"status": {
+        "conditions": [
+            {"type": "Ready", "status": "False", "reason": "NotReady", "message": "* NodeHealthy: not ready", "lastTransitionTime": "2026-11-28T10:00:00Z"},
+            {"type": "HealthCheckSucceeded", "status": "False", "reason": "UnhealthyNode", "message": "Condition Ready on Node is reporting status Unknown for more than 5m0s", "lastTransitionTime": "2026-11-28T10:05:00Z"},
+            {"type": "ExternallyRemediated", "status": "False", "reason": "WaitingForRemediation", "message": "", "lastTransitionTime": "2026-11-28T10:05:01Z"},
+        ],
+        "deprecated": {"v1beta1": {"conditions": [
+            {"type": "Ready", "status": "False", "severity": "Warning", "reason": "NodeNotReady", "lastTransitionTime": "2026-11-28T10:00:00Z"},
+        ]}},
+    }});
+    serde_json::to_value(
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(status))
+            .await
+            .expect("status"),
+    )
+    .expect("JSON")
+}
+
+async fn apply_hand_back(
+    api: &Api<DynamicObject>,
+    name: &str,
+    patch: Value,
+) -> Result<DynamicObject, kube::Error> {
+    let patch: json_patch::Patch = serde_json::from_value(patch).expect("a JSON Patch");
+    api.patch_status(name, &PatchParams::default(), &Patch::<()>::Json(patch))
+        .await
+}
+
+#[tokio::test]
+async fn a_hand_back_sets_one_condition_and_leaves_every_other_as_it_was() {
+    use capm_api::owner_remediated::{OWNER_REMEDIATED, condition_is, hand_back_patch};
+    let ns = setup("api-hand-back").await;
+    ns.control_plane()
+        .install_capi_crds()
+        .await
+        .expect("Cluster API CRDs");
+    let api = machines(&ns);
+    let before = unhealthy_machine(&api, "m-0").await;
+    let patch = hand_back_patch(
+        &before,
+        "Handed back by MailgunRemediation m-0: CannotRepair",
+        "2026-11-28T11:00:00Z",
+    )
+    .expect("read from the API server")
+    .expect("not handed back yet");
+    let after = serde_json::to_value(
+        apply_hand_back(&api, "m-0", patch.clone())
+            .await
+            .expect("the hand-back"),
+    )
+    .expect("JSON");
+    let conditions = after["status"]["conditions"]
+        .as_array()
+        .expect("conditions");
+    assert_eq!(
+        &conditions[..3],
+        before["status"]["conditions"]
+            .as_array()
+            .expect("before")
+            .as_slice(),
+        "another controller's condition changed"
+    );
+    assert_eq!(conditions.len(), 4);
+    assert!(condition_is(&after, OWNER_REMEDIATED, "False"), "{after}");
+    let old = after["status"]["deprecated"]["v1beta1"]["conditions"]
+        .as_array()
+        .expect("v1beta1 conditions");
+    assert_eq!(
+        old[0],
+        before["status"]["deprecated"]["v1beta1"]["conditions"][0]
+    );
+    assert_eq!(old[1]["type"], OWNER_REMEDIATED);
+    // Handed back already: nothing more to write.
+    assert_eq!(
+        hand_back_patch(&after, "again", "2026-11-28T12:00:00Z"),
+        Ok(None)
+    );
+
+    // A patch built from a version someone has since written over is refused whole.
+    let before = unhealthy_machine(&api, "m-1").await;
+    let stale = hand_back_patch(&before, "stale", "2026-11-28T11:00:00Z")
+        .expect("read")
+        .expect("a patch");
+    api.patch_status(
+        "m-1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"conditions": [
+            {"type": "Ready", "status": "True", "reason": "Ready", "message": "", "lastTransitionTime": "2026-11-28T10:30:00Z"}]}})),
+    )
+    .await
+    .expect("another controller's write");
+    let err = apply_hand_back(&api, "m-1", stale.clone())
+        .await
+        .expect_err("a stale hand-back");
+    assert!(
+        matches!(&err, kube::Error::Api(e) if e.code == 422 || e.code == 409),
+        "{err}"
+    );
+    let now = serde_json::to_value(api.get("m-1").await.expect("m-1")).expect("JSON");
+    assert!(!condition_is(&now, OWNER_REMEDIATED, "False"), "{now}");
+
+    // A namesake made since (the Machine replaced): refused by its UID.
+    api.delete("m-1", &Default::default())
+        .await
+        .expect("delete");
+    for _ in 0..40 {
+        if api.get_opt("m-1").await.expect("get").is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let namesake = unhealthy_machine(&api, "m-1").await;
+    let mut by_name = stale;
+    by_name[1]["value"] = namesake["metadata"]["resourceVersion"].clone();
+    let err = apply_hand_back(&api, "m-1", by_name)
+        .await
+        .expect_err("a hand-back of the Machine's namesake");
+    assert!(
+        matches!(&err, kube::Error::Api(e) if e.code == 422 || e.code == 409),
+        "{err}"
+    );
+}
