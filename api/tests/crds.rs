@@ -337,7 +337,7 @@ async fn crds_are_established_and_every_sample_is_accepted() {
     let cp = ns.control_plane();
     cp.install_capi_crds().await.expect("Cluster API CRDs");
     let files = samples();
-    assert_eq!(files.len(), 13, "{files:?}");
+    assert_eq!(files.len(), 12, "{files:?}");
     for file in files {
         let path = file.to_string_lossy().into_owned();
         let mut last = None;
@@ -1256,6 +1256,10 @@ async fn patch_spec(api: &Api<DynamicObject>, name: &str, spec: Value) -> Option
 #[tokio::test]
 async fn remediations_take_their_defaults_and_keep_their_answer_and_strategy() {
     let ns = setup("api-remediation").await;
+    // Not among the shipped CRDs until their controller exists (`crd::remediation_crds`).
+    install_crds(&ns.client, &capm_api::crd::remediation_crds())
+        .await
+        .expect("the remediation CRDs");
     let remediations = api(&ns, "v1beta1", "MailgunRemediation");
     let created = create(&remediations, remediation("worker-0"))
         .await
