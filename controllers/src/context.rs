@@ -138,7 +138,7 @@ pub struct Ctx {
     pub leadership: Leadership,
     /// The process's one delivery poller (its task is started by the runner).
     pub poller: Arc<Poller>,
-    /// Retry state and tombstones, by UID.
+    /// What the process notes about each object, by UID, and the tombstones of gone ones.
     pub(crate) ledger: Ledger,
     /// True once the shared stores have finished their first list. A `watch` channel, not
     /// `Store::wait_until_ready` per reconcile: kube-runtime's wakes only the last of several
