@@ -4,7 +4,7 @@
 use std::{sync::Arc, time::Duration};
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
-use kube::{Client, Resource, ResourceExt, runtime::controller::Action};
+use kube::Client;
 use tokio::sync::watch;
 
 use crate::{
@@ -15,7 +15,6 @@ use crate::{
     ledger::Ledger,
     poller::{Poller, Timings, WakeSenders},
     sendonce::decide::Withheld,
-    workqueue,
 };
 
 /// The field manager of every write to our objects, so `managedFields` (and whoever audits
@@ -139,7 +138,7 @@ pub struct Ctx {
     pub leadership: Leadership,
     /// The process's one delivery poller (its task is started by the runner).
     pub poller: Arc<Poller>,
-    /// Retry state and tombstones, by UID.
+    /// What the process notes about each object, by UID, and the tombstones of gone ones.
     pub(crate) ledger: Ledger,
     /// True once the shared stores have finished their first list. A `watch` channel, not
     /// `Store::wait_until_ready` per reconcile: kube-runtime's wakes only the last of several
@@ -250,7 +249,8 @@ impl Ctx {
         }
     }
 
-    /// Publishes an Event about `obj`; a refusal is logged, never fails the reconcile.
+    /// Publishes an Event about `obj` (in its series); a refusal is logged, never fails the
+    /// reconcile.
     pub async fn publish<K: InfraKind>(
         &self,
         obj: &K,
@@ -259,21 +259,21 @@ impl Ctx {
         note: String,
     ) {
         let regarding = obj.object_ref(&());
-        if let Err(e) = self.events.publish(&regarding, type_, reason, &note).await {
+        let uid = regarding.uid.as_deref().unwrap_or_default();
+        let recorder = self.ledger.recorder(uid, || self.events.recorder());
+        let published = self
+            .events
+            .publish_to(&recorder, &regarding, type_, reason, &note);
+        if let Err(e) = published.await {
             tracing::warn!(error = %e, "Could not record an event");
         }
     }
 
-    /// `Action::requeue(delay)` for `obj`, recorded for the `workqueue_*` series (kube's
-    /// `Action` does not tell its delay afterwards). Every requeue goes through here.
-    pub fn requeue<K: InfraKind>(&self, obj: &impl Resource, delay: Duration) -> Action {
-        self.metrics.workqueue.requeue(
-            K::CONTROLLER,
-            &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
-            delay,
-            std::time::Instant::now(),
-        );
-        Action::requeue(delay)
+    /// A trigger for the object `uid` entered `K`'s queue: an add unless it already waits.
+    pub fn queued<K: InfraKind>(&self, uid: &str) {
+        if self.ledger.queue(uid, K::CONTROLLER) {
+            self.metrics.workqueue.added(K::CONTROLLER);
+        }
     }
 
     /// The delay before retrying the object `uid` after `error`: exponential per object
@@ -309,10 +309,9 @@ impl Ctx {
     /// The object with this UID is gone (its finalizer removed, the watch or a list says so):
     /// everything noted about it is forgotten, in one place.
     pub fn forget(&self, uid: &str) {
-        self.ledger.forget(uid);
-        self.poller.forget(uid);
-        self.identities.forget(uid);
-        self.events.forget(uid);
+        if let Some(controller) = self.ledger.forget(uid) {
+            self.metrics.workqueue.left(controller);
+        }
     }
 }
 
@@ -503,14 +502,68 @@ mod tests {
         assert!(ctx.ledger.backoff_left("p") > Duration::ZERO);
     }
 
+    /// Every note of an object (backoff, last version, mail notes, queue wait, Event series,
+    /// its poller's registration, an identity's poller included) goes with one `forget`, and
+    /// what a reconcile still in flight notes after it is dropped.
     #[tokio::test]
-    async fn forgetting_an_object_clears_its_backoff_and_its_delivery_tracking() {
+    async fn forgetting_an_object_leaves_no_note_of_it_anywhere() {
+        use crate::{ledger::Attempt, poller::tests as poller, sendonce::Which};
+        use capm_api::v1beta1::MailgunCluster;
         let ctx = ctx();
-        ctx.retry_delay("u", &transient());
-        assert!(ctx.ledger.backoff_left("u") > Duration::ZERO);
-        ctx.forget("u");
-        assert_eq!(ctx.ledger.backoff_left("u"), Duration::ZERO);
+        let depth = || ctx.metrics.workqueue.depth(MailgunCluster::CONTROLLER);
+        let (uid, cluster) = ("u", poller::cluster("u"));
+        let track = |p: &Arc<Poller>| {
+            let now = std::time::SystemTime::now();
+            ctx.ledger.track(uid, p)
+                && p.track(&cluster, uid, poller::id(1), now, Duration::ZERO)
+                    .is_none()
+        };
+        ctx.retry_delay(uid, &transient());
+        ctx.ledger.expect_version(uid, Some("7"));
+        let at = Attempt {
+            generation: 1,
+            retry: 0,
+        };
+        ctx.ledger.mark_permanently_refused(uid, Which::Request, at);
+        ctx.ledger.first_seen_ago(uid, Which::Deletion);
+        ctx.queued::<MailgunCluster>(uid);
+        assert_eq!(depth(), 1);
+        ctx.ledger.recorder(uid, || ctx.events.recorder());
+        let identity = ctx.poller.sibling(Arc::new(MockMailer::new()));
+        assert!(track(&ctx.poller) && track(&identity));
+        assert!(!ctx.poller.holds(uid), "moved to the identity's poller");
+        assert!(identity.holds(uid));
+        assert_eq!(ctx.ledger.len(), 1);
+
+        ctx.forget(uid);
         assert_eq!(ctx.ledger.len(), 0);
-        assert!(ctx.ledger.is_stale("u", Some("1")));
+        assert!(!identity.holds(uid) && !ctx.poller.holds(uid));
+        assert_eq!(depth(), 0);
+        assert_eq!(ctx.ledger.backoff_left(uid), Duration::ZERO);
+        assert!(
+            ctx.ledger.is_stale(uid, Some("8")),
+            "a copy of a gone object is stale"
+        );
+
+        ctx.retry_delay(uid, &transient());
+        ctx.queued::<MailgunCluster>(uid);
+        ctx.ledger.recorder(uid, || ctx.events.recorder());
+        assert!(!ctx.ledger.track(uid, &identity));
+        assert_eq!(ctx.ledger.len(), 0);
+        assert_eq!(depth(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_final_mail_leaves_its_poller_and_ends_its_event_series() {
+        let ctx = ctx();
+        let cluster = crate::poller::tests::cluster("f");
+        let now = std::time::SystemTime::now();
+        assert!(ctx.ledger.track("f", &ctx.poller));
+        let id = crate::poller::tests::id(2);
+        ctx.poller.track(&cluster, "f", id, now, Duration::ZERO);
+        ctx.ledger.recorder("f", || ctx.events.recorder());
+        ctx.ledger.mail_final("f");
+        assert!(!ctx.poller.holds("f"));
+        assert_eq!(ctx.ledger.len(), 0, "nothing else was noted");
     }
 }

@@ -90,13 +90,13 @@ pub(crate) async fn track<K: InfraKind>(
         }
     };
     if is_final(status) {
-        poller.forget(&uid);
+        ctx.ledger.mail_final(&uid);
         return;
     }
     let backend = mailer.backend();
     let via = (backend, identity.unwrap_or_default());
     if let Tracking::Untracked(why) = mailer.tracking() {
-        poller.forget(&uid);
+        ctx.ledger.mail_final(&uid);
         show(
             obj,
             ctx,
@@ -125,7 +125,7 @@ pub(crate) async fn track<K: InfraKind>(
     );
     let retention = ctx.config.delivery_retention;
     if elapsed >= retention {
-        poller.forget(&uid);
+        ctx.ledger.mail_final(&uid);
         let why = format!(
             "{backend} accepted the mail but reported no delivery outcome within the {}s its \
              events are kept; no longer asking",
@@ -141,6 +141,9 @@ pub(crate) async fn track<K: InfraKind>(
             return;
         }
     };
+    if !ctx.ledger.track(&uid, &poller) {
+        return; // gone
+    }
     match poller.track(obj, &uid, id, SystemTime::from(sent_at), elapsed) {
         Some(delivery) => show(obj, ctx, via, status, &shown(backend, delivery)).await,
         // Nothing learned yet (just sent, or this process just started): keep what status

@@ -1,17 +1,14 @@
 //! Kubernetes Events (`events.k8s.io/v1`) about our objects, through kube's `Recorder`.
 //!
-//! Each object has a `Recorder` of its own, by UID, dropped when the object is gone
-//! ([`Events::forget`]) or has had no Event for six minutes: a shared one keeps every Event it
-//! published for six minutes (docs/kube-runtime-recorder.md). Done here, not by the `Recorder`:
+//! Each object's series have a `Recorder` of their own, kept in the object's memory
+//! (`crate::ledger`) and dropped when its mail is final, when it is gone or after six minutes
+//! without an Event: a shared one keeps every Event it published for six minutes
+//! (docs/kube-runtime-recorder.md). Done here, not by the `Recorder`:
 //! a note from a peer is cleaned and cut to 1 KiB, and an object whose name leaves no room for the
 //! `Recorder`'s `.<nanoseconds>` suffix (over 236 characters) gets its Event under a shortened
 //! name, without a series (the API server refuses the `Recorder`'s name).
 
-use std::{
-    collections::HashMap,
-    sync::Mutex,
-    time::{Duration, Instant},
-};
+use std::time::Duration;
 
 use k8s_openapi::{
     api::{core::v1::ObjectReference, events::v1::Event as K8sEvent},
@@ -34,20 +31,12 @@ const MAX_NOTE_BYTES: usize = 1024;
 /// The action of every Event: what a controller does.
 const ACTION: &str = "Reconcile";
 /// How long an Event can grow into a series (kube's `Recorder`, as client-go).
-const SERIES_TTL: Duration = Duration::from_secs(6 * 60);
+pub(crate) const SERIES_TTL: Duration = Duration::from_secs(6 * 60);
 
 /// Publishes Events for one reporting controller and instance.
 pub struct Events {
     client: Client,
     reporter: Reporter,
-    recorders: Mutex<Recorders>,
-}
-
-/// Each object's `Recorder` by UID, with its last use.
-#[derive(Default)]
-struct Recorders {
-    by_uid: HashMap<Box<str>, (Recorder, Instant)>,
-    pruned: Option<Instant>,
 }
 
 impl Events {
@@ -57,47 +46,32 @@ impl Events {
             controller: controller.into(),
             instance: Some(instance.into()),
         };
-        Self {
-            client,
-            reporter,
-            recorders: Mutex::default(),
-        }
+        Self { client, reporter }
     }
 
-    /// The `Recorder` of the object `uid`; those unused for [`SERIES_TTL`] go (looked for at most
-    /// every tenth of it): none of their Events can grow into a series any more.
-    fn recorder(&self, uid: &str) -> Recorder {
-        let now = Instant::now();
-        let mut recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
-        if recorders
-            .pruned
-            .is_none_or(|at| now.duration_since(at) >= SERIES_TTL / 10)
-        {
-            recorders
-                .by_uid
-                .retain(|_, (_, used)| now.duration_since(*used) < SERIES_TTL);
-            recorders.pruned = Some(now);
-        }
-        let (recorder, used) = recorders.by_uid.entry(uid.into()).or_insert_with(|| {
-            (
-                Recorder::new(self.client.clone(), self.reporter.clone()),
-                now,
-            )
-        });
-        *used = now;
-        recorder.clone()
+    /// A `Recorder` for one object's series.
+    pub(crate) fn recorder(&self) -> Recorder {
+        Recorder::new(self.client.clone(), self.reporter.clone())
     }
 
-    /// The object with this UID is gone: its Events can no longer grow into series.
-    pub fn forget(&self, uid: &str) {
-        let mut recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
-        recorders.by_uid.remove(uid);
-    }
-
-    /// Publishes one Event about `regarding`, or counts it in the series of an identical
-    /// recent one; an error is the API server's refusal.
+    /// Publishes one Event about `regarding`, a series of its own; an error is the API server's
+    /// refusal.
     pub async fn publish(
         &self,
+        regarding: &ObjectReference,
+        type_: EventType,
+        reason: &'static str,
+        note: &str,
+    ) -> Result<(), kube::Error> {
+        self.publish_to(&self.recorder(), regarding, type_, reason, note)
+            .await
+    }
+
+    /// Publishes one Event about `regarding`, or counts it in `recorder`'s series of an
+    /// identical recent one; an error is the API server's refusal.
+    pub(crate) async fn publish_to(
+        &self,
+        recorder: &Recorder,
         regarding: &ObjectReference,
         type_: EventType,
         reason: &'static str,
@@ -113,8 +87,7 @@ impl Events {
                 action: ACTION.into(),
                 secondary: None,
             };
-            let uid = regarding.uid.as_deref().unwrap_or_default();
-            return self.recorder(uid).publish(&event, regarding).await;
+            return recorder.publish(&event, regarding).await;
         }
         let now = Timestamp::now();
         let namespace = regarding.namespace.as_deref().unwrap_or("default");
@@ -158,26 +131,6 @@ fn short_name(object: &str, nanos: i128) -> String {
 mod tests {
     use super::*;
 
-    impl Events {
-        fn recorders(&self) -> usize {
-            let recorders = self.recorders.lock().unwrap_or_else(|e| e.into_inner());
-            recorders.by_uid.len()
-        }
-    }
-
-    #[tokio::test]
-    async fn each_object_has_its_recorder_until_it_is_forgotten() {
-        let client =
-            Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
-        let events = Events::new(client, "c", "i");
-        events.recorder("a");
-        events.recorder("b");
-        events.recorder("a");
-        assert_eq!(events.recorders(), 2);
-        events.forget("a");
-        assert_eq!(events.recorders(), 1);
-    }
-
     #[test]
     fn short_names_fit_and_end_labels_in_alphanumerics() {
         let nanos = 0x18ea_a61c_bbc0_5adf_i128;
@@ -203,6 +156,7 @@ mod tests {
             .await
             .unwrap();
         let events = Events::new(ns.client.clone(), "mailguncluster-controller", "i-1");
+        let recorder = events.recorder();
         let names = [
             "a".repeat(253),
             format!("{}.b", "a".repeat(236)),
@@ -220,7 +174,7 @@ mod tests {
                 ..ObjectReference::default()
             };
             events
-                .publish(&regarding, EventType::Normal, "MailSent", "sent")
+                .publish_to(&recorder, &regarding, EventType::Normal, "MailSent", "sent")
                 .await
                 .unwrap_or_else(|e| panic!("event about {} characters: {e}", name.len()));
         }
@@ -234,7 +188,7 @@ mod tests {
             ..ObjectReference::default()
         };
         events
-            .publish(&short, EventType::Normal, "MailSent", "sent")
+            .publish_to(&recorder, &short, EventType::Normal, "MailSent", "sent")
             .await
             .unwrap();
         let list = Api::<K8sEvent>::namespaced(ns.client.clone(), &ns.name)

@@ -349,13 +349,6 @@ impl Identities {
     pub(crate) fn namespace_changes(&self) -> futures::channel::mpsc::UnboundedReceiver<String> {
         self.namespaces.changes()
     }
-
-    /// Forgets object `uid`'s open mail in every identity's poller.
-    pub(crate) fn forget(&self, uid: &str) {
-        for (.., poller) in self.built().values() {
-            poller.forget(uid);
-        }
-    }
 }
 
 fn not_allowed(what: &str, namespace: &str) -> IdentityError {

@@ -15,7 +15,7 @@ use kube::{
 };
 use serde::{Serialize, de::DeserializeOwned};
 
-use crate::{status::Status, workqueue};
+use crate::status::Status;
 
 /// The reflector stores the reconciles read: Cluster API's objects, the mail identities and their
 /// claimed Secrets (never written), and our `MailgunCluster`s (a machine's identity is its
@@ -67,6 +67,11 @@ impl Wanted {
                 .and_then(|infra| infra.spec.identity_ref.clone().map(|r| r.name)),
         }
     }
+}
+
+/// An object's key in logs, as Cluster API's: `namespace/name`.
+pub fn key(namespace: Option<&str>, name: &str) -> String {
+    format!("{}/{name}", namespace.unwrap_or_default())
 }
 
 /// An infrastructure kind this provider reconciles.
@@ -132,7 +137,7 @@ pub trait InfraKind:
     /// object names them (ownerReference, `cluster.x-k8s.io/cluster-name` label).
     fn span(&self) -> tracing::Span {
         let namespace = self.namespace();
-        let key = |name: &str| workqueue::key(namespace.as_deref(), name);
+        let key = |name: &str| self::key(namespace.as_deref(), name);
         let span = Self::log_span(&key(&self.name_any()));
         if let Some(owner) = capi::owner(self.owner_references(), Self::OWNER_KIND) {
             span.record(Self::OWNER_KIND, key(&owner.name).as_str());

@@ -1,22 +1,25 @@
-//! The ledger: what this process notes about each object by UID (retry counts and backoff, the
-//! version its last write produced, when a mail's intent was first seen, refusals), and the
-//! tombstones of gone objects. Nothing here is durable: it only makes retries slower, lookups
-//! patient and writes fewer. A gone object is forgotten in one call ([`Ledger::forget`]) and its
-//! UID not remembered again for [`TOMBSTONE_TTL`] (far longer than any cached copy lingers), so
-//! what a reconcile still in flight for it records is dropped, not leaked.
+//! The ledger: the one memory this process keeps about each object, by UID (retry counts and
+//! backoff, the version its last write produced, when a mail's intent was first seen, refusals,
+//! since when it waits in its controller's queue, the delivery poller asking about its mail, its
+//! Events' series), and the tombstones of gone objects. Nothing here is durable: it only makes
+//! retries slower, lookups patient, writes fewer and Events series. A gone object is forgotten in
+//! one call ([`Ledger::forget`]) and its UID not remembered again for [`TOMBSTONE_TTL`] (far
+//! longer than any cached copy lingers), so what a reconcile still in flight for it records is
+//! dropped, not leaked.
 
 use std::{
     collections::HashMap,
     hash::{BuildHasher, RandomState},
-    sync::{LazyLock, Mutex},
+    sync::{Arc, LazyLock, Mutex},
     time::{Duration, Instant},
 };
 
 use capm_api::names::RETRY_ANNOTATION;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::runtime::events::Recorder;
 use prometheus::IntGaugeVec;
 
-use crate::sendonce::Which;
+use crate::{events::SERIES_TTL, poller::Poller, sendonce::Which};
 
 /// How long a gone object's UID is remembered, so stale cached copies of it are ignored.
 pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
@@ -58,7 +61,7 @@ struct MailNotes {
 }
 
 /// Everything remembered about one object.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Default)]
 struct Object {
     /// Consecutive failed reconciles.
     failures: u32,
@@ -68,11 +71,23 @@ struct Object {
     expected_version: Option<u64>,
     /// The request mail and the release mail.
     mails: [MailNotes; 2],
+    /// Waiting in a controller's queue (that controller's name) since.
+    queued: Option<(&'static str, Instant)>,
+    /// The delivery poller asking about its open request mail.
+    poller: Option<Arc<Poller>>,
+    /// Its Events' series (kube's `Recorder`) and their last Event.
+    events: Option<(Recorder, Instant)>,
 }
 
 impl Object {
     fn is_empty(&self) -> bool {
-        *self == Self::default()
+        self.failures == 0
+            && self.not_before.is_none()
+            && self.expected_version.is_none()
+            && self.mails == [MailNotes::default(); 2]
+            && self.queued.is_none()
+            && self.poller.is_none()
+            && self.events.is_none()
     }
 }
 
@@ -88,6 +103,8 @@ struct Inner {
     objects: HashMap<Box<str>, Object>,
     /// UIDs of gone objects, with when they went.
     tombstones: HashMap<Box<str>, Instant>,
+    /// When Events series idle for [`SERIES_TTL`] were last dropped.
+    series_pruned: Option<Instant>,
 }
 
 /// The controllers' per-object notes, keyed by UID.
@@ -263,10 +280,90 @@ impl Ledger {
         self.change(uid, |o| o.mails[slot(which)] = MailNotes::default());
     }
 
-    /// The object `uid` is gone: forgotten, and every cached copy stale for [`TOMBSTONE_TTL`].
-    pub fn forget(&self, uid: &str) {
+    /// `uid` entered `controller`'s queue now; false when it already waits (or is gone).
+    pub fn queue(&self, uid: &str, controller: &'static str) -> bool {
+        self.change(uid, |o| {
+            o.queued
+                .is_none()
+                .then(|| o.queued = Some((controller, Instant::now())))
+        })
+        .flatten()
+        .is_some()
+    }
+
+    /// `uid`'s reconcile starts: since when it waited, if it did.
+    pub fn dequeue(&self, uid: &str) -> Option<Instant> {
+        self.change(uid, |o| o.queued.take().map(|(_, since)| since))
+            .flatten()
+    }
+
+    /// `poller` asks about `uid`'s open request mail from now on; false for a gone object
+    /// (nothing to ask for).
+    pub fn track(&self, uid: &str, poller: &Arc<Poller>) -> bool {
+        let was = self.change(uid, |o| o.poller.replace(Arc::clone(poller)));
+        match was {
+            None => false,
+            Some(Some(was)) if !Arc::ptr_eq(&was, poller) => {
+                was.forget(uid);
+                true
+            }
+            Some(_) => true,
+        }
+    }
+
+    /// `uid`'s request mail shows its outcome for good: no poller asks about it, and its Events
+    /// series end (a later Event starts a new one).
+    pub fn mail_final(&self, uid: &str) {
+        let poller = self.change(uid, |o| {
+            o.events = None;
+            o.poller.take()
+        });
+        if let Some(poller) = poller.flatten() {
+            poller.forget(uid);
+        }
+    }
+
+    /// The `Recorder` of `uid`'s Events series (`new` makes one); series without an Event for
+    /// [`SERIES_TTL`] end (looked for at most every tenth of it).
+    pub fn recorder(&self, uid: &str, new: impl FnOnce() -> Recorder) -> Recorder {
+        let now = Instant::now();
         let mut inner = self.lock();
-        inner.objects.remove(uid);
+        if inner
+            .series_pruned
+            .is_none_or(|at| now.duration_since(at) >= SERIES_TTL / 10)
+        {
+            inner.objects.retain(|_, o| {
+                if o.events
+                    .as_ref()
+                    .is_some_and(|(_, at)| now.duration_since(*at) >= SERIES_TTL)
+                {
+                    o.events = None;
+                }
+                !o.is_empty()
+            });
+            inner.series_pruned = Some(now);
+            self.count(&inner);
+        }
+        if inner.tombstones.contains_key(uid) {
+            return new();
+        }
+        let before = inner.objects.len();
+        let object = inner.objects.entry(uid.into()).or_default();
+        let (recorder, at) = object.events.get_or_insert_with(|| (new(), now));
+        *at = now;
+        let recorder = recorder.clone();
+        if inner.objects.len() != before {
+            self.count(&inner);
+        }
+        recorder
+    }
+
+    /// The object `uid` is gone: everything noted about it is forgotten (its poller told), and
+    /// every cached copy stale for [`TOMBSTONE_TTL`]. Returns the controller whose queue it was
+    /// waiting in, if it was.
+    pub fn forget(&self, uid: &str) -> Option<&'static str> {
+        let mut inner = self.lock();
+        let object = inner.objects.remove(uid);
         let now = Instant::now();
         inner
             .tombstones
@@ -276,6 +373,12 @@ impl Ledger {
             inner.objects.shrink_to_fit();
         }
         self.count(&inner);
+        drop(inner);
+        let object = object?;
+        if let Some(poller) = &object.poller {
+            poller.forget(uid);
+        }
+        object.queued.map(|(controller, _)| controller)
     }
 }
 

@@ -18,8 +18,8 @@
 //! - `kinds`: what differs between our two kinds, and the stores the reconciles read;
 //! - `sendonce`: the send-once protocol's decision, pure (its records: `capm_api::records`);
 //! - `leadership`, `ledger`, `poller`, `identity`: process state:
-//!   [`Leadership`] (may this replica act), the per-object ledger (retry state and tombstones,
-//!   by UID), the delivery questions, the tenants' mail backends;
+//!   [`Leadership`] (may this replica act), the per-object ledger (all the process notes about
+//!   an object, by UID, and the tombstones), the delivery questions, the tenants' mail backends;
 //! - `context`: what every reconcile shares;
 //! - `sendonce::execute` and `delivery`: the work: one mail, crash-safely; delivery news;
 //! - `reconcile`: one pass, in Cluster API's step order;

@@ -395,7 +395,14 @@ pub(crate) mod tests {
         (WakeSenders { clusters, machines }, woken)
     }
 
-    fn cluster(name: &str) -> MailgunCluster {
+    impl Poller {
+        /// Whether this poller holds a mail of object `uid`.
+        pub(crate) fn holds(&self, uid: &str) -> bool {
+            lock(&self.state).mails.contains_key(uid)
+        }
+    }
+
+    pub(crate) fn cluster(name: &str) -> MailgunCluster {
         serde_json::from_value(serde_json::json!({
             "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
             "kind": "MailgunCluster",
@@ -413,7 +420,7 @@ pub(crate) mod tests {
         }
     }
 
-    fn id(n: usize) -> MessageId {
+    pub(crate) fn id(n: usize) -> MessageId {
         MessageId::parse(&format!("<m{n}@example.com>")).unwrap()
     }
 

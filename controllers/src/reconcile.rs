@@ -22,7 +22,7 @@ use crate::{
     kinds::InfraKind,
     sendonce::execute::OwnerCheck,
     status::{Readiness, Status},
-    workqueue::{self, Running},
+    workqueue::Running,
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
@@ -73,7 +73,7 @@ struct MetricsGuard<'a> {
 }
 
 impl<'a> MetricsGuard<'a> {
-    fn start(ctx: &'a Ctx, controller: &'static str, key: &str) -> Self {
+    fn start(ctx: &'a Ctx, controller: &'static str, waited: Option<Instant>) -> Self {
         ctx.metrics
             .active_workers
             .with_label_values(&[controller])
@@ -84,7 +84,7 @@ impl<'a> MetricsGuard<'a> {
             controller,
             started,
             result: "cancelled",
-            running: ctx.metrics.workqueue.started(controller, key, started),
+            running: ctx.metrics.workqueue.started(controller, waited, started),
         }
     }
 }
@@ -110,14 +110,10 @@ impl Drop for MetricsGuard<'_> {
 
 /// One reconcile of `obj`, with metrics around it.
 pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
-    let key = workqueue::key(obj.namespace().as_deref(), &obj.name_any());
-    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER, &key);
+    let uid = obj.uid().unwrap_or_default();
+    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER, ctx.ledger.dequeue(&uid));
     let span = obj.span();
     let result = reconcile_inner(&*obj, &ctx).instrument(span.clone()).await;
-    if !matches!(&result, Ok(action) if *action != Action::await_change()) {
-        // The error policy records its own requeue; a pass that waits for a change has none.
-        ctx.metrics.workqueue.no_requeue(K::CONTROLLER, &key);
-    }
     if let Err(error) = &result {
         span.in_scope(|| {
             if error.is_wait() || error.is_not_found() {
@@ -132,7 +128,7 @@ pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Actio
         Err(e) => e.metric_label(),
     };
     if result.is_ok() {
-        ctx.ledger.succeeded(&obj.uid().unwrap_or_default());
+        ctx.ledger.succeeded(&uid);
     }
     drop(guard);
     result
@@ -284,7 +280,7 @@ async fn steps<K: InfraKind>(
         Owner::NotSeen(message) => {
             report.block(reasons::WAITING_FOR_OWNER, message);
             return Ok(Pass {
-                action: ctx.requeue::<K>(obj, OWNER_RECHECK),
+                action: Action::requeue(OWNER_RECHECK),
                 gone: false,
             });
         }

@@ -1,6 +1,6 @@
 //! One kind's pipeline: its watch into a reflector store, then kube-runtime's `Controller`.
 
-use std::{future::Future, sync::Arc, time::Instant};
+use std::{future::Future, sync::Arc};
 
 use capm_api::names;
 use futures::{FutureExt, StreamExt, channel::mpsc, future};
@@ -24,7 +24,6 @@ use crate::{
     kinds::InfraKind,
     reconcile::reconcile,
     watch::{NoTriggerBackoff, list_config, scoped, watch},
-    workqueue::{self, Workqueue},
 };
 
 /// One kind's pipeline as a future that runs until `shutdown`: watch → trim → reflector store
@@ -47,8 +46,7 @@ pub(super) fn controller<K: Pipelined>(
         .with_label_values(&[name])
         .set(i64::from(config.concurrency));
     let count = |counter: &prometheus::IntCounterVec| counter.with_label_values(&[name]);
-    let queue = metrics.workqueue.clone();
-    queue.init(name);
+    metrics.workqueue.init(name);
     // Present at zero before the first retry, as the other queue series.
     count(&metrics.queue_retries);
 
@@ -69,7 +67,7 @@ pub(super) fn controller<K: Pipelined>(
         move |uid| retrying.ledger.has_failures(uid),
     );
     let (adds, lists_done) = (count(&metrics.triggers), count(&metrics.lists));
-    let own_queue = queue.clone();
+    let queueing = Arc::clone(ctx);
     let own = watch(scoped::<K>(&ctx.client, config), wc)
         .modify(trim::ours::<K>)
         .reflect(writer)
@@ -81,11 +79,7 @@ pub(super) fn controller<K: Pipelined>(
                     }
                     after_lists.on_event(event).map(|obj| {
                         adds.inc();
-                        own_queue.added(
-                            name,
-                            &workqueue::key(obj.namespace().as_deref(), &obj.name_any()),
-                            Instant::now(),
-                        );
+                        queueing.queued::<K>(&obj.uid().unwrap_or_default());
                         Ok(obj)
                     })
                 }
@@ -108,12 +102,13 @@ pub(super) fn controller<K: Pipelined>(
     triggers.push(after_list.boxed());
     triggers.push(resync::every_object(store.clone(), config.sync_period).boxed());
     triggers.push(wakes.boxed());
-    let adds = count(&metrics.triggers);
-    let trigger_queue = queue.clone();
+    let (adds, queueing, cached) = (count(&metrics.triggers), Arc::clone(ctx), store.clone());
     let triggers = futures::stream::select_all(triggers).inspect(move |obj| {
         adds.inc();
-        let key = workqueue::key(obj.namespace.as_deref(), &obj.name);
-        trigger_queue.added(name, &key, Instant::now());
+        // One not in the store is not reconciled (kube finds it missing at its turn).
+        if let Some(uid) = cached.get(obj).and_then(|o| o.uid()) {
+            queueing.queued::<K>(&uid);
+        }
     });
 
     let abort = abort_if_never_ready(shutdown.clone(), store.clone());
@@ -125,7 +120,7 @@ pub(super) fn controller<K: Pipelined>(
         .run(reconcile::<K>, error_policy::<K>, Arc::clone(ctx))
         .take_until(abort)
         .for_each(move |result| {
-            log_result(K::CONTROLLER, &queue, result);
+            log_result(K::CONTROLLER, result);
             future::ready(())
         })
 }
@@ -134,15 +129,14 @@ pub(super) fn controller<K: Pipelined>(
 type Reconciled<K> =
     Result<(ObjectRef<K>, Action), controller::Error<ReconcileError, watcher::Error>>;
 
-fn log_result<K: InfraKind>(controller: &'static str, queue: &Workqueue, result: Reconciled<K>) {
+fn log_result<K: InfraKind>(controller: &'static str, result: Reconciled<K>) {
     match result {
         // Logged by `reconcile`, in the object's span.
         Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
         // Deleted (or moved) between its trigger and its turn; or, during a re-list, not in
         // the store yet: the list's end asks for it again (`lists`).
         Err(controller::Error::ObjectNotFound(obj)) => {
-            let key = workqueue::key(obj.namespace.as_deref(), &obj.name);
-            queue.dropped(controller, &key);
+            let key = crate::kinds::key(obj.namespace.as_deref(), &obj.name);
             let _object = K::log_span(&key).entered();
             debug!("Object not in the cache at its reconcile");
         }
@@ -160,7 +154,7 @@ fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>
         .queue_retries
         .with_label_values(&[K::CONTROLLER])
         .inc();
-    ctx.requeue::<K>(&*obj, delay)
+    Action::requeue(delay)
 }
 
 /// Resolves when `shutdown` has resolved while `store` never became ready: kube's applier holds
