@@ -3,11 +3,16 @@
 
 use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
+/// The provider binary: `$CAPM_PROVIDER_BIN` when set (a copy that a concurrent build in a shared
+/// target directory cannot replace mid-run, as the end-to-end tests read it), else this build's.
+fn bin() -> std::ffi::OsString {
+    std::env::var_os("CAPM_PROVIDER_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_cluster-api-provider-mailgun").into())
+}
 const SECRET: &str = "key-4f9c1d8e7b6a5-topsecret";
 
 fn run(env: &[(&str, &str)], args: &[&str]) -> Output {
-    Command::new(BIN)
+    Command::new(bin())
         .env_clear()
         .envs(env.iter().copied())
         .args(args)

@@ -36,7 +36,12 @@ use tokio_rustls::{
     },
 };
 
-const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
+/// The provider binary: `$CAPM_PROVIDER_BIN` when set (a copy that a concurrent build in a shared
+/// target directory cannot replace mid-run, as the end-to-end tests read it), else this build's.
+fn bin() -> std::ffi::OsString {
+    std::env::var_os("CAPM_PROVIDER_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_cluster-api-provider-mailgun").into())
+}
 
 fn tls_client(ca_pem: &str) -> TlsConnector {
     let mut roots = RootCertStore::empty();
@@ -170,7 +175,7 @@ async fn revoke(ns: &TestNamespace, name: &str) {
 }
 
 fn start(ns: &TestNamespace, dir: &Path, port: u16, certs: Option<&Path>) -> Provider {
-    Launch::new(BIN, ns.control_plane().kubeconfig())
+    Launch::new(bin(), ns.control_plane().kubeconfig())
         .env("MAILGUN_DOMAIN", "mg.example.com")
         .env("MAILGUN_API_KEY", "key-diagnostics-test")
         .env("MAIL_RECIPIENT", "ops@example.com")

@@ -35,7 +35,12 @@ use tokio_rustls::{
     },
 };
 
-const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
+/// The provider binary: `$CAPM_PROVIDER_BIN` when set (a copy that a concurrent build in a shared
+/// target directory cannot replace mid-run, as the end-to-end tests read it), else this build's.
+fn bin() -> std::ffi::OsString {
+    std::env::var_os("CAPM_PROVIDER_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_cluster-api-provider-mailgun").into())
+}
 const SECRET: &str = "key-9a8b7c6d5e4f-topsecret";
 
 /// One manager process; killed when dropped.
@@ -48,7 +53,7 @@ struct Manager {
 
 impl Manager {
     fn start(name: &str, ns: &TestNamespace, dir: &Path, extra: &[&str]) -> Self {
-        let (launch, ports) = Launch::new(BIN, ns.control_plane().kubeconfig())
+        let (launch, ports) = Launch::new(bin(), ns.control_plane().kubeconfig())
             .on_free_ports()
             .expect("ports");
         let process = launch

@@ -20,7 +20,12 @@ use kube::{
 };
 use serde_json::json;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_cluster-api-provider-mailgun");
+/// The provider binary: `$CAPM_PROVIDER_BIN` when set (a copy that a concurrent build in a shared
+/// target directory cannot replace mid-run, as the end-to-end tests read it), else this build's.
+pub fn bin() -> std::ffi::OsString {
+    std::env::var_os("CAPM_PROVIDER_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_cluster-api-provider-mailgun").into())
+}
 pub const DOMAIN: &str = "mg.example.com";
 pub const KEY: &str = "key-exactly-once";
 
@@ -81,7 +86,7 @@ impl Provider {
 
     pub fn launch(ns: &TestNamespace, backend: &Backend<'_>, launch: &Launch<'_>) -> Self {
         let mut config_file = None;
-        let (mut cmd, ports) = provider::Launch::new(BIN, ns.control_plane().kubeconfig())
+        let (mut cmd, ports) = provider::Launch::new(bin(), ns.control_plane().kubeconfig())
             .on_free_ports()
             .unwrap();
         if let Some((soft, hard)) = launch.nofile {
