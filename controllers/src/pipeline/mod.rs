@@ -78,8 +78,14 @@ pub async fn run(
     );
     let capi = capi.run(client, config.clone(), shutdown.clone());
     let poller = ctx.poller.clone().run(shutdown.clone());
-    info!(namespace = ?config.namespace, watch_filter = ?config.watch_filter,
-        concurrency = config.concurrency, sync_period = ?config.sync_period, "Controllers started");
+    // Absent values read as such ("all", "none"), not as Rust's `Some("…")`.
+    info!(
+        namespace = config.namespace.as_deref().unwrap_or("all"),
+        watch_filter = config.watch_filter.as_deref().unwrap_or("none"),
+        concurrency = config.concurrency,
+        sync_period = ?config.sync_period,
+        "Controllers started"
+    );
     tokio::join!(clusters, machines, capi, poller);
     info!("Controllers stopped");
     Ok(())
