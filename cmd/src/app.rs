@@ -22,7 +22,9 @@ use tracing::{error, info, warn};
 use crate::{
     client_metrics, diagnostics, fulfil, http,
     leader::Elector,
-    settings::{DiagnosticsSecurity, Settings, field, mailer_error},
+    settings::{
+        DiagnosticsSecurity, EndpointFlags, FulfilmentFlags, Settings, field, mailer_error,
+    },
     shutdown::Shutdown,
     tls::{self, ReloadingCert},
 };
@@ -85,7 +87,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let webhook_tls = match &settings.webhook {
         Some(hook) => {
             let cert = ReloadingCert::new(&hook.cert_dir)
-                .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir)))?;
+                .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir in EndpointFlags)))?;
             Some(TlsAcceptor::from(Arc::new(Arc::new(cert).server_config()?)))
         }
         None => None,
@@ -96,7 +98,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         Some(f) => {
             let mut file = fulfil::KeyFile::new(f.keys_file.clone());
             let keys = (file.load())
-                .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file)))?
+                .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file in FulfilmentFlags)))?
                 .context("the fulfilment key file")?;
             Some((file, capm_api::fulfil::KeyRing::new(keys)))
         }
@@ -238,7 +240,7 @@ fn diagnostics_tls(settings: &Settings) -> anyhow::Result<Option<TlsAcceptor>> {
             cert_dir: Some(dir),
         }) => {
             let cert = ReloadingCert::new(dir)
-                .map_err(|e| anyhow!("{}: {e}", field!(diagnostics_cert_dir)))?;
+                .map_err(|e| anyhow!("{}: {e}", field!(diagnostics_cert_dir in EndpointFlags)))?;
             Arc::new(cert).server_config()?
         }
         Some(DiagnosticsSecurity::Secure { cert_dir: None }) => {
