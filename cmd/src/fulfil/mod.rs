@@ -7,7 +7,7 @@
 //! Every refusal writes nothing: a forged, altered, expired or revoked link, an object deleted
 //! or recreated since the mail, a form not sent from its page (the form token binds the link to
 //! the browser's `SameSite=Strict` cookie), a value the API's own rules refuse, a burst past
-//! the rate limits. Bodies and time are bounded by the server's [`crate::http::Limits`].
+//! the rate limits. Bodies and time are bounded by the server's [`crate::server::Limits`].
 
 mod html;
 mod limiter;
@@ -35,7 +35,7 @@ use kube::{Api, Client};
 use prometheus::{IntCounterVec, Opts, Registry};
 use tracing::{info, warn};
 
-use crate::http::{Peer, Req};
+use crate::server::{Peer, Req};
 pub use limiter::Limiter;
 use target::{Form, Target};
 
@@ -226,7 +226,7 @@ impl Page {
 
     async fn handle(&self, req: Req) -> Response<Full<Bytes>> {
         let Some(token) = req.uri().path().strip_prefix(fulfil::PATH_PREFIX) else {
-            return crate::http::text(StatusCode::NOT_FOUND, "not found\n");
+            return crate::server::text(StatusCode::NOT_FOUND, "not found\n");
         };
         let token = token.to_owned();
         let address = self.client_address(&req);
