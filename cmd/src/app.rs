@@ -101,7 +101,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             let keys = (file.load())
                 .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file in FulfilmentFlags)))?
                 .context("the fulfilment key file")?;
-            Some((file, capm_api::fulfil::KeyRing::new(keys)))
+            Some((file, capm_api::link_token::KeyRing::new(keys)))
         }
         None => None,
     };
@@ -181,7 +181,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let mut config = settings.controllers.clone();
     let mut key_reload = None;
     if let (Some(f), Some((file, keys))) = (&settings.fulfilment, fulfilment_keys) {
-        config.fulfilment = Some(capm_api::fulfil::Links {
+        config.fulfilment = Some(capm_api::link_token::Links {
             base_url: f.url.clone(),
             validity: f.validity,
             keys: keys.clone(),

@@ -24,7 +24,7 @@ pub struct Config {
     /// sending domain.
     pub message_id_domain: String,
     /// The fulfilment page's links, put in request mails (`--fulfilment-url`); `None`: no link.
-    pub fulfilment: Option<capm_api::fulfil::Links>,
+    pub fulfilment: Option<capm_api::link_token::Links>,
     /// Reconcile only this namespace (`--namespace`); `None` for all namespaces.
     pub namespace: Option<String>,
     /// Reconcile only objects whose `cluster.x-k8s.io/watch-filter` label has this value

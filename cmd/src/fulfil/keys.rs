@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use capm_api::fulfil::{KeyRing, Keys};
+use capm_api::link_token::{KeyRing, Keys};
 use tracing::{info, warn};
 
 /// How often the key file is looked at.
@@ -80,7 +80,7 @@ pub async fn reload_keys(mut file: KeyFile, ring: KeyRing, interval: Duration) {
 mod tests {
     use std::time::SystemTime;
 
-    use capm_api::fulfil::{Claims, Kind};
+    use capm_api::link_token::{Claims, Kind};
 
     use super::*;
 

@@ -1,6 +1,6 @@
 //! The fulfilment page: `GET /fulfil/<token>` shows what was asked and a form; `POST` records
 //! what the human built by patching the object as the provider. The token is the capability
-//! (`capm_api::fulfil`); the object itself says whether it is already fulfilled, so a link is
+//! (`capm_api::link_token`); the object itself says whether it is already fulfilled, so a link is
 //! single-use without any state here but the rate limits. docs/fulfilment.md has the threat
 //! model.
 //!
@@ -28,7 +28,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use capm_api::fulfil::{self, Claims, FulfilError, KeyRing};
+use capm_api::link_token::{self, Claims, FulfilError, KeyRing};
 use capm_controllers::Events;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 use http_body_util::Full;
@@ -154,7 +154,7 @@ impl Page {
     }
 
     async fn handle(&self, req: Req) -> Response<Full<Bytes>> {
-        let Some(token) = req.uri().path().strip_prefix(fulfil::PATH_PREFIX) else {
+        let Some(token) = req.uri().path().strip_prefix(link_token::PATH_PREFIX) else {
             return crate::server::text(StatusCode::NOT_FOUND, "not found\n");
         };
         let token = token.to_owned();
@@ -305,7 +305,7 @@ impl Page {
         let secure = if self.secure_cookie { "; Secure" } else { "" };
         let set = format!(
             "{COOKIE}={cookie}; Path={}; HttpOnly; SameSite=Strict{secure}",
-            fulfil::PATH_PREFIX
+            link_token::PATH_PREFIX
         );
         if let Ok(value) = HeaderValue::from_str(&set) {
             response.headers_mut().insert(header::SET_COOKIE, value);
@@ -463,7 +463,7 @@ type Answered = (Outcome, Response<Full<Bytes>>);
 
 #[cfg(test)]
 mod tests {
-    use capm_api::fulfil::{Keys, Kind};
+    use capm_api::link_token::{Keys, Kind};
 
     use super::*;
 
@@ -581,7 +581,7 @@ mod tests {
             secure: true,
             keys_file: "unused".into(),
             bind: None,
-            validity: fulfil::DEFAULT_VALIDITY,
+            validity: link_token::DEFAULT_VALIDITY,
             trusted_proxies: Vec::new(),
         };
         let page = Page::new(
@@ -609,7 +609,7 @@ mod tests {
         );
         let mut req = http::Request::builder()
             .method(Method::POST)
-            .uri(format!("{}{token}", fulfil::PATH_PREFIX))
+            .uri(format!("{}{token}", link_token::PATH_PREFIX))
             .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
             .header(header::ORIGIN, "https://capm.example.com")
             .header(header::COOKIE, format!("{COOKIE}={cookie}"))

@@ -1,7 +1,7 @@
 //! The pages the handlers answer with: the form (with its problems) and "already recorded".
 
 use bytes::Bytes;
-use capm_api::fulfil;
+use capm_api::link_token;
 use http::{Response, StatusCode};
 use http_body_util::Full;
 
@@ -33,7 +33,7 @@ impl Page {
         status: StatusCode,
     ) -> Response<Full<Bytes>> {
         let form_token = self.keys.current().form_token(token, cookie);
-        let action = format!("{}{token}", fulfil::PATH_PREFIX);
+        let action = format!("{}{token}", link_token::PATH_PREFIX);
         let problem = |name: &str| {
             form.problems
                 .iter()

@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use capm_api::fulfil;
+use capm_api::link_token;
 use ipnet::IpNet;
 
 use super::{
@@ -16,7 +16,8 @@ use super::{
 };
 
 /// `--fulfilment-link-validity`'s default, as the flag shows it.
-static LINK_VALIDITY: LazyLock<String> = LazyLock::new(|| duration_text(fulfil::DEFAULT_VALIDITY));
+static LINK_VALIDITY: LazyLock<String> =
+    LazyLock::new(|| duration_text(link_token::DEFAULT_VALIDITY));
 
 /// The fulfilment flags.
 // The field docs are `--help` texts, written for a terminal, not for rustdoc.
@@ -125,14 +126,14 @@ pub(super) fn resolve(flags: Flags) -> Result<Option<Fulfilment>, SettingsError>
             "must be positive",
         ));
     }
-    if validity > fulfil::MAX_VALIDITY {
+    if validity > link_token::MAX_VALIDITY {
         return Err(invalid(
             field!(fulfilment_link_validity),
             format!(
                 "{}h is above the cap of {}h ({} days): a link is a bearer credential",
                 validity.as_secs().div_ceil(3600),
-                fulfil::MAX_VALIDITY.as_secs() / 3600,
-                fulfil::MAX_VALIDITY.as_secs() / (24 * 3600)
+                link_token::MAX_VALIDITY.as_secs() / 3600,
+                link_token::MAX_VALIDITY.as_secs() / (24 * 3600)
             ),
         ));
     }

@@ -846,7 +846,7 @@ fn the_libraries_defaults_are_the_flags_defaults() {
     );
     assert_eq!(
         settings.fulfilment.unwrap().validity,
-        capm_api::fulfil::DEFAULT_VALIDITY
+        capm_api::link_token::DEFAULT_VALIDITY
     );
 }
 

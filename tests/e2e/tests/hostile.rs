@@ -1124,15 +1124,15 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
         );
         let jar = env.dir.join(format!("jar-{slug}"));
         let seal = |key: &str, uid: &str, expires: u64| -> Result<String> {
-            let claims = capm_api::fulfil::Claims::new(
-                capm_api::fulfil::Kind::MailgunCluster,
+            let claims = capm_api::link_token::Claims::new(
+                capm_api::link_token::Kind::MailgunCluster,
                 TEAM,
                 &slug,
                 uid,
                 &format!("<mailguncluster.{uid}@{DOMAIN}>"),
                 expires,
             );
-            let keys = capm_api::fulfil::Keys::parse(key)?;
+            let keys = capm_api::link_token::Keys::parse(key)?;
             Ok(format!(
                 "{}/fulfil/{}",
                 env.page,
@@ -1370,7 +1370,7 @@ async fn crowd(env: &Env) -> Result<(usize, Duration, BTreeMap<u16, usize>)> {
 
 /// The mailed `link` sealed again under the suite's own key (the one a thief of the key Secret
 /// holds) with its synthetic nonce one bit off: a token AES-GCM alone would accept. Derived as
-/// `capm_api::fulfil` documents (HKDF-SHA-256 of the key, AES-256-GCM, the version byte as
+/// `capm_api::link_token` documents (HKDF-SHA-256 of the key, AES-256-GCM, the version byte as
 /// associated data), written out here so that the row does not trust the code it tests.
 fn reseal(link: &str) -> Result<String> {
     use base64::{
