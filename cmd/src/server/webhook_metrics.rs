@@ -17,7 +17,7 @@ use super::{Req, handlers::webhook_handler};
 /// - `controller_runtime_webhook_requests_in_flight{webhook}`.
 ///
 /// Only the two paths are labelled (any client can send any path; others are 404s and not
-/// counted), and requests the server's [`Limits`] refused are counted in
+/// counted), and requests the server's [`Limits`](super::Limits) refused are counted in
 /// `capm_http_rejected_total` instead. A denial or a failed conversion is an answer with status
 /// 200, as in controller-runtime.
 #[derive(Debug, Clone)]
