@@ -7,10 +7,14 @@
 //! message can show them.
 //!
 //! [`Args`] is the one declaration of every setting (its `--help` text, flag, variable, default
-//! and parser); the modules below only read it: `file` turns the config file into flag
-//! defaults, `mailer` assembles the mail backend, `values` holds the flags' value parsers. The
-//! rules of the controllers' settings are theirs (`capm_controllers::Config::validate`): a
-//! refused field is named here by its flag.
+//! and parser), in groups of flags (`#[command(flatten)]`), each declared beside the code that
+//! resolves it: `mailer` (the mail backend), `controllers` and `tenancy` (the controllers'
+//! configuration), `endpoints` (diagnostics, probes, webhooks), `leader` (leader election) and
+//! `fulfilment` (the links and page). `file` turns the config file into flag defaults, `values`
+//! holds the flags' value parsers. A default that a library also needs is the library's
+//! constant (`capm_controllers::DEFAULT_RELEASE_TIMEOUT`, `capm_api::link_token::DEFAULT_VALIDITY`,
+//! `capm_mailer::AllowedHosts::default_mailgun`). The rules of the controllers' settings are
+//! theirs (`capm_controllers::Config::validate`): a refused field is named here by its flag.
 
 use std::{ffi::OsString, fmt, net::SocketAddr, path::PathBuf, sync::LazyLock, time::Duration};
 
