@@ -114,6 +114,10 @@ mod tests {
             AllowedHosts::default_mailgun(),
             ["api.mailgun.net", "api.eu.mailgun.net"]
         );
+        for api in crate::MailgunEventsApi::ALL {
+            let name = serde_json::to_value(api).unwrap_or_default();
+            assert_eq!(name, api.name(), "{api:?}");
+        }
         for region in MailgunRegion::ALL {
             let name = serde_json::to_value(region).unwrap_or_default();
             assert_eq!(name, region.name(), "{region:?}");

@@ -197,6 +197,19 @@ pub enum MailgunEventsApi {
     Events,
 }
 
+impl MailgunEventsApi {
+    /// Both APIs, the default first.
+    pub const ALL: [Self; 2] = [Self::Logs, Self::Events];
+
+    /// The API's name in configuration: `logs` or `events`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Logs => "logs",
+            Self::Events => "events",
+        }
+    }
+}
+
 fn default_connect_timeout() -> f64 {
     10.0
 }

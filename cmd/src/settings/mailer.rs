@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use clap::ValueEnum;
 
-use super::{SettingsError, invalid, values::mailgun_region};
+use super::{SettingsError, invalid, values::one_of};
 
 /// Environment variable holding the Mailgun API key (the walkthrough's name).
 pub const MAILGUN_API_KEY_ENV: &str = "MAILGUN_API_KEY";
@@ -43,15 +43,15 @@ pub struct Flags {
     pub mailgun_read_key_file: Option<PathBuf>,
 
     /// Mailgun API region [default: us].
-    #[arg(long, env = "MAILGUN_REGION", value_name = "REGION", value_parser = mailgun_region())]
+    #[arg(long, env = "MAILGUN_REGION", value_name = "REGION", value_parser = one_of(&MailgunRegion::ALL, MailgunRegion::name))]
     pub mailgun_region: Option<MailgunRegion>,
 
     /// Which Mailgun API answers "was this mail accepted?" and "was it delivered?": `logs`
     /// (one question covers up to 100 open mails; Mailgun deprecates the events API in its
     /// favour) or `events` (one question per mail, for accounts or proxies without the Logs API)
     /// [default: logs].
-    #[arg(long, env = "MAILGUN_EVENTS_API", value_enum)]
-    pub mailgun_events_api: Option<EventsApi>,
+    #[arg(long, env = "MAILGUN_EVENTS_API", value_name = "API", value_parser = one_of(&MailgunEventsApi::ALL, MailgunEventsApi::name))]
+    pub mailgun_events_api: Option<MailgunEventsApi>,
 
     /// Mailgun API base URL, overrides --mailgun-region (e.g. a test server).
     #[arg(long, env = "MAILGUN_BASE_URL", value_name = "URL")]
@@ -83,15 +83,6 @@ pub enum Backend {
     Mailgun,
     /// Any SMTP relay.
     Smtp,
-}
-
-/// Mailgun's APIs for lookups and delivery questions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum EventsApi {
-    /// POST /v1/analytics/logs: many mails per question.
-    Logs,
-    /// GET /v3/{domain}/events (deprecated by Mailgun): one mail per question.
-    Events,
 }
 
 /// Maps a mailer configuration error to the flag that sets the field, when there is one.
@@ -188,10 +179,7 @@ pub(super) fn resolve(
                 config.base_url = Some(url.clone());
             }
             if let Some(api) = args.mailgun_events_api {
-                config.events_api = match api {
-                    EventsApi::Logs => MailgunEventsApi::Logs,
-                    EventsApi::Events => MailgunEventsApi::Events,
-                };
+                config.events_api = api;
             }
             MailerConfig::Mailgun(config)
         }

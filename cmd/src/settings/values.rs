@@ -7,7 +7,6 @@ use std::{
     time::Duration,
 };
 
-use capm_mailer::MailgunRegion;
 use clap::{
     Arg, ArgAction,
     builder::{BoolishValueParser, PossibleValuesParser, TypedValueParser, ValueParser},
@@ -187,13 +186,17 @@ pub(super) fn host_entry(text: &str) -> Result<String, Refused> {
     }
 }
 
-/// `--mailgun-region`: the mailer's regions by their names (`us`, `eu`).
-pub(super) fn mailgun_region() -> impl TypedValueParser<Value = MailgunRegion> {
-    PossibleValuesParser::new(MailgunRegion::ALL.map(MailgunRegion::name)).try_map(|name| {
-        MailgunRegion::ALL
-            .into_iter()
-            .find(|region| region.name() == name)
-            .ok_or_else(|| Refused(format!("{name:?} is not a Mailgun region")))
+/// A flag taking one of a library's enum values by its name in configuration (the mailer's
+/// `MailgunRegion`, `MailgunEventsApi`): the enum stays the library's, with no copy here.
+pub(super) fn one_of<T: Copy + Send + Sync + 'static>(
+    all: &'static [T],
+    name: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(all.iter().map(|v| name(*v))).try_map(move |given| {
+        all.iter()
+            .copied()
+            .find(|v| name(*v) == given)
+            .ok_or_else(|| Refused(format!("{given:?} is not one of the values")))
     })
 }
 
