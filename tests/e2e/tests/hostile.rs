@@ -971,7 +971,7 @@ fn rows() -> Vec<Row> {
         webhook_request("convert: 8 MiB + 1 body", "POST", "/convert", vec![b' '; 8 * 1024 * 1024 + 1], 413, "the body exceeds 8388608 bytes"),
         webhook_request("convert: GET", "GET", "/convert", Vec::new(), 405, "POST"),
         webhook_request("validate: AdmissionReview v1beta1", "POST", "/validate", br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"u","kind":{"group":"infrastructure.cluster.x-k8s.io","version":"v1beta1","kind":"MailgunCluster"},"operation":"CREATE","object":{}}}"#.to_vec(), 400, "admission.k8s.io/v1"),
-        webhook_request("validate: an object in v1alpha1", "POST", "/validate", json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u", "kind": {"group": capm_api::GROUP, "version": "v1alpha1", "kind": "MailgunCluster"}, "operation": "CREATE", "object": alpha_cluster_json()}}).to_string().into_bytes(), 200, "\"allowed\":false"),
+        webhook_request("validate: an object in v1alpha1", "POST", "/validate", json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u", "kind": {"group": capm_api::GROUP, "version": "v1alpha1", "kind": "MailgunCluster"}, "resource": {"group": capm_api::GROUP, "version": "v1alpha1", "resource": "mailgunclusters"}, "operation": "CREATE", "userInfo": {"username": "hostile"}, "object": alpha_cluster_json()}}).to_string().into_bytes(), 200, "\"allowed\":false"),
         webhook_request("unknown path", "POST", "/mutate", b"{}".to_vec(), 404, "not found"),
         // The fulfilment page (issue 48): each refused, nothing written.
         fulfil_row("fulfil: forged token", Expect::Page(403, "not valid", 0), Fulfil::Forged),
