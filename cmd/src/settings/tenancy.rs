@@ -8,6 +8,10 @@ use capm_mailer::AllowedHosts;
 
 use super::values::{allowed_namespaces, duration, duration_text, host_entry};
 
+/// `--identity-mailgun-hosts`' default, as the flag takes it (comma-separated).
+static MAILGUN_HOSTS: LazyLock<String> =
+    LazyLock::new(|| AllowedHosts::default_mailgun().join(","));
+
 /// `--release-timeout`'s default, as the flag shows it.
 static RELEASE_TIMEOUT: LazyLock<String> =
     LazyLock::new(|| duration_text(capm_controllers::DEFAULT_RELEASE_TIMEOUT));
@@ -32,7 +36,7 @@ pub struct Flags {
 
     /// Hosts (`host` or `host:port`, comma-separated) a MailgunClusterIdentity's Mailgun API URL
     /// may name (its baseURL, or its region's host); `http://` only to a loopback host.
-    #[arg(long, env = "IDENTITY_MAILGUN_HOSTS", value_name = "HOSTS", value_delimiter = ',', default_values_t = AllowedHosts::default_mailgun(), value_parser = host_entry)]
+    #[arg(long, env = "IDENTITY_MAILGUN_HOSTS", value_name = "HOSTS", value_delimiter = ',', default_value = MAILGUN_HOSTS.as_str(), value_parser = host_entry)]
     pub identity_mailgun_hosts: Vec<String>,
 
     /// Hosts (`host` or `host:port`, comma-separated) a MailgunClusterIdentity's SMTP relay may
