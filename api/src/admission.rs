@@ -26,7 +26,14 @@
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
-use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use kube::core::{
+    DynamicObject, Status,
+    admission::{
+        AdmissionRequest, AdmissionResponse, AdmissionReview, META_API_VERSION_V1, META_KIND,
+        Operation,
+    },
+};
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::{
@@ -43,91 +50,15 @@ pub const VALIDATE_PATH: &str = "/validate";
 /// server's request limit (3 MiB).
 pub const MAX_REVIEW_BYTES: usize = 8 * 1024 * 1024;
 
-/// Group, version and kind as an `AdmissionRequest` names them.
-#[derive(Clone, Debug, Default, Deserialize, Serialize)]
-pub struct Gvk {
-    /// API group.
-    #[serde(default)]
-    pub group: String,
-    /// Version.
-    #[serde(default)]
-    pub version: String,
-    /// Kind.
-    #[serde(default)]
-    pub kind: String,
-}
-
-/// The fields of an `admission.k8s.io/v1` `AdmissionRequest` this webhook reads.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AdmissionRequest {
-    /// Echoed in the response.
-    pub uid: String,
-    /// The kind of `object`: with `matchPolicy: Equivalent`, the converted version.
-    pub kind: Gvk,
-    /// The kind the client used.
-    #[serde(default)]
-    pub request_kind: Option<Gvk>,
-    /// `status` for the status subresource.
-    #[serde(default)]
-    pub sub_resource: Option<String>,
-    /// CREATE, UPDATE, DELETE or CONNECT.
-    pub operation: String,
-    /// The new object (absent on DELETE).
-    #[serde(default)]
-    pub object: Option<Value>,
-    /// The stored object (UPDATE and DELETE).
-    #[serde(default)]
-    pub old_object: Option<Value>,
-}
-
-/// The review as the API server sends it.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct IncomingReview {
-    api_version: String,
-    kind: String,
-    request: Option<AdmissionRequest>,
-}
-
 /// Why a write was refused, in the API server's `Status` shape.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct Refusal {
-    /// HTTP-like code shown to the client (422 for invalid objects, 400 for bad requests).
-    pub code: u16,
-    /// `Invalid` or `BadRequest`.
-    pub reason: &'static str,
-    /// What is wrong, naming each field by its JSON path.
-    pub message: String,
-}
-
-/// The answer: allowed, or refused with a [`Refusal`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Verdict {
-    /// The request's uid.
-    pub uid: String,
-    /// `None` when allowed.
-    pub refusal: Option<Refusal>,
-}
-
-impl Verdict {
-    /// The `AdmissionReview` response JSON.
-    pub fn to_review(&self) -> Value {
-        let mut response =
-            serde_json::json!({ "uid": self.uid, "allowed": self.refusal.is_none() });
-        if let Some(refusal) = &self.refusal {
-            response["status"] = serde_json::json!({
-                "code": refusal.code,
-                "reason": refusal.reason,
-                "message": refusal.message,
-            });
-        }
-        serde_json::json!({
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "response": response,
-        })
-    }
+struct Refusal {
+    /// HTTP-like code shown to the client (422 for invalid objects, 400 for bad requests).
+    code: u16,
+    /// `Invalid` or `BadRequest`.
+    reason: &'static str,
+    /// What is wrong, naming each field by its JSON path.
+    message: String,
 }
 
 fn bad_request(message: impl Into<String>) -> Refusal {
@@ -138,10 +69,18 @@ fn bad_request(message: impl Into<String>) -> Refusal {
     }
 }
 
-fn decode<T: DeserializeOwned>(what: &str, value: Option<&Value>) -> Result<T, Refusal> {
+fn decode<T: DeserializeOwned>(what: &str, value: Option<&DynamicObject>) -> Result<T, Refusal> {
     let value = value.ok_or_else(|| bad_request(format!("the request has no {what}")))?;
-    serde_json::from_value(value.clone())
+    serde_json::to_value(value)
+        .and_then(serde_json::from_value)
         .map_err(|e| bad_request(format!("{what} does not decode as v1beta1: {e}")))
+}
+
+/// An object of the request as JSON (`Null` when absent).
+fn json(object: Option<&DynamicObject>) -> Value {
+    object
+        .and_then(|o| serde_json::to_value(o).ok())
+        .unwrap_or(Value::Null)
 }
 
 /// `(path, value)` of the fields `v1alpha1` cannot represent, per kind.
@@ -184,22 +123,30 @@ fn beta_only(kind: &str, object: &Value) -> Vec<(&'static str, Value)> {
 }
 
 fn check<T: Validate + DeserializeOwned>(
-    request: &AdmissionRequest,
+    request: &AdmissionRequest<DynamicObject>,
 ) -> Result<Vec<String>, Refusal> {
     let new: T = decode("object", request.object.as_ref())?;
-    let errors: Vec<FieldError> = match request.operation.as_str() {
-        "CREATE" => new.validate(),
-        "UPDATE" => {
+    let errors: Vec<FieldError> = match &request.operation {
+        Operation::Create => new.validate(),
+        Operation::Update => {
             let old: T = decode("oldObject", request.old_object.as_ref())?;
             T::validate_update(&old, &new)
         }
-        other => return Err(bad_request(format!("operation {other} is not handled"))),
+        other => {
+            // As the API server spells it (`DELETE`, `CONNECT`).
+            let name = serde_json::to_value(other).unwrap_or(Value::Null);
+            return Err(bad_request(format!(
+                "operation {} is not handled",
+                name.as_str().unwrap_or("?")
+            )));
+        }
     };
     Ok(errors.iter().map(ToString::to_string).collect())
 }
 
-/// Decides one request (see the [module docs](self)).
-pub fn decide(request: &AdmissionRequest) -> Verdict {
+/// Decides one request (see the [module docs](self)): allowed, or refused with a `Status`
+/// whose code is 422 (`Invalid`, the fields named by their JSON paths) or 400 (`BadRequest`).
+pub fn decide(request: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
     let refusal = match refuse(request) {
         Ok(messages) if messages.is_empty() => None,
         Ok(messages) => Some(Refusal {
@@ -209,13 +156,15 @@ pub fn decide(request: &AdmissionRequest) -> Verdict {
         }),
         Err(refusal) => Some(refusal),
     };
-    Verdict {
-        uid: request.uid.clone(),
-        refusal,
+    let mut response = AdmissionResponse::from(request);
+    if let Some(refusal) = refusal {
+        response.allowed = false;
+        response.result = Status::failure(&refusal.message, refusal.reason).with_code(refusal.code);
     }
+    response
 }
 
-fn refuse(request: &AdmissionRequest) -> Result<Vec<String>, Refusal> {
+fn refuse(request: &AdmissionRequest<DynamicObject>) -> Result<Vec<String>, Refusal> {
     if request.kind.group != crate::GROUP || request.kind.version != STORAGE_VERSION {
         return Err(bad_request(format!(
             "expected an object of {}/{} (matchPolicy: Equivalent), got {}/{}",
@@ -242,9 +191,10 @@ fn refuse(request: &AdmissionRequest) -> Result<Vec<String>, Refusal> {
     };
     if let Some(object) = &request.object
         && object
-            .pointer("/metadata/annotations")
-            .and_then(|a| a.get(CONVERSION_DATA_ANNOTATION))
-            .is_some()
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(CONVERSION_DATA_ANNOTATION))
     {
         messages.push(format!(
             "metadata.annotations[{CONVERSION_DATA_ANNOTATION}]: Forbidden: written and read by \
@@ -256,10 +206,16 @@ fn refuse(request: &AdmissionRequest) -> Result<Vec<String>, Refusal> {
         .as_ref()
         .is_some_and(|k| k.version != STORAGE_VERSION);
     if through_alpha
-        && request.operation == "UPDATE"
-        && let (Some(new), Some(old)) = (&request.object, &request.old_object)
+        && request.operation == Operation::Update
+        && request.object.is_some()
+        && request.old_object.is_some()
     {
-        for ((path, new), (_, old)) in beta_only(kind, new).into_iter().zip(beta_only(kind, old)) {
+        let (new, old) = (
+            json(request.object.as_ref()),
+            json(request.old_object.as_ref()),
+        );
+        for ((path, new), (_, old)) in beta_only(kind, &new).into_iter().zip(beta_only(kind, &old))
+        {
             if new != old {
                 messages.push(format!(
                     "{path}: Forbidden: cannot be changed through {}, which does not have this \
@@ -311,18 +267,19 @@ impl crate::webhook::ReviewError for AdmissionError {
 /// # Errors
 /// When the body is not an `admission.k8s.io/v1` `AdmissionReview` with a request.
 pub fn review_json(body: &[u8]) -> Result<Vec<u8>, AdmissionError> {
-    let review: IncomingReview =
+    let review: AdmissionReview<DynamicObject> =
         serde_json::from_slice(body).map_err(|e| AdmissionError::Decode(e.to_string()))?;
-    if review.api_version != "admission.k8s.io/v1" || review.kind != "AdmissionReview" {
+    if review.types.api_version != META_API_VERSION_V1 || review.types.kind != META_KIND {
         return Err(AdmissionError::Decode(format!(
             "apiVersion {} kind {}",
-            review.api_version, review.kind
+            review.types.api_version, review.types.kind
         )));
     }
-    let request = review
-        .request
-        .ok_or_else(|| AdmissionError::Decode("no request".into()))?;
-    serde_json::to_vec(&decide(&request).to_review())
+    // The request carries the review's apiVersion and kind, which the response echoes.
+    let request: AdmissionRequest<DynamicObject> = review
+        .try_into()
+        .map_err(|_| AdmissionError::Decode("no request".into()))?;
+    serde_json::to_vec(&decide(&request).into_review())
         .map_err(|e| AdmissionError::Decode(e.to_string()))
 }
 
@@ -354,16 +311,29 @@ mod tests {
                "metadata": {"name": "c"}, "spec": spec})
     }
 
-    fn request(operation: &str, via: &str, object: Value, old: Option<Value>) -> AdmissionRequest {
+    /// A request as the API server sends it (`resource` and `userInfo` included).
+    fn request(
+        operation: &str,
+        via: &str,
+        object: Value,
+        old: Option<Value>,
+    ) -> AdmissionRequest<DynamicObject> {
         serde_json::from_value(json!({
             "uid": "u-1",
             "kind": {"group": crate::GROUP, "version": "v1beta1", "kind": "MailgunCluster"},
+            "resource": {"group": crate::GROUP, "version": "v1beta1", "resource": "mailgunclusters"},
             "requestKind": {"group": crate::GROUP, "version": via, "kind": "MailgunCluster"},
             "operation": operation,
+            "userInfo": {"username": "tester"},
             "object": object,
             "oldObject": old,
         }))
         .expect("request")
+    }
+
+    /// The refusal's message and code; `None` when allowed.
+    fn refusal(response: &AdmissionResponse) -> Option<(String, u16)> {
+        (!response.allowed).then(|| (response.result.message.clone(), response.result.code))
     }
 
     #[test]
@@ -371,7 +341,7 @@ mod tests {
         let set = cluster(Some(json!({"host": "api.example.com", "port": 6443})));
         let changed = cluster(Some(json!({"host": "api.evil.example", "port": 1})));
         let verdict = decide(&request("UPDATE", "v1alpha1", changed, Some(set.clone())));
-        let message = verdict.refusal.expect("refused").message;
+        let message = refusal(&verdict).expect("refused").0;
         assert!(
             message
                 .contains("spec.controlPlaneEndpoint: Forbidden: controlPlaneEndpoint is set-once"),
@@ -384,18 +354,21 @@ mod tests {
 
         let removed = cluster(None);
         assert!(
-            decide(&request("UPDATE", "v1alpha1", removed, Some(set.clone())))
-                .refusal
-                .is_some()
+            refusal(&decide(&request(
+                "UPDATE",
+                "v1alpha1",
+                removed,
+                Some(set.clone())
+            )))
+            .is_some()
         );
 
         let bad = cluster(Some(
             json!({"host": "bad host\r\nBcc: x@evil.example", "port": 0}),
         ));
-        let message = decide(&request("CREATE", "v1alpha1", bad, None))
-            .refusal
+        let message = refusal(&decide(&request("CREATE", "v1alpha1", bad, None)))
             .expect("refused")
-            .message;
+            .0;
         assert!(
             message.contains("spec.controlPlaneEndpoint.host"),
             "{message}"
@@ -407,17 +380,16 @@ mod tests {
 
         // Unchanged, and a valid create: allowed.
         assert_eq!(
-            decide(&request(
+            refusal(&decide(&request(
                 "UPDATE",
                 "v1alpha1",
                 set.clone(),
                 Some(set.clone())
-            ))
-            .refusal,
+            ))),
             None
         );
         assert_eq!(
-            decide(&request("CREATE", "v1alpha1", set, None)).refusal,
+            refusal(&decide(&request("CREATE", "v1alpha1", set, None))),
             None
         );
     }
@@ -442,7 +414,7 @@ mod tests {
                 with_ref(new),
                 Some(with_ref(old)),
             ));
-            let message = verdict.refusal.expect(what).message;
+            let message = refusal(&verdict).expect(what).0;
             assert!(
                 message.contains("spec.identityRef: Forbidden")
                     && message.contains("cannot be changed through v1alpha1"),
@@ -452,42 +424,84 @@ mod tests {
         // Kept, through v1alpha1; changed, through v1beta1; set at creation through v1alpha1.
         let kept = with_ref(Some("team-a"));
         assert_eq!(
-            decide(&request(
+            refusal(&decide(&request(
                 "UPDATE",
                 "v1alpha1",
                 kept.clone(),
                 Some(kept.clone())
-            ))
-            .refusal,
+            ))),
             None
         );
         assert_eq!(
-            decide(&request(
+            refusal(&decide(&request(
                 "UPDATE",
                 "v1beta1",
                 with_ref(None),
                 Some(kept.clone())
-            ))
-            .refusal,
+            ))),
             None
         );
         assert_eq!(
-            decide(&request("CREATE", "v1alpha1", kept, None)).refusal,
+            refusal(&decide(&request("CREATE", "v1alpha1", kept, None))),
             None
         );
+    }
+
+    #[test]
+    fn the_answer_is_an_admission_review_with_the_requests_uid_and_a_status() {
+        let bad = cluster(Some(json!({"host": "bad host", "port": 0})));
+        let review = json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": request("CREATE", "v1alpha1", bad, None),
+        });
+        let answer: Value =
+            serde_json::from_slice(&review_json(review.to_string().as_bytes()).expect("answered"))
+                .expect("JSON");
+        assert_eq!(answer["apiVersion"], "admission.k8s.io/v1", "{answer}");
+        assert_eq!(answer["kind"], "AdmissionReview", "{answer}");
+        let response = &answer["response"];
+        assert_eq!(response["uid"], "u-1", "{answer}");
+        assert_eq!(response["allowed"], false, "{answer}");
+        assert_eq!(response["status"]["code"], 422, "{answer}");
+        assert_eq!(response["status"]["reason"], "Invalid", "{answer}");
+        let message = response["status"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("spec.controlPlaneEndpoint.port"),
+            "{answer}"
+        );
+
+        let good = cluster(Some(json!({"host": "api.example.com", "port": 6443})));
+        let review = json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": request("CREATE", "v1alpha1", good, None),
+        });
+        let answer: Value =
+            serde_json::from_slice(&review_json(review.to_string().as_bytes()).expect("answered"))
+                .expect("JSON");
+        assert_eq!(answer["response"]["allowed"], true, "{answer}");
+        assert_eq!(answer["response"]["uid"], "u-1", "{answer}");
     }
 
     #[test]
     fn unexpected_requests_are_refused_not_waved_through() {
         let mut r = request("CREATE", "v1alpha1", cluster(None), None);
         r.kind.version = "v1alpha1".into();
-        assert_eq!(decide(&r).refusal.expect("refused").code, 400);
+        assert_eq!(refusal(&decide(&r)).expect("refused").1, 400);
         let mut r = request("CREATE", "v1alpha1", cluster(None), None);
         r.kind.kind = "Secret".into();
-        assert_eq!(decide(&r).refusal.expect("refused").code, 400);
+        assert_eq!(refusal(&decide(&r)).expect("refused").1, 400);
         let mut r = request("UPDATE", "v1alpha1", cluster(None), None);
         r.old_object = None;
-        assert_eq!(decide(&r).refusal.expect("refused").code, 400);
+        assert_eq!(refusal(&decide(&r)).expect("refused").1, 400);
+        let mut r = request("DELETE", "v1alpha1", cluster(None), None);
+        r.old_object = None;
+        let (message, code) = refusal(&decide(&r)).expect("refused");
+        assert_eq!(
+            (message.as_str(), code),
+            ("operation DELETE is not handled", 400)
+        );
         assert!(review_json(b"{}").is_err());
         assert!(review_json(br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{}}"#).is_err());
     }

@@ -15,7 +15,7 @@
 //!   `v1alpha1` to every `v1beta1` rule;
 //! - the parts of Cluster API's own `Cluster` and `Machine` that the provider reads ([`capi`]);
 //! - the fulfilment links' tokens, which the request mail carries and the manager's fulfilment
-//!   page opens ([`fulfil`]);
+//!   page opens: their cryptography ([`link_token`]);
 //! - the CustomResourceDefinitions themselves ([`crd`]), written to `config/crd/` by
 //!   `cargo run -p capm-api --bin crdgen -- config/crd` and checked with `--check`.
 //!
@@ -46,8 +46,8 @@ pub mod admission;
 pub mod capi;
 pub mod conversion;
 pub mod crd;
-pub mod fulfil;
 pub mod limits;
+pub mod link_token;
 pub mod names;
 pub mod owner_remediated;
 pub mod records;

@@ -300,16 +300,8 @@ pub struct SecretKeyReference {
     pub key: String,
 }
 
-/// Mailgun's two public API regions.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum MailgunRegion {
-    /// api.mailgun.net
-    #[default]
-    Us,
-    /// api.eu.mailgun.net
-    Eu,
-}
+/// Mailgun's two public API regions: the mailer's own type.
+pub use capm_mailer::MailgunRegion;
 
 /// An identity's Mailgun account.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -20,9 +20,12 @@ use tokio_rustls::TlsAcceptor;
 use tracing::{error, info, warn};
 
 use crate::{
-    client_metrics, diagnostics, fulfil, http,
-    leader::Elector,
-    settings::{DiagnosticsSecurity, Settings, field, mailer_error},
+    client_metrics, fulfil,
+    lease_elector::Elector,
+    metrics_auth, server,
+    settings::{
+        DiagnosticsSecurity, EndpointFlags, FulfilmentFlags, Settings, field, mailer_error,
+    },
     shutdown::Shutdown,
     tls::{self, ReloadingCert},
 };
@@ -85,7 +88,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let webhook_tls = match &settings.webhook {
         Some(hook) => {
             let cert = ReloadingCert::new(&hook.cert_dir)
-                .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir)))?;
+                .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir in EndpointFlags)))?;
             Some(TlsAcceptor::from(Arc::new(Arc::new(cert).server_config()?)))
         }
         None => None,
@@ -96,16 +99,16 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         Some(f) => {
             let mut file = fulfil::KeyFile::new(f.keys_file.clone());
             let keys = (file.load())
-                .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file)))?
+                .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file in FulfilmentFlags)))?
                 .context("the fulfilment key file")?;
-            Some((file, capm_api::fulfil::KeyRing::new(keys)))
+            Some((file, capm_api::link_token::KeyRing::new(keys)))
         }
         None => None,
     };
 
     let client = kube_client(settings.kubeconfig.as_deref(), &registry).await?;
 
-    let (open_files, raise_error) = http::raise_open_files_limit();
+    let (open_files, raise_error) = server::raise_open_files_limit();
     if let Some(e) = raise_error {
         warn!(error = %e, open_files, "Could not raise the open files limit to its hard limit");
     }
@@ -113,10 +116,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         .fulfilment
         .as_ref()
         .is_some_and(|f| f.bind.is_some());
-    let cap = http::connection_cap(open_files, 3 + u64::from(page));
+    let cap = server::connection_cap(open_files, 3 + u64::from(page));
     info!(open_files, connections_per_server = cap, "Open files limit");
-    let rejected = http::rejected_counter(&registry)?;
-    let server = |name, listener, tls, limits| http::Server {
+    let rejected = server::rejected_counter(&registry)?;
+    let server = |name, listener, tls, limits| server::Server {
         name,
         listener,
         tls,
@@ -125,23 +128,23 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     };
     let mut servers: Vec<JoinHandle<()>> = Vec::new();
     if let Some(diag) = &settings.diagnostics {
-        let metrics = http::metrics_handler(registry.clone());
+        let metrics = server::handlers::metrics_handler(registry.clone());
         servers.push(match diagnostics_tls {
             Some(tls) => {
-                let listener = http::bind("diagnostics (HTTPS, authorized)", diag.bind).await?;
-                let authorizer = Arc::new(diagnostics::Authorizer::new(client.clone()));
-                let handler = diagnostics::secured(authorizer, metrics);
-                let limits = http::Limits::plain(cap);
-                http::serve(
+                let listener = server::bind("diagnostics (HTTPS, authorized)", diag.bind).await?;
+                let authorizer = Arc::new(metrics_auth::Authorizer::new(client.clone()));
+                let handler = metrics_auth::secured(authorizer, metrics);
+                let limits = server::Limits::plain(cap);
+                server::serve(
                     server("diagnostics", listener, Some(tls), limits),
                     handler,
                     shutdown.clone(),
                 )
             }
             None => {
-                let listener = http::bind("diagnostics (insecure HTTP)", diag.bind).await?;
-                let limits = http::Limits::plain(cap);
-                http::serve(
+                let listener = server::bind("diagnostics (insecure HTTP)", diag.bind).await?;
+                let limits = server::Limits::plain(cap);
+                server::serve(
                     server("diagnostics", listener, None, limits),
                     metrics,
                     shutdown.clone(),
@@ -151,20 +154,25 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     }
     let api_reachable = Arc::new(AtomicBool::new(false));
     if let Some(address) = settings.probe_address {
-        let listener = http::bind("health probes", address).await?;
-        servers.push(http::serve(
-            server("probes", listener, None, http::Limits::plain(cap)),
-            http::probe_handler(api_reachable.clone()),
+        let listener = server::bind("health probes", address).await?;
+        servers.push(server::serve(
+            server("probes", listener, None, server::Limits::plain(cap)),
+            server::handlers::probe_handler(api_reachable.clone()),
             shutdown.clone(),
         ));
     }
     if let (Some(hook), Some(tls)) = (&settings.webhook, webhook_tls) {
-        let listener = http::bind("webhooks (conversion, admission)", hook.bind).await?;
-        let webhook_metrics =
-            http::WebhookMetrics::register(&registry).context("registering webhook metrics")?;
-        servers.push(http::serve(
-            server("webhook", listener, Some(tls), http::Limits::webhooks(cap)),
-            http::instrumented_webhooks(webhook_metrics),
+        let listener = server::bind("webhooks (conversion, admission)", hook.bind).await?;
+        let webhook_metrics = server::webhook_metrics::WebhookMetrics::register(&registry)
+            .context("registering webhook metrics")?;
+        servers.push(server::serve(
+            server(
+                "webhook",
+                listener,
+                Some(tls),
+                server::Limits::webhooks(cap),
+            ),
+            server::webhook_metrics::instrumented_webhooks(webhook_metrics),
             shutdown.clone(),
         ));
     }
@@ -173,7 +181,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let mut config = settings.controllers.clone();
     let mut key_reload = None;
     if let (Some(f), Some((file, keys))) = (&settings.fulfilment, fulfilment_keys) {
-        config.fulfilment = Some(capm_api::fulfil::Links {
+        config.fulfilment = Some(capm_api::link_token::Links {
             base_url: f.url.clone(),
             validity: f.validity,
             keys: keys.clone(),
@@ -184,7 +192,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             fulfil::KEY_RELOAD_INTERVAL,
         )));
         if let Some(bind) = f.bind {
-            let listener = http::bind("fulfilment page", bind).await?;
+            let listener = server::bind("fulfilment page", bind).await?;
             let page = fulfil::Page::new(
                 client.clone(),
                 keys,
@@ -193,8 +201,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 instance.clone(),
                 &registry,
             )?;
-            servers.push(http::serve(
-                server("fulfilment", listener, None, http::Limits::page(cap)),
+            servers.push(server::serve(
+                server("fulfilment", listener, None, server::Limits::page(cap)),
                 Arc::new(page).handler(),
                 shutdown.clone(),
             ));
@@ -238,7 +246,7 @@ fn diagnostics_tls(settings: &Settings) -> anyhow::Result<Option<TlsAcceptor>> {
             cert_dir: Some(dir),
         }) => {
             let cert = ReloadingCert::new(dir)
-                .map_err(|e| anyhow!("{}: {e}", field!(diagnostics_cert_dir)))?;
+                .map_err(|e| anyhow!("{}: {e}", field!(diagnostics_cert_dir in EndpointFlags)))?;
             Arc::new(cert).server_config()?
         }
         Some(DiagnosticsSecurity::Secure { cert_dir: None }) => {

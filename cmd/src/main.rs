@@ -10,11 +10,11 @@
 
 mod app;
 mod client_metrics;
-mod diagnostics;
 mod fulfil;
-mod http;
-mod leader;
+mod lease_elector;
 mod logging;
+mod metrics_auth;
+mod server;
 mod settings;
 mod shutdown;
 mod tls;

@@ -5,9 +5,14 @@ use std::time::Duration;
 use capm_api::v1beta1::AllowedNamespaces;
 use capm_mailer::AllowedHosts;
 
+/// How long a release may wait for an unusable identity or a failing backend by default
+/// ([`Tenancy::release_timeout`]; the binary's `--release-timeout` defaults to it).
+pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
 /// What the controllers need to know besides the cluster and the mailer.
 ///
-/// There is no `Default`: the defaults are the binary's (its flags), declared once there.
+/// There is no `Default`: the binary's flags set every field (their defaults declared there, or
+/// constants here such as [`DEFAULT_RELEASE_TIMEOUT`]).
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Who receives the request mails (`MAIL_RECIPIENT`); at least one address.
@@ -19,7 +24,7 @@ pub struct Config {
     /// sending domain.
     pub message_id_domain: String,
     /// The fulfilment page's links, put in request mails (`--fulfilment-url`); `None`: no link.
-    pub fulfilment: Option<capm_api::fulfil::Links>,
+    pub fulfilment: Option<capm_api::link_token::Links>,
     /// Reconcile only this namespace (`--namespace`); `None` for all namespaces.
     pub namespace: Option<String>,
     /// Reconcile only objects whose `cluster.x-k8s.io/watch-filter` label has this value
@@ -246,10 +251,10 @@ pub(crate) mod tests {
             default_allowed: AllowedNamespaces::default(),
             require_identity_ref: false,
             hosts: AllowedHosts {
-                mailgun: vec!["api.mailgun.net".into(), "api.eu.mailgun.net".into()],
+                mailgun: AllowedHosts::default_mailgun(),
                 smtp: Vec::new(),
             },
-            release_timeout: Duration::from_secs(24 * 3600),
+            release_timeout: DEFAULT_RELEASE_TIMEOUT,
         }
     }
 

@@ -43,7 +43,7 @@ mod status;
 mod watch;
 mod workqueue;
 
-pub use config::{Config, Error, Field, Invalid, Reason, Tenancy};
+pub use config::{Config, DEFAULT_RELEASE_TIMEOUT, Error, Field, Invalid, Reason, Tenancy};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
 pub use pipeline::{run, trim};

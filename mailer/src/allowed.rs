@@ -3,6 +3,8 @@
 
 use url::{Host, Url};
 
+use crate::MailgunRegion;
+
 /// Hosts (`host`, `host:port`, `[IPv6]` or `[IPv6]:port`) a Mailgun API URL and an SMTP relay
 /// may name. `http://` is allowed only to a loopback host.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -11,6 +13,18 @@ pub struct AllowedHosts {
     pub mailgun: Vec<String>,
     /// Hosts of SMTP relays.
     pub smtp: Vec<String>,
+}
+
+impl AllowedHosts {
+    /// The default list of Mailgun API hosts: the hosts of Mailgun's public regions
+    /// ([`MailgunRegion::ALL`]), what an operator who lists none allows.
+    #[must_use]
+    pub fn default_mailgun() -> Vec<String> {
+        MailgunRegion::ALL
+            .iter()
+            .map(|region| region.host().to_owned())
+            .collect()
+    }
 }
 
 /// The host and port of one allow-list entry; `None` when it is not one.
@@ -91,6 +105,31 @@ mod tests {
                 "[::1]".into(),
             ],
             smtp: vec!["smtp.example.com".into()],
+        }
+    }
+
+    #[test]
+    fn the_default_mailgun_hosts_are_the_regions_hosts() {
+        assert_eq!(
+            AllowedHosts::default_mailgun(),
+            ["api.mailgun.net", "api.eu.mailgun.net"]
+        );
+        for api in crate::MailgunEventsApi::ALL {
+            let name = serde_json::to_value(api).unwrap_or_default();
+            assert_eq!(name, api.name(), "{api:?}");
+        }
+        for region in MailgunRegion::ALL {
+            let name = serde_json::to_value(region).unwrap_or_default();
+            assert_eq!(name, region.name(), "{region:?}");
+            let url = format!("{}/v3", region.base_url());
+            assert_eq!(
+                AllowedHosts {
+                    mailgun: AllowedHosts::default_mailgun(),
+                    smtp: Vec::new(),
+                }
+                .check("spec.x", &url, false),
+                Ok(())
+            );
         }
     }
 

@@ -144,22 +144,42 @@ fn check_seconds(field: &str, value: f64) -> Result<Duration, ConfigError> {
 }
 
 /// Mailgun's two public API regions.
+// The one region type: the provider's flag, its config file and the identities' CRD field
+// (`capm_api::v1beta1::MailgunRegion`, through the `schema` feature) all name these.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "lowercase")]
 pub enum MailgunRegion {
-    /// `https://api.mailgun.net`.
+    /// api.mailgun.net
     #[default]
     Us,
-    /// `https://api.eu.mailgun.net`.
+    /// api.eu.mailgun.net
     Eu,
 }
 
 impl MailgunRegion {
+    /// Every region, in the order the defaults list them.
+    pub const ALL: [Self; 2] = [Self::Us, Self::Eu];
+
     /// The API base URL of the region.
     pub fn base_url(self) -> &'static str {
         match self {
             Self::Us => "https://api.mailgun.net",
             Self::Eu => "https://api.eu.mailgun.net",
+        }
+    }
+
+    /// The host of [`base_url`](Self::base_url).
+    pub fn host(self) -> &'static str {
+        let url = self.base_url();
+        url.strip_prefix("https://").unwrap_or(url)
+    }
+
+    /// The region's name in configuration: `us` or `eu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Us => "us",
+            Self::Eu => "eu",
         }
     }
 }
@@ -175,6 +195,19 @@ pub enum MailgunEventsApi {
     /// `GET /v3/{domain}/events`, one query per Message-Id: for accounts or proxies that lack
     /// the Logs API.
     Events,
+}
+
+impl MailgunEventsApi {
+    /// Both APIs, the default first.
+    pub const ALL: [Self; 2] = [Self::Logs, Self::Events];
+
+    /// The API's name in configuration: `logs` or `events`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Logs => "logs",
+            Self::Events => "events",
+        }
+    }
 }
 
 fn default_connect_timeout() -> f64 {

@@ -1,17 +1,22 @@
 //! The fulfilment page: `GET /fulfil/<token>` shows what was asked and a form; `POST` records
 //! what the human built by patching the object as the provider. The token is the capability
-//! (`capm_api::fulfil`); the object itself says whether it is already fulfilled, so a link is
+//! (`capm_api::link_token`); the object itself says whether it is already fulfilled, so a link is
 //! single-use without any state here but the rate limits. docs/fulfilment.md has the threat
 //! model.
 //!
 //! Every refusal writes nothing: a forged, altered, expired or revoked link, an object deleted
 //! or recreated since the mail, a form not sent from its page (the form token binds the link to
 //! the browser's `SameSite=Strict` cookie), a value the API's own rules refuse, a burst past
-//! the rate limits. Bodies and time are bounded by the server's [`crate::http::Limits`].
+//! the rate limits. Bodies and time are bounded by the server's [`crate::server::Limits`].
 
+mod client_address;
+mod csrf;
 mod html;
+mod keys;
 mod limiter;
+mod record;
 mod target;
+mod views;
 
 use std::{
     collections::HashMap,
@@ -23,105 +28,29 @@ use std::{
 };
 
 use bytes::Bytes;
-use capm_api::{
-    fulfil::{self, Claims, FulfilError, KeyRing, Keys},
-    records::{Which, read_records},
-    v1beta1::MailgunClusterIdentity,
-};
-use capm_controllers::{EventType, Events};
+use capm_api::link_token::{self, Claims, FulfilError, KeyRing};
+use capm_controllers::Events;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 use http_body_util::Full;
-use kube::{Api, Client};
+use kube::Client;
 use prometheus::{IntCounterVec, Opts, Registry};
 use tracing::{info, warn};
 
-use crate::http::{Peer, Req};
+use crate::server::{Peer, Req};
+use client_address::forwarded_client;
+use csrf::{COOKIE, cookie, new_cookie, same_origin};
+pub use keys::{KEY_RELOAD_INTERVAL, KeyFile, reload_keys};
 pub use limiter::Limiter;
 use target::{Form, Target};
 
-/// The Event recorded on the object when the page fulfils it.
-pub const EVENT_REASON: &str = "FulfilledThroughLink";
-/// The browser cookie the form token is bound to.
-const COOKIE: &str = "capm_fulfil";
 /// Address rows on the machine form.
 const ADDRESS_ROWS: usize = 4;
-/// How often the key file is looked at.
-pub const KEY_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
-/// How much of the client's `User-Agent` the Event keeps.
-const MAX_AGENT_BYTES: usize = 200;
-/// The key file is read up to this size (a Secret holds at most 1 MiB; a key line is ~45 bytes).
-const MAX_KEY_FILE_BYTES: u64 = 64 * 1024;
 /// Patches tried when the object changes under one (each after reading and checking it again).
 const PATCH_ATTEMPTS: u32 = 4;
 /// The pause before the next attempt, times the attempts so far.
 const CONFLICT_PAUSE: Duration = Duration::from_millis(250);
 /// The page's field manager for its patches.
 const FIELD_MANAGER: &str = "cluster-api-provider-mailgun-fulfilment";
-
-/// The key list's file, and what was last read from it.
-#[derive(Debug)]
-pub struct KeyFile {
-    path: std::path::PathBuf,
-    last: Option<Vec<u8>>,
-}
-
-impl KeyFile {
-    /// The key list in `path`, not read yet.
-    pub fn new(path: std::path::PathBuf) -> Self {
-        Self { path, last: None }
-    }
-
-    /// The key list, if the file changed since the last call (the first call always reads).
-    ///
-    /// # Errors
-    /// The file cannot be read, or holds no usable key list (the error names no key); the
-    /// next call reads it again.
-    pub fn load(&mut self) -> anyhow::Result<Option<Keys>> {
-        let path = self.path.display();
-        let mut bytes = Vec::new();
-        std::fs::File::open(&self.path)
-            .and_then(|f| {
-                std::io::Read::read_to_end(
-                    &mut std::io::Read::take(f, MAX_KEY_FILE_BYTES + 1),
-                    &mut bytes,
-                )
-            })
-            .map_err(|e| anyhow::anyhow!("reading {path}: {e}"))?;
-        if bytes.len() as u64 > MAX_KEY_FILE_BYTES {
-            anyhow::bail!("{path} is larger than {MAX_KEY_FILE_BYTES} bytes");
-        }
-        if self.last.as_ref() == Some(&bytes) {
-            return Ok(None);
-        }
-        let keys = Keys::parse(&String::from_utf8_lossy(&bytes))
-            .map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
-        self.last = Some(bytes);
-        Ok(Some(keys))
-    }
-}
-
-/// Looks at `file` every `interval` ([`KEY_RELOAD_INTERVAL`]) and puts a changed, usable key
-/// list in `ring` (a Secret's keys rotate without a restart). A broken file keeps the keys in
-/// use (logged once until it changes).
-pub async fn reload_keys(mut file: KeyFile, ring: KeyRing, interval: Duration) {
-    let mut failing = false;
-    loop {
-        tokio::time::sleep(interval).await;
-        match file.load() {
-            Ok(Some(keys)) => {
-                info!(keys = keys.len(), "Fulfilment keys reloaded");
-                ring.replace(keys);
-                failing = false;
-            }
-            Ok(None) => failing = false,
-            Err(e) if !failing => {
-                warn!(error = %e, "Fulfilment keys not reloaded; the previous ones stay");
-                failing = true;
-            }
-            Err(_) => {}
-        }
-    }
-}
 
 /// What the page needs.
 pub struct Page {
@@ -225,8 +154,8 @@ impl Page {
     }
 
     async fn handle(&self, req: Req) -> Response<Full<Bytes>> {
-        let Some(token) = req.uri().path().strip_prefix(fulfil::PATH_PREFIX) else {
-            return crate::http::text(StatusCode::NOT_FOUND, "not found\n");
+        let Some(token) = req.uri().path().strip_prefix(link_token::PATH_PREFIX) else {
+            return crate::server::text(StatusCode::NOT_FOUND, "not found\n");
         };
         let token = token.to_owned();
         let address = self.client_address(&req);
@@ -376,7 +305,7 @@ impl Page {
         let secure = if self.secure_cookie { "; Secure" } else { "" };
         let set = format!(
             "{COOKIE}={cookie}; Path={}; HttpOnly; SameSite=Strict{secure}",
-            fulfil::PATH_PREFIX
+            link_token::PATH_PREFIX
         );
         if let Ok(value) = HeaderValue::from_str(&set) {
             response.headers_mut().insert(header::SET_COOKIE, value);
@@ -528,297 +457,17 @@ impl Page {
             }
         }
     }
-
-    /// The Event saying who fulfilled the object: the mail's recipients (the link's holders),
-    /// the client's address and user agent.
-    async fn record(
-        &self,
-        target: &Target,
-        values: &[(String, String)],
-        address: IpAddr,
-        headers: &HeaderMap,
-    ) {
-        let recipients = self.recipients_of(target).await;
-        // The client's own text: cleaned and cut short, so that it never crowds out the rest.
-        let agent = headers
-            .get(header::USER_AGENT)
-            .and_then(|v| v.to_str().ok())
-            .map_or_else(
-                || "none".to_owned(),
-                |a| capm_mailer::text::clean(a, MAX_AGENT_BYTES),
-            );
-        let set = values
-            .iter()
-            .map(|(k, v)| format!("{k} {v}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        // The address first: a long recipient list or value is cut from the end, never it.
-        let note = format!(
-            "From {address}: {set} recorded through the fulfilment link mailed to {recipients} \
-             (user agent: {agent})"
-        );
-        info!(
-            client = %address,
-            kind = target.kind().as_str(),
-            namespace = target.meta().namespace.as_deref().unwrap_or_default(),
-            name = target.meta().name.as_deref().unwrap_or_default(),
-            uid = target.meta().uid.as_deref().unwrap_or_default(),
-            values = set,
-            recipients,
-            user_agent = agent,
-            "Fulfilled through a link"
-        );
-        if let Err(e) = self
-            .events
-            .publish(&target.object_ref(), EventType::Normal, EVENT_REASON, &note)
-            .await
-        {
-            warn!(error = %e, "Fulfilment page: recording the Event failed");
-        }
-    }
-
-    /// Who the request mail went to: its identity's recipients, else the provider's.
-    async fn recipients_of(&self, target: &Target) -> String {
-        let empty = Default::default();
-        let annotations = target.meta().annotations.as_ref().unwrap_or(&empty);
-        let records = read_records(annotations, target.kind().as_str(), Which::Request);
-        let identity = records
-            .sent
-            .and_then(|s| s.identity)
-            .or(records.intent.and_then(|i| i.identity));
-        let recipients = match identity {
-            None => self.recipients.clone(),
-            Some(name) => self
-                .identity_recipients(&name)
-                .await
-                .unwrap_or_else(|| vec![format!("the recipients of identity {name}")]),
-        };
-        recipients.join(", ")
-    }
-
-    /// The recipients of the identity `name`, read with a `list` of that one name: the role
-    /// grants `list` on identities (the controllers watch them), never `get`, so a `get` would
-    /// only be denied (and show as a denial in the audit log).
-    async fn identity_recipients(&self, name: &str) -> Option<Vec<String>> {
-        let api = Api::<MailgunClusterIdentity>::all(self.client.clone());
-        let one = kube::api::ListParams::default().fields(&format!("metadata.name={name}"));
-        let listed = api.list(&one).await.ok()?;
-        listed.items.into_iter().next().map(|i| i.spec.recipients)
-    }
-
-    async fn already(&self, target: &Target, values: &[(String, String)]) -> Response<Full<Bytes>> {
-        let body = format!(
-            "<div class=\"done\" role=\"status\">\n<p>Already recorded: nothing more to do.</p>\n</div>\n{}{}",
-            html::values(values),
-            html::summary(&target.summary(&self.client).await)
-        );
-        self.answer(StatusCode::OK, html::page("Already fulfilled", &body))
-    }
-
-    async fn form_page(
-        &self,
-        target: &Target,
-        token: &str,
-        cookie: &str,
-        form: &Form,
-        status: StatusCode,
-    ) -> Response<Full<Bytes>> {
-        let form_token = self.keys.current().form_token(token, cookie);
-        let action = format!("{}{token}", fulfil::PATH_PREFIX);
-        let problem = |name: &str| {
-            form.problems
-                .iter()
-                .find(|(n, _)| n.as_deref() == Some(name))
-                .map(|(_, p)| p.as_str())
-        };
-        let general = form
-            .problems
-            .iter()
-            .filter(|(n, _)| n.is_none())
-            .map(|(_, p)| p.as_str())
-            .next();
-        let general = general.or_else(|| {
-            (!form.problems.is_empty()).then_some("Some values need another look (below).")
-        });
-        let summary = html::summary(&target.summary(&self.client).await);
-        let body = match target {
-            Target::Cluster(_) => {
-                let fields = [
-                    html::Field {
-                        name: "host",
-                        label: "Control plane host",
-                        hint: "The DNS name or IP address of the cluster's API server endpoint (letters, digits, '.', ':' and '-').",
-                        value: &form.host,
-                        problem: problem("host"),
-                        input_type: "text",
-                        required: true,
-                    },
-                    html::Field {
-                        name: "port",
-                        label: "Control plane port",
-                        hint: "The TCP port of the endpoint, 1 to 65535 (usually 6443).",
-                        value: &form.port,
-                        problem: problem("port"),
-                        input_type: "number",
-                        required: true,
-                    },
-                ];
-                html::form(&action, &form_token, &fields, &[], general)
-            }
-            Target::Machine(_) => {
-                let fields = [html::Field {
-                    name: "provider-id",
-                    label: "Provider ID",
-                    hint: "How the machine is known to the cluster: <scheme>://<id>, e.g. datacentre://rack4/slot12.",
-                    value: &form.provider_id,
-                    problem: problem("provider-id"),
-                    input_type: "text",
-                    required: true,
-                }];
-                let names: Vec<String> =
-                    (0..ADDRESS_ROWS).map(|i| format!("address-{i}")).collect();
-                let rows: Vec<_> = (0..ADDRESS_ROWS)
-                    .map(|i| {
-                        let (type_, address) = form
-                            .addresses
-                            .get(i)
-                            .map_or(("InternalIP", ""), |(t, a)| (t.as_str(), a.as_str()));
-                        html::AddressRow {
-                            index: i,
-                            type_,
-                            address,
-                            problem: problem(&names[i]),
-                        }
-                    })
-                    .collect();
-                html::form(&action, &form_token, &fields, &rows, general)
-            }
-        };
-        let title = match target {
-            Target::Cluster(_) => "A cluster was requested",
-            Target::Machine(_) => "A machine was requested",
-        };
-        self.answer(status, html::page(title, &format!("{summary}{body}")))
-    }
 }
 
 type Answered = (Outcome, Response<Full<Bytes>>);
 
-/// The client behind `peer`: `peer` itself unless it is one of the `trusted` proxies; then the
-/// `X-Forwarded-For` entries (all the header's lines, in order) read right to left, each
-/// trusted hop skipped, up to the first entry that is not a trusted proxy. An entry that is
-/// not an address ends the walk at the last trusted hop (whoever wrote it chose it). Only what
-/// trusted proxies appended is believed, whatever a client sent before them.
-fn forwarded_client(peer: IpAddr, headers: &HeaderMap, trusted: &[ipnet::IpNet]) -> IpAddr {
-    let is_trusted = |address: IpAddr| {
-        let address = address.to_canonical();
-        trusted.iter().any(|net| net.contains(&address))
-    };
-    if !is_trusted(peer) {
-        return peer;
-    }
-    let entries = headers
-        .get_all("x-forwarded-for")
-        .iter()
-        .rev()
-        .flat_map(|line| line.to_str().unwrap_or("").rsplit(','));
-    let mut client = peer;
-    for entry in entries {
-        let Some(hop) = parse_hop(entry.trim()) else {
-            return client;
-        };
-        client = hop;
-        if !is_trusted(hop) {
-            return hop;
-        }
-    }
-    client
-}
-
-/// An `X-Forwarded-For` entry: an address, possibly with a port (`[::1]:80`, `1.2.3.4:5`).
-fn parse_hop(entry: &str) -> Option<IpAddr> {
-    entry
-        .parse()
-        .ok()
-        .or_else(|| entry.parse::<std::net::SocketAddr>().ok().map(|s| s.ip()))
-}
-
-/// Whether a POST's headers allow it to come from the page itself (`origin`, normalised as
-/// browsers send it). `Origin` when sent must be the page's (`null`, from a sandboxed frame, a
-/// `data:` page or a redirect across sites, is refused); `Sec-Fetch-Site` when sent must be
-/// `same-origin` (or `none`: the user's own action). Without either (an old browser, curl), the
-/// form token decides alone.
-fn same_origin(headers: &HeaderMap, origin: &str) -> bool {
-    let origin_ok = headers
-        .get(header::ORIGIN)
-        .is_none_or(|o| o.as_bytes() == origin.as_bytes());
-    let site_ok = headers
-        .get("sec-fetch-site")
-        .is_none_or(|s| matches!(s.as_bytes(), b"same-origin" | b"none"));
-    origin_ok && site_ok
-}
-
-/// The cookie's value, if it is one this page set.
-fn cookie(headers: &HeaderMap) -> Option<String> {
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='))
-        .find(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
-        .map(str::to_owned)
-}
-
-fn new_cookie() -> String {
-    rand::random::<[u8; 16]>()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
-    use capm_api::fulfil::Kind;
+    use capm_api::link_token::{Keys, Kind};
 
     use super::*;
 
     const KEY_A: &str = "QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUE=";
-    const KEY_B: &str = "QkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkJCQkI=";
-
-    #[tokio::test]
-    async fn a_rotated_key_file_is_used_and_a_broken_one_ignored() {
-        let file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(file.path(), KEY_A).unwrap();
-        let mut keys = KeyFile::new(file.path().to_owned());
-        let ring = KeyRing::new(keys.load().unwrap().unwrap());
-        assert!(keys.load().unwrap().is_none(), "unchanged");
-        let task = tokio::spawn(reload_keys(keys, ring.clone(), Duration::from_millis(20)));
-        let claims = Claims::new(Kind::MailgunCluster, "ns", "c", "u", "<m@d>", u64::MAX);
-        let old = ring.current().seal(&claims).unwrap();
-        std::fs::write(file.path(), format!("{KEY_B}\n{KEY_A}\n")).unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while ring.current().len() != 2 {
-            assert!(std::time::Instant::now() < deadline, "not reloaded");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_ne!(ring.current().seal(&claims).unwrap(), old);
-        assert!(ring.current().open(&old, SystemTime::now()).is_ok());
-        // A broken file keeps the keys in use.
-        std::fs::write(file.path(), "not a key").unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(ring.current().len(), 2);
-        task.abort();
-        let broken = KeyFile::new(file.path().to_owned())
-            .load()
-            .unwrap_err()
-            .to_string();
-        assert!(broken.contains("line 1"), "{broken}");
-        assert!(
-            !broken.contains(KEY_A) && !broken.contains("not a key"),
-            "{broken}"
-        );
-    }
 
     /// A fake API server holding one MailgunCluster: `conflicts` PATCHes answer 409 (after
     /// each, the object moves on a version, as when the controller writes meanwhile), the next
@@ -932,7 +581,7 @@ mod tests {
             secure: true,
             keys_file: "unused".into(),
             bind: None,
-            validity: fulfil::DEFAULT_VALIDITY,
+            validity: link_token::DEFAULT_VALIDITY,
             trusted_proxies: Vec::new(),
         };
         let page = Page::new(
@@ -960,7 +609,7 @@ mod tests {
         );
         let mut req = http::Request::builder()
             .method(Method::POST)
-            .uri(format!("{}{token}", fulfil::PATH_PREFIX))
+            .uri(format!("{}{token}", link_token::PATH_PREFIX))
             .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
             .header(header::ORIGIN, "https://capm.example.com")
             .header(header::COOKIE, format!("{COOKIE}={cookie}"))
@@ -1048,103 +697,5 @@ mod tests {
                 && event.contains("mailed to team-a-builders@example.com (user agent"),
             "{event}"
         );
-    }
-
-    #[test]
-    fn x_forwarded_for_is_read_right_to_left_from_trusted_proxies_only() {
-        let trusted: Vec<ipnet::IpNet> =
-            vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
-        let xff = |lines: &[&'static str]| {
-            let mut h = HeaderMap::new();
-            for line in lines {
-                h.append("x-forwarded-for", HeaderValue::from_static(line));
-            }
-            h
-        };
-        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let (proxy, stranger) = (ip("10.1.2.3"), ip("203.0.113.9"));
-        // A peer that is no trusted proxy is the client, whatever it says.
-        assert_eq!(
-            forwarded_client(stranger, &xff(&["198.51.100.1"]), &trusted),
-            stranger
-        );
-        assert_eq!(
-            forwarded_client(stranger, &xff(&["198.51.100.1"]), &[]),
-            stranger
-        );
-        // Through the proxy: the entry it appended, not what the client put before it.
-        assert_eq!(
-            forwarded_client(proxy, &xff(&["1.1.1.1, 198.51.100.7"]), &trusted),
-            ip("198.51.100.7")
-        );
-        // Two trusted hops (a load balancer, then the Ingress), over two header lines.
-        assert_eq!(
-            forwarded_client(
-                proxy,
-                &xff(&["6.6.6.6, 198.51.100.7", "10.9.9.9"]),
-                &trusted
-            ),
-            ip("198.51.100.7")
-        );
-        assert_eq!(
-            forwarded_client(
-                ip("::ffff:10.0.0.1"),
-                &xff(&["[2001:db8::1]:4711"]),
-                &trusted
-            ),
-            ip("2001:db8::1")
-        );
-        // Nothing, or garbage, past the trusted hops: the last trusted hop.
-        assert_eq!(forwarded_client(proxy, &xff(&[]), &trusted), proxy);
-        assert_eq!(
-            forwarded_client(proxy, &xff(&["198.51.100.7, junk, 10.2.2.2"]), &trusted),
-            ip("10.2.2.2")
-        );
-    }
-
-    #[test]
-    fn a_post_from_another_site_or_a_null_origin_is_refused() {
-        let origin = "https://capm.example.com";
-        let headers = |pairs: &[(&'static str, &'static str)]| {
-            let mut h = HeaderMap::new();
-            for (name, value) in pairs {
-                h.insert(*name, HeaderValue::from_static(value));
-            }
-            h
-        };
-        for accepted in [
-            headers(&[]),
-            headers(&[("origin", origin)]),
-            headers(&[("origin", origin), ("sec-fetch-site", "same-origin")]),
-            headers(&[("sec-fetch-site", "none")]),
-        ] {
-            assert!(same_origin(&accepted, origin), "{accepted:?}");
-        }
-        for refused in [
-            headers(&[("origin", "null")]),
-            headers(&[("origin", "https://evil.example.com")]),
-            headers(&[("origin", "https://CAPM.example.com:443")]),
-            headers(&[("origin", origin), ("sec-fetch-site", "cross-site")]),
-            headers(&[("origin", origin), ("sec-fetch-site", "same-site")]),
-            headers(&[("sec-fetch-site", "cross-site")]),
-        ] {
-            assert!(!same_origin(&refused, origin), "{refused:?}");
-        }
-    }
-
-    #[test]
-    fn only_a_cookie_this_page_sets_is_read() {
-        let mut headers = HeaderMap::new();
-        let good = new_cookie();
-        headers.insert(
-            header::COOKIE,
-            HeaderValue::from_str(&format!("other=1; {COOKIE}=short; {COOKIE}={good}")).unwrap(),
-        );
-        assert_eq!(cookie(&headers), Some(good));
-        headers.insert(
-            header::COOKIE,
-            HeaderValue::from_static("capm_fulfil=<script>"),
-        );
-        assert_eq!(cookie(&headers), None);
     }
 }

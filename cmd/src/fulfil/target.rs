@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use capm_api::{
     capi::{self, Machine},
-    fulfil::{Claims, Kind},
+    link_token::{Claims, Kind},
     v1beta1::{ApiEndpoint, MachineAddress, MailgunCluster, MailgunMachine},
     validation::Validate,
 };

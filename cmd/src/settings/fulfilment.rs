@@ -3,13 +3,67 @@
 use std::{
     net::{IpAddr, SocketAddr},
     path::PathBuf,
+    sync::LazyLock,
     time::Duration,
 };
 
-use capm_api::fulfil;
+use capm_api::link_token;
 use ipnet::IpNet;
 
-use super::{SettingsError, invalid, values::bind_address};
+use super::{
+    SettingsError, invalid,
+    values::{bind_address, duration, duration_text},
+};
+
+/// `--fulfilment-link-validity`'s default, as the flag shows it.
+static LINK_VALIDITY: LazyLock<String> =
+    LazyLock::new(|| duration_text(link_token::DEFAULT_VALIDITY));
+
+/// The fulfilment flags.
+// The field docs are `--help` texts, written for a terminal, not for rustdoc.
+#[allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+#[derive(Debug, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Public base URL of the fulfilment page, scheme and host only (e.g.
+    /// `https://capm.example.com`, served through an Ingress with TLS; `http` only on a
+    /// loopback host): request mails then carry a link to a page where the human records
+    /// what they built without cluster credentials (needs --fulfilment-keys-file) [default: no
+    /// link, no page].
+    #[arg(long, env = "FULFILMENT_URL", value_name = "URL")]
+    pub fulfilment_url: Option<String>,
+
+    /// File listing the fulfilment links' keys, one base64 key of at least 32 bytes per line,
+    /// newest first (it signs; all are accepted); re-read when it changes.
+    #[arg(long, env = "FULFILMENT_KEYS_FILE", value_name = "FILE")]
+    pub fulfilment_keys_file: Option<PathBuf>,
+
+    /// Address of the fulfilment page (plain HTTP; TLS at the Ingress), with --fulfilment-url;
+    /// `0`: links in the mails, the page served elsewhere.
+    #[arg(
+        long,
+        env = "FULFILMENT_BIND_ADDRESS",
+        value_name = "ADDR",
+        default_value = ":8090"
+    )]
+    pub fulfilment_bind_address: String,
+
+    /// How long a fulfilment link is valid after its request mail (at most 2160h, 90 days).
+    #[arg(long, env = "FULFILMENT_LINK_VALIDITY", value_name = "DURATION", default_value = LINK_VALIDITY.as_str(), value_parser = duration)]
+    pub fulfilment_link_validity: Duration,
+
+    /// Replaced by --fulfilment-trusted-proxies: `true` stops the provider at start-up saying so
+    /// (it made any client able to choose its address).
+    #[arg(long, env = "FULFILMENT_TRUST_FORWARDED_FOR", default_value_t = false)]
+    pub fulfilment_trust_forwarded_for: bool,
+
+    /// The proxies in front of the fulfilment page (comma-separated CIDRs or addresses, e.g. the
+    /// Ingress controller's Pod network): when the peer is one of them, the client address is
+    /// the X-Forwarded-For entry read right to left past the trusted hops [default: none, the
+    /// peer].
+    #[arg(long, env = "FULFILMENT_TRUSTED_PROXIES", value_name = "CIDRS")]
+    pub fulfilment_trusted_proxies: Option<String>,
+}
 
 /// The fulfilment links (in the request mails) and the page (docs/fulfilment.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,14 +84,15 @@ pub struct Fulfilment {
 }
 
 /// The settings, checked; `None` without a URL.
-pub(super) fn resolve(
-    url: Option<String>,
-    keys_file: Option<PathBuf>,
-    bind: &str,
-    validity: Duration,
-    trust_forwarded_for: bool,
-    trusted_proxies: Option<&str>,
-) -> Result<Option<Fulfilment>, SettingsError> {
+pub(super) fn resolve(flags: Flags) -> Result<Option<Fulfilment>, SettingsError> {
+    let Flags {
+        fulfilment_url: url,
+        fulfilment_keys_file: keys_file,
+        fulfilment_bind_address: bind,
+        fulfilment_link_validity: validity,
+        fulfilment_trust_forwarded_for: trust_forwarded_for,
+        fulfilment_trusted_proxies: trusted_proxies,
+    } = flags;
     if trust_forwarded_for {
         return Err(invalid(
             field!(fulfilment_trust_forwarded_for),
@@ -48,7 +103,7 @@ pub(super) fn resolve(
             ),
         ));
     }
-    let trusted_proxies = parse_proxies(trusted_proxies.unwrap_or_default())?;
+    let trusted_proxies = parse_proxies(trusted_proxies.as_deref().unwrap_or_default())?;
     let Some(url) = url.filter(|u| !u.is_empty()) else {
         if keys_file.is_some() {
             return Err(invalid(
@@ -71,14 +126,14 @@ pub(super) fn resolve(
             "must be positive",
         ));
     }
-    if validity > fulfil::MAX_VALIDITY {
+    if validity > link_token::MAX_VALIDITY {
         return Err(invalid(
             field!(fulfilment_link_validity),
             format!(
                 "{}h is above the cap of {}h ({} days): a link is a bearer credential",
                 validity.as_secs().div_ceil(3600),
-                fulfil::MAX_VALIDITY.as_secs() / 3600,
-                fulfil::MAX_VALIDITY.as_secs() / (24 * 3600)
+                link_token::MAX_VALIDITY.as_secs() / 3600,
+                link_token::MAX_VALIDITY.as_secs() / (24 * 3600)
             ),
         ));
     }
@@ -86,7 +141,7 @@ pub(super) fn resolve(
         url,
         secure,
         keys_file,
-        bind: bind_address(field!(fulfilment_bind_address), bind)?,
+        bind: bind_address(field!(fulfilment_bind_address), &bind)?,
         validity,
         trusted_proxies,
     }))

@@ -5,10 +5,85 @@ use capm_mailer::{
     SmtpConfig,
 };
 
-use super::{
-    Args, Backend, EventsApi, MAILGUN_API_KEY_ENV, Region, SMTP_PASSWORD_ENV, SettingsError,
-    invalid,
-};
+use std::path::PathBuf;
+
+use clap::ValueEnum;
+
+use super::{SettingsError, invalid, values::one_of};
+
+/// Environment variable holding the Mailgun API key (the walkthrough's name).
+pub const MAILGUN_API_KEY_ENV: &str = "MAILGUN_API_KEY";
+/// Environment variable holding the SMTP password.
+pub const SMTP_PASSWORD_ENV: &str = "SMTP_PASSWORD";
+
+/// The mail backend's flags. The config file sets them in its `mailer` section, not by their
+/// names (see `file::FLAG_ONLY`).
+// The field docs are `--help` texts, written for a terminal, not for rustdoc.
+#[allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+#[derive(Debug, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Mail backend [default: mailgun when a Mailgun domain is set, else smtp when an SMTP URL is
+    /// set].
+    #[arg(long, env = "MAIL_BACKEND", value_enum)]
+    pub mail_backend: Option<Backend>,
+
+    /// Mailgun sending domain (required for the mailgun backend).
+    #[arg(long, env = "MAILGUN_DOMAIN", value_name = "DOMAIN")]
+    pub mailgun_domain: Option<String>,
+
+    /// File holding the Mailgun API key [default: read the key from $MAILGUN_API_KEY].
+    #[arg(long, env = "MAILGUN_API_KEY_FILE", value_name = "FILE")]
+    pub mailgun_api_key_file: Option<PathBuf>,
+
+    /// File holding a separate Mailgun key for reading the Logs/events APIs (an account key with
+    /// a read-only role, e.g. `Analyst`), so the sending key may be a domain sending key
+    /// [default: read with the sending key; without read access, delivery is not tracked].
+    #[arg(long, env = "MAILGUN_READ_KEY_FILE", value_name = "FILE")]
+    pub mailgun_read_key_file: Option<PathBuf>,
+
+    /// Mailgun API region [default: us].
+    #[arg(long, env = "MAILGUN_REGION", value_name = "REGION", value_parser = one_of(&MailgunRegion::ALL, MailgunRegion::name))]
+    pub mailgun_region: Option<MailgunRegion>,
+
+    /// Which Mailgun API answers "was this mail accepted?" and "was it delivered?": `logs`
+    /// (one question covers up to 100 open mails; Mailgun deprecates the events API in its
+    /// favour) or `events` (one question per mail, for accounts or proxies without the Logs API)
+    /// [default: logs].
+    #[arg(long, env = "MAILGUN_EVENTS_API", value_name = "API", value_parser = one_of(&MailgunEventsApi::ALL, MailgunEventsApi::name))]
+    pub mailgun_events_api: Option<MailgunEventsApi>,
+
+    /// Mailgun API base URL, overrides --mailgun-region (e.g. a test server).
+    #[arg(long, env = "MAILGUN_BASE_URL", value_name = "URL")]
+    pub mailgun_base_url: Option<String>,
+
+    /// SMTP relay: smtp://host[:port] (STARTTLS, port 587) or smtps://host[:port] (TLS, 465)
+    /// (required for the smtp backend).
+    #[arg(long, env = "SMTP_URL", value_name = "URL")]
+    pub smtp_url: Option<String>,
+
+    /// SMTP AUTH user name (needs a password).
+    #[arg(long, env = "SMTP_USERNAME", value_name = "USER")]
+    pub smtp_username: Option<String>,
+
+    /// File holding the SMTP password [default: read it from $SMTP_PASSWORD if set].
+    #[arg(long, env = "SMTP_PASSWORD_FILE", value_name = "FILE")]
+    pub smtp_password_file: Option<PathBuf>,
+
+    /// PEM file with the CA(s) of a private SMTP relay; only these are trusted then [default:
+    /// the system's roots].
+    #[arg(long, env = "SMTP_CA_FILE", value_name = "FILE")]
+    pub smtp_ca_file: Option<PathBuf>,
+}
+
+/// The mail backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// Mailgun's HTTP API.
+    Mailgun,
+    /// Any SMTP relay.
+    Smtp,
+}
 
 /// Maps a mailer configuration error to the flag that sets the field, when there is one.
 pub fn mailer_error(error: ConfigError) -> SettingsError {
@@ -43,8 +118,8 @@ fn backend_of(config: &MailerConfig) -> Backend {
     }
 }
 
-pub(super) fn resolve_mailer(
-    args: &Args,
+pub(super) fn resolve(
+    args: &Flags,
     from_file: Option<MailerConfig>,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<MailerConfig, SettingsError> {
@@ -98,19 +173,13 @@ pub(super) fn resolve_mailer(
                 config.read_api_key = Some(SecretSource::File(path.clone()));
             }
             if let Some(region) = args.mailgun_region {
-                config.region = match region {
-                    Region::Us => MailgunRegion::Us,
-                    Region::Eu => MailgunRegion::Eu,
-                };
+                config.region = region;
             }
             if let Some(url) = &args.mailgun_base_url {
                 config.base_url = Some(url.clone());
             }
             if let Some(api) = args.mailgun_events_api {
-                config.events_api = match api {
-                    EventsApi::Logs => MailgunEventsApi::Logs,
-                    EventsApi::Events => MailgunEventsApi::Events,
-                };
+                config.events_api = api;
             }
             MailerConfig::Mailgun(config)
         }

@@ -6,7 +6,12 @@ use std::{ffi::OsString, path::Path, time::Duration};
 use capm_mailer::{MailerConfig, MailgunRegion, SecretSource};
 use clap::Command;
 
-use super::{values::parse_duration, *};
+use super::{
+    endpoints::DEFAULT_WEBHOOK_CERT_DIR,
+    mailer::{MAILGUN_API_KEY_ENV, SMTP_PASSWORD_ENV},
+    values::parse_duration,
+    *,
+};
 
 /// Flags only: clap's environment fallbacks are turned off, so the tests do not depend on
 /// the variables of whoever runs them.
@@ -803,6 +808,81 @@ fn durations() {
     assert_eq!(parse_duration("5d"), None);
     assert_eq!(parse_duration("1m30s"), Some(Duration::from_secs(90)));
     assert_eq!(parse_duration("-1s"), None);
+    // A default shown from a library's constant reads back as that constant.
+    for d in [
+        Duration::from_secs(24 * 3600),
+        Duration::from_secs(30 * 24 * 3600),
+        Duration::from_secs(90),
+        Duration::from_millis(500),
+        Duration::from_millis(1500),
+    ] {
+        assert_eq!(parse_duration(&values::duration_text(d)), Some(d), "{d:?}");
+    }
+    assert_eq!(values::duration_text(Duration::from_secs(24 * 3600)), "24h");
+    assert_eq!(values::duration_text(Duration::from_secs(90)), "1m 30s");
+}
+
+#[test]
+fn the_libraries_defaults_are_the_flags_defaults() {
+    let flags = [
+        MAILGUN,
+        &[
+            "--fulfilment-url",
+            "https://capm.example.com",
+            "--fulfilment-keys-file",
+            "/keys",
+        ],
+    ]
+    .concat();
+    let settings = resolve(&flags, &with_key).unwrap();
+    let tenancy = &settings.controllers.tenancy;
+    assert_eq!(
+        tenancy.release_timeout,
+        capm_controllers::DEFAULT_RELEASE_TIMEOUT
+    );
+    assert_eq!(
+        tenancy.hosts.mailgun,
+        capm_mailer::AllowedHosts::default_mailgun()
+    );
+    assert_eq!(
+        settings.fulfilment.unwrap().validity,
+        capm_api::link_token::DEFAULT_VALIDITY
+    );
+}
+
+#[test]
+fn every_boolean_flag_is_a_switch() {
+    use clap::CommandFactory;
+    let command = Args::command();
+    let switches: Vec<_> = command
+        .get_arguments()
+        .filter(|a| a.get_value_names() == Some(&["BOOL".into()][..]))
+        .map(|a| a.get_id().to_string())
+        .collect();
+    assert_eq!(
+        switches,
+        [
+            "require_identity_ref",
+            "insecure_diagnostics",
+            "leader_elect",
+            "fulfilment_trust_forwarded_for"
+        ]
+    );
+    for id in &switches {
+        let flag = format!("--{}", id.replace('_', "-"));
+        for (given, value) in [
+            (flag.clone(), true),
+            (format!("{flag}=false"), false),
+            (format!("{flag}=no"), false),
+            (format!("{flag}=on"), true),
+        ] {
+            let argv = ["capm", &given];
+            let matches = flags_only().try_get_matches_from(argv).unwrap();
+            assert_eq!(matches.get_one::<bool>(id), Some(&value), "{given}");
+        }
+        let argv = ["capm", &format!("{flag}=maybe")];
+        assert!(flags_only().try_get_matches_from(argv).is_err(), "{flag}");
+    }
 }
 
 #[test]

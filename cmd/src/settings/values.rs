@@ -7,6 +7,11 @@ use std::{
     time::Duration,
 };
 
+use clap::{
+    Arg, ArgAction,
+    builder::{BoolishValueParser, PossibleValuesParser, TypedValueParser, ValueParser},
+};
+
 use super::{Field, SettingsError, invalid};
 
 /// A plain address, the same rule as `MailgunCluster.spec.requester`.
@@ -126,6 +131,15 @@ pub(super) fn parse_duration(text: &str) -> Option<Duration> {
     Duration::try_from(signed).ok()
 }
 
+/// `duration` as a flag shows its default and [`parse_duration`] reads it back: `720h`, `30s`,
+/// `1h 30m` (jiff's friendly format, hours as the largest unit).
+pub(super) fn duration_text(duration: Duration) -> String {
+    match jiff::SignedDuration::try_from(duration) {
+        Ok(signed) => format!("{signed:#}"),
+        Err(_) => format!("{}s", duration.as_secs()),
+    }
+}
+
 /// [`parse_duration`] as a flag's value parser.
 pub(super) fn duration(text: &str) -> Result<Duration, Refused> {
     parse_duration(text)
@@ -170,4 +184,33 @@ pub(super) fn host_entry(text: &str) -> Result<String, Refused> {
             "{text:?} is not a host, host:port or [IPv6]:port"
         ))),
     }
+}
+
+/// A flag taking one of a library's enum values by its name in configuration (the mailer's
+/// `MailgunRegion`, `MailgunEventsApi`): the enum stays the library's, with no copy here.
+pub(super) fn one_of<T: Copy + Send + Sync + 'static>(
+    all: &'static [T],
+    name: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(all.iter().map(|v| name(*v))).try_map(move |given| {
+        all.iter()
+            .copied()
+            .find(|v| name(*v) == given)
+            .ok_or_else(|| Refused(format!("{given:?} is not one of the values")))
+    })
+}
+
+/// The one shape of every boolean flag, applied to each flag whose value is a `bool`: `--flag`
+/// alone means true, `--flag=false` (or `no`, `off`, `0`) false; the variable takes the same
+/// words. Its declaration gives the default (`default_value_t`), or none for an `Option<bool>`.
+pub(super) fn switch(arg: Arg) -> Arg {
+    if arg.get_value_parser().type_id() != ValueParser::bool().type_id() {
+        return arg;
+    }
+    arg.action(ArgAction::Set)
+        .value_name("BOOL")
+        .num_args(0..=1)
+        .require_equals(true)
+        .default_missing_value("true")
+        .value_parser(BoolishValueParser::new())
 }

@@ -76,10 +76,10 @@ impl Env {
                 default_allowed: capm_api::v1beta1::AllowedNamespaces::default(),
                 require_identity_ref: false,
                 hosts: capm_mailer::AllowedHosts {
-                    mailgun: vec!["api.mailgun.net".into(), "api.eu.mailgun.net".into()],
+                    mailgun: capm_mailer::AllowedHosts::default_mailgun(),
                     smtp: Vec::new(),
                 },
-                release_timeout: Duration::from_secs(24 * 3600),
+                release_timeout: capm_controllers::DEFAULT_RELEASE_TIMEOUT,
             },
         }
     }

@@ -971,7 +971,7 @@ fn rows() -> Vec<Row> {
         webhook_request("convert: 8 MiB + 1 body", "POST", "/convert", vec![b' '; 8 * 1024 * 1024 + 1], 413, "the body exceeds 8388608 bytes"),
         webhook_request("convert: GET", "GET", "/convert", Vec::new(), 405, "POST"),
         webhook_request("validate: AdmissionReview v1beta1", "POST", "/validate", br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"u","kind":{"group":"infrastructure.cluster.x-k8s.io","version":"v1beta1","kind":"MailgunCluster"},"operation":"CREATE","object":{}}}"#.to_vec(), 400, "admission.k8s.io/v1"),
-        webhook_request("validate: an object in v1alpha1", "POST", "/validate", json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u", "kind": {"group": capm_api::GROUP, "version": "v1alpha1", "kind": "MailgunCluster"}, "operation": "CREATE", "object": alpha_cluster_json()}}).to_string().into_bytes(), 200, "\"allowed\":false"),
+        webhook_request("validate: an object in v1alpha1", "POST", "/validate", json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u", "kind": {"group": capm_api::GROUP, "version": "v1alpha1", "kind": "MailgunCluster"}, "resource": {"group": capm_api::GROUP, "version": "v1alpha1", "resource": "mailgunclusters"}, "operation": "CREATE", "userInfo": {"username": "hostile"}, "object": alpha_cluster_json()}}).to_string().into_bytes(), 200, "\"allowed\":false"),
         webhook_request("unknown path", "POST", "/mutate", b"{}".to_vec(), 404, "not found"),
         // The fulfilment page (issue 48): each refused, nothing written.
         fulfil_row("fulfil: forged token", Expect::Page(403, "not valid", 0), Fulfil::Forged),
@@ -1124,15 +1124,15 @@ fn fulfil_row(name: &'static str, expect: Expect, how: Fulfil) -> Row {
         );
         let jar = env.dir.join(format!("jar-{slug}"));
         let seal = |key: &str, uid: &str, expires: u64| -> Result<String> {
-            let claims = capm_api::fulfil::Claims::new(
-                capm_api::fulfil::Kind::MailgunCluster,
+            let claims = capm_api::link_token::Claims::new(
+                capm_api::link_token::Kind::MailgunCluster,
                 TEAM,
                 &slug,
                 uid,
                 &format!("<mailguncluster.{uid}@{DOMAIN}>"),
                 expires,
             );
-            let keys = capm_api::fulfil::Keys::parse(key)?;
+            let keys = capm_api::link_token::Keys::parse(key)?;
             Ok(format!(
                 "{}/fulfil/{}",
                 env.page,
@@ -1370,7 +1370,7 @@ async fn crowd(env: &Env) -> Result<(usize, Duration, BTreeMap<u16, usize>)> {
 
 /// The mailed `link` sealed again under the suite's own key (the one a thief of the key Secret
 /// holds) with its synthetic nonce one bit off: a token AES-GCM alone would accept. Derived as
-/// `capm_api::fulfil` documents (HKDF-SHA-256 of the key, AES-256-GCM, the version byte as
+/// `capm_api::link_token` documents (HKDF-SHA-256 of the key, AES-256-GCM, the version byte as
 /// associated data), written out here so that the row does not trust the code it tests.
 fn reseal(link: &str) -> Result<String> {
     use base64::{

@@ -1,4 +1,5 @@
-//! Leader election on a `coordination.k8s.io/v1` Lease, the way client-go does it.
+//! The Lease elector: leader election on a `coordination.k8s.io/v1` Lease, the way client-go
+//! does it. It reports each round to the gate the controllers check, [`Leadership`].
 //!
 //! Every write is a `replace` carrying the resourceVersion that was read, so two candidates can
 //! never both win the same round: the API server answers the loser with 409 Conflict. Expiry is

@@ -1,4 +1,4 @@
-//! Fulfilment links: the token in the request mail's link to the provider's fulfilment page,
+//! The fulfilment links' cryptography: the token in the request mail's link to the provider's fulfilment page,
 //! and the page's form token. Both the mail (the controllers) and the page (the manager binary)
 //! use this module; it does no I/O.
 //!

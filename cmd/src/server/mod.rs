@@ -1,6 +1,8 @@
-//! The HTTP endpoints: `/metrics`, the probes `/healthz` + `/readyz`, the webhooks
-//! (conversion and admission) over TLS, and the fulfilment page (`crate::fulfil`). Each stops accepting when shutdown is requested and lets open requests
-//! finish.
+//! The HTTP servers: the accept loop and the limits every endpoint is served within (`/metrics`,
+//! the probes `/healthz` + `/readyz`, the webhooks over TLS, and the fulfilment page,
+//! `crate::fulfil`). Each stops accepting when shutdown is requested and lets open requests
+//! finish. The endpoints' handlers are in [`handlers`], the webhooks' metrics in
+//! [`webhook_metrics`].
 //!
 //! Any Pod that can reach a port is a client, so every server reads within [`Limits`], applied
 //! while reading: open connections (past the cap a new one is closed at once, so descriptors
@@ -13,29 +15,17 @@
 //! the body limit, the body deadline); the connection cap is the accept loop's, since a layer
 //! sees requests, not connections.
 
-use std::{
-    convert::Infallible,
-    future::Future,
-    net::SocketAddr,
-    pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
-};
+use std::{convert::Infallible, future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode, header};
+use http::{Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, combinators::BoxBody};
 use hyper::body::Incoming;
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
     service::TowerToHyperService,
 };
-use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
-};
+use prometheus::{IntCounterVec, Registry};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::TcpListener,
@@ -54,6 +44,9 @@ use tower_http::{
 use tracing::{debug, info, warn};
 
 use crate::shutdown::Shutdown;
+
+pub mod handlers;
+pub mod webhook_metrics;
 
 /// Slow clients get this long to finish a TLS handshake, or to send their request headers (or,
 /// on a kept-alive connection, to start the next request).
@@ -468,164 +461,6 @@ where
     })
 }
 
-/// `GET /metrics`: the registry in Prometheus text format.
-pub fn metrics_handler(
-    registry: Registry,
-) -> impl Fn(Req) -> std::future::Ready<Response<Full<Bytes>>> + Send + Sync + Clone + 'static {
-    move |req| {
-        std::future::ready(if req.uri().path() != "/metrics" {
-            text(StatusCode::NOT_FOUND, "not found\n")
-        } else if req.method() != Method::GET && req.method() != Method::HEAD {
-            text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n")
-        } else {
-            let encoder = TextEncoder::new();
-            let mut body = Vec::new();
-            match encoder.encode(&registry.gather(), &mut body) {
-                Ok(()) => {
-                    let mut response = Response::new(Full::new(Bytes::from(body)));
-                    if let Ok(value) = header::HeaderValue::from_str(encoder.format_type()) {
-                        response.headers_mut().insert(header::CONTENT_TYPE, value);
-                    }
-                    response
-                }
-                Err(e) => text(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("encoding metrics: {e}\n"),
-                ),
-            }
-        })
-    }
-}
-
-/// `/healthz`: the process serves requests. `/readyz`: and it can reach the API server.
-pub fn probe_handler(
-    api_reachable: Arc<AtomicBool>,
-) -> impl Fn(Req) -> std::future::Ready<Response<Full<Bytes>>> + Send + Sync + Clone + 'static {
-    move |req| {
-        std::future::ready(match req.uri().path() {
-            "/healthz" | "/livez" => text(StatusCode::OK, "ok\n"),
-            "/readyz" if api_reachable.load(Ordering::Relaxed) => text(StatusCode::OK, "ok\n"),
-            "/readyz" => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the Kubernetes API server is not reachable\n",
-            ),
-            _ => text(StatusCode::NOT_FOUND, "not found\n"),
-        })
-    }
-}
-
-/// The conversion webhook at `/convert`, the admission webhook for writes through `v1alpha1`
-/// at `/validate`.
-pub async fn webhook_handler(req: Req) -> Response<Full<Bytes>> {
-    match req.uri().path() {
-        capm_api::webhook::CONVERT_PATH => capm_api::webhook::handle(req).await,
-        capm_api::admission::VALIDATE_PATH => capm_api::admission::handle(req).await,
-        _ => text(StatusCode::NOT_FOUND, "not found\n"),
-    }
-}
-
-/// The webhook series controller-runtime exports, by webhook path (`/convert`, `/validate`):
-///
-/// - `controller_runtime_webhook_requests_total{code, webhook}`: answers by HTTP status code;
-/// - `controller_runtime_webhook_latency_seconds{webhook}`: time to answer a request whose body
-///   has been read (a histogram with Prometheus's default buckets, as controller-runtime's);
-/// - `controller_runtime_webhook_requests_in_flight{webhook}`.
-///
-/// Only the two paths are labelled (any client can send any path; others are 404s and not
-/// counted), and requests the server's [`Limits`] refused are counted in
-/// `capm_http_rejected_total` instead. A denial or a failed conversion is an answer with status
-/// 200, as in controller-runtime.
-#[derive(Debug, Clone)]
-pub struct WebhookMetrics {
-    requests: IntCounterVec,
-    latency: HistogramVec,
-    in_flight: IntGaugeVec,
-}
-
-impl WebhookMetrics {
-    /// Creates the series and registers them in `registry`.
-    ///
-    /// # Errors
-    /// When one is already registered.
-    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "controller_runtime_webhook_requests_total",
-                "Total number of admission requests by HTTP status code.",
-            ),
-            &["code", "webhook"],
-        )?;
-        let latency = HistogramVec::new(
-            HistogramOpts::new(
-                "controller_runtime_webhook_latency_seconds",
-                "Histogram of the latency of processing admission requests",
-            ),
-            &["webhook"],
-        )?;
-        let in_flight = IntGaugeVec::new(
-            Opts::new(
-                "controller_runtime_webhook_requests_in_flight",
-                "Current number of admission requests being served.",
-            ),
-            &["webhook"],
-        )?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(latency.clone()))?;
-        registry.register(Box::new(in_flight.clone()))?;
-        Ok(Self {
-            requests,
-            latency,
-            in_flight,
-        })
-    }
-}
-
-/// One request in flight; leaves the gauge when dropped (also when the client goes away and
-/// the request's future is dropped).
-struct InFlight(prometheus::IntGauge);
-
-impl InFlight {
-    fn enter(gauge: prometheus::IntGauge) -> Self {
-        gauge.inc();
-        Self(gauge)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
-}
-
-/// The answer of a webhook handler.
-pub type WebhookFuture = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + Send>>;
-
-/// [`webhook_handler`], its answers counted and timed in `metrics`.
-pub fn instrumented_webhooks(
-    metrics: WebhookMetrics,
-) -> impl Fn(Req) -> WebhookFuture + Send + Sync + Clone + 'static {
-    move |req| {
-        let metrics = metrics.clone();
-        Box::pin(async move {
-            let webhook = match req.uri().path() {
-                capm_api::webhook::CONVERT_PATH => capm_api::webhook::CONVERT_PATH,
-                capm_api::admission::VALIDATE_PATH => capm_api::admission::VALIDATE_PATH,
-                _ => return webhook_handler(req).await,
-            };
-            let in_flight = InFlight::enter(metrics.in_flight.with_label_values(&[webhook]));
-            let timer = metrics.latency.with_label_values(&[webhook]).start_timer();
-            let response = webhook_handler(req).await;
-            timer.observe_duration();
-            drop(in_flight);
-            metrics
-                .requests
-                .with_label_values(&[response.status().as_str(), webhook])
-                .inc();
-            response
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
@@ -695,55 +530,6 @@ mod tests {
 
     fn post(len: usize) -> String {
         format!("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n")
-    }
-
-    #[tokio::test]
-    async fn webhook_answers_are_counted_and_timed_by_path() {
-        let registry = Registry::new();
-        let metrics = WebhookMetrics::register(&registry).unwrap();
-        let handler = instrumented_webhooks(metrics.clone());
-        let request = |method: Method, path: &str| {
-            Request::builder()
-                .method(method)
-                .uri(path)
-                .body(Full::new(Bytes::from_static(b"{}")))
-                .unwrap()
-        };
-        let convert = capm_api::webhook::CONVERT_PATH;
-        assert_eq!(
-            handler(request(Method::GET, convert)).await.status(),
-            StatusCode::METHOD_NOT_ALLOWED
-        );
-        let bad = handler(request(Method::POST, convert)).await.status();
-        assert_eq!(bad, StatusCode::BAD_REQUEST);
-        assert_eq!(
-            handler(request(Method::POST, "/anything")).await.status(),
-            StatusCode::NOT_FOUND
-        );
-        let requests =
-            |code: &str, webhook: &str| metrics.requests.with_label_values(&[code, webhook]).get();
-        assert_eq!(requests("405", convert), 1);
-        assert_eq!(requests("400", convert), 1);
-        let exposition = {
-            let mut out = Vec::new();
-            TextEncoder::new()
-                .encode(&registry.gather(), &mut out)
-                .unwrap();
-            String::from_utf8(out).unwrap()
-        };
-        assert!(!exposition.contains("/anything"), "{exposition}");
-        assert!(
-            exposition.contains(&format!(
-                "controller_runtime_webhook_latency_seconds_count{{webhook=\"{convert}\"}} 2"
-            )),
-            "{exposition}"
-        );
-        assert!(
-            exposition.contains(&format!(
-                "controller_runtime_webhook_requests_in_flight{{webhook=\"{convert}\"}} 0"
-            )),
-            "{exposition}"
-        );
     }
 
     #[tokio::test]

@@ -1,5 +1,5 @@
-//! The diagnostics endpoint the Cluster API way: `/metrics` over HTTPS, only for callers the
-//! API server vouches for.
+//! `/metrics` authentication and authorization, the Cluster API way: the diagnostics endpoint
+//! over HTTPS, only for callers the API server vouches for.
 //!
 //! Each request needs `Authorization: Bearer <token>`. The token goes to the API server in a
 //! `TokenReview` (who is this?), then the user in a `SubjectAccessReview` for the request's
@@ -31,7 +31,7 @@ use k8s_openapi::api::{
 use kube::api::{Api, PostParams};
 use tracing::{debug, warn};
 
-use crate::http::text;
+use crate::server::text;
 
 /// How long an allowed token + verb + path is trusted without asking again.
 pub const ALLOWED_TTL: Duration = Duration::from_secs(60);
@@ -76,7 +76,7 @@ fn key(token: &str, verb: &str, path: &str) -> Key {
 }
 
 /// The `Bearer` token of a request, if it has one.
-fn bearer(req: &crate::http::Req) -> Option<&str> {
+fn bearer(req: &crate::server::Req) -> Option<&str> {
     let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     let token = token.trim();
@@ -178,7 +178,7 @@ impl Authorizer {
     }
 
     /// `Ok` when the request may proceed, else the response to send.
-    async fn check(&self, req: &crate::http::Req) -> Result<(), Response<Full<Bytes>>> {
+    async fn check(&self, req: &crate::server::Req) -> Result<(), Response<Full<Bytes>>> {
         let Some(token) = bearer(req) else {
             return Err(unauthorized());
         };
@@ -222,9 +222,9 @@ pub type ResponseFuture = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + S
 pub fn secured<F, Fut>(
     authorizer: Arc<Authorizer>,
     inner: F,
-) -> impl Fn(crate::http::Req) -> ResponseFuture + Send + Sync + Clone + 'static
+) -> impl Fn(crate::server::Req) -> ResponseFuture + Send + Sync + Clone + 'static
 where
-    F: Fn(crate::http::Req) -> Fut + Send + Sync + Clone + 'static,
+    F: Fn(crate::server::Req) -> Fut + Send + Sync + Clone + 'static,
     Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
     move |req| {
