@@ -11,9 +11,7 @@ use std::{
 
 use capm_api::{
     names::{IDENTITY_SECRET_LABEL, reasons},
-    v1beta1::{
-        AllowedNamespaces, MailgunClusterIdentity, MailgunRegion as ApiRegion, SecretKeyReference,
-    },
+    v1beta1::{AllowedNamespaces, MailgunClusterIdentity, SecretKeyReference},
 };
 use capm_mailer::{
     CommitGate, InlineSecret, Mailer, MailerConfig, MailgunConfig, MailgunRegion, SecretSource,
@@ -166,10 +164,7 @@ impl Identities {
         let secret = |field, reference| self.secret(&identity, field, reference);
         let (config, from) = match (&spec.mailgun, &spec.smtp) {
             (Some(m), None) => {
-                let region = match m.region.unwrap_or_default() {
-                    ApiRegion::Us => MailgunRegion::Us,
-                    ApiRegion::Eu => MailgunRegion::Eu,
-                };
+                let region: MailgunRegion = m.region.unwrap_or_default();
                 // The host first: no Secret is read for an identity that may not reach it.
                 let (field, url) = match &m.base_url {
                     Some(url) => ("spec.mailgun.baseURL", url.as_str()),
