@@ -189,6 +189,10 @@ down: ## Stop the detached control plane and remove its state
 
 IMAGE ?= capm.local/cluster-api-provider-mailgun:dev
 
+.PHONY: screenshots
+screenshots: tools ## Refresh docs/fulfilment/*.png: the fulfilment page's browser test, its screenshots written there (CAPM_SCREENSHOTS=docs)
+	CAPM_SCREENSHOTS=docs $(CARGO) test -p capm-e2e --test fulfilment -- --include-ignored
+
 .PHONY: image
 image: ## Build the provider's image (release binary, glibc, CA certificates, user 65532) as an OCI archive: out/provider.oci.tar
 	$(CARGO) build --release -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun

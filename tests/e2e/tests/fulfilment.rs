@@ -4,7 +4,9 @@
 //! request mails. A headless Chromium (Debian's `chromium`, driven by Playwright for Python:
 //! `tests/e2e/browser/fulfil_page.py`) opens the link from each received mail, fills the form by
 //! its labels and submits it: the `Cluster` reaches `Provisioned`, and so does a `MailgunMachine`
-//! of a MachineDeployment. The screenshots of each page state go to `docs/fulfilment/`.
+//! of a MachineDeployment. The screenshots of each page state go to the test's own directory, or
+//! to `docs/fulfilment/` with `CAPM_SCREENSHOTS=docs` (`make screenshots`), so a test run leaves
+//! the tree as it was.
 
 use std::{
     fs,
@@ -39,12 +41,18 @@ const WORKERS: &str = "web-workers";
 /// A test key (32 bytes, base64): the links are sealed with it.
 const KEY: &str = "ZnVsZmlsbWVudC1lMmUta2V5LW9mLXRoaXJ0eS10d28h";
 
-fn docs_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/fulfilment")
+/// Where the screenshots go: `docs/fulfilment/` when `CAPM_SCREENSHOTS=docs`, else `dir`.
+fn screenshots_dir(dir: &Path) -> PathBuf {
+    if std::env::var_os("CAPM_SCREENSHOTS").is_some_and(|v| v == "docs") {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/fulfilment")
+    } else {
+        dir.join("screenshots")
+    }
 }
 
-/// The browser fulfils `link`, its screenshots in `docs/fulfilment/`.
+/// The browser fulfils `link`, its screenshots in [`screenshots_dir`].
 fn browse(
+    dir: &Path,
     link: &str,
     prefix: &str,
     fill: &[(&str, &str)],
@@ -53,7 +61,7 @@ fn browse(
 ) -> Result<Value> {
     browser::browse(&Visit {
         link,
-        screenshots: &docs_dir(),
+        screenshots: &screenshots_dir(dir),
         prefix,
         fill,
         select,
@@ -200,6 +208,7 @@ async fn story(
     let last = altered.pop().context("empty link")?;
     altered.push(if last == 'A' { 'B' } else { 'A' });
     let report = browse(
+        dir,
         &link,
         "cluster",
         &[
@@ -317,6 +326,7 @@ async fn story(
         .to_owned();
     let link = link_in(&body)?;
     let report = browse(
+        dir,
         &link,
         "machine",
         &[
@@ -381,6 +391,6 @@ async fn story(
         note.contains("datacentre://rack4/slot12") && note.contains(RECIPIENT),
         "{note}"
     );
-    println!("screenshots in {}", docs_dir().display());
+    println!("screenshots in {}", screenshots_dir(dir).display());
     Ok(())
 }
