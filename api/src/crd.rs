@@ -110,30 +110,10 @@ pub fn crds() -> Result<Vec<CustomResourceDefinition>, CrdError> {
         labels.insert(CONTRACT_V1BETA1_LABEL.into(), "v1alpha1".into());
         labels.insert(CONTRACT_V1BETA2_LABEL.into(), "v1beta1".into());
         labels.insert(PROVIDER_LABEL.into(), PROVIDER_NAME.into());
-        crd.spec.conversion = Some(CustomResourceConversion {
-            strategy: "None".into(),
-            webhook: None,
-        });
-        if kind.ends_with("Template") {
-            for version in &mut crd.spec.versions {
-                if let Some(schema) = version
-                    .schema
-                    .as_mut()
-                    .and_then(|s| s.open_api_v3_schema.as_mut())
-                {
-                    drop_transition_rules(schema);
-                }
-            }
-        }
-        out.push(crd);
+        out.push(finish(crd));
     }
-    // Mail identities exist in v1beta1 only: no conversion, nothing to merge.
-    let mut identity = v1beta1::MailgunClusterIdentity::crd();
-    identity.spec.conversion = Some(CustomResourceConversion {
-        strategy: "None".into(),
-        webhook: None,
-    });
-    out.push(identity);
+    // Mail identities exist in v1beta1 only: nothing to merge.
+    out.push(finish(v1beta1::MailgunClusterIdentity::crd()));
     out.sort_by(|x, y| x.metadata.name.cmp(&y.metadata.name));
     Ok(out)
 }
@@ -146,24 +126,32 @@ pub fn crds() -> Result<Vec<CustomResourceDefinition>, CrdError> {
 /// template nothing answers would leave its Machines unhealthy for ever. The API-server tests
 /// install them to check their schema.
 pub fn remediation_crds() -> Vec<CustomResourceDefinition> {
-    let mut template = v1beta1::MailgunRemediationTemplate::crd();
-    for version in &mut template.spec.versions {
-        if let Some(schema) = version
-            .schema
-            .as_mut()
-            .and_then(|s| s.open_api_v3_schema.as_mut())
-        {
-            drop_transition_rules(schema);
+    vec![
+        finish(v1beta1::MailgunRemediation::crd()),
+        finish(v1beta1::MailgunRemediationTemplate::crd()),
+    ]
+}
+
+/// What every CRD of ours gets last: `conversion.strategy: None` (the chart and
+/// [`with_webhook_conversion`] wire the webhook), and for a template's kind no transition rules
+/// (see [`drop_transition_rules`]).
+fn finish(mut crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    crd.spec.conversion = Some(CustomResourceConversion {
+        strategy: "None".into(),
+        webhook: None,
+    });
+    if crd.spec.names.kind.ends_with("Template") {
+        for version in &mut crd.spec.versions {
+            if let Some(schema) = version
+                .schema
+                .as_mut()
+                .and_then(|s| s.open_api_v3_schema.as_mut())
+            {
+                drop_transition_rules(schema);
+            }
         }
     }
-    let mut out = vec![v1beta1::MailgunRemediation::crd(), template];
-    for crd in &mut out {
-        crd.spec.conversion = Some(CustomResourceConversion {
-            strategy: "None".into(),
-            webhook: None,
-        });
-    }
-    out
+    crd
 }
 
 /// Removes every CEL rule that compares with `oldSelf` (immutable and set-once fields) from a
