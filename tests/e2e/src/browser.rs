@@ -1,29 +1,79 @@
 //! The fulfilment page in a real browser: Debian's headless Chromium driven by Playwright for
-//! Python (`tests/e2e/browser/fulfil_page.py`), and the checks the browser tests make of what each
-//! page said.
+//! Python (`tests/e2e/browser/fulfil_page.py`), and the checks the page's tests make of what each
+//! page said and what the provider recorded.
 
 use std::{
     fs,
     path::{Path, PathBuf},
     process::Command,
+    time::Duration,
 };
 
 use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::events::v1::Event;
+use kube::{Api, Client, api::ListParams};
 use serde_json::Value;
+
+/// A program Debian installs at `default` (the variable `env` overrides), from `package`.
+///
+/// # Errors
+/// When it is not installed.
+pub fn debian_program(env: &str, default: &str, package: &str) -> Result<PathBuf> {
+    let path = std::env::var_os(env).map_or_else(|| PathBuf::from(default), PathBuf::from);
+    ensure!(
+        path.exists(),
+        "{} not found: `apt-get install {package}` (make deps does)",
+        path.display()
+    );
+    Ok(path)
+}
 
 /// Debian's chromium (`CAPM_CHROMIUM` overrides).
 ///
 /// # Errors
 /// When it is not installed.
 pub fn chromium() -> Result<PathBuf> {
-    let path = std::env::var_os("CAPM_CHROMIUM")
-        .map_or_else(|| PathBuf::from("/usr/bin/chromium"), PathBuf::from);
-    ensure!(
-        path.exists(),
-        "{} not found: `apt-get install chromium` (make deps does)",
-        path.display()
-    );
-    Ok(path)
+    debian_program("CAPM_CHROMIUM", "/usr/bin/chromium", "chromium")
+}
+
+/// The page's hidden form token.
+///
+/// # Errors
+/// When the page has none.
+pub fn form_token(page: &str) -> Result<String> {
+    let (_, rest) = page
+        .split_once("name=\"form-token\" value=\"")
+        .with_context(|| format!("no form token on the page: {page}"))?;
+    Ok(rest.split('"').next().unwrap_or_default().to_owned())
+}
+
+/// The note of the `FulfilledThroughLink` Event about the object `name` in `namespace`, once
+/// the provider has recorded it (within 30 s).
+///
+/// # Errors
+/// When none is recorded in time.
+pub async fn fulfilled_event(admin: &Client, namespace: &str, name: &str) -> Result<String> {
+    let events: Api<Event> = Api::namespaced(admin.clone(), namespace);
+    crate::eventually(
+        Duration::from_secs(30),
+        "the FulfilledThroughLink Event",
+        || {
+            let events = events.clone();
+            async move {
+                Ok(events
+                    .list(&ListParams::default())
+                    .await?
+                    .items
+                    .into_iter()
+                    .find(|e| {
+                        e.reason.as_deref() == Some("FulfilledThroughLink")
+                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                    })
+                    .and_then(|e| e.note))
+            }
+        },
+    )
+    .await
 }
 
 /// The fulfilment link in a mail's text.

@@ -17,18 +17,14 @@ use std::{
 use anyhow::{Context, Result, ensure};
 use capm_e2e::{
     CHART_NAMESPACE as NS, FULLNAME, RELEASE,
-    browser::{self, Visit, chromium, link_in, page_says},
+    browser::{self, Visit, chromium, fulfilled_event, link_in, page_says},
     create_namespace, create_object, create_secret, dynamic_api, eventually, free_port, helm_chart,
     mailgun_mails, mailgun_values, start_capi_manager, start_routed_chart_provider,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
-use k8s_openapi::api::events::v1::Event;
-use kube::{
-    Api, Client,
-    api::{DynamicObject, ListParams},
-};
+use kube::{Client, api::DynamicObject};
 use serde_json::{Value, json};
 
 const USER_NS: &str = "team-web";
@@ -76,31 +72,6 @@ fn condition_true(object: &DynamicObject, kind: &str) -> bool {
         .into_iter()
         .flatten()
         .any(|c| c["type"] == kind && c["status"] == "True")
-}
-
-/// The `FulfilledThroughLink` Event's note about `name`.
-async fn fulfilled_event(admin: &Client, name: &str) -> Result<String> {
-    let events: Api<Event> = Api::namespaced(admin.clone(), USER_NS);
-    eventually(
-        Duration::from_secs(30),
-        "the FulfilledThroughLink Event",
-        || {
-            let events = events.clone();
-            async move {
-                Ok(events
-                    .list(&ListParams::default())
-                    .await?
-                    .items
-                    .into_iter()
-                    .find(|e| {
-                        e.reason.as_deref() == Some("FulfilledThroughLink")
-                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-                    })
-                    .and_then(|e| e.note))
-            }
-        },
-    )
-    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -273,7 +244,7 @@ async fn story(
         },
     )
     .await?;
-    let note = fulfilled_event(admin, CLUSTER).await?;
+    let note = fulfilled_event(admin, USER_NS, CLUSTER).await?;
     for want in [RECIPIENT, "127.0.0.1", "Chrome", "api.web.example.com:6443"] {
         ensure!(note.contains(want), "{want:?} not in the Event: {note}");
     }
@@ -386,7 +357,7 @@ async fn story(
         },
     )
     .await?;
-    let note = fulfilled_event(admin, &machine).await?;
+    let note = fulfilled_event(admin, USER_NS, &machine).await?;
     ensure!(
         note.contains("datacentre://rack4/slot12") && note.contains(RECIPIENT),
         "{note}"

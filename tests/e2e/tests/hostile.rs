@@ -35,8 +35,8 @@ use std::{
 use anyhow::{Context, Result, bail, ensure};
 use capm_api::names;
 use capm_e2e::{
-    CHART_NAMESPACE as NS, FULLNAME, Proc, RELEASE, chart_dir, create_namespace, free_port, helm,
-    host_ip, provider_binary, service_account_kubeconfig,
+    CHART_NAMESPACE as NS, FULLNAME, Proc, RELEASE, browser::form_token, chart_dir,
+    create_namespace, free_port, helm, host_ip, provider_binary, service_account_kubeconfig,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer};
 use capm_test_support::{ControlPlane, Options, provider::Launch};
@@ -1040,14 +1040,6 @@ async fn page_request(
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').context("curl output")?;
     Ok((code.trim().parse().context("status code")?, body.to_owned()))
-}
-
-/// The page's hidden form token.
-fn form_token(page: &str) -> Result<String> {
-    let (_, rest) = page
-        .split_once("name=\"form-token\" value=\"")
-        .with_context(|| format!("no form token on the page: {page}"))?;
-    Ok(rest.split('"').next().unwrap_or_default().to_owned())
 }
 
 /// Opens `link` as a browser does (the page's cookie lands in `jar`): the form's token.

@@ -27,7 +27,7 @@ use std::{
 use anyhow::{Context, Result, ensure};
 use capm_e2e::{
     Proc,
-    browser::{self, Visit, link_in, page_says},
+    browser::{self, Visit, form_token, fulfilled_event, link_in, page_says},
     create_cluster_pair, dynamic_api, eventually, free_port, mailgun_mails, provider_binary,
     start_capi_manager,
 };
@@ -37,8 +37,7 @@ use capm_test_support::{
     pki::{CertPair, CertificateAuthority},
     provider::Launch,
 };
-use k8s_openapi::api::events::v1::Event;
-use kube::{Api, Client, api::ListParams};
+use kube::Client;
 use serde_json::{Value, json};
 
 const NS: &str = "proxied";
@@ -67,14 +66,7 @@ const FORGED: &str = "203.0.113.50";
 
 /// Debian's nginx (`CAPM_NGINX` overrides).
 fn nginx_binary() -> Result<PathBuf> {
-    let path = std::env::var_os("CAPM_NGINX")
-        .map_or_else(|| PathBuf::from("/usr/sbin/nginx"), PathBuf::from);
-    ensure!(
-        path.exists(),
-        "{} not found: `apt-get install nginx-light` (make deps does)",
-        path.display()
-    );
-    Ok(path)
+    browser::debian_program("CAPM_NGINX", "/usr/sbin/nginx", "nginx-light")
 }
 
 /// nginx in one process (no master, so stopping it stops all of it) on `port`, TLS for
@@ -159,31 +151,6 @@ async fn mailed_link(mailgun: &MailgunServer, provider: &Proc, name: &str) -> Re
     link_in(&body)
 }
 
-/// The `FulfilledThroughLink` Event's note about `name`.
-async fn fulfilled_event(admin: &Client, name: &str) -> Result<String> {
-    let events: Api<Event> = Api::namespaced(admin.clone(), NS);
-    eventually(
-        Duration::from_secs(30),
-        "the FulfilledThroughLink Event",
-        || {
-            let events = events.clone();
-            async move {
-                Ok(events
-                    .list(&ListParams::default())
-                    .await?
-                    .items
-                    .into_iter()
-                    .find(|e| {
-                        e.reason.as_deref() == Some("FulfilledThroughLink")
-                            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
-                    })
-                    .and_then(|e| e.note))
-            }
-        },
-    )
-    .await
-}
-
 /// A field of a JSON log line, wherever the format nests it.
 fn field<'a>(line: &'a Value, key: &str) -> Option<&'a Value> {
     match line {
@@ -249,14 +216,6 @@ fn curl(
     Ok((code.trim().parse().context("status code")?, body.to_owned()))
 }
 
-/// The page's hidden form token.
-fn form_token(page: &str) -> Result<String> {
-    let (_, rest) = page
-        .split_once("name=\"form-token\" value=\"")
-        .with_context(|| format!("no form token on the page: {page}"))?;
-    Ok(rest.split('"').next().unwrap_or_default().to_owned())
-}
-
 /// Opens `link` and submits the cluster form as `from` with `headers` on both requests: the
 /// submission's status and body.
 fn fulfil_with_curl(
@@ -279,6 +238,45 @@ fn fulfil_with_curl(
         headers,
         Some(&format!("host={host}&port=6443&form-token={token}")),
     )
+}
+
+/// A client at `from` fulfils the MailgunCluster `name` through `link`, claiming to be
+/// [`FORGED`] in `X-Forwarded-For`.
+struct Forgery<'a> {
+    name: &'a str,
+    from: &'a str,
+    link: &'a str,
+    /// What the forgery is, for the failure message.
+    what: &'a str,
+}
+
+impl Forgery<'_> {
+    /// The fulfilment is recorded, and its Event and log line name `from`, never [`FORGED`].
+    async fn is_not_believed(
+        &self,
+        admin: &Client,
+        provider: &Proc,
+        reach: &Reach<'_>,
+        dir: &Path,
+    ) -> Result<()> {
+        let forged = vec![format!("X-Forwarded-For: {FORGED}")];
+        let host = format!("api.{}.example.com", self.name);
+        let (status, body) = fulfil_with_curl(reach, dir, self.from, self.link, &forged, &host)?;
+        ensure!(status == 200, "{status}: {body}");
+        let note = fulfilled_event(admin, NS, self.name).await?;
+        ensure!(
+            note.starts_with(&format!("From {}:", self.from)) && !note.contains(FORGED),
+            "{} was believed: {note}",
+            self.what
+        );
+        let client = logged_client(&provider.log(), self.name)?;
+        ensure!(
+            client == self.from,
+            "the log line names {client}, not {}",
+            self.from
+        );
+        Ok(())
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -390,7 +388,7 @@ async fn story(
         "Recorded",
         &["api.browsed.example.com:6443"],
     )?;
-    let note = fulfilled_event(admin, "browsed").await?;
+    let note = fulfilled_event(admin, NS, "browsed").await?;
     ensure!(
         note.starts_with(&format!("From {BROWSER}:")) && !note.contains(PROXY),
         "the Event names the proxy, not the browser: {note}"
@@ -404,43 +402,26 @@ async fn story(
     // A client that sends its own X-Forwarded-For through the proxy: the proxy appends the peer
     // it saw, and that (the first untrusted entry from the right) is the client.
     let link = mailed_link(mailgun, provider, "spoofed").await?;
-    let forged = vec![format!("X-Forwarded-For: {FORGED}")];
-    let (status, body) = fulfil_with_curl(
-        reach,
-        dir,
-        BROWSER,
-        &link,
-        &forged,
-        "api.spoofed.example.com",
-    )?;
-    ensure!(status == 200, "{status}: {body}");
-    let note = fulfilled_event(admin, "spoofed").await?;
-    ensure!(
-        note.starts_with(&format!("From {BROWSER}:")) && !note.contains(FORGED),
-        "a forged X-Forwarded-For through the proxy was believed: {note}"
-    );
-    ensure!(logged_client(&provider.log(), "spoofed")? == BROWSER);
+    let spoofed = Forgery {
+        name: "spoofed",
+        from: BROWSER,
+        link: &link,
+        what: "a forged X-Forwarded-For through the proxy",
+    };
+    spoofed.is_not_believed(admin, provider, reach, dir).await?;
 
     // A client around the proxy, straight to the page, with a forged X-Forwarded-For: it is the
     // peer it is.
     let link = mailed_link(mailgun, provider, "direct").await?;
     let direct = link.replacen(PUBLIC, &format!("http://127.0.0.1:{page_port}"), 1);
     ensure!(direct != link, "{link}");
-    let (status, body) = fulfil_with_curl(
-        reach,
-        dir,
-        DIRECT,
-        &direct,
-        &forged,
-        "api.direct.example.com",
-    )?;
-    ensure!(status == 200, "{status}: {body}");
-    let note = fulfilled_event(admin, "direct").await?;
-    ensure!(
-        note.starts_with(&format!("From {DIRECT}:")) && !note.contains(FORGED),
-        "a forged X-Forwarded-For from an untrusted peer was believed: {note}"
-    );
-    ensure!(logged_client(&provider.log(), "direct")? == DIRECT);
+    let direct = Forgery {
+        name: "direct",
+        from: DIRECT,
+        link: &direct,
+        what: "a forged X-Forwarded-For from an untrusted peer",
+    };
+    direct.is_not_believed(admin, provider, reach, dir).await?;
 
     // The same peer, a made-up link and another forged address (each in another /24) per
     // request: were the header believed, every request would have a fresh budget.
