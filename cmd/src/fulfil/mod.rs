@@ -36,10 +36,10 @@ use kube::Client;
 use prometheus::{IntCounterVec, Opts, Registry};
 use tracing::{info, warn};
 
-use crate::server::{Peer, Req};
+use crate::server::Req;
 use client_address::forwarded_client;
 use csrf::{COOKIE, cookie, new_cookie, same_origin};
-pub use keys::{KEY_RELOAD_INTERVAL, KeyFile, reload_keys};
+pub use keys::{KeyFile, KeyReload};
 pub use limiter::Limiter;
 use target::{Form, Target};
 
@@ -155,7 +155,9 @@ impl Page {
 
     async fn handle(&self, req: Req) -> Response<Full<Bytes>> {
         let Some(token) = req.uri().path().strip_prefix(link_token::PATH_PREFIX) else {
-            return crate::server::text(StatusCode::NOT_FOUND, "not found\n");
+            let mut response = Response::new(Full::new(Bytes::from_static(b"not found\n")));
+            *response.status_mut() = StatusCode::NOT_FOUND;
+            return response;
         };
         let token = token.to_owned();
         let address = self.client_address(&req);
@@ -200,7 +202,7 @@ impl Page {
     fn client_address(&self, req: &Req) -> IpAddr {
         let peer = req
             .extensions()
-            .get::<Peer>()
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
             .map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0.ip());
         forwarded_client(peer, req.headers(), &self.trusted_proxies)
     }
@@ -616,7 +618,10 @@ mod tests {
             .body(Full::new(Bytes::from(form)))
             .unwrap();
         req.extensions_mut()
-            .insert(Peer(std::net::SocketAddr::from(([192, 0, 2, 1], 40000))));
+            .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                [192, 0, 2, 1],
+                40000,
+            ))));
         let response = page.handle(req).await;
         let status = response.status();
         let body = http_body_util::BodyExt::collect(response.into_body())
