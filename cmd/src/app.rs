@@ -277,7 +277,7 @@ async fn setup_fulfilment(
         page.instance.to_owned(),
         registry,
     )?;
-    let routes = server::legacy(Arc::new(handler).handler());
+    let routes = Arc::new(handler).router();
     manager
         .add_server("fulfilment", page.bind, None, Limits::page().on(routes))
         .await

@@ -21,6 +21,7 @@ use super::text;
 pub fn metrics_routes(registry: Registry) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
+        .fallback(super::not_found)
         .with_state(registry)
 }
 
@@ -60,5 +61,6 @@ pub fn probe_routes(api_reachable: Arc<AtomicBool>) -> Router {
                 }
             }),
         )
+        .fallback(super::not_found)
         .with_state(api_reachable)
 }

@@ -61,31 +61,6 @@ const BUDGET_UNIT: usize = 1024;
 /// What the servers answer with.
 pub type Answer = Response<Body>;
 
-/// A request whose body was read whole, for the handlers not yet on axum's extractors
-/// ([`legacy`]).
-pub type Req = Request<http_body_util::Full<Bytes>>;
-
-/// A router answering every path with `handler`, which takes the body read whole (the
-/// endpoints not yet on axum's extractors).
-pub fn legacy<F, Fut>(handler: F) -> Router
-where
-    F: Fn(Req) -> Fut + Send + Sync + Clone + 'static,
-    Fut: Future<Output = Response<http_body_util::Full<Bytes>>> + Send + 'static,
-{
-    Router::new().fallback(move |req: Request<Body>| async move {
-        let (parts, body) = req.into_parts();
-        // Already read within the limits by the server's stack.
-        let bytes = body
-            .collect()
-            .await
-            .map(http_body_util::Collected::to_bytes)
-            .unwrap_or_default();
-        handler(Request::from_parts(parts, http_body_util::Full::new(bytes)))
-            .await
-            .map(Body::new)
-    })
-}
-
 /// What one server's requests may take at once (the connection cap is the manager's, the same
 /// for every server). See the module documentation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -372,6 +347,11 @@ pub fn text(status: StatusCode, body: impl Into<String>) -> Answer {
         header::HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     response
+}
+
+/// Every router's answer to a path it does not serve.
+pub async fn not_found() -> Answer {
+    text(StatusCode::NOT_FOUND, "not found\n")
 }
 
 /// Binds `address`.

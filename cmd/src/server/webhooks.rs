@@ -38,6 +38,7 @@ pub fn webhook_routes(metrics: WebhookMetrics) -> Router {
                 .fallback(only_post("admission")),
         )
         .route_layer(axum::middleware::from_fn_with_state(metrics, instrumented))
+        .fallback(super::not_found)
 }
 
 /// 200 with the answer review, or 400 naming what the body is not.
