@@ -3,6 +3,13 @@
 //! SIGINT (a second one ends the process at once with status 1, as controller-runtime does) or
 //! by the first task that fails (a lost leader Lease is such a failure). Then the servers stop
 //! accepting and finish their open requests, and the tasks get the shutdown timeout to return.
+//!
+//! `kubert` (linkerd's runtime) was considered and not used: it builds on kube 1.1,
+//! k8s-openapi 0.25 and prometheus-client (this tree: kube 5, k8s-openapi 0.29, prometheus), so
+//! its client and registry are not ours; its admin server is plain HTTP with fixed `/ready` and
+//! `/live` routes and an unbounded task per connection (no TLS, no TokenReview on `/metrics`, no
+//! connection cap or header deadline); its shutdown is a `drain` channel on signals only, not a
+//! failed task or a lost Lease; its Lease manager has no renew deadline and no leadership gate.
 
 use std::{future::Future, net::SocketAddr, time::Duration};
 
