@@ -9,7 +9,9 @@
 //! its client and registry are not ours; its admin server is plain HTTP with fixed `/ready` and
 //! `/live` routes and an unbounded task per connection (no TLS, no TokenReview on `/metrics`, no
 //! connection cap or header deadline); its shutdown is a `drain` channel on signals only, not a
-//! failed task or a lost Lease; its Lease manager has no renew deadline and no leadership gate.
+//! failed task or a lost Lease; its Lease task publishes a `Claim` on a watch channel (a standby
+//! waits for the claim it read to expire; the holder retries its renewal within a grace period,
+//! not client-go's renew deadline), with no gate the mailer could check at its commit point.
 
 use std::{future::Future, net::SocketAddr, time::Duration};
 
