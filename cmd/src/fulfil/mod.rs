@@ -193,9 +193,9 @@ impl Page {
                     Outcome::Error,
                     self.answer(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        html::page(
+                        html::notice(
                             "Try again shortly",
-                            "<p>The request could not be read just now. Nothing was recorded.</p>\n",
+                            "The request could not be read just now. Nothing was recorded.",
                         ),
                     ),
                 ));
@@ -365,17 +365,10 @@ impl Page {
             Ok(updated) => {
                 let values = updated.fulfilment().unwrap_or_default();
                 self.record(&updated, &values, address, headers).await;
-                let body = format!(
-                    "<div class=\"done\" role=\"status\">\n<p>Recorded. Thank you: the {} {} is \
-                     marked provisioned shortly.</p>\n</div>\n{}",
-                    html::escape(claims.kind.as_str()),
-                    html::shown(&claims.name),
-                    html::values(&values)
-                );
                 self.answer_with(
                     Outcome::Fulfilled,
                     StatusCode::OK,
-                    html::page("Recorded", &body),
+                    html::recorded(claims.kind.as_str(), &claims.name, &values),
                 )
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
@@ -408,9 +401,9 @@ impl Page {
                     Outcome::Error,
                     self.answer(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        html::page(
+                        html::notice(
                             "Try again shortly",
-                            "<p>The values could not be recorded just now. Nothing was recorded; send the form again in a moment.</p>\n",
+                            "The values could not be recorded just now. Nothing was recorded; send the form again in a moment.",
                         ),
                     ),
                 )
