@@ -6,7 +6,7 @@
 //! [`CONVERSION_DATA_ANNOTATION`] (the control plane endpoint, the identity, the failure domain,
 //! addresses) would otherwise reach storage without meeting a single `v1beta1` rule.
 //!
-//! The chart registers [`review_json`] (at [`VALIDATE_PATH`]) for `v1beta1` only, with
+//! The manager binary serves [`review_json`]; the chart registers it (at [`VALIDATE_PATH`]) for `v1beta1` only, with
 //! `matchPolicy: Equivalent`, so the API server sends the converted `v1beta1` object and the
 //! stored one, and with a `matchConditions` expression that limits it to requests made through
 //! `v1alpha1`: `v1beta1` traffic never depends on the webhook. For those requests it:
@@ -23,9 +23,6 @@
 //! Status is not checked here: the annotation no longer carries status, so what a `v1alpha1`
 //! write can put into status is what the `v1alpha1` schema admits (`ready`, `response`).
 
-use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
 use kube::core::{
     DynamicObject, Status,
     admission::{
@@ -232,34 +229,12 @@ fn refuse(request: &AdmissionRequest<DynamicObject>) -> Result<Vec<String>, Refu
     Ok(messages)
 }
 
-/// Why an HTTP request was not a usable `AdmissionReview`.
+/// Why a request body was not a usable `AdmissionReview`.
 #[derive(Debug, thiserror::Error)]
 pub enum AdmissionError {
-    /// The request was not a POST.
-    #[error("method {0} not allowed: the admission webhook takes POST")]
-    Method(Method),
-    /// The body could not be read, or exceeded [`MAX_REVIEW_BYTES`].
-    #[error("reading the request body: {0}")]
-    Body(String),
     /// The body is not an `admission.k8s.io/v1` `AdmissionReview` with a request.
     #[error("the body is not an admission.k8s.io/v1 AdmissionReview request: {0}")]
     Decode(String),
-}
-
-impl crate::webhook::ReviewError for AdmissionError {
-    fn method(method: Method) -> Self {
-        Self::Method(method)
-    }
-    fn body(detail: String) -> Self {
-        Self::Body(detail)
-    }
-    fn status_code(&self) -> StatusCode {
-        match self {
-            Self::Method(_) => StatusCode::METHOD_NOT_ALLOWED,
-            Self::Body(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Decode(_) => StatusCode::BAD_REQUEST,
-        }
-    }
 }
 
 /// Parses a request body, decides, and encodes the response review.
@@ -281,19 +256,6 @@ pub fn review_json(body: &[u8]) -> Result<Vec<u8>, AdmissionError> {
         .map_err(|_| AdmissionError::Decode("no request".into()))?;
     serde_json::to_vec(&decide(&request).into_review())
         .map_err(|e| AdmissionError::Decode(e.to_string()))
-}
-
-/// Serves one HTTP request: an `AdmissionReview` JSON body in, the verdict out.
-///
-/// Answers 200 with the review (refusals are inside it), 405 for anything but POST, 413 for a
-/// body over [`MAX_REVIEW_BYTES`], 400 for a body that is not an `AdmissionReview` request;
-/// error bodies are plain text.
-pub async fn handle<B>(req: Request<B>) -> Response<Full<Bytes>>
-where
-    B: http_body::Body,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    crate::webhook::serve(req, MAX_REVIEW_BYTES, review_json).await
 }
 
 #[cfg(test)]

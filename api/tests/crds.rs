@@ -81,15 +81,30 @@ fn webhook() -> &'static Webhook {
                         let Ok(tls) = acceptor.accept(tcp).await else {
                             return;
                         };
+                        // The manager binary serves these with axum; the test only needs the
+                        // reviews' answers.
                         let service =
                             service_fn(|req: http::Request<hyper::body::Incoming>| async move {
-                                let response =
-                                    if req.uri().path() == capm_api::admission::VALIDATE_PATH {
-                                        capm_api::admission::handle(req).await
-                                    } else {
-                                        capm_api::webhook::handle(req).await
-                                    };
-                                Ok::<_, std::convert::Infallible>(response)
+                                let validate =
+                                    req.uri().path() == capm_api::admission::VALIDATE_PATH;
+                                let body = http_body_util::BodyExt::collect(req.into_body())
+                                    .await
+                                    .map(http_body_util::Collected::to_bytes)
+                                    .unwrap_or_default();
+                                let answer = if validate {
+                                    capm_api::admission::review_json(&body)
+                                        .map_err(|e| e.to_string())
+                                } else {
+                                    capm_api::webhook::review_json(&body).map_err(|e| e.to_string())
+                                };
+                                match answer {
+                                    Ok(json) => http::Response::builder()
+                                        .header("content-type", "application/json")
+                                        .body(http_body_util::Full::new(bytes::Bytes::from(json))),
+                                    Err(e) => http::Response::builder()
+                                        .status(400)
+                                        .body(http_body_util::Full::new(bytes::Bytes::from(e))),
+                                }
                             });
                         let _ = hyper::server::conn::http1::Builder::new()
                             .serve_connection(TokioIo::new(tls), service)

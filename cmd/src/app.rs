@@ -1,8 +1,11 @@
-//! The manager's lifecycle: mailer and certificates first (no cluster contact before the
-//! configuration is known to work), then the client, the HTTP endpoints, leader election, and
-//! the controllers; on SIGTERM the reverse.
+//! What the process runs, one function per concern as in a Cluster API manager's `main.go`
+//! (`setupChecks`, `setupReconcilers`, `setupWebhooks`): [`run`] resolves what only depends on
+//! the configuration first (the mail backend, certificates, the links' keys: no cluster contact
+//! before the configuration is known to work), then builds the client, and hands the servers
+//! and tasks its mode asks for to the [`Manager`], which runs them until SIGTERM or a failure.
 
 use std::{
+    net::SocketAddr,
     path::Path,
     sync::{
         Arc,
@@ -12,42 +15,42 @@ use std::{
 };
 
 use anyhow::{Context, anyhow};
+use capm_api::link_token::{KeyRing, Links};
 use capm_controllers::Leadership;
 use capm_mailer::{InstrumentedMailer, Mailer, MailerMetrics};
 use prometheus::{IntGaugeVec, Opts, Registry};
-use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
-use tracing::{error, info, warn};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
 use crate::{
     client_metrics, fulfil,
     lease_elector::Elector,
-    metrics_auth, server,
+    manager::Manager,
+    metrics_auth,
+    reconcilers::Controllers,
+    reload::{self, Reload},
+    server::{self, Limits},
     settings::{
-        DiagnosticsSecurity, EndpointFlags, FulfilmentFlags, Settings, field, mailer_error,
+        DiagnosticsSecurity, EndpointFlags, Fulfilment, FulfilmentFlags,
+        Manager as ManagerSettings, Mode, PageOnly, Role, Settings, Webhook, field, mailer_error,
     },
-    shutdown::Shutdown,
-    tls::{self, ReloadingCert},
+    tls::{self, CertReload, ReloadingCert},
 };
 
 /// How often `/readyz` re-checks that the API server answers.
 const READINESS_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Runs the manager until SIGTERM/SIGINT (`Ok`) or a fatal error, including a lost Lease.
+/// Runs the process until SIGTERM/SIGINT (`Ok`) or a fatal error, including a lost Lease.
 ///
 /// # Errors
-/// Anything that stops the manager: a backend or certificate that cannot be set up, an
+/// Anything that stops the process: a backend or certificate that cannot be set up, an
 /// unreachable cluster configuration, a port in use, the controllers failing, the Lease lost, or
 /// a shutdown that overran `--shutdown-timeout`.
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
-    let shutdown = Shutdown::new();
-    shutdown
-        .on_signals()
-        .context("installing signal handlers")?;
     for deprecation in &settings.deprecations {
         warn!("{deprecation}");
     }
-
     let registry = Registry::new();
     #[cfg(target_os = "linux")]
     registry
@@ -55,21 +58,20 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             prometheus::process_collector::ProcessCollector::for_self(),
         ))
         .context("registering process metrics")?;
-    let mailer_metrics =
-        MailerMetrics::register(&registry).context("registering mailer metrics")?;
-    let controller_metrics =
-        capm_controllers::Metrics::register(&registry).context("registering controller metrics")?;
-    let leader_gauge = IntGaugeVec::new(
-        Opts::new(
-            "leader_election_master_status",
-            "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease.",
-        ),
-        &["name"],
-    )?;
-    registry.register(Box::new(leader_gauge.clone()))?;
+    match &settings.role {
+        Role::All(manager) => run_all(&settings, manager, registry).await,
+        Role::FulfilmentPage(page) => run_page(&settings, page, registry).await,
+    }
+}
 
+/// `--mode all`: the controllers, the webhooks, the links and (unless served elsewhere) the page.
+async fn run_all(
+    settings: &Settings,
+    all: &ManagerSettings,
+    registry: Registry,
+) -> anyhow::Result<()> {
     let instance = instance_name();
-    let leadership = match &settings.leader_election {
+    let leadership = match &all.leader_election {
         None => Leadership::unelected(instance.clone()),
         Some(params) => Leadership::elected(
             format!("{instance}_{}", random_suffix()),
@@ -77,165 +79,261 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             params.renew_deadline,
         ),
     };
+    let mailer = setup_mail(all, &leadership, &registry)?;
+    let webhook_cert = all.webhook.as_ref().map(webhook_cert).transpose()?;
+    let diagnostics_tls = diagnostics_tls(settings)?;
+    let keys = all.fulfilment.as_ref().map(read_keys).transpose()?;
 
-    // Everything that only depends on configuration fails here, before the cluster is touched.
-    // The backend asks the leadership again at each send's commit point.
-    let mailer = capm_mailer::build_with_gate(&settings.mailer, Arc::new(leadership.clone()))
+    let client = kube_client(settings.kubeconfig.as_deref(), &registry).await?;
+    let page = all.fulfilment.as_ref().is_some_and(|f| f.bind.is_some());
+    let mut manager = Manager::new(&registry, 3 + u64::from(page))?;
+    let mut reloads: Vec<Box<dyn Reload>> = Vec::new();
+    setup_diagnostics(&mut manager, settings, diagnostics_tls, &client, &registry).await?;
+    setup_checks(&mut manager, settings, &client).await?;
+    if let (Some(hook), Some(cert)) = (&all.webhook, webhook_cert) {
+        setup_webhooks(&mut manager, hook.bind, cert, &registry, &mut reloads).await?;
+    }
+    let mut links = None;
+    if let (Some(f), Some((file, ring))) = (&all.fulfilment, keys) {
+        links = Some(Links {
+            base_url: f.url.clone(),
+            validity: f.validity,
+            keys: ring.clone(),
+        });
+        if let Some(bind) = f.bind {
+            let recipients = all.controllers.recipients.clone();
+            let page = Page {
+                settings: f,
+                bind,
+                recipients,
+                instance: &instance,
+            };
+            setup_fulfilment(&mut manager, page, &client, ring.clone(), &registry).await?;
+        }
+        reloads.push(Box::new(fulfil::KeyReload { file, ring }));
+    }
+    setup_reloader(&mut manager, reloads);
+    setup_reconcilers(
+        &mut manager,
+        all,
+        settings,
+        client,
+        leadership,
+        mailer,
+        links,
+        instance,
+        &registry,
+    )?;
+    manager.run(settings.shutdown_timeout).await
+}
+
+/// `--mode fulfilment-page`: the page, the probes and `/metrics`; no mail backend, no election,
+/// no webhooks, no controllers.
+async fn run_page(settings: &Settings, page: &PageOnly, registry: Registry) -> anyhow::Result<()> {
+    info!(
+        mode = Mode::FulfilmentPage.name(),
+        "Serving only the fulfilment page: no mail backend, no leader election, no webhooks, no controllers"
+    );
+    let diagnostics_tls = diagnostics_tls(settings)?;
+    let (file, ring) = read_keys(&page.fulfilment)?;
+
+    let client = kube_client(settings.kubeconfig.as_deref(), &registry).await?;
+    let mut manager = Manager::new(&registry, 3)?;
+    setup_diagnostics(&mut manager, settings, diagnostics_tls, &client, &registry).await?;
+    setup_checks(&mut manager, settings, &client).await?;
+    let instance = instance_name();
+    let served = Page {
+        settings: &page.fulfilment,
+        bind: page.bind,
+        recipients: page.recipients.clone(),
+        instance: &instance,
+    };
+    setup_fulfilment(&mut manager, served, &client, ring.clone(), &registry).await?;
+    setup_reloader(
+        &mut manager,
+        vec![Box::new(fulfil::KeyReload { file, ring })],
+    );
+    manager.run(settings.shutdown_timeout).await
+}
+
+/// The mail backend, which asks `leadership` again at each send's commit point.
+fn setup_mail(
+    all: &ManagerSettings,
+    leadership: &Leadership,
+    registry: &Registry,
+) -> anyhow::Result<Arc<dyn Mailer>> {
+    let metrics = MailerMetrics::register(registry).context("registering mailer metrics")?;
+    let mailer = capm_mailer::build_with_gate(&all.mailer, Arc::new(leadership.clone()))
         .map_err(mailer_error)
         .context("setting up the mail backend")?;
     info!(backend = mailer.backend(), "Mail backend ready");
-    let mailer: Arc<dyn Mailer> = Arc::new(InstrumentedMailer::new(mailer, mailer_metrics));
-    let webhook_tls = match &settings.webhook {
-        Some(hook) => {
-            let cert = ReloadingCert::new(&hook.cert_dir)
-                .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir in EndpointFlags)))?;
-            Some(TlsAcceptor::from(Arc::new(Arc::new(cert).server_config()?)))
-        }
-        None => None,
-    };
-    let diagnostics_tls = diagnostics_tls(&settings)?;
-    // The fulfilment keys, read before the cluster is touched like every other secret file.
-    let fulfilment_keys = match &settings.fulfilment {
-        Some(f) => {
-            let mut file = fulfil::KeyFile::new(f.keys_file.clone());
-            let keys = (file.load())
-                .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file in FulfilmentFlags)))?
-                .context("the fulfilment key file")?;
-            Some((file, capm_api::link_token::KeyRing::new(keys)))
-        }
-        None => None,
-    };
+    Ok(Arc::new(InstrumentedMailer::new(mailer, metrics)))
+}
 
-    let client = kube_client(settings.kubeconfig.as_deref(), &registry).await?;
+/// The webhooks' certificate directory.
+fn webhook_cert(hook: &Webhook) -> anyhow::Result<Arc<ReloadingCert>> {
+    let cert = ReloadingCert::new(&hook.cert_dir)
+        .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir in EndpointFlags)))?;
+    Ok(Arc::new(cert))
+}
 
-    let (open_files, raise_error) = server::raise_open_files_limit();
-    if let Some(e) = raise_error {
-        warn!(error = %e, open_files, "Could not raise the open files limit to its hard limit");
-    }
-    let page = settings
-        .fulfilment
-        .as_ref()
-        .is_some_and(|f| f.bind.is_some());
-    let cap = server::connection_cap(open_files, 3 + u64::from(page));
-    info!(open_files, connections_per_server = cap, "Open files limit");
-    let rejected = server::rejected_counter(&registry)?;
-    let server = |name, listener, tls, limits| server::Server {
-        name,
-        listener,
-        tls,
-        limits,
-        rejected: rejected.clone(),
+/// The links' key file, read before the cluster is touched like every other secret file.
+fn read_keys(f: &Fulfilment) -> anyhow::Result<(fulfil::KeyFile, KeyRing)> {
+    let mut file = fulfil::KeyFile::new(f.keys_file.clone());
+    let keys = (file.load())
+        .map_err(|e| anyhow!("{}: {e}", field!(fulfilment_keys_file in FulfilmentFlags)))?
+        .context("the fulfilment key file")?;
+    Ok((file, KeyRing::new(keys)))
+}
+
+/// `/metrics` on `--diagnostics-address`: over HTTPS, each request reviewed by the API server,
+/// unless diagnostics are insecure.
+async fn setup_diagnostics(
+    manager: &mut Manager,
+    settings: &Settings,
+    tls: Option<TlsAcceptor>,
+    client: &kube::Client,
+    registry: &Registry,
+) -> anyhow::Result<()> {
+    let Some(diag) = &settings.diagnostics else {
+        return Ok(());
     };
-    let mut servers: Vec<JoinHandle<()>> = Vec::new();
-    if let Some(diag) = &settings.diagnostics {
-        let metrics = server::handlers::metrics_handler(registry.clone());
-        servers.push(match diagnostics_tls {
-            Some(tls) => {
-                let listener = server::bind("diagnostics (HTTPS, authorized)", diag.bind).await?;
-                let authorizer = Arc::new(metrics_auth::Authorizer::new(client.clone()));
-                let handler = metrics_auth::secured(authorizer, metrics);
-                let limits = server::Limits::plain(cap);
-                server::serve(
-                    server("diagnostics", listener, Some(tls), limits),
-                    handler,
-                    shutdown.clone(),
-                )
-            }
-            None => {
-                let listener = server::bind("diagnostics (insecure HTTP)", diag.bind).await?;
-                let limits = server::Limits::plain(cap);
-                server::serve(
-                    server("diagnostics", listener, None, limits),
-                    metrics,
-                    shutdown.clone(),
-                )
-            }
-        });
-    }
-    let api_reachable = Arc::new(AtomicBool::new(false));
+    let metrics = server::handlers::metrics_routes(registry.clone());
+    let (name, routes) = match &tls {
+        Some(_) => {
+            let authorizer = Arc::new(metrics_auth::Authorizer::new(client.clone()));
+            (
+                "diagnostics (HTTPS, authorized)",
+                metrics_auth::secured(authorizer, metrics),
+            )
+        }
+        None => ("diagnostics (insecure HTTP)", metrics),
+    };
+    info!(address = %diag.bind, "Serving {name}");
+    manager
+        .add_server("diagnostics", diag.bind, tls, Limits::plain().on(routes))
+        .await
+}
+
+/// `/healthz` and `/readyz`, and the task that keeps `/readyz` current.
+async fn setup_checks(
+    manager: &mut Manager,
+    settings: &Settings,
+    client: &kube::Client,
+) -> anyhow::Result<()> {
+    let reachable = Arc::new(AtomicBool::new(false));
     if let Some(address) = settings.probe_address {
-        let listener = server::bind("health probes", address).await?;
-        servers.push(server::serve(
-            server("probes", listener, None, server::Limits::plain(cap)),
-            server::handlers::probe_handler(api_reachable.clone()),
-            shutdown.clone(),
-        ));
+        let routes = server::handlers::probe_routes(reachable.clone());
+        manager
+            .add_server("probes", address, None, Limits::plain().on(routes))
+            .await?;
     }
-    if let (Some(hook), Some(tls)) = (&settings.webhook, webhook_tls) {
-        let listener = server::bind("webhooks (conversion, admission)", hook.bind).await?;
-        let webhook_metrics = server::webhook_metrics::WebhookMetrics::register(&registry)
-            .context("registering webhook metrics")?;
-        servers.push(server::serve(
-            server(
-                "webhook",
-                listener,
-                Some(tls),
-                server::Limits::webhooks(cap),
-            ),
-            server::webhook_metrics::instrumented_webhooks(webhook_metrics),
-            shutdown.clone(),
-        ));
-    }
-    let readiness = tokio::spawn(watch_api_server(client.clone(), api_reachable));
+    let client = client.clone();
+    manager.add_task("readiness", move |stop| {
+        watch_api_server(client, reachable, stop)
+    });
+    Ok(())
+}
 
-    let mut config = settings.controllers.clone();
-    let mut key_reload = None;
-    if let (Some(f), Some((file, keys))) = (&settings.fulfilment, fulfilment_keys) {
-        config.fulfilment = Some(capm_api::link_token::Links {
-            base_url: f.url.clone(),
-            validity: f.validity,
-            keys: keys.clone(),
-        });
-        key_reload = Some(tokio::spawn(fulfil::reload_keys(
-            file,
-            keys.clone(),
-            fulfil::KEY_RELOAD_INTERVAL,
-        )));
-        if let Some(bind) = f.bind {
-            let listener = server::bind("fulfilment page", bind).await?;
-            let page = fulfil::Page::new(
-                client.clone(),
-                keys,
-                f,
-                config.recipients.clone(),
-                instance.clone(),
-                &registry,
-            )?;
-            servers.push(server::serve(
-                server("fulfilment", listener, None, server::Limits::page(cap)),
-                Arc::new(page).handler(),
-                shutdown.clone(),
-            ));
-        }
+/// The webhooks (`/convert`, `/validate`) over TLS.
+async fn setup_webhooks(
+    manager: &mut Manager,
+    bind: SocketAddr,
+    cert: Arc<ReloadingCert>,
+    registry: &Registry,
+    reloads: &mut Vec<Box<dyn Reload>>,
+) -> anyhow::Result<()> {
+    let tls = TlsAcceptor::from(Arc::new(cert.clone().server_config()?));
+    reloads.push(Box::new(CertReload(cert)));
+    let metrics = server::webhook_metrics::WebhookMetrics::register(registry)
+        .context("registering webhook metrics")?;
+    let routes = server::webhooks::webhook_routes(metrics);
+    manager
+        .add_server("webhook", bind, Some(tls), Limits::webhooks().on(routes))
+        .await
+}
+
+/// What the fulfilment page is served with.
+struct Page<'a> {
+    settings: &'a Fulfilment,
+    bind: SocketAddr,
+    recipients: Vec<String>,
+    instance: &'a str,
+}
+
+/// The fulfilment page on its own port.
+async fn setup_fulfilment(
+    manager: &mut Manager,
+    page: Page<'_>,
+    client: &kube::Client,
+    keys: KeyRing,
+    registry: &Registry,
+) -> anyhow::Result<()> {
+    let handler = fulfil::Page::new(
+        client.clone(),
+        keys,
+        page.settings,
+        page.recipients,
+        page.instance.to_owned(),
+        registry,
+    )?;
+    let routes = Arc::new(handler).router();
+    manager
+        .add_server("fulfilment", page.bind, None, Limits::page().on(routes))
+        .await
+}
+
+/// One reloader for every file that changes under the process.
+fn setup_reloader(manager: &mut Manager, files: Vec<Box<dyn Reload>>) {
+    if files.is_empty() {
+        return;
     }
+    manager.add_task("reloader", move |stop| async move {
+        reload::watch(files, reload::RELOAD_INTERVAL, stop).await;
+        Ok(())
+    });
+}
+
+/// The controllers, under leader election when it is on.
+#[allow(clippy::too_many_arguments)]
+fn setup_reconcilers(
+    manager: &mut Manager,
+    all: &ManagerSettings,
+    settings: &Settings,
+    client: kube::Client,
+    leadership: Leadership,
+    mailer: Arc<dyn Mailer>,
+    links: Option<Links>,
+    instance: String,
+    registry: &Registry,
+) -> anyhow::Result<()> {
+    let metrics =
+        capm_controllers::Metrics::register(registry).context("registering controller metrics")?;
+    let gauge = IntGaugeVec::new(
+        Opts::new(
+            "leader_election_master_status",
+            "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease.",
+        ),
+        &["name"],
+    )?;
+    registry.register(Box::new(gauge.clone()))?;
+    let elector = all.leader_election.clone().map(|params| {
+        let gauge = gauge.with_label_values(&[params.name.as_str()]);
+        Elector::new(client.clone(), params, leadership.clone(), gauge)
+    });
+    let mut config = all.controllers.clone();
+    config.fulfilment = links;
     config.instance = instance;
     let controllers = Controllers {
-        client: client.clone(),
-        leadership: leadership.clone(),
+        client,
+        leadership,
         mailer,
         config,
-        metrics: controller_metrics,
+        metrics,
         timeout: settings.shutdown_timeout,
     };
-    let result = match settings.leader_election.clone() {
-        None => controllers.run(shutdown.clone(), None).await,
-        Some(params) => {
-            let gauge = leader_gauge.with_label_values(&[params.name.as_str()]);
-            let elector = Elector::new(client, params, leadership, gauge);
-            lead(elector, controllers, shutdown.clone()).await
-        }
-    };
-
-    // Stop serving: on success shutdown was requested already; on failure request it now.
-    shutdown.trigger();
-    readiness.abort();
-    if let Some(reload) = key_reload {
-        reload.abort();
-    }
-    for server in servers {
-        let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    }
-    result
+    manager.add_task("controllers", move |stop| controllers.run(elector, stop));
+    Ok(())
 }
 
 /// The diagnostics endpoint's TLS: the certificate directory's pair, else a self-signed one;
@@ -260,12 +358,6 @@ fn diagnostics_tls(settings: &Settings) -> anyhow::Result<Option<TlsAcceptor>> {
     Ok(Some(TlsAcceptor::from(Arc::new(config))))
 }
 
-/// How long any request to the API server may wait for its answer to start. The API server
-/// answers within milliseconds (a watch with its headers, a list with a page of 50); a request
-/// sent on a connection that a partition left silent (no reset, no close: a load balancer that
-/// dropped it) would otherwise wait forever, since kube's client has no read timeout by default.
-/// Failed, the request is retried as any failed request is (a watch by its backoff, a reconcile by
-/// its requeue).
 const API_RESPONSE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// The client, its requests counted in `rest_client_requests_total` and bounded by
@@ -298,9 +390,14 @@ async fn kube_client(
         .build())
 }
 
-async fn watch_api_server(client: kube::Client, reachable: Arc<AtomicBool>) {
+/// Keeps `reachable` current until `stop`.
+async fn watch_api_server(
+    client: kube::Client,
+    reachable: Arc<AtomicBool>,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
     let mut was = None;
-    loop {
+    while !stop.is_cancelled() {
         let ok = matches!(
             tokio::time::timeout(READINESS_INTERVAL, client.apiserver_version()).await,
             Ok(Ok(_))
@@ -314,8 +411,12 @@ async fn watch_api_server(client: kube::Client, reachable: Arc<AtomicBool>) {
             }
             was = Some(ok);
         }
-        tokio::time::sleep(READINESS_INTERVAL).await;
+        tokio::select! {
+            () = tokio::time::sleep(READINESS_INTERVAL) => {}
+            () = stop.cancelled() => {}
+        }
     }
+    Ok(())
 }
 
 /// The pod name (`POD_NAME`, else the host name): events' `reportingInstance` and the first part
@@ -335,121 +436,4 @@ fn random_suffix() -> String {
     (0..10)
         .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
         .collect()
-}
-
-struct Controllers {
-    client: kube::Client,
-    leadership: Leadership,
-    mailer: Arc<dyn Mailer>,
-    config: capm_controllers::Config,
-    metrics: capm_controllers::Metrics,
-    timeout: Duration,
-}
-
-impl Controllers {
-    /// Runs the controllers until `shutdown`, then waits at most the shutdown timeout for their
-    /// in-flight reconciles. When leading and `lost` fires, aborts them at once instead: a
-    /// reconcile of a replica that no longer leads must not finish its work.
-    async fn run(
-        self,
-        shutdown: Shutdown,
-        lost: Option<tokio::sync::watch::Receiver<bool>>,
-    ) -> anyhow::Result<()> {
-        let timeout = self.timeout;
-        let stop = {
-            let mut shutdown = shutdown.clone();
-            async move { shutdown.wait().await }
-        };
-        let lost = async move {
-            match lost {
-                Some(mut lost) => {
-                    let _ = lost.wait_for(|l| *l).await;
-                }
-                None => std::future::pending::<()>().await,
-            }
-        };
-        tokio::pin!(lost);
-        info!("Starting the controllers");
-        let mut task = tokio::spawn(capm_controllers::run(
-            self.client,
-            self.mailer,
-            self.config,
-            self.leadership,
-            self.metrics,
-            stop,
-        ));
-        let mut waiting = shutdown.clone();
-        let finished = tokio::select! {
-            finished = &mut task => Some(finished),
-            () = waiting.wait() => None,
-            () = &mut lost => {
-                task.abort();
-                let _ = task.await;
-                return Err(anyhow!("leadership lost: in-flight reconciles aborted"));
-            }
-        };
-        let finished = match finished {
-            Some(finished) => finished,
-            None => tokio::select! {
-                finished = tokio::time::timeout(timeout, &mut task) => match finished {
-                    Ok(finished) => finished,
-                    Err(_) => {
-                        task.abort();
-                        return Err(anyhow!(
-                            "the controllers did not stop within the shutdown timeout ({timeout:?})"
-                        ));
-                    }
-                },
-                () = &mut lost => {
-                    task.abort();
-                    let _ = task.await;
-                    return Err(anyhow!("leadership lost during shutdown: in-flight reconciles aborted"));
-                }
-            },
-        };
-        match finished {
-            Ok(Ok(())) if shutdown.is_triggered() => {
-                info!("The controllers stopped");
-                Ok(())
-            }
-            Ok(Ok(())) => Err(anyhow!("the controllers stopped unexpectedly")),
-            Ok(Err(e)) => Err(anyhow::Error::new(e).context("the controllers failed")),
-            Err(e) => Err(anyhow!("the controllers' task failed: {e}")),
-        }
-    }
-}
-
-/// Stands by until this replica leads, then runs the controllers while renewing the Lease.
-/// Releases the Lease when the controllers stop; fails (non-zero exit) if leadership is lost.
-async fn lead(
-    mut elector: Elector,
-    controllers: Controllers,
-    shutdown: Shutdown,
-) -> anyhow::Result<()> {
-    info!(
-        identity = elector.identity(),
-        "Waiting to become the leader"
-    );
-    if !elector.acquire(shutdown.clone()).await {
-        return Ok(());
-    }
-    let timeout = controllers.timeout;
-    let (lost_tx, lost_rx) = tokio::sync::watch::channel(false);
-    let running = controllers.run(shutdown.clone(), Some(lost_rx));
-    tokio::pin!(running);
-    let result = tokio::select! {
-        lost = elector.hold() => {
-            error!(reason = %lost, "Lost the leader Lease; aborting the controllers");
-            lost_tx.send_replace(true);
-            if tokio::time::timeout(timeout, running).await.is_err() {
-                warn!("The controllers did not stop within the shutdown timeout");
-            }
-            return Err(anyhow!("leader election lost: {lost}"));
-        }
-        result = &mut running => result,
-    };
-    if let Err(e) = elector.release().await {
-        warn!(error = %e, "Could not release the leader Lease; it expires by itself");
-    }
-    result
 }

@@ -36,7 +36,9 @@ use tracing::{debug, info, warn};
 
 use capm_controllers::Leadership;
 
-use crate::{settings::LeaderElection, shutdown::Shutdown};
+use tokio_util::sync::CancellationToken;
+
+use crate::settings::LeaderElection;
 
 /// What one acquire-or-renew round found.
 #[derive(Debug, PartialEq, Eq)]
@@ -200,8 +202,8 @@ impl Elector {
         }
     }
 
-    /// Waits until this candidate holds the Lease (`true`), or `shutdown` fires first (`false`).
-    pub async fn acquire(&mut self, mut shutdown: Shutdown) -> bool {
+    /// Waits until this candidate holds the Lease (`true`), or `stop` fires first (`false`).
+    pub async fn acquire(&mut self, stop: &CancellationToken) -> bool {
         let mut last_holder = None;
         loop {
             let started = Instant::now();
@@ -228,7 +230,7 @@ impl Elector {
                 .mul_f64(rand::random_range(0.0..1.2));
             tokio::select! {
                 () = tokio::time::sleep(self.params.retry_period + jitter) => {}
-                () = shutdown.wait() => return false,
+                () = stop.cancelled() => return false,
             }
         }
     }

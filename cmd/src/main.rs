@@ -13,10 +13,12 @@ mod client_metrics;
 mod fulfil;
 mod lease_elector;
 mod logging;
+mod manager;
 mod metrics_auth;
+mod reconcilers;
+mod reload;
 mod server;
 mod settings;
-mod shutdown;
 mod tls;
 
 use std::{process::ExitCode, time::Duration};

@@ -15,15 +15,17 @@
 
 use std::{
     collections::HashMap,
-    future::Future,
-    pin::Pin,
     sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant},
 };
 
-use bytes::Bytes;
-use http::{Method, Response, StatusCode, header};
-use http_body_util::Full;
+use axum::{
+    Router,
+    extract::{Request, State},
+    middleware::Next,
+    response::Response,
+};
+use http::{HeaderMap, Method, StatusCode, header};
 use k8s_openapi::api::{
     authentication::v1::{TokenReview, TokenReviewSpec},
     authorization::v1::{NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec},
@@ -76,8 +78,8 @@ fn key(token: &str, verb: &str, path: &str) -> Key {
 }
 
 /// The `Bearer` token of a request, if it has one.
-fn bearer(req: &crate::server::Req) -> Option<&str> {
-    let value = req.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     let token = token.trim();
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
@@ -89,7 +91,7 @@ fn verb(method: &Method) -> String {
     method.as_str().to_ascii_lowercase()
 }
 
-fn unauthorized() -> Response<Full<Bytes>> {
+fn unauthorized() -> Response {
     let mut response = text(StatusCode::UNAUTHORIZED, "Unauthorized\n");
     response.headers_mut().insert(
         header::WWW_AUTHENTICATE,
@@ -178,12 +180,12 @@ impl Authorizer {
     }
 
     /// `Ok` when the request may proceed, else the response to send.
-    async fn check(&self, req: &crate::server::Req) -> Result<(), Response<Full<Bytes>>> {
-        let Some(token) = bearer(req) else {
+    async fn check(&self, req: &http::request::Parts) -> Result<(), Response> {
+        let Some(token) = bearer(&req.headers) else {
             return Err(unauthorized());
         };
-        let verb = verb(req.method());
-        let path = req.uri().path();
+        let verb = verb(&req.method);
+        let path = req.uri.path();
         let key = key(token, &verb, path);
         let verdict = match self.cached(&key) {
             Some(verdict) => verdict,
@@ -215,27 +217,21 @@ impl Authorizer {
     }
 }
 
-/// A boxed response future, so the secured handler has one nameable type.
-pub type ResponseFuture = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + Send>>;
+/// `routes`, for requests that `authorizer` lets through (every path: an unknown one is a 404
+/// only to a caller the API server vouches for).
+pub fn secured(authorizer: Arc<Authorizer>, routes: Router) -> Router {
+    routes.layer(axum::middleware::from_fn_with_state(authorizer, authorize))
+}
 
-/// `inner`, for requests that `authorizer` lets through.
-pub fn secured<F, Fut>(
-    authorizer: Arc<Authorizer>,
-    inner: F,
-) -> impl Fn(crate::server::Req) -> ResponseFuture + Send + Sync + Clone + 'static
-where
-    F: Fn(crate::server::Req) -> Fut + Send + Sync + Clone + 'static,
-    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
-{
-    move |req| {
-        let authorizer = authorizer.clone();
-        let inner = inner.clone();
-        Box::pin(async move {
-            match authorizer.check(&req).await {
-                Ok(()) => inner(req).await,
-                Err(response) => response,
-            }
-        })
+async fn authorize(
+    State(authorizer): State<Arc<Authorizer>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    match authorizer.check(&parts).await {
+        Ok(()) => next.run(Request::from_parts(parts, body)).await,
+        Err(response) => response,
     }
 }
 

@@ -2,15 +2,16 @@
 //! the files change; or, for diagnostics without a certificate directory, a self-signed one
 //! made at start (as controller-runtime does).
 //!
-//! Each TLS handshake checks the files' metadata (modification time, size, inode: a Kubernetes
-//! Secret volume swaps a symlink, cert-manager rewrites files) and reloads on any change, so a
-//! renewed certificate is served from the next connection on, without a restart. A pair that
-//! does not load (for example a half-written update) is logged and the previous one kept.
+//! The process's reloader ([`crate::reload`]) looks at the files' metadata (modification time,
+//! size, inode: a Kubernetes Secret volume swaps a symlink, cert-manager rewrites files) and
+//! reloads on any change, so a renewed certificate is served within its interval, without a
+//! restart; handshakes only read the pair in use. A pair that does not load (for example a
+//! half-written update) is logged and the previous one kept.
 
 use std::{
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::{Arc, PoisonError, RwLock},
     time::SystemTime,
 };
 
@@ -21,7 +22,6 @@ use rustls::{
     server::{ClientHello, ResolvesServerCert},
     sign::CertifiedKey,
 };
-use tracing::{info, warn};
 
 /// Why the certificate could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +47,7 @@ pub struct ReloadingCert {
     cert: PathBuf,
     key: PathBuf,
     provider: Arc<CryptoProvider>,
-    current: Mutex<(Stamp, Arc<CertifiedKey>)>,
+    current: RwLock<(Stamp, Arc<CertifiedKey>)>,
 }
 
 fn stamp(paths: [&Path; 2]) -> Result<Stamp, TlsError> {
@@ -101,7 +101,7 @@ impl ReloadingCert {
             cert,
             key,
             provider,
-            current: Mutex::new((before, Arc::new(pair))),
+            current: RwLock::new((before, Arc::new(pair))),
         })
     }
 
@@ -118,29 +118,55 @@ impl ReloadingCert {
         Ok(config)
     }
 
-    fn current(&self) -> Option<Arc<CertifiedKey>> {
-        let mut guard = match self.current.lock() {
-            Ok(g) => g,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        match stamp([&self.cert, &self.key]) {
-            Ok(now) if now != guard.0 => match load(&self.cert, &self.key, &self.provider) {
-                Ok(pair) => {
-                    info!(cert = %self.cert.display(), "Reloaded a serving certificate");
-                    *guard = (now, Arc::new(pair));
-                }
-                Err(e) => warn!(error = %e, "Keeping the previous serving certificate"),
-            },
-            Ok(_) => {}
-            Err(e) => warn!(error = %e, "Keeping the previous serving certificate"),
+    /// Loads the pair again if the files changed: `Ok(true)` when it did.
+    fn reload(&self) -> Result<bool, TlsError> {
+        let now = stamp([&self.cert, &self.key])?;
+        if now
+            == self
+                .current
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .0
+        {
+            return Ok(false);
         }
-        Some(guard.1.clone())
+        let pair = Arc::new(load(&self.cert, &self.key, &self.provider)?);
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = (now, pair);
+        Ok(true)
     }
 }
 
 impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        self.current()
+        Some(
+            self.current
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .1
+                .clone(),
+        )
+    }
+}
+
+/// A certificate directory for [`crate::reload`].
+#[derive(Debug)]
+pub struct CertReload(pub Arc<ReloadingCert>);
+
+impl crate::reload::Reload for CertReload {
+    fn what(&self) -> String {
+        "a serving certificate".to_owned()
+    }
+
+    /// Only the files' metadata is read each time: a renewed certificate is served within a
+    /// second.
+    fn interval(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(1)
+    }
+
+    fn reload(&mut self) -> anyhow::Result<bool> {
+        self.0
+            .reload()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", self.0.cert.display()))
     }
 }
 

@@ -1,6 +1,7 @@
 //! Cross-site request forgery defences: a POST must come from the page itself (its `Origin`,
 //! `Sec-Fetch-Site`) and carry the form token bound to the page's `SameSite=Strict` cookie.
 
+use axum_extra::extract::cookie::{Cookie, CookieJar};
 use http::{HeaderMap, header};
 
 /// The browser cookie the form token is bound to.
@@ -22,13 +23,10 @@ pub(super) fn same_origin(headers: &HeaderMap, origin: &str) -> bool {
 }
 
 /// The cookie's value, if it is one this page set.
-pub(super) fn cookie(headers: &HeaderMap) -> Option<String> {
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='))
+pub(super) fn cookie(jar: &CookieJar) -> Option<String> {
+    jar.iter()
+        .filter(|c| c.name() == COOKIE)
+        .map(Cookie::value)
         .find(|v| v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit()))
         .map(str::to_owned)
 }
@@ -84,11 +82,11 @@ mod tests {
             header::COOKIE,
             HeaderValue::from_str(&format!("other=1; {COOKIE}=short; {COOKIE}={good}")).unwrap(),
         );
-        assert_eq!(cookie(&headers), Some(good));
+        assert_eq!(cookie(&CookieJar::from_headers(&headers)), Some(good));
         headers.insert(
             header::COOKIE,
             HeaderValue::from_static("capm_fulfil=<script>"),
         );
-        assert_eq!(cookie(&headers), None);
+        assert_eq!(cookie(&CookieJar::from_headers(&headers)), None);
     }
 }

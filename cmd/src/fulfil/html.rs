@@ -1,7 +1,9 @@
-//! The fulfilment page's HTML: plain, without JavaScript, every input labelled, every value
-//! from outside escaped (and, for text from the object, cleaned as everywhere else).
+//! The fulfilment page's HTML: plain, without JavaScript, every input labelled, from askama
+//! templates (`cmd/templates/fulfil/`) that escape every value by default; text from the object
+//! is also cleaned (controls, bidirectional overrides) as everywhere else. A rendered fragment
+//! is an [`Html`], which only these templates make, so one can be put into another unescaped.
 
-use std::fmt::Write as _;
+use askama::Template;
 
 /// The page's only style sheet; the Content-Security-Policy allows exactly it (by hash).
 pub const CSS: &str = "body{font-family:system-ui,sans-serif;max-width:44rem;margin:2rem auto;\
@@ -16,46 +18,57 @@ padding-left:1rem}";
 /// The longest text shown from one field of the object.
 const MAX_SHOWN_BYTES: usize = 4096;
 
-/// `text` escaped for HTML text and attribute values.
-pub fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
+/// HTML rendered from one of this module's templates.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Html(String);
+
+impl Html {
+    fn render(template: &impl Template) -> Self {
+        // The templates only format strings: rendering cannot fail.
+        Self(template.render().unwrap_or_default())
     }
-    out
+
+    /// `self` followed by `next`.
+    pub fn then(mut self, next: &Html) -> Self {
+        self.0.push_str(&next.0);
+        self
+    }
 }
 
-/// Text from the object: cleaned (controls, bidirectional overrides) and escaped, one line.
+impl std::fmt::Display for Html {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<Html> for String {
+    fn from(html: Html) -> Self {
+        html.0
+    }
+}
+
+/// Text from the object: cleaned (controls, bidirectional overrides), one line, for a template
+/// to escape.
 pub fn shown(text: &str) -> String {
-    escape(&capm_mailer::text::clean(text, MAX_SHOWN_BYTES))
+    capm_mailer::text::clean(text, MAX_SHOWN_BYTES)
 }
 
-/// A multi-line text from the object (the request): each line cleaned and escaped.
-fn shown_lines(text: &str) -> String {
-    text.lines()
-        .take(100)
-        .map(shown)
-        .collect::<Vec<_>>()
-        .join("<br>")
+#[derive(Template)]
+#[template(path = "fulfil/page.html")]
+struct PageTemplate<'a> {
+    title: &'a str,
+    css: &'a str,
+    body: &'a Html,
 }
 
 /// A whole page.
-pub fn page(title: &str, body: &str) -> String {
-    format!(
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
-         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n\
-         <meta name=\"referrer\" content=\"same-origin\">\n<title>{title}</title>\n\
-         <style>{CSS}</style>\n</head>\n<body>\n<main>\n<h1>{title}</h1>\n{body}</main>\n\
-         </body>\n</html>\n",
-        title = escape(title)
-    )
+pub fn page(title: &str, body: &Html) -> String {
+    Html::render(&PageTemplate {
+        title,
+        css: CSS,
+        body,
+    })
+    .into()
 }
 
 /// What was asked, as the mail said it.
@@ -79,37 +92,43 @@ pub struct Summary {
     pub extra: Vec<(&'static str, String)>,
 }
 
+#[derive(Template)]
+#[template(path = "fulfil/summary.html")]
+struct SummaryTemplate {
+    rows: Vec<(&'static str, Vec<String>)>,
+}
+
 /// The request as a definition list.
-pub fn summary(s: &Summary) -> String {
-    let mut out = String::from("<h2>What was asked</h2>\n<dl>\n");
-    let rows = [
-        ("Kind", shown(&s.kind)),
-        ("Name", shown(&s.name)),
-        ("Namespace", shown(&s.namespace)),
-        ("Priority", shown(&s.priority)),
-        ("Request", shown_lines(&s.request)),
-        ("Requested by", shown(&s.requester)),
-        ("Requested at", shown(&s.when)),
+pub fn summary(s: &Summary) -> Html {
+    let one = |text: &str| vec![shown(text)];
+    let mut rows = vec![
+        ("Kind", one(&s.kind)),
+        ("Name", one(&s.name)),
+        ("Namespace", one(&s.namespace)),
+        ("Priority", one(&s.priority)),
+        ("Request", s.request.lines().take(100).map(shown).collect()),
+        ("Requested by", one(&s.requester)),
+        ("Requested at", one(&s.when)),
     ];
-    let extra = s.extra.iter().map(|(k, v)| (*k, shown(v)));
-    for (label, value) in rows.into_iter().chain(extra) {
-        let _ = writeln!(out, "<dt>{label}</dt><dd>{value}</dd>");
-    }
-    out.push_str("</dl>\n");
-    out
+    rows.extend(s.extra.iter().map(|(k, v)| (*k, one(v))));
+    Html::render(&SummaryTemplate { rows })
+}
+
+#[derive(Template)]
+#[template(path = "fulfil/values.html")]
+struct ValuesTemplate {
+    rows: Vec<(String, String)>,
 }
 
 /// A list of recorded values (label, value).
-pub fn values(rows: &[(String, String)]) -> String {
-    let mut out = String::from("<dl>\n");
-    for (label, value) in rows {
-        let _ = writeln!(out, "<dt>{}</dt><dd>{}</dd>", shown(label), shown(value));
-    }
-    out.push_str("</dl>\n");
-    out
+pub fn values(rows: &[(String, String)]) -> Html {
+    let rows = rows.iter().map(|(k, v)| (shown(k), shown(v))).collect();
+    Html::render(&ValuesTemplate { rows })
 }
 
 /// One form field: its name, label, hint, current value and problem.
+#[derive(Template)]
+#[template(path = "fulfil/field.html")]
 pub struct Field<'a> {
     /// The form field's name (and the input's id).
     pub name: &'a str,
@@ -125,44 +144,6 @@ pub struct Field<'a> {
     pub input_type: &'a str,
     /// Required in the form.
     pub required: bool,
-}
-
-impl Field<'_> {
-    fn render(&self, out: &mut String) {
-        let (name, hint_id, problem_id) = (
-            escape(self.name),
-            format!("{}-hint", escape(self.name)),
-            format!("{}-problem", escape(self.name)),
-        );
-        let _ = write!(
-            out,
-            "<label for=\"{name}\">{}</label>\n<div class=\"note\" id=\"{hint_id}\">{}</div>\n",
-            escape(self.label),
-            escape(self.hint)
-        );
-        let mut described = hint_id;
-        if let Some(problem) = self.problem {
-            let _ = writeln!(
-                out,
-                "<div class=\"problem\" id=\"{problem_id}\">{}</div>",
-                escape(problem)
-            );
-            described = format!("{described} {problem_id}");
-        }
-        let _ = writeln!(
-            out,
-            "<input type=\"{}\" id=\"{name}\" name=\"{name}\" value=\"{}\" \
-             aria-describedby=\"{described}\"{}{}>",
-            self.input_type,
-            escape(self.value),
-            if self.required { " required" } else { "" },
-            if self.problem.is_some() {
-                " aria-invalid=\"true\""
-            } else {
-                ""
-            }
-        );
-    }
 }
 
 /// An address row: its index, the chosen type, the address, its problem.
@@ -186,33 +167,23 @@ pub const ADDRESS_TYPES: &[&str] = &[
     "ExternalDNS",
 ];
 
-impl AddressRow<'_> {
-    fn render(&self, out: &mut String) {
-        let n = self.index;
-        let _ = write!(
-            out,
-            "<fieldset>\n<legend>Address {}</legend>\n\
-             <label for=\"address-type-{n}\">Type</label>\n\
-             <select id=\"address-type-{n}\" name=\"address-type-{n}\">\n",
-            n + 1
-        );
-        for t in ADDRESS_TYPES {
-            let selected = if *t == self.type_ { " selected" } else { "" };
-            let _ = writeln!(out, "<option value=\"{t}\"{selected}>{t}</option>");
-        }
-        out.push_str("</select>\n");
-        Field {
-            name: &format!("address-{n}"),
-            label: "Address",
-            hint: "Leave empty if the machine has no further address.",
-            value: self.address,
-            problem: self.problem,
-            input_type: "text",
-            required: false,
-        }
-        .render(out);
-        out.push_str("</fieldset>\n");
-    }
+/// An address row as the form template shows it.
+struct RenderedRow {
+    index: usize,
+    number: usize,
+    /// Each type and its `selected` attribute (empty or ` selected`).
+    options: Vec<(&'static str, &'static str)>,
+    field: Html,
+}
+
+#[derive(Template)]
+#[template(path = "fulfil/form.html")]
+struct FormTemplate<'a> {
+    action: &'a str,
+    form_token: &'a str,
+    fields: Vec<Html>,
+    addresses: Vec<RenderedRow>,
+    problem: Option<&'a str>,
 }
 
 /// The form: hidden form token, the fields, address rows, one problem for the whole form.
@@ -222,43 +193,93 @@ pub fn form(
     fields: &[Field<'_>],
     addresses: &[AddressRow<'_>],
     problem: Option<&str>,
-) -> String {
-    let mut out = String::from("<h2>What you built</h2>\n");
-    if let Some(problem) = problem {
-        let _ = writeln!(
-            out,
-            "<p class=\"problem\" role=\"alert\">{}</p>",
-            escape(problem)
-        );
-    }
-    let _ = writeln!(
-        out,
-        "<form method=\"post\" action=\"{}\">\n\
-         <input type=\"hidden\" name=\"form-token\" value=\"{}\">",
-        escape(action),
-        escape(form_token)
-    );
-    for field in fields {
-        field.render(&mut out);
-    }
-    for row in addresses {
-        row.render(&mut out);
-    }
-    out.push_str("<button type=\"submit\">Record it</button>\n</form>\n");
-    out
+) -> Html {
+    let addresses = addresses
+        .iter()
+        .map(|row| RenderedRow {
+            index: row.index,
+            number: row.index + 1,
+            options: ADDRESS_TYPES
+                .iter()
+                .map(|t| (*t, if *t == row.type_ { " selected" } else { "" }))
+                .collect(),
+            field: Html::render(&Field {
+                name: &format!("address-{}", row.index),
+                label: "Address",
+                hint: "Leave empty if the machine has no further address.",
+                value: row.address,
+                problem: row.problem,
+                input_type: "text",
+                required: false,
+            }),
+        })
+        .collect();
+    Html::render(&FormTemplate {
+        action,
+        form_token,
+        fields: fields.iter().map(Html::render).collect(),
+        addresses,
+        problem,
+    })
+}
+
+#[derive(Template)]
+#[template(path = "fulfil/refusal.html")]
+struct RefusalTemplate<'a> {
+    message: &'a str,
 }
 
 /// A refusal: what happened, and that nothing was written.
 pub fn refusal(message: &str) -> String {
     page(
         "This link cannot be used",
-        &format!(
-            "<div class=\"refused\" role=\"alert\">\n<p>{}</p>\n<p>Nothing was recorded. Ask \
-             the requester for a new request, or record the values with <code>kubectl \
-             patch</code> as the mail shows.</p>\n</div>\n",
-            escape(message)
-        ),
+        &Html::render(&RefusalTemplate { message }),
     )
+}
+
+#[derive(Template)]
+#[template(path = "fulfil/notice.html")]
+struct NoticeTemplate<'a> {
+    message: &'a str,
+}
+
+/// A page of one sentence.
+pub fn notice(title: &str, message: &str) -> String {
+    page(title, &Html::render(&NoticeTemplate { message }))
+}
+
+#[derive(Template)]
+#[template(path = "fulfil/recorded.html")]
+struct RecordedTemplate<'a> {
+    kind: &'a str,
+    name: String,
+    values: Html,
+}
+
+/// What the page answers once the values are recorded.
+pub fn recorded(kind: &str, name: &str, rows: &[(String, String)]) -> String {
+    let body = Html::render(&RecordedTemplate {
+        kind,
+        name: shown(name),
+        values: values(rows),
+    });
+    page("Recorded", &body)
+}
+
+#[derive(Template)]
+#[template(path = "fulfil/already.html")]
+struct AlreadyTemplate {
+    values: Html,
+    summary: Html,
+}
+
+/// What the page answers for an object already fulfilled.
+pub fn already(rows: &[(String, String)], asked: &Summary) -> String {
+    let body = Html::render(&AlreadyTemplate {
+        values: values(rows),
+        summary: summary(asked),
+    });
+    page("Already fulfilled", &body)
 }
 
 #[cfg(test)]
@@ -267,15 +288,18 @@ mod tests {
 
     #[test]
     fn outside_text_is_escaped_and_cleaned() {
-        assert_eq!(
-            escape(r#"<a href="x">'&'</a>"#),
-            "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;"
+        let v = values(&[("k".into(), r#"<a href="x">'&'</a>"#.into())]).to_string();
+        assert!(!v.contains("<a href"), "{v}");
+        assert!(
+            v.contains("&#60;a href=&#34;x&#34;&#62;&#39;&#38;&#39;&#60;/a&#62;"),
+            "{v}"
         );
         let s = summary(&Summary {
             request: "line one\n<script>alert(1)</script>\u{202e}txt.exe".into(),
             ..Summary::default()
         });
-        assert!(s.contains("line one<br>&lt;script&gt;"), "{s}");
+        let s = s.to_string();
+        assert!(s.contains("line one<br>&#60;script&#62;"), "{s}");
         assert!(!s.contains('\u{202e}') && !s.contains("<script"), "{s}");
     }
 
@@ -300,15 +324,16 @@ mod tests {
                 problem: None,
             }],
             None,
-        );
+        )
+        .to_string();
         for id in ["host", "address-type-0", "address-0"] {
             assert!(f.contains(&format!("<label for=\"{id}\">")), "{id}: {f}");
             assert!(f.contains(&format!("id=\"{id}\"")), "{id}: {f}");
         }
         assert!(f.contains("aria-invalid=\"true\""));
-        assert!(f.contains("value=\"&quot;&gt;&lt;b&gt;\""));
-        assert!(f.contains("value=\"ft&quot;\""));
+        assert!(f.contains("value=\"&#34;&#62;&#60;b&#62;\""), "{f}");
+        assert!(f.contains("value=\"ft&#34;\""), "{f}");
         assert!(f.contains("<option value=\"ExternalIP\" selected>"));
-        assert!(!page("t", &f).contains("<script"));
+        assert!(!refusal("<script>").contains("<script"));
     }
 }

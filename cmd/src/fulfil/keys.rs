@@ -1,13 +1,8 @@
 //! The links' key file: read when it changes, its keys put in the ring the page and the
 //! controllers seal and open with.
 
-use std::time::Duration;
-
 use capm_api::link_token::{KeyRing, Keys};
-use tracing::{info, warn};
 
-/// How often the key file is looked at.
-pub const KEY_RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 /// The key file is read up to this size (a Secret holds at most 1 MiB; a key line is ~45 bytes).
 const MAX_KEY_FILE_BYTES: u64 = 64 * 1024;
 
@@ -53,26 +48,29 @@ impl KeyFile {
     }
 }
 
-/// Looks at `file` every `interval` ([`KEY_RELOAD_INTERVAL`]) and puts a changed, usable key
-/// list in `ring` (a Secret's keys rotate without a restart). A broken file keeps the keys in
-/// use (logged once until it changes).
-pub async fn reload_keys(mut file: KeyFile, ring: KeyRing, interval: Duration) {
-    let mut failing = false;
-    loop {
-        tokio::time::sleep(interval).await;
-        match file.load() {
-            Ok(Some(keys)) => {
-                info!(keys = keys.len(), "Fulfilment keys reloaded");
-                ring.replace(keys);
-                failing = false;
+/// The key file and the ring its keys go to, for [`crate::reload`]: a Secret's keys rotate
+/// without a restart, a broken file keeps the keys in use.
+#[derive(Debug)]
+pub struct KeyReload {
+    /// The file.
+    pub file: KeyFile,
+    /// Where its keys go.
+    pub ring: KeyRing,
+}
+
+impl crate::reload::Reload for KeyReload {
+    fn what(&self) -> String {
+        "the fulfilment keys".to_owned()
+    }
+
+    fn reload(&mut self) -> anyhow::Result<bool> {
+        Ok(match self.file.load()? {
+            Some(keys) => {
+                self.ring.replace(keys);
+                true
             }
-            Ok(None) => failing = false,
-            Err(e) if !failing => {
-                warn!(error = %e, "Fulfilment keys not reloaded; the previous ones stay");
-                failing = true;
-            }
-            Err(_) => {}
-        }
+            None => false,
+        })
     }
 }
 
@@ -94,22 +92,32 @@ mod tests {
         let mut keys = KeyFile::new(file.path().to_owned());
         let ring = KeyRing::new(keys.load().unwrap().unwrap());
         assert!(keys.load().unwrap().is_none(), "unchanged");
-        let task = tokio::spawn(reload_keys(keys, ring.clone(), Duration::from_millis(20)));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let reload = KeyReload {
+            file: keys,
+            ring: ring.clone(),
+        };
+        let task = tokio::spawn(crate::reload::watch(
+            vec![Box::new(reload)],
+            std::time::Duration::from_millis(20),
+            stop.clone(),
+        ));
         let claims = Claims::new(Kind::MailgunCluster, "ns", "c", "u", "<m@d>", u64::MAX);
         let old = ring.current().seal(&claims).unwrap();
         std::fs::write(file.path(), format!("{KEY_B}\n{KEY_A}\n")).unwrap();
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while ring.current().len() != 2 {
             assert!(std::time::Instant::now() < deadline, "not reloaded");
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         assert_ne!(ring.current().seal(&claims).unwrap(), old);
         assert!(ring.current().open(&old, SystemTime::now()).is_ok());
         // A broken file keeps the keys in use.
         std::fs::write(file.path(), "not a key").unwrap();
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         assert_eq!(ring.current().len(), 2);
-        task.abort();
+        stop.cancel();
+        task.await.unwrap();
         let broken = KeyFile::new(file.path().to_owned())
             .load()
             .unwrap_err()

@@ -15,32 +15,31 @@ mod html;
 mod keys;
 mod limiter;
 mod record;
+mod routes;
 mod target;
 mod views;
 
-use std::{
-    collections::HashMap,
-    future::Future,
-    net::IpAddr,
-    pin::Pin,
-    sync::Arc,
-    time::{Duration, SystemTime},
-};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
+use axum::{
+    Extension, Form as PostedForm, Router,
+    extract::{State, rejection::FormRejection},
+    response::IntoResponse,
+};
+use axum_extra::extract::cookie::{Cookie, CookieJar, SameSite};
 use bytes::Bytes;
 use capm_api::link_token::{self, Claims, FulfilError, KeyRing};
 use capm_controllers::Events;
-use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body_util::Full;
 use kube::Client;
 use prometheus::{IntCounterVec, Opts, Registry};
 use tracing::{info, warn};
 
-use crate::server::{Peer, Req};
-use client_address::forwarded_client;
 use csrf::{COOKIE, cookie, new_cookie, same_origin};
-pub use keys::{KEY_RELOAD_INTERVAL, KeyFile, reload_keys};
+pub use keys::{KeyFile, KeyReload};
 pub use limiter::Limiter;
+use routes::{Answer, ClientAddress, Link};
 use target::{Form, Target};
 
 /// Address rows on the machine form.
@@ -68,9 +67,6 @@ pub struct Page {
     requests: IntCounterVec,
     csp: String,
 }
-
-/// The answer of the page's handler.
-pub type PageFuture = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + Send>>;
 
 /// What the page answers, counted in `capm_fulfilment_requests_total{result}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,64 +141,9 @@ impl Page {
         })
     }
 
-    /// The server's handler.
-    pub fn handler(self: Arc<Self>) -> impl Fn(Req) -> PageFuture + Send + Sync + Clone + 'static {
-        move |req| {
-            let page = Arc::clone(&self);
-            Box::pin(async move { page.handle(req).await })
-        }
-    }
-
-    async fn handle(&self, req: Req) -> Response<Full<Bytes>> {
-        let Some(token) = req.uri().path().strip_prefix(link_token::PATH_PREFIX) else {
-            return crate::server::text(StatusCode::NOT_FOUND, "not found\n");
-        };
-        let token = token.to_owned();
-        let address = self.client_address(&req);
-        let post = req.method() == Method::POST;
-        let (outcome, mut response) =
-            if !post && req.method() != Method::GET && req.method() != Method::HEAD {
-                let mut r = self.answer(
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    html::refusal("Use the link or the form."),
-                );
-                r.headers_mut()
-                    .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, POST"));
-                (Outcome::Refused("method"), r)
-            } else if let Err(wait) = self.limiter.allow_address(address, post) {
-                (Outcome::Refused("rate_limited"), self.too_many(wait))
-            } else if post {
-                self.submit(&token, req, address).await
-            } else {
-                self.show(&token, req.headers()).await
-            };
-        self.requests.with_label_values(&[outcome.label()]).inc();
-        if let Outcome::Refused(reason) = outcome {
-            info!(reason, client = %address, "Fulfilment page refused a request");
-        }
-        let headers = response.headers_mut();
-        for (name, value) in [
-            (header::CACHE_CONTROL, "no-store"),
-            (header::REFERRER_POLICY, "same-origin"),
-            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
-            (header::X_FRAME_OPTIONS, "DENY"),
-        ] {
-            headers.insert(name, HeaderValue::from_static(value));
-        }
-        if let Ok(csp) = HeaderValue::from_str(&self.csp) {
-            headers.insert(header::CONTENT_SECURITY_POLICY, csp);
-        }
-        response
-    }
-
-    /// The client's address: the peer, or through `--fulfilment-trusted-proxies`
-    /// [`forwarded_client`].
-    fn client_address(&self, req: &Req) -> IpAddr {
-        let peer = req
-            .extensions()
-            .get::<Peer>()
-            .map_or(IpAddr::from([0, 0, 0, 0]), |p| p.0.ip());
-        forwarded_client(peer, req.headers(), &self.trusted_proxies)
+    /// The page's routes, for the server.
+    pub fn router(self: Arc<Self>) -> Router {
+        routes::router(self)
     }
 
     fn answer(&self, status: StatusCode, body: String) -> Response<Full<Bytes>> {
@@ -215,8 +156,12 @@ impl Page {
         response
     }
 
+    fn answer_with(&self, outcome: Outcome, status: StatusCode, body: String) -> Answer {
+        Answer(outcome, self.answer(status, body))
+    }
+
     /// 429, with the seconds until the next attempt is allowed.
-    fn too_many(&self, wait: Duration) -> Response<Full<Bytes>> {
+    fn too_many(&self, wait: Duration) -> Answer {
         let mut r = self.answer(
             StatusCode::TOO_MANY_REQUESTS,
             html::refusal("Too many attempts for now; try again in a few minutes."),
@@ -224,32 +169,16 @@ impl Page {
         let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
         r.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
-        r
+        Answer(Outcome::Refused("rate_limited"), r)
     }
 
-    fn refused(&self, reason: &'static str, status: StatusCode, message: &str) -> Answered {
-        (
-            Outcome::Refused(reason),
-            self.answer(status, html::refusal(message)),
-        )
+    fn refused(&self, reason: &'static str, status: StatusCode, message: &str) -> Answer {
+        self.answer_with(Outcome::Refused(reason), status, html::refusal(message))
     }
 
-    /// Opens the token and finds its object, still the one it was made for.
-    async fn resolve(&self, token: &str) -> Result<(Claims, Target), Answered> {
-        let claims = match self.keys.current().open(token, SystemTime::now()) {
-            Ok(claims) => claims,
-            Err(FulfilError::Expired { .. }) => {
-                return Err(self.refused("expired", StatusCode::GONE, "This link has expired."));
-            }
-            Err(_) => {
-                return Err(self.refused(
-                    "invalid",
-                    StatusCode::FORBIDDEN,
-                    "This link is not valid: it was altered, or it was revoked.",
-                ));
-            }
-        };
-        let target = match Target::get(&self.client, &claims).await {
+    /// Finds the object of an opened link, still the one it was made for.
+    async fn resolve(&self, claims: &Claims) -> Result<Target, Answer> {
+        let target = match Target::get(&self.client, claims).await {
             Ok(Some(target)) => target,
             Ok(None) => {
                 return Err(self.refused(
@@ -260,13 +189,13 @@ impl Page {
             }
             Err(e) => {
                 warn!(error = %e, "Fulfilment page: reading the object failed");
-                return Err((
+                return Err(Answer(
                     Outcome::Error,
                     self.answer(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        html::page(
+                        html::notice(
                             "Try again shortly",
-                            "<p>The request could not be read just now. Nothing was recorded.</p>\n",
+                            "The request could not be read just now. Nothing was recorded.",
                         ),
                     ),
                 ));
@@ -287,54 +216,84 @@ impl Page {
                 "What this link asks for is no longer needed.",
             ));
         }
-        Ok((claims, target))
+        Ok(target)
     }
 
-    async fn show(&self, token: &str, headers: &HeaderMap) -> Answered {
-        let (_, target) = match self.resolve(token).await {
-            Ok(found) => found,
-            Err(answered) => return answered,
+    /// `GET /fulfil/{token}`: the form, and the cookie its token is bound to.
+    async fn show(State(page): State<Arc<Self>>, jar: CookieJar, link: Link) -> impl IntoResponse {
+        let target = match page.resolve(&link.claims).await {
+            Ok(target) => target,
+            Err(answer) => return (jar, answer),
         };
         if let Some(values) = target.fulfilment() {
-            return (Outcome::Already, self.already(&target, &values).await);
-        }
-        let cookie = cookie(headers).unwrap_or_else(new_cookie);
-        let mut response = self
-            .form_page(&target, token, &cookie, &Form::default(), StatusCode::OK)
-            .await;
-        let secure = if self.secure_cookie { "; Secure" } else { "" };
-        let set = format!(
-            "{COOKIE}={cookie}; Path={}; HttpOnly; SameSite=Strict{secure}",
-            link_token::PATH_PREFIX
-        );
-        if let Ok(value) = HeaderValue::from_str(&set) {
-            response.headers_mut().insert(header::SET_COOKIE, value);
-        }
-        (Outcome::Form, response)
-    }
-
-    async fn submit(&self, token: &str, req: Req, address: IpAddr) -> Answered {
-        let headers = req.headers().clone();
-        let form_type = headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"));
-        if !form_type {
-            return self.refused(
-                "not_a_form",
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "Send the values with the page's form.",
+            return (
+                jar,
+                Answer(Outcome::Already, page.already(&target, &values).await),
             );
         }
-        let body = http_body_util::BodyExt::collect(req.into_body())
+        let cookie = cookie(&jar).unwrap_or_else(new_cookie);
+        let response = page
+            .form_page(
+                &target,
+                &link.token,
+                &cookie,
+                &Form::default(),
+                StatusCode::OK,
+            )
+            .await;
+        let cookie = Cookie::build((COOKIE, cookie))
+            .path(link_token::PATH_PREFIX)
+            .http_only(true)
+            .same_site(SameSite::Strict)
+            .secure(page.secure_cookie);
+        (jar.add(cookie), Answer(Outcome::Form, response))
+    }
+
+    /// `POST /fulfil/{token}`: the values, from the page's own form, recorded on the object.
+    async fn submit(
+        State(page): State<Arc<Self>>,
+        Extension(ClientAddress(address)): Extension<ClientAddress>,
+        headers: HeaderMap,
+        jar: CookieJar,
+        link: Link,
+        fields: Result<PostedForm<HashMap<String, String>>, FormRejection>,
+    ) -> Answer {
+        page.record_values(address, &headers, &jar, link, fields)
             .await
-            .map(http_body_util::Collected::to_bytes)
-            .unwrap_or_default();
-        let fields: HashMap<String, String> = form_urlencoded::parse(&body).into_owned().collect();
-        let origin_ok = same_origin(&headers, &self.origin);
-        let cookie = cookie(&headers);
+    }
+
+    async fn record_values(
+        &self,
+        address: std::net::IpAddr,
+        headers: &HeaderMap,
+        jar: &CookieJar,
+        link: Link,
+        fields: Result<PostedForm<HashMap<String, String>>, FormRejection>,
+    ) -> Answer {
+        let Link { token, claims } = link;
+        let fields = match fields {
+            Ok(PostedForm(fields)) => fields,
+            Err(FormRejection::InvalidFormContentType(_)) => {
+                return self.refused(
+                    "not_a_form",
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "Send the values with the page's form.",
+                );
+            }
+            Err(_) => {
+                return self.refused(
+                    "not_a_form",
+                    StatusCode::BAD_REQUEST,
+                    "Send the values with the page's form.",
+                );
+            }
+        };
+        let origin_ok = same_origin(headers, &self.origin);
+        let cookie = cookie(jar);
         let page_token_ok = match (&cookie, fields.get("form-token")) {
-            (Some(cookie), Some(form)) => self.keys.current().check_form_token(token, cookie, form),
+            (Some(cookie), Some(form)) => {
+                self.keys.current().check_form_token(&token, cookie, form)
+            }
             _ => false,
         };
         if !origin_ok || !page_token_ok {
@@ -365,20 +324,20 @@ impl Page {
         // conflict (the controller records the request's send right after the mail goes out, so
         // a quick human meets one) reads the object again and checks it all again.
         let mut attempt = 0;
-        let (claims, target, result) = loop {
+        let (target, result) = loop {
             attempt += 1;
-            let (claims, target) = match self.resolve(token).await {
-                Ok(found) => found,
-                Err(answered) => return answered,
+            let target = match self.resolve(&claims).await {
+                Ok(target) => target,
+                Err(answer) => return answer,
             };
             // Counted once the link opened, by its object: made-up links fill no table.
             if attempt == 1
                 && let Err(wait) = self.limiter.allow_link(&claims.uid)
             {
-                return (Outcome::Refused("rate_limited"), self.too_many(wait));
+                return self.too_many(wait);
             }
             if let Some(values) = target.fulfilment() {
-                return (Outcome::Already, self.already(&target, &values).await);
+                return Answer(Outcome::Already, self.already(&target, &values).await);
             }
             let patch = match target.apply(&form) {
                 Ok(patch) => patch,
@@ -386,55 +345,49 @@ impl Page {
                     let response = self
                         .form_page(
                             &target,
-                            token,
+                            &token,
                             &cookie,
                             &form.with(problems),
                             StatusCode::UNPROCESSABLE_ENTITY,
                         )
                         .await;
-                    return (Outcome::Invalid, response);
+                    return Answer(Outcome::Invalid, response);
                 }
             };
             match target.patch(&self.client, &claims, patch).await {
                 Err(kube::Error::Api(e)) if e.code == 409 && attempt < PATCH_ATTEMPTS => {
                     tokio::time::sleep(CONFLICT_PAUSE * attempt).await;
                 }
-                result => break (claims, target, result),
+                result => break (target, result),
             }
         };
         match result {
             Ok(updated) => {
                 let values = updated.fulfilment().unwrap_or_default();
-                self.record(&updated, &values, address, &headers).await;
-                let body = format!(
-                    "<div class=\"done\" role=\"status\">\n<p>Recorded. Thank you: the {} {} is \
-                     marked provisioned shortly.</p>\n</div>\n{}",
-                    html::escape(claims.kind.as_str()),
-                    html::shown(&claims.name),
-                    html::values(&values)
-                );
-                (
+                self.record(&updated, &values, address, headers).await;
+                self.answer_with(
                     Outcome::Fulfilled,
-                    self.answer(StatusCode::OK, html::page("Recorded", &body)),
+                    StatusCode::OK,
+                    html::recorded(claims.kind.as_str(), &claims.name, &values),
                 )
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
                 let problem = "The request kept changing while the values were recorded; check them and send them again.";
                 let form = form.with(vec![(None, problem.to_owned())]);
-                (
+                Answer(
                     Outcome::Invalid,
-                    self.form_page(&target, token, &cookie, &form, StatusCode::CONFLICT)
+                    self.form_page(&target, &token, &cookie, &form, StatusCode::CONFLICT)
                         .await,
                 )
             }
             Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
                 let problem = format!("The API server refused the values: {}", e.message);
                 let form = form.with(vec![(None, problem)]);
-                (
+                Answer(
                     Outcome::Invalid,
                     self.form_page(
                         &target,
-                        token,
+                        &token,
                         &cookie,
                         &form,
                         StatusCode::UNPROCESSABLE_ENTITY,
@@ -444,13 +397,13 @@ impl Page {
             }
             Err(e) => {
                 warn!(error = %e, "Fulfilment page: the patch failed");
-                (
+                Answer(
                     Outcome::Error,
                     self.answer(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        html::page(
+                        html::notice(
                             "Try again shortly",
-                            "<p>The values could not be recorded just now. Nothing was recorded; send the form again in a moment.</p>\n",
+                            "The values could not be recorded just now. Nothing was recorded; send the form again in a moment.",
                         ),
                     ),
                 )
@@ -459,11 +412,10 @@ impl Page {
     }
 }
 
-type Answered = (Outcome, Response<Full<Bytes>>);
-
 #[cfg(test)]
 mod tests {
     use capm_api::link_token::{Keys, Kind};
+    use http::Method;
 
     use super::*;
 
@@ -616,8 +568,14 @@ mod tests {
             .body(Full::new(Bytes::from(form)))
             .unwrap();
         req.extensions_mut()
-            .insert(Peer(std::net::SocketAddr::from(([192, 0, 2, 1], 40000))));
-        let response = page.handle(req).await;
+            .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                [192, 0, 2, 1],
+                40000,
+            ))));
+        let response =
+            tower::ServiceExt::oneshot(Arc::new(page).router(), req.map(axum::body::Body::new))
+                .await
+                .unwrap();
         let status = response.status();
         let body = http_body_util::BodyExt::collect(response.into_body())
             .await

@@ -78,6 +78,8 @@ impl Page {
             .and_then(|s| s.identity)
             .or(records.intent.and_then(|i| i.identity));
         let recipients = match identity {
+            // A page-only process may not be told the provider's recipients.
+            None if self.recipients.is_empty() => vec!["the provider's recipients".to_owned()],
             None => self.recipients.clone(),
             Some(name) => self
                 .identity_recipients(&name)

@@ -16,12 +16,8 @@ impl Page {
         target: &Target,
         values: &[(String, String)],
     ) -> Response<Full<Bytes>> {
-        let body = format!(
-            "<div class=\"done\" role=\"status\">\n<p>Already recorded: nothing more to do.</p>\n</div>\n{}{}",
-            html::values(values),
-            html::summary(&target.summary(&self.client).await)
-        );
-        self.answer(StatusCode::OK, html::page("Already fulfilled", &body))
+        let asked = target.summary(&self.client).await;
+        self.answer(StatusCode::OK, html::already(values, &asked))
     }
 
     pub(super) async fn form_page(
@@ -107,6 +103,6 @@ impl Page {
             Target::Cluster(_) => "A cluster was requested",
             Target::Machine(_) => "A machine was requested",
         };
-        self.answer(status, html::page(title, &format!("{summary}{body}")))
+        self.answer(status, html::page(title, &summary.then(&body)))
     }
 }

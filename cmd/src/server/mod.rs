@@ -1,8 +1,8 @@
 //! The HTTP servers: the accept loop and the limits every endpoint is served within (`/metrics`,
 //! the probes `/healthz` + `/readyz`, the webhooks over TLS, and the fulfilment page,
-//! `crate::fulfil`). Each stops accepting when shutdown is requested and lets open requests
-//! finish. The endpoints' handlers are in [`handlers`], the webhooks' metrics in
-//! [`webhook_metrics`].
+//! `crate::fulfil`), each an axum [`Router`] served by [`serve`] until its cancellation token
+//! fires (open requests then finish). The endpoints' routes are in [`handlers`], the webhooks'
+//! metrics in [`webhook_metrics`]; `crate::manager` starts them.
 //!
 //! Any Pod that can reach a port is a client, so every server reads within [`Limits`], applied
 //! while reading: open connections (past the cap a new one is closed at once, so descriptors
@@ -11,15 +11,17 @@
 //! before reading, or once it grows past), and time: TLS handshake and request headers within
 //! [`HEADER_TIMEOUT`] (hyper's header timer also runs while a kept-alive connection waits for
 //! its next request, so idle connections close after it), the body within [`BODY_TIMEOUT`].
-//! The request limits are tower and tower-http layers (load shedding over a concurrency limit,
-//! the body limit, the body deadline); the connection cap is the accept loop's, since a layer
-//! sees requests, not connections.
+//! The request limits are tower and tower-http layers around the router (load shedding over a
+//! concurrency limit, the body limit, the body deadline); the connection cap and the header
+//! deadline are the accept loop's serve options, since a layer sees requests, not connections.
+//! The client's address is in every request's extensions as axum's [`ConnectInfo`].
 
 use std::{convert::Infallible, future::Future, net::SocketAddr, sync::Arc, time::Duration};
 
+use axum::{Router, body::Body, extract::ConnectInfo};
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, LengthLimitError, combinators::BoxBody};
+use http_body_util::{BodyExt, LengthLimitError};
 use hyper::body::Incoming;
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
@@ -33,6 +35,7 @@ use tokio::{
     task::JoinHandle,
 };
 use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
 use tower::{
     BoxError, Service, ServiceBuilder, ServiceExt, limit::GlobalConcurrencyLimitLayer, service_fn,
 };
@@ -43,10 +46,9 @@ use tower_http::{
 };
 use tracing::{debug, info, warn};
 
-use crate::shutdown::Shutdown;
-
 pub mod handlers;
 pub mod webhook_metrics;
+pub mod webhooks;
 
 /// Slow clients get this long to finish a TLS handshake, or to send their request headers (or,
 /// on a kept-alive connection, to start the next request).
@@ -56,18 +58,13 @@ pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// The body budget is counted in units of this many bytes.
 const BUDGET_UNIT: usize = 1024;
 
-/// A request as the handlers get it: the body read whole, within the server's [`Limits`].
-pub type Req = Request<Full<Bytes>>;
+/// What the servers answer with.
+pub type Answer = Response<Body>;
 
-/// The client's address, in every request's extensions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer(pub SocketAddr);
-
-/// What one server accepts from its clients at once. See the module documentation.
+/// What one server's requests may take at once (the connection cap is the manager's, the same
+/// for every server). See the module documentation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Open connections (those past it are closed as soon as accepted).
-    pub max_connections: usize,
     /// Requests being handled at once (those past it get 503).
     pub max_in_flight: usize,
     /// One request's body (past it: 413).
@@ -78,9 +75,8 @@ pub struct Limits {
 
 impl Limits {
     /// Probes and metrics: GETs without bodies.
-    pub fn plain(max_connections: usize) -> Self {
+    pub fn plain() -> Self {
         Self {
-            max_connections,
             max_in_flight: 64,
             max_body_bytes: 64 * 1024,
             body_budget_bytes: 1024 * 1024,
@@ -88,9 +84,8 @@ impl Limits {
     }
 
     /// The fulfilment page: forms of a few fields (16 KiB is generous), from people.
-    pub fn page(max_connections: usize) -> Self {
+    pub fn page() -> Self {
         Self {
-            max_connections,
             max_in_flight: 32,
             max_body_bytes: 16 * 1024,
             body_budget_bytes: 256 * 1024,
@@ -98,16 +93,30 @@ impl Limits {
     }
 
     /// The webhooks: the largest review either webhook takes, and room for two of them.
-    pub fn webhooks(max_connections: usize) -> Self {
+    pub fn webhooks() -> Self {
         let max_body_bytes =
             capm_api::webhook::MAX_REVIEW_BYTES.max(capm_api::admission::MAX_REVIEW_BYTES);
         Self {
-            max_connections,
             max_in_flight: 32,
             max_body_bytes,
             body_budget_bytes: 2 * max_body_bytes,
         }
     }
+
+    /// `router`, to be served within these limits.
+    pub fn on(self, router: Router) -> Endpoint {
+        Endpoint {
+            router,
+            limits: self,
+        }
+    }
+}
+
+/// A router and the limits it is served within.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    router: Router,
+    limits: Limits,
 }
 
 /// Descriptors kept out of the servers' connection caps: the API server's connections and
@@ -163,7 +172,7 @@ pub fn rejected_counter(registry: &Registry) -> Result<IntCounterVec, prometheus
 /// `capm_http_rejected_total`, and the answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Rejection {
-    /// Past `max_connections`: closed as soon as accepted.
+    /// Past the connection cap: closed as soon as accepted.
     Connections,
     /// Past `max_in_flight`: 503.
     InFlight,
@@ -190,7 +199,7 @@ impl Rejection {
     }
 
     /// The answer, marked with `self` for the counting layer.
-    fn response(self, limits: &Limits) -> Response<Full<Bytes>> {
+    fn response(self, limits: &Limits) -> Answer {
         let busy = |what: &str| {
             let mut response = text(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -219,19 +228,15 @@ impl Rejection {
     }
 }
 
-/// What the servers answer with: the handlers' bodies and the limit layers' answers.
-type Answer = Response<BoxBody<Bytes, Infallible>>;
-
 /// One server's request stack, outermost first: every refusal counted by its [`Rejection`];
 /// past `max_in_flight` a 503 at once (tower's load shedding over one concurrency limit shared
 /// by all connections); a body declared or growing past `max_body_bytes` refused with 413
 /// (tower-http's limit), the whole body due within [`BODY_TIMEOUT`] (tower-http's deadline);
-/// then the body read against the budget shared by the requests in flight, and the handler.
-fn stack<F, Fut>(
+/// then the body read against the budget shared by the requests in flight, and the router.
+fn stack(
     name: &'static str,
-    limits: Limits,
+    endpoint: Endpoint,
     rejected: IntCounterVec,
-    handler: F,
 ) -> impl Service<
     Request<Incoming>,
     Response = Answer,
@@ -239,22 +244,20 @@ fn stack<F, Fut>(
     Future = impl Future<Output = Result<Answer, BoxError>> + Send,
 > + Clone
 + Send
-+ 'static
-where
-    F: Fn(Req) -> Fut + Send + Sync + Clone + 'static,
-    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
-{
++ 'static {
+    let Endpoint { router, limits } = endpoint;
     let budget = Arc::new(Semaphore::new(
         limits.body_budget_bytes.div_ceil(BUDGET_UNIT),
     ));
-    // The body read whole, its share of the budget held until the handler has answered.
+    // The body read whole, its share of the budget held until the router has answered.
     let collect = service_fn(move |req: Request<DeadlineBody<Limited<Incoming>>>| {
-        let (handler, budget) = (handler.clone(), Arc::clone(&budget));
+        let (router, budget) = (router.clone(), Arc::clone(&budget));
         async move {
             let (parts, body) = req.into_parts();
             Ok::<_, Infallible>(match read(body, &budget).await {
                 Ok((bytes, held)) => {
-                    let response = handler(Request::from_parts(parts, Full::new(bytes))).await;
+                    let request = Request::from_parts(parts, Body::from(bytes));
+                    let Ok(response) = router.oneshot(request).await;
                     drop(held);
                     response
                 }
@@ -274,19 +277,19 @@ where
             Ok::<_, BoxError>(match result {
                 Ok(response) => response,
                 // `Overloaded`: the only error below (every other answer is a response).
-                Err(_) => Rejection::InFlight.response(&limits).map(BodyExt::boxed),
+                Err(_) => Rejection::InFlight.response(&limits),
             })
         })
         .load_shed()
         .layer(GlobalConcurrencyLimitLayer::new(limits.max_in_flight))
-        .map_response(move |response: Response<ResponseBody<Full<Bytes>>>| {
+        .map_response(move |response: Response<ResponseBody<Body>>| {
             // tower-http answers a declared Content-Length past the limit itself, unmarked.
             if response.status() == StatusCode::PAYLOAD_TOO_LARGE
                 && response.extensions().get::<Rejection>().is_none()
             {
-                Rejection::TooLarge.response(&limits).map(BodyExt::boxed)
+                Rejection::TooLarge.response(&limits)
             } else {
-                response.map(BodyExt::boxed)
+                response.map(Body::new)
             }
         })
         .layer(RequestBodyLimitLayer::new(limits.max_body_bytes))
@@ -336,14 +339,19 @@ where
 }
 
 /// A plain-text response.
-pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(body.into()));
+pub fn text(status: StatusCode, body: impl Into<String>) -> Answer {
+    let mut response = Response::new(Body::from(body.into()));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     response
+}
+
+/// Every router's answer to a path it does not serve.
+pub async fn not_found() -> Answer {
+    text(StatusCode::NOT_FOUND, "not found\n")
 }
 
 /// Binds `address`.
@@ -358,8 +366,8 @@ pub async fn bind(what: &str, address: SocketAddr) -> anyhow::Result<TcpListener
     Ok(listener)
 }
 
-/// Serves one connection until it ends or shutdown asks it to close.
-async fn connection<IO, S>(io: IO, service: S, mut shutdown: Shutdown)
+/// Serves one connection until it ends or `stop` asks it to close.
+async fn connection<IO, S>(io: IO, service: S, stop: CancellationToken)
 where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Service<Request<Incoming>, Response = Answer, Error = BoxError> + Clone + Send + 'static,
@@ -376,44 +384,40 @@ where
                 debug!(error = %e, "Connection ended with an error");
             }
         }
-        () = shutdown.wait() => {
+        () = stop.cancelled() => {
             conn.as_mut().graceful_shutdown();
             let _ = conn.await;
         }
     }
 }
 
-/// One server: its name (a metric label), listener, TLS, and limits.
+/// One server: its name (a metric label), listener, TLS, and connection cap.
 pub struct Server {
-    /// `webhook`, `diagnostics` or `probes`.
+    /// `webhook`, `diagnostics`, `probes` or `fulfilment`.
     pub name: &'static str,
     /// The bound listener.
     pub listener: TcpListener,
     /// TLS, when served over it.
     pub tls: Option<TlsAcceptor>,
-    /// What it accepts at once.
-    pub limits: Limits,
+    /// Open connections (those past it are closed as soon as accepted).
+    pub max_connections: usize,
     /// `capm_http_rejected_total`.
     pub rejected: IntCounterVec,
 }
 
-/// Accepts connections until shutdown, each within the server's [`Limits`].
-pub fn serve<F, Fut>(server: Server, handler: F, shutdown: Shutdown) -> JoinHandle<()>
-where
-    F: Fn(Req) -> Fut + Send + Sync + Clone + 'static,
-    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
-{
+/// Accepts connections until `stop`, each within the server's cap and the endpoint's
+/// [`Limits`].
+pub fn serve(server: Server, endpoint: Endpoint, stop: CancellationToken) -> JoinHandle<()> {
     let Server {
         name,
         listener,
         tls,
-        limits,
+        max_connections,
         rejected,
     } = server;
-    let connections = Arc::new(Semaphore::new(limits.max_connections));
-    let service = stack(name, limits, rejected.clone(), handler);
+    let connections = Arc::new(Semaphore::new(max_connections));
+    let service = stack(name, endpoint, rejected.clone());
     tokio::spawn(async move {
-        let mut stop = shutdown.clone();
         loop {
             let (tcp, peer) = tokio::select! {
                 accepted = listener.accept() => match accepted {
@@ -424,7 +428,7 @@ where
                         continue;
                     }
                 },
-                () = stop.wait() => break,
+                () = stop.cancelled() => break,
             };
             // Past the cap the connection is closed at once: waiting clients would hold their
             // descriptors in the backlog, and closing is the fastest answer.
@@ -439,18 +443,18 @@ where
             let service = service
                 .clone()
                 .map_request(move |mut req: Request<Incoming>| {
-                    req.extensions_mut().insert(Peer(peer));
+                    req.extensions_mut().insert(ConnectInfo(peer));
                     req
                 });
-            let shutdown = shutdown.clone();
+            let stop = stop.clone();
             let tls = tls.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 match tls {
-                    None => connection(tcp, service, shutdown).await,
+                    None => connection(tcp, service, stop).await,
                     Some(acceptor) => {
                         match tokio::time::timeout(HEADER_TIMEOUT, acceptor.accept(tcp)).await {
-                            Ok(Ok(stream)) => connection(stream, service, shutdown).await,
+                            Ok(Ok(stream)) => connection(stream, service, stop).await,
                             Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
                             Err(_) => debug!(%peer, "TLS handshake timed out"),
                         }
@@ -477,38 +481,33 @@ mod tests {
     }
 
     /// A server with small limits whose handler waits `hold` before answering.
-    async fn small_server(hold: Duration) -> (SocketAddr, IntCounterVec, Shutdown) {
+    async fn small_server(hold: Duration) -> (SocketAddr, IntCounterVec, CancellationToken) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let registry = Registry::new();
         let rejected = rejected_counter(&registry).unwrap();
-        let shutdown = Shutdown::new();
+        let stop = CancellationToken::new();
         let limits = Limits {
-            max_connections: 3,
             max_in_flight: 1,
             max_body_bytes: 4096,
             body_budget_bytes: 4096,
         };
+        let router = Router::new().fallback(move |body: Bytes| async move {
+            tokio::time::sleep(hold).await;
+            text(StatusCode::OK, format!("{} bytes\n", body.len()))
+        });
         serve(
             Server {
                 name: "test",
                 listener,
                 tls: None,
-                limits,
+                max_connections: 3,
                 rejected: rejected.clone(),
             },
-            move |req: Req| async move {
-                tokio::time::sleep(hold).await;
-                let len = req
-                    .into_body()
-                    .collect()
-                    .await
-                    .map_or(0, |b| b.to_bytes().len());
-                text(StatusCode::OK, format!("{len} bytes\n"))
-            },
-            shutdown.clone(),
+            limits.on(router),
+            stop.clone(),
         );
-        (addr, rejected, shutdown)
+        (addr, rejected, stop)
     }
 
     /// Sends `head` and `body`, returns the status line (or the error) and how long it took.

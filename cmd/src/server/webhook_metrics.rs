@@ -1,13 +1,11 @@
 //! The webhooks' metrics, by webhook path, as controller-runtime exports them.
 
-use std::{future::Future, pin::Pin};
-
-use bytes::Bytes;
-use http::Response;
-use http_body_util::Full;
+use axum::{
+    extract::{MatchedPath, Request, State},
+    middleware::Next,
+    response::Response,
+};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
-
-use super::{Req, handlers::webhook_handler};
 
 /// The webhook series controller-runtime exports, by webhook path (`/convert`, `/validate`):
 ///
@@ -82,39 +80,33 @@ impl Drop for InFlight {
     }
 }
 
-/// The answer of a webhook handler.
-pub type WebhookFuture = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + Send>>;
-
-/// [`webhook_handler`], its answers counted and timed in `metrics`.
-pub fn instrumented_webhooks(
-    metrics: WebhookMetrics,
-) -> impl Fn(Req) -> WebhookFuture + Send + Sync + Clone + 'static {
-    move |req| {
-        let metrics = metrics.clone();
-        Box::pin(async move {
-            let webhook = match req.uri().path() {
-                capm_api::webhook::CONVERT_PATH => capm_api::webhook::CONVERT_PATH,
-                capm_api::admission::VALIDATE_PATH => capm_api::admission::VALIDATE_PATH,
-                _ => return webhook_handler(req).await,
-            };
-            let in_flight = InFlight::enter(metrics.in_flight.with_label_values(&[webhook]));
-            let timer = metrics.latency.with_label_values(&[webhook]).start_timer();
-            let response = webhook_handler(req).await;
-            timer.observe_duration();
-            drop(in_flight);
-            metrics
-                .requests
-                .with_label_values(&[response.status().as_str(), webhook])
-                .inc();
-            response
-        })
-    }
+/// The middleware of the webhooks' routes (`route_layer`: only the two paths are labelled):
+/// counts and times each answer by the route's path.
+pub async fn instrumented(
+    State(metrics): State<WebhookMetrics>,
+    path: MatchedPath,
+    req: Request,
+    next: Next,
+) -> Response {
+    let webhook = path.as_str();
+    let in_flight = InFlight::enter(metrics.in_flight.with_label_values(&[webhook]));
+    let timer = metrics.latency.with_label_values(&[webhook]).start_timer();
+    let response = next.run(req).await;
+    timer.observe_duration();
+    drop(in_flight);
+    metrics
+        .requests
+        .with_label_values(&[response.status().as_str(), webhook])
+        .inc();
+    response
 }
 
 #[cfg(test)]
 mod tests {
-    use http::{Method, Request, StatusCode};
+    use axum::body::Body;
+    use http::{Method, StatusCode};
     use prometheus::{Encoder, TextEncoder};
+    use tower::ServiceExt;
 
     use super::*;
 
@@ -122,23 +114,33 @@ mod tests {
     async fn webhook_answers_are_counted_and_timed_by_path() {
         let registry = Registry::new();
         let metrics = WebhookMetrics::register(&registry).unwrap();
-        let handler = instrumented_webhooks(metrics.clone());
+        let routes = crate::server::webhooks::webhook_routes(metrics.clone());
+        let handler = |req: http::Request<Body>| routes.clone().oneshot(req);
         let request = |method: Method, path: &str| {
-            Request::builder()
+            http::Request::builder()
                 .method(method)
                 .uri(path)
-                .body(Full::new(Bytes::from_static(b"{}")))
+                .body(Body::from("{}"))
                 .unwrap()
         };
         let convert = capm_api::webhook::CONVERT_PATH;
         assert_eq!(
-            handler(request(Method::GET, convert)).await.status(),
+            handler(request(Method::GET, convert))
+                .await
+                .unwrap()
+                .status(),
             StatusCode::METHOD_NOT_ALLOWED
         );
-        let bad = handler(request(Method::POST, convert)).await.status();
+        let bad = handler(request(Method::POST, convert))
+            .await
+            .unwrap()
+            .status();
         assert_eq!(bad, StatusCode::BAD_REQUEST);
         assert_eq!(
-            handler(request(Method::POST, "/anything")).await.status(),
+            handler(request(Method::POST, "/anything"))
+                .await
+                .unwrap()
+                .status(),
             StatusCode::NOT_FOUND
         );
         let requests =
