@@ -48,20 +48,35 @@ async fn emulate_secret_mounts(
             .secret
             .as_ref()
             .context("only Secret volumes are expected")?;
-        let secret = secrets
-            .get(source.secret_name.as_deref().context("secretName")?)
-            .await?;
+        let name = source.secret_name.as_deref().context("secretName")?;
+        let secret = match secrets.get_opt(name).await? {
+            Some(secret) => secret,
+            // As the kubelet: an optional volume of a missing Secret is not mounted.
+            None if source.optional == Some(true) => continue,
+            None => anyhow::bail!(
+                "Secret {namespace}/{name} of volume {} not found",
+                mount.name
+            ),
+        };
         let data = secret.data.unwrap_or_default();
         let local = dir.join("mounts").join(&mount.name);
         fs::create_dir_all(&local)?;
-        for item in source.items.as_deref().unwrap_or_default() {
+        // Without items, every key is a file of its own name.
+        let items: Vec<(String, String)> = match source.items.as_deref() {
+            Some(items) => items
+                .iter()
+                .map(|i| (i.key.clone(), i.path.clone()))
+                .collect(),
+            None => data.keys().map(|k| (k.clone(), k.clone())).collect(),
+        };
+        for (key, path) in items {
             let ByteString(bytes) = data
-                .get(&item.key)
-                .with_context(|| format!("key {} in Secret of volume {}", item.key, mount.name))?;
+                .get(&key)
+                .with_context(|| format!("key {key} in Secret of volume {}", mount.name))?;
             // As the kubelet updates a Secret volume: a new file put in place in one step.
-            let tmp = local.join(format!(".{}.tmp", item.path));
+            let tmp = local.join(format!(".{path}.tmp"));
             fs::write(&tmp, bytes)?;
-            fs::rename(&tmp, local.join(&item.path))?;
+            fs::rename(&tmp, local.join(&path))?;
         }
         mounts.push((mount.mount_path.clone(), local));
     }

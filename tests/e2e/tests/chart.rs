@@ -922,6 +922,83 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         "the API key Secret is filled from MAILGUN_API_KEY"
     );
 
+    // The second asset, the fulfilment page apart from the keys, applied beside `clusterctl
+    // init`: its variables, the page's grants exactly what the page does, and the provider's
+    // own RBAC in the components no wider than the chart's default (config/rbac/rbac.yaml).
+    let page_file = release.join("fulfilment-page-components.yaml");
+    let page_file = page_file.to_string_lossy();
+    let listed = repo.clusterctl(
+        &["generate", "yaml", "--from", &page_file, "--list-variables"],
+        &[],
+    )?;
+    for var in [
+        "FULFILMENT_KEYS",
+        "FULFILMENT_TRUSTED_PROXIES",
+        "FULFILMENT_URL",
+        "MAIL_RECIPIENT",
+    ] {
+        ensure!(listed.contains(var), "variable {var}: {listed}");
+    }
+    let page_yaml = repo.clusterctl(
+        &["generate", "yaml", "--from", &page_file],
+        &[
+            ("FULFILMENT_URL", "https://capm.example.com"),
+            (
+                "FULFILMENT_KEYS",
+                "a2V5LWZyb20tY2x1c3RlcmN0bC1vZi10aGlydHktdHdv",
+            ),
+            ("MAIL_RECIPIENT", "ops@example.com"),
+        ],
+    )?;
+    ensure!(!page_yaml.contains("${"), "unsubstituted variables left");
+    let page_docs = yaml_docs(&page_yaml)?;
+    let page_sa = "capm-controller-manager-fulfilment";
+    let page_grants: std::collections::BTreeSet<_> = granted_to(
+        &[page_docs.clone(), docs.clone()].concat(),
+        "capm-system",
+        page_sa,
+    )?
+    .into_iter()
+    .map(|(group, resource, verb, _)| (group, resource, verb))
+    .collect();
+    let want: std::collections::BTreeSet<_> = PAGE_RULES
+        .iter()
+        .map(|(g, r, v)| ((*g).to_owned(), (*r).to_owned(), (*v).to_owned()))
+        .collect();
+    ensure!(
+        page_grants == want,
+        "the clusterctl page's grants: {page_grants:#?}"
+    );
+    let page_args = deployment_container(&page_docs, page_sa)?["args"].to_string();
+    ensure!(
+        page_args.contains("--mode=fulfilment-page")
+            && page_args.contains("--fulfilment-url=https://capm.example.com")
+            && page_args.contains("--fulfilment-trusted-proxies=127.0.0.1\""),
+        "{page_args}"
+    );
+    ensure!(
+        page_docs.iter().all(|d| d["metadata"]["labels"]
+            .get("cluster.x-k8s.io/provider")
+            .is_none()),
+        "the page's asset is the user's, not clusterctl's: no provider label"
+    );
+    let config_rbac = yaml_docs(&std::fs::read_to_string(
+        chart_dir().join("../../config/rbac/rbac.yaml"),
+    )?)?;
+    let provider_sa = "capm-controller-manager";
+    ensure!(
+        granted_to(&docs, "capm-system", provider_sa)?
+            == granted_to(&config_rbac, "capm-system", provider_sa)?,
+        "the components' provider RBAC differs from config/rbac/rbac.yaml"
+    );
+    // The provider reads the links' settings from the asset's ConfigMap and Secret, optional.
+    let manager = &deployment_container(&docs, provider_sa)?;
+    let env = manager["env"].to_string();
+    ensure!(
+        env.contains("\"FULFILMENT_URL\"") && env.contains("\"optional\":true"),
+        "{env}"
+    );
+
     // The API server accepts it (cert-manager is not installed here: its objects are left out).
     let cp = ControlPlane::start(Options::default()).await?;
     cp.install_capi_crds().await?;
@@ -951,6 +1028,15 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
     kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
     let accepted = run_with_input(&mut kubectl, &list.to_string(), "dry run of the components")?;
     ensure!(accepted.lines().count() == ours.len(), "{accepted}");
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": page_docs});
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
+    let accepted = run_with_input(
+        &mut kubectl,
+        &list.to_string(),
+        "dry run of the page's asset",
+    )?;
+    ensure!(accepted.lines().count() == page_docs.len(), "{accepted}");
 
     // `clusterctl generate cluster` renders a Cluster + MailgunCluster the API server accepts.
     let template = repo.generate_cluster(
@@ -1176,7 +1262,10 @@ fn granted_to(
 }
 
 /// The container of the Deployment `name` in `docs`.
-fn container<'a>(docs: &'a [serde_json::Value], name: &str) -> Result<&'a serde_json::Value> {
+fn deployment_container<'a>(
+    docs: &'a [serde_json::Value],
+    name: &str,
+) -> Result<&'a serde_json::Value> {
     docs.iter()
         .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == name)
         .map(|d| &d["spec"]["template"]["spec"]["containers"][0])
@@ -1262,7 +1351,7 @@ fn the_page_apart_runs_under_a_service_account_granted_only_what_it_does() -> Re
             "{}",
             pod["serviceAccountName"]
         );
-        let page = container(&docs, PAGE)?;
+        let page = deployment_container(&docs, PAGE)?;
         let args: Vec<&str> = page["args"]
             .as_array()
             .into_iter()
@@ -1333,7 +1422,7 @@ fn the_page_apart_runs_under_a_service_account_granted_only_what_it_does() -> Re
 
         // The provider still seals the links (the keys mounted, 0400) but serves no page, and
         // its role no longer reads the objects one by one.
-        let manager = container(&docs, provider)?;
+        let manager = deployment_container(&docs, provider)?;
         let args: Vec<&str> = manager["args"]
             .as_array()
             .into_iter()
@@ -1384,7 +1473,7 @@ fn the_page_apart_runs_under_a_service_account_granted_only_what_it_does() -> Re
         "get".into(),
         "cluster".into()
     )));
-    let args = container(&docs, provider)?["args"].to_string();
+    let args = deployment_container(&docs, provider)?["args"].to_string();
     ensure!(args.contains("--fulfilment-bind-address=:8090"), "{args}");
     Ok(())
 }

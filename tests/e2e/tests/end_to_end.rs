@@ -930,10 +930,14 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         let role = Api::<ClusterRole>::all(admin.clone()).get(&role).await?;
         page_grants.extend(granted(role.rules.as_deref().unwrap_or_default()));
     }
-    // The provider's diagnostics-auth ClusterRole names the page's ServiceAccount too.
+    // The provider's diagnostics-auth ClusterRole, bound to the page's ServiceAccount too.
     let binding = Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(admin.clone())
-        .get(&format!("{FULLNAME}-diagnostics-auth"))
+        .get(&format!("{page_account}-diagnostics-auth"))
         .await?;
+    ensure!(
+        binding.role_ref.name == format!("{FULLNAME}-diagnostics-auth"),
+        "{binding:?}"
+    );
     ensure!(
         binding
             .subjects
