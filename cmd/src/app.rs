@@ -24,7 +24,8 @@ use crate::{
     lease_elector::Elector,
     metrics_auth, server,
     settings::{
-        DiagnosticsSecurity, EndpointFlags, FulfilmentFlags, Settings, field, mailer_error,
+        DiagnosticsSecurity, EndpointFlags, FulfilmentFlags, Manager, Mode, Role, Settings, field,
+        mailer_error,
     },
     shutdown::Shutdown,
     tls::{self, ReloadingCert},
@@ -55,47 +56,26 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             prometheus::process_collector::ProcessCollector::for_self(),
         ))
         .context("registering process metrics")?;
-    let mailer_metrics =
-        MailerMetrics::register(&registry).context("registering mailer metrics")?;
-    let controller_metrics =
-        capm_controllers::Metrics::register(&registry).context("registering controller metrics")?;
-    let leader_gauge = IntGaugeVec::new(
-        Opts::new(
-            "leader_election_master_status",
-            "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease.",
-        ),
-        &["name"],
-    )?;
-    registry.register(Box::new(leader_gauge.clone()))?;
-
     let instance = instance_name();
-    let leadership = match &settings.leader_election {
-        None => Leadership::unelected(instance.clone()),
-        Some(params) => Leadership::elected(
-            format!("{instance}_{}", random_suffix()),
-            params.lease_duration,
-            params.renew_deadline,
-        ),
-    };
 
     // Everything that only depends on configuration fails here, before the cluster is touched.
-    // The backend asks the leadership again at each send's commit point.
-    let mailer = capm_mailer::build_with_gate(&settings.mailer, Arc::new(leadership.clone()))
-        .map_err(mailer_error)
-        .context("setting up the mail backend")?;
-    info!(backend = mailer.backend(), "Mail backend ready");
-    let mailer: Arc<dyn Mailer> = Arc::new(InstrumentedMailer::new(mailer, mailer_metrics));
-    let webhook_tls = match &settings.webhook {
-        Some(hook) => {
-            let cert = ReloadingCert::new(&hook.cert_dir)
-                .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir in EndpointFlags)))?;
-            Some(TlsAcceptor::from(Arc::new(Arc::new(cert).server_config()?)))
+    let (mut manager, fulfilment, recipients) = match &settings.role {
+        Role::All(m) => (
+            Some(ManagerParts::new(m, &registry, &instance)?),
+            m.fulfilment.clone(),
+            m.controllers.recipients.clone(),
+        ),
+        Role::FulfilmentPage(p) => {
+            info!(
+                mode = Mode::FulfilmentPage.name(),
+                "Serving only the fulfilment page: no mail backend, no leader election, no webhooks, no controllers"
+            );
+            (None, Some(p.fulfilment.clone()), p.recipients.clone())
         }
-        None => None,
     };
     let diagnostics_tls = diagnostics_tls(&settings)?;
     // The fulfilment keys, read before the cluster is touched like every other secret file.
-    let fulfilment_keys = match &settings.fulfilment {
+    let fulfilment_keys = match &fulfilment {
         Some(f) => {
             let mut file = fulfil::KeyFile::new(f.keys_file.clone());
             let keys = (file.load())
@@ -112,10 +92,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     if let Some(e) = raise_error {
         warn!(error = %e, open_files, "Could not raise the open files limit to its hard limit");
     }
-    let page = settings
-        .fulfilment
-        .as_ref()
-        .is_some_and(|f| f.bind.is_some());
+    let page = fulfilment.as_ref().is_some_and(|f| f.bind.is_some());
     let cap = server::connection_cap(open_files, 3 + u64::from(page));
     info!(open_files, connections_per_server = cap, "Open files limit");
     let rejected = server::rejected_counter(&registry)?;
@@ -161,8 +138,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             shutdown.clone(),
         ));
     }
-    if let (Some(hook), Some(tls)) = (&settings.webhook, webhook_tls) {
-        let listener = server::bind("webhooks (conversion, admission)", hook.bind).await?;
+    if let Some((bind, tls)) = manager.as_mut().and_then(|m| m.webhook.take()) {
+        let listener = server::bind("webhooks (conversion, admission)", bind).await?;
         let webhook_metrics = server::webhook_metrics::WebhookMetrics::register(&registry)
             .context("registering webhook metrics")?;
         servers.push(server::serve(
@@ -178,10 +155,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     }
     let readiness = tokio::spawn(watch_api_server(client.clone(), api_reachable));
 
-    let mut config = settings.controllers.clone();
+    let mut links = None;
     let mut key_reload = None;
-    if let (Some(f), Some((file, keys))) = (&settings.fulfilment, fulfilment_keys) {
-        config.fulfilment = Some(capm_api::link_token::Links {
+    if let (Some(f), Some((file, keys))) = (&fulfilment, fulfilment_keys) {
+        links = Some(capm_api::link_token::Links {
             base_url: f.url.clone(),
             validity: f.validity,
             keys: keys.clone(),
@@ -197,7 +174,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 client.clone(),
                 keys,
                 f,
-                config.recipients.clone(),
+                recipients,
                 instance.clone(),
                 &registry,
             )?;
@@ -208,21 +185,21 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             ));
         }
     }
-    config.instance = instance;
-    let controllers = Controllers {
-        client: client.clone(),
-        leadership: leadership.clone(),
-        mailer,
-        config,
-        metrics: controller_metrics,
-        timeout: settings.shutdown_timeout,
-    };
-    let result = match settings.leader_election.clone() {
-        None => controllers.run(shutdown.clone(), None).await,
-        Some(params) => {
-            let gauge = leader_gauge.with_label_values(&[params.name.as_str()]);
-            let elector = Elector::new(client, params, leadership, gauge);
-            lead(elector, controllers, shutdown.clone()).await
+    let result = match manager {
+        Some(manager) => {
+            manager
+                .run(
+                    client,
+                    links,
+                    instance,
+                    settings.shutdown_timeout,
+                    shutdown.clone(),
+                )
+                .await
+        }
+        None => {
+            shutdown.clone().wait().await;
+            Ok(())
         }
     };
 
@@ -236,6 +213,96 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     }
     result
+}
+
+/// What only `--mode all` runs, made before the cluster is touched: the mail backend, the
+/// webhooks' certificate, the controllers' and the election's metrics.
+struct ManagerParts {
+    settings: Manager,
+    leadership: Leadership,
+    mailer: Arc<dyn Mailer>,
+    controller_metrics: capm_controllers::Metrics,
+    leader_gauge: IntGaugeVec,
+    /// Taken when the webhook server starts.
+    webhook: Option<(std::net::SocketAddr, TlsAcceptor)>,
+}
+
+impl ManagerParts {
+    fn new(settings: &Manager, registry: &Registry, instance: &str) -> anyhow::Result<Self> {
+        let mailer_metrics =
+            MailerMetrics::register(registry).context("registering mailer metrics")?;
+        let controller_metrics = capm_controllers::Metrics::register(registry)
+            .context("registering controller metrics")?;
+        let leader_gauge = IntGaugeVec::new(
+            Opts::new(
+                "leader_election_master_status",
+                "Gauge of if the reporting system is master of the relevant lease, 0 indicates backup, 1 indicates master. 'name' is the string used to identify the lease.",
+            ),
+            &["name"],
+        )?;
+        registry.register(Box::new(leader_gauge.clone()))?;
+        let leadership = match &settings.leader_election {
+            None => Leadership::unelected(instance.to_owned()),
+            Some(params) => Leadership::elected(
+                format!("{instance}_{}", random_suffix()),
+                params.lease_duration,
+                params.renew_deadline,
+            ),
+        };
+        // The backend asks the leadership again at each send's commit point.
+        let mailer = capm_mailer::build_with_gate(&settings.mailer, Arc::new(leadership.clone()))
+            .map_err(mailer_error)
+            .context("setting up the mail backend")?;
+        info!(backend = mailer.backend(), "Mail backend ready");
+        let mailer: Arc<dyn Mailer> = Arc::new(InstrumentedMailer::new(mailer, mailer_metrics));
+        let webhook = match &settings.webhook {
+            Some(hook) => {
+                let cert = ReloadingCert::new(&hook.cert_dir)
+                    .map_err(|e| anyhow!("{}: {e}", field!(webhook_cert_dir in EndpointFlags)))?;
+                let tls = TlsAcceptor::from(Arc::new(Arc::new(cert).server_config()?));
+                Some((hook.bind, tls))
+            }
+            None => None,
+        };
+        Ok(Self {
+            settings: settings.clone(),
+            leadership,
+            mailer,
+            controller_metrics,
+            leader_gauge,
+            webhook,
+        })
+    }
+
+    /// The controllers, under leader election when it is on, until shutdown or a lost Lease.
+    async fn run(
+        self,
+        client: kube::Client,
+        links: Option<capm_api::link_token::Links>,
+        instance: String,
+        timeout: Duration,
+        shutdown: Shutdown,
+    ) -> anyhow::Result<()> {
+        let mut config = self.settings.controllers;
+        config.fulfilment = links;
+        config.instance = instance;
+        let controllers = Controllers {
+            client: client.clone(),
+            leadership: self.leadership.clone(),
+            mailer: self.mailer,
+            config,
+            metrics: self.controller_metrics,
+            timeout,
+        };
+        match self.settings.leader_election {
+            None => controllers.run(shutdown, None).await,
+            Some(params) => {
+                let gauge = self.leader_gauge.with_label_values(&[params.name.as_str()]);
+                let elector = Elector::new(client, params, self.leadership, gauge);
+                lead(elector, controllers, shutdown).await
+            }
+        }
+    }
 }
 
 /// The diagnostics endpoint's TLS: the certificate directory's pair, else a self-signed one;

@@ -183,6 +183,8 @@ fn help_documents_every_variable() {
         "WEBHOOK_CERT_DIR",
         "DIAGNOSTICS_ADDRESS",
         "INSECURE_DIAGNOSTICS",
+        "CAPM_MODE",
+        "fulfilment-page",
         "default: :8443",
     ] {
         assert!(help.contains(var), "{var} missing from --help:\n{help}");

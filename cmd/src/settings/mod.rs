@@ -45,6 +45,7 @@ mod file;
 mod fulfilment;
 mod leader;
 mod mailer;
+mod mode;
 mod tenancy;
 #[cfg(test)]
 mod tests;
@@ -55,6 +56,7 @@ use file::{FLAG_ONLY, file_error, read_file, snake_to_camel};
 pub use fulfilment::{Flags as FulfilmentFlags, Fulfilment};
 pub use leader::LeaderElection;
 pub use mailer::mailer_error;
+pub use mode::{Mode, PageOnly};
 
 /// Where Kubernetes mounts the pod's namespace.
 const IN_CLUSTER_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
@@ -81,6 +83,12 @@ pub struct Args {
     /// Config file, YAML or JSON. Flags and environment variables override its values.
     #[arg(long, env = "CAPM_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
+
+    /// What the process runs: `all` (the controllers, webhooks and the fulfilment page), or
+    /// `fulfilment-page` (only the page, the probes and /metrics; no mail settings, no leader
+    /// election, no webhooks; needs --fulfilment-url and --fulfilment-keys-file).
+    #[arg(long, env = "CAPM_MODE", value_enum, default_value_t)]
+    pub mode: Mode,
 
     /// The mail backend.
     #[command(flatten)]
@@ -159,6 +167,14 @@ impl Field {
         }
     }
 
+    /// A variable that is no flag's (the secrets' fallbacks).
+    pub fn variable(env: &str) -> Self {
+        Self {
+            flag: String::new(),
+            env: env.to_owned(),
+        }
+    }
+
     /// The same field, also settable through the variable `env` (the secrets' fallbacks).
     pub fn or_env(mut self, env: &str) -> Self {
         self.env = format!("{}, or {env}", self.env);
@@ -168,6 +184,9 @@ impl Field {
 
 impl fmt::Display for Field {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.flag.is_empty() {
+            return f.write_str(&self.env);
+        }
         write!(f, "--{} ({})", self.flag, self.env)
     }
 }
@@ -210,23 +229,17 @@ fn invalid(field: Field, reason: impl Into<String>) -> SettingsError {
     }
 }
 
-/// Everything the manager needs, validated. Holds no secret values (only where to read them).
+/// Everything the process needs, validated. Holds no secret values (only where to read them).
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// The mail backend.
-    pub mailer: MailerConfig,
-    /// The controllers' configuration (`instance` is filled in at start).
-    pub controllers: capm_controllers::Config,
+    /// What runs: everything, or only the fulfilment page.
+    pub role: Role,
     /// The diagnostics endpoint (`/metrics`), if enabled.
     pub diagnostics: Option<Diagnostics>,
     /// Deprecated settings in use, one sentence each, for a warning at start.
     pub deprecations: Vec<String>,
     /// `/healthz` + `/readyz` address, if enabled.
     pub probe_address: Option<SocketAddr>,
-    /// Leader election, if enabled.
-    pub leader_election: Option<LeaderElection>,
-    /// The conversion webhook, if enabled.
-    pub webhook: Option<Webhook>,
     /// Log format.
     pub log_format: LogFormat,
     /// Log filter directives.
@@ -235,6 +248,28 @@ pub struct Settings {
     pub shutdown_timeout: Duration,
     /// Explicit kubeconfig file.
     pub kubeconfig: Option<PathBuf>,
+}
+
+/// What the process runs (`--mode`), with the settings only that needs.
+#[derive(Debug, Clone)]
+pub enum Role {
+    /// The controllers, the webhooks, leader election, the links and page (`--mode all`).
+    All(Box<Manager>),
+    /// Only the fulfilment page (`--mode fulfilment-page`).
+    FulfilmentPage(PageOnly),
+}
+
+/// The settings of `--mode all`.
+#[derive(Debug, Clone)]
+pub struct Manager {
+    /// The mail backend.
+    pub mailer: MailerConfig,
+    /// The controllers' configuration (`instance` is filled in at start).
+    pub controllers: capm_controllers::Config,
+    /// Leader election, if enabled.
+    pub leader_election: Option<LeaderElection>,
+    /// The conversion webhook, if enabled.
+    pub webhook: Option<Webhook>,
     /// The fulfilment links and page, if configured.
     pub fulfilment: Option<Fulfilment>,
 }
@@ -294,24 +329,40 @@ impl Settings {
         file_mailer: Option<MailerConfig>,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Self, SettingsError> {
-        let mailer = mailer::resolve(&args.mailer, file_mailer, env)?;
-        let (mut controllers, identity_secret_namespace) =
-            controllers::resolve(args.controllers, tenancy::resolve(args.tenancy), &mailer)?;
         let mut deprecations = Vec::new();
         let endpoints = endpoints::resolve(args.endpoints, &mut deprecations)?;
-        let leader_election = leader::resolve(args.leader, env)?;
-        controllers.identity_secret_namespace =
-            controllers::identity_secret_namespace(identity_secret_namespace, env)?;
-        let fulfilment = fulfilment::resolve(args.fulfilment)?;
+        let role = match args.mode {
+            Mode::FulfilmentPage => Role::FulfilmentPage(mode::resolve_page_only(
+                &args.mailer,
+                &args.controllers,
+                args.fulfilment,
+                file_mailer.as_ref(),
+                env,
+            )?),
+            Mode::All => {
+                let mailer = mailer::resolve(&args.mailer, file_mailer, env)?;
+                let (mut controllers, identity_secret_namespace) = controllers::resolve(
+                    args.controllers,
+                    tenancy::resolve(args.tenancy),
+                    &mailer,
+                )?;
+                let leader_election = leader::resolve(args.leader, env)?;
+                controllers.identity_secret_namespace =
+                    controllers::identity_secret_namespace(identity_secret_namespace, env)?;
+                Role::All(Box::new(Manager {
+                    fulfilment: fulfilment::resolve(args.fulfilment)?,
+                    mailer,
+                    controllers,
+                    leader_election,
+                    webhook: endpoints.webhook,
+                }))
+            }
+        };
         Ok(Self {
-            fulfilment,
-            mailer,
-            controllers,
+            role,
             diagnostics: endpoints.diagnostics,
             deprecations,
             probe_address: endpoints.probe_address,
-            leader_election,
-            webhook: endpoints.webhook,
             log_format: args.log_format,
             log_level: args.log_level,
             shutdown_timeout: args.shutdown_timeout,

@@ -54,6 +54,27 @@ fn resolve(
     Settings::resolve(flags_only(), &argv, env)
 }
 
+impl Settings {
+    /// The settings of `--mode all`.
+    fn manager(&self) -> &Manager {
+        match &self.role {
+            Role::All(manager) => manager,
+            Role::FulfilmentPage(page) => panic!("not --mode all: {page:?}"),
+        }
+    }
+
+    fn into_manager(self) -> Manager {
+        self.manager().clone()
+    }
+
+    fn page_only(self) -> PageOnly {
+        match self.role {
+            Role::FulfilmentPage(page) => page,
+            Role::All(manager) => panic!("not --mode fulfilment-page: {manager:?}"),
+        }
+    }
+}
+
 fn error(flags: &[&str], env: &dyn Fn(&str) -> Option<String>) -> String {
     resolve(flags, env).unwrap_err().to_string()
 }
@@ -67,7 +88,13 @@ fn file(content: &str) -> tempfile::NamedTempFile {
 #[test]
 fn fulfilment_needs_a_url_and_keys_together() {
     let flags = |extra: &[&'static str]| [MAILGUN, extra].concat();
-    assert_eq!(resolve(MAILGUN, &with_key).unwrap().fulfilment, None);
+    assert_eq!(
+        resolve(MAILGUN, &with_key)
+            .unwrap()
+            .into_manager()
+            .fulfilment,
+        None
+    );
     let on = resolve(
         &flags(&[
             "--fulfilment-url",
@@ -78,6 +105,7 @@ fn fulfilment_needs_a_url_and_keys_together() {
         &with_key,
     )
     .unwrap()
+    .into_manager()
     .fulfilment
     .unwrap();
     assert_eq!(on.url, "https://capm.example.com");
@@ -127,7 +155,7 @@ fn the_fulfilment_url_is_normalised_https_and_without_userinfo() {
     };
     let url = |u: &'static str| {
         resolve(&flags(u, &[]), &with_key)
-            .map(|s| s.fulfilment.unwrap().url)
+            .map(|s| s.into_manager().fulfilment.unwrap().url)
             .map_err(|e| e.to_string())
     };
     // As a browser sends it in `Origin`.
@@ -158,7 +186,7 @@ fn the_fulfilment_url_is_normalised_https_and_without_userinfo() {
             &flags("https://x", &["--fulfilment-link-validity", v]),
             &with_key,
         )
-        .map(|s| s.fulfilment.unwrap().validity)
+        .map(|s| s.into_manager().fulfilment.unwrap().validity)
         .map_err(|e| e.to_string())
     };
     assert_eq!(
@@ -196,6 +224,7 @@ fn trusted_proxies_replace_trusting_every_forwarded_for() {
         &with_key,
     )
     .unwrap()
+    .into_manager()
     .fulfilment
     .unwrap();
     let shown: Vec<String> = on.trusted_proxies.iter().map(ToString::to_string).collect();
@@ -225,20 +254,20 @@ fn trusted_proxies_replace_trusting_every_forwarded_for() {
 #[test]
 fn walkthrough_variables_alone_give_the_mailgun_defaults() {
     let s = resolve(MAILGUN, &with_key).unwrap();
-    let MailerConfig::Mailgun(m) = &s.mailer else {
-        panic!("{:?}", s.mailer)
+    let MailerConfig::Mailgun(m) = &s.manager().mailer else {
+        panic!("{:?}", s.manager().mailer)
     };
     assert_eq!(m.domain, "mg.example.com");
     assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
     assert_eq!(m.region, MailgunRegion::Us);
-    assert_eq!(s.controllers.recipients, ["ops@example.com"]);
-    assert_eq!(s.controllers.message_id_domain, "mg.example.com");
+    assert_eq!(s.manager().controllers.recipients, ["ops@example.com"]);
+    assert_eq!(s.manager().controllers.message_id_domain, "mg.example.com");
     // From: on the sending domain by default (DMARC), not the requester.
     assert_eq!(
-        s.controllers.mail_from,
+        s.manager().controllers.mail_from,
         "cluster-api-provider-mailgun@mg.example.com"
     );
-    assert_eq!(s.controllers.concurrency, 10);
+    assert_eq!(s.manager().controllers.concurrency, 10);
     assert_eq!(
         s.diagnostics,
         Some(Diagnostics {
@@ -248,7 +277,7 @@ fn walkthrough_variables_alone_give_the_mailgun_defaults() {
     );
     assert!(s.deprecations.is_empty());
     assert_eq!(s.probe_address, Some("127.0.0.1:8081".parse().unwrap()));
-    let le = s.leader_election.as_ref().unwrap();
+    let le = s.manager().leader_election.as_ref().unwrap();
     assert_eq!(le.name, "cluster-api-provider-mailgun-leader");
     assert_eq!(
         (le.lease_duration, le.renew_deadline, le.retry_period),
@@ -258,7 +287,7 @@ fn walkthrough_variables_alone_give_the_mailgun_defaults() {
             Duration::from_secs(2)
         )
     );
-    let hook = s.webhook.as_ref().unwrap();
+    let hook = s.manager().webhook.as_ref().unwrap();
     assert_eq!(hook.bind.port(), 9443);
     assert_eq!(hook.cert_dir, Path::new(DEFAULT_WEBHOOK_CERT_DIR));
     assert_eq!(s.shutdown_timeout, Duration::from_secs(30));
@@ -275,8 +304,8 @@ fn the_example_config_files_in_config_manager_are_valid() {
             .unwrap_or_else(|e| panic!("{name}: {e}"))
     };
     let s = load("mailgun.yaml");
-    let MailerConfig::Mailgun(m) = &s.mailer else {
-        panic!("{:?}", s.mailer)
+    let MailerConfig::Mailgun(m) = &s.manager().mailer else {
+        panic!("{:?}", s.manager().mailer)
     };
     assert_eq!(m.domain, "mg.example.com");
     assert_eq!(
@@ -297,12 +326,12 @@ fn the_example_config_files_in_config_manager_are_valid() {
         })
     );
     let s = load("smtp.yaml");
-    let MailerConfig::Smtp(c) = &s.mailer else {
-        panic!("{:?}", s.mailer)
+    let MailerConfig::Smtp(c) = &s.manager().mailer else {
+        panic!("{:?}", s.manager().mailer)
     };
     assert_eq!(c.url, "smtp://smtp.example.com:587");
     assert_eq!(c.username.as_deref(), Some("capm"));
-    assert_eq!(s.controllers.recipients.len(), 2);
+    assert_eq!(s.manager().controllers.recipients.len(), 2);
 }
 
 #[test]
@@ -322,7 +351,7 @@ shutdownTimeout: 5s
     );
     let path = f.path().to_str().unwrap();
     let s = resolve(&["--config", path], &no_env).unwrap();
-    let MailerConfig::Mailgun(m) = &s.mailer else {
+    let MailerConfig::Mailgun(m) = &s.manager().mailer else {
         panic!()
     };
     assert_eq!(
@@ -330,11 +359,11 @@ shutdownTimeout: 5s
         ("file.example.com", MailgunRegion::Eu, true)
     );
     assert_eq!(m.api_key, SecretSource::File("/run/key".into()));
-    assert_eq!(s.controllers.recipients, ["file@example.com"]);
-    assert_eq!(s.controllers.concurrency, 3);
+    assert_eq!(s.manager().controllers.recipients, ["file@example.com"]);
+    assert_eq!(s.manager().controllers.concurrency, 3);
     assert_eq!(s.diagnostics, None);
-    assert!(s.leader_election.is_none());
-    assert!(s.webhook.is_none());
+    assert!(s.manager().leader_election.is_none());
+    assert!(s.manager().webhook.is_none());
     assert_eq!(s.log_format, LogFormat::Json);
     assert_eq!(s.shutdown_timeout, Duration::from_secs(5));
 
@@ -359,7 +388,7 @@ shutdownTimeout: 5s
         &with_key,
     )
     .unwrap();
-    let MailerConfig::Mailgun(m) = &s.mailer else {
+    let MailerConfig::Mailgun(m) = &s.manager().mailer else {
         panic!()
     };
     assert_eq!(
@@ -367,8 +396,11 @@ shutdownTimeout: 5s
         ("flag.example.com", MailgunRegion::Us, true)
     );
     assert_eq!(m.api_key, SecretSource::Env("MAILGUN_API_KEY".into()));
-    assert_eq!(s.controllers.recipients, ["a@example.com", "b@example.com"]);
-    assert_eq!(s.controllers.concurrency, 7);
+    assert_eq!(
+        s.manager().controllers.recipients,
+        ["a@example.com", "b@example.com"]
+    );
+    assert_eq!(s.manager().controllers.concurrency, 7);
     assert_eq!(
         s.diagnostics,
         Some(Diagnostics {
@@ -376,13 +408,13 @@ shutdownTimeout: 5s
             security: DiagnosticsSecurity::Insecure,
         })
     );
-    assert!(s.leader_election.is_some());
+    assert!(s.manager().leader_election.is_some());
     let s = resolve(
         &["--config", path, "--mailgun-api-key-file", "/k"],
         &with_key,
     )
     .unwrap();
-    let MailerConfig::Mailgun(m) = &s.mailer else {
+    let MailerConfig::Mailgun(m) = &s.manager().mailer else {
         panic!()
     };
     assert_eq!(
@@ -410,12 +442,15 @@ fn smtp_from_flags_and_json_file() {
         &no_env,
     )
     .unwrap();
-    assert_eq!(s.controllers.mail_from, "capm@relay.example.com");
-    let MailerConfig::Smtp(c) = &s.mailer else {
+    assert_eq!(s.manager().controllers.mail_from, "capm@relay.example.com");
+    let MailerConfig::Smtp(c) = &s.manager().mailer else {
         panic!()
     };
     assert_eq!(c.password, Some(SecretSource::File("/run/pw".into())));
-    assert_eq!(s.controllers.message_id_domain, "relay.example.com");
+    assert_eq!(
+        s.manager().controllers.message_id_domain,
+        "relay.example.com"
+    );
     let f = file(
         r#"{"mailer": {"smtp": {"url": "smtp://relay.example.com:2525", "pool": {"enabled": false}}}, "mailRecipients": ["x@example.com"], "mailFrom": "capm@capm.example.com", "messageIdDomain": "capm.example.com"}"#,
     );
@@ -428,11 +463,14 @@ fn smtp_from_flags_and_json_file() {
         "--smtp-username (SMTP_USERNAME): required with password"
     );
     let s = resolve(&["--config", f.path().to_str().unwrap()], &no_env).unwrap();
-    let MailerConfig::Smtp(c) = &s.mailer else {
+    let MailerConfig::Smtp(c) = &s.manager().mailer else {
         panic!()
     };
     assert!(!c.pool.enabled);
-    assert_eq!(s.controllers.message_id_domain, "capm.example.com");
+    assert_eq!(
+        s.manager().controllers.message_id_domain,
+        "capm.example.com"
+    );
 }
 
 #[test]
@@ -442,7 +480,10 @@ fn leader_election_namespace_precedence() {
         _ => with_key(n),
     };
     let s = resolve(MAILGUN, &pod).unwrap();
-    assert_eq!(s.leader_election.unwrap().namespace, "capm-system");
+    assert_eq!(
+        s.into_manager().leader_election.unwrap().namespace,
+        "capm-system"
+    );
     let mut flags = MAILGUN.to_vec();
     flags.extend([
         "--leader-election-namespace",
@@ -450,14 +491,24 @@ fn leader_election_namespace_precedence() {
         "--leader-election-id",
         "my.lease",
     ]);
-    let le = resolve(&flags, &pod).unwrap().leader_election.unwrap();
+    let le = resolve(&flags, &pod)
+        .unwrap()
+        .into_manager()
+        .leader_election
+        .unwrap();
     assert_eq!(
         (le.namespace.as_str(), le.name.as_str()),
         ("other", "my.lease")
     );
     let mut flags = MAILGUN.to_vec();
     flags.push("--leader-elect=false");
-    assert!(resolve(&flags, &pod).unwrap().leader_election.is_none());
+    assert!(
+        resolve(&flags, &pod)
+            .unwrap()
+            .into_manager()
+            .leader_election
+            .is_none()
+    );
 }
 
 #[test]
@@ -668,7 +719,7 @@ fn config_file_errors_name_the_file_and_key() {
 #[test]
 fn timings_come_from_flags_the_file_or_the_defaults() {
     let s = resolve(MAILGUN, &with_key).unwrap();
-    let c = &s.controllers;
+    let c = &s.manager().controllers;
     assert_eq!(
         (c.backoff_base, c.backoff_max, c.lookup_grace),
         (
@@ -693,7 +744,10 @@ fn timings_come_from_flags_the_file_or_the_defaults() {
     let mut flags = MAILGUN.to_vec();
     flags.extend(["--config", f.path().to_str().unwrap()]);
     flags.push("--delivery-poll-base=1m");
-    let c = resolve(&flags, &with_key).unwrap().controllers;
+    let c = resolve(&flags, &with_key)
+        .unwrap()
+        .into_manager()
+        .controllers;
     assert_eq!(
         (
             c.delivery_poll_base,
@@ -714,7 +768,7 @@ fn timings_come_from_flags_the_file_or_the_defaults() {
         "--leader-elect-renew-deadline=40s",
     ]);
     let s = resolve(&flags, &with_key).unwrap();
-    let c = &s.controllers;
+    let c = &s.manager().controllers;
     assert_eq!(
         (c.backoff_base, c.backoff_max, c.lookup_grace),
         (
@@ -723,7 +777,7 @@ fn timings_come_from_flags_the_file_or_the_defaults() {
             Duration::from_secs(30)
         )
     );
-    let le = s.leader_election.unwrap();
+    let le = s.manager().leader_election.clone().unwrap();
     assert_eq!(
         (le.lease_duration, le.renew_deadline, le.retry_period),
         (
@@ -835,7 +889,7 @@ fn the_libraries_defaults_are_the_flags_defaults() {
     ]
     .concat();
     let settings = resolve(&flags, &with_key).unwrap();
-    let tenancy = &settings.controllers.tenancy;
+    let tenancy = &settings.manager().controllers.tenancy;
     assert_eq!(
         tenancy.release_timeout,
         capm_controllers::DEFAULT_RELEASE_TIMEOUT
@@ -845,7 +899,7 @@ fn the_libraries_defaults_are_the_flags_defaults() {
         capm_mailer::AllowedHosts::default_mailgun()
     );
     assert_eq!(
-        settings.fulfilment.unwrap().validity,
+        settings.into_manager().fulfilment.unwrap().validity,
         capm_api::link_token::DEFAULT_VALIDITY
     );
 }
@@ -888,7 +942,7 @@ fn every_boolean_flag_is_a_switch() {
 #[test]
 fn the_mailgun_events_api_is_logs_unless_a_flag_variable_or_file_says_events() {
     use capm_mailer::MailgunEventsApi;
-    let api = |s: &Settings| match &s.mailer {
+    let api = |s: &Settings| match &s.manager().mailer {
         MailerConfig::Mailgun(m) => m.events_api,
         MailerConfig::Smtp(_) => panic!("not mailgun"),
     };
@@ -935,8 +989,8 @@ fn the_mailgun_events_api_is_logs_unless_a_flag_variable_or_file_says_events() {
 #[test]
 fn a_read_key_file_is_the_mailgun_read_key_and_a_bad_one_names_the_flag() {
     let s = resolve(MAILGUN, &with_key).unwrap();
-    let MailerConfig::Mailgun(m) = &s.mailer else {
-        panic!("{:?}", s.mailer)
+    let MailerConfig::Mailgun(m) = &s.manager().mailer else {
+        panic!("{:?}", s.manager().mailer)
     };
     assert_eq!(m.read_api_key, None, "reads use the API key by default");
     let key = file("key-topsecret");
@@ -952,8 +1006,8 @@ fn a_read_key_file_is_the_mailgun_read_key_and_a_bad_one_names_the_flag() {
     ]
     .concat();
     let s = resolve(&flags, &with_key).unwrap();
-    let MailerConfig::Mailgun(m) = &s.mailer else {
-        panic!("{:?}", s.mailer)
+    let MailerConfig::Mailgun(m) = &s.manager().mailer else {
+        panic!("{:?}", s.manager().mailer)
     };
     assert_eq!(
         m.read_api_key,
@@ -973,7 +1027,7 @@ fn a_read_key_file_is_the_mailgun_read_key_and_a_bad_one_names_the_flag() {
 fn tenancy_flags_default_to_a_single_team_install_and_bad_values_name_the_flag() {
     let settings = resolve(MAILGUN, &with_key).unwrap();
     assert_eq!(
-        settings.controllers.tenancy,
+        settings.manager().controllers.tenancy,
         capm_controllers::Tenancy {
             default_allowed: capm_api::v1beta1::AllowedNamespaces::default(),
             require_identity_ref: false,
@@ -999,7 +1053,11 @@ fn tenancy_flags_default_to_a_single_team_install_and_bad_values_name_the_flag()
         ],
     ]
     .concat();
-    let tenancy = resolve(&flags, &with_key).unwrap().controllers.tenancy;
+    let tenancy = resolve(&flags, &with_key)
+        .unwrap()
+        .into_manager()
+        .controllers
+        .tenancy;
     assert_eq!(
         tenancy.default_allowed.list.as_deref(),
         Some(&["platform".to_owned()][..])
@@ -1059,4 +1117,168 @@ fn tenancy_flags_default_to_a_single_team_install_and_bad_values_name_the_flag()
             "{flag} {value}: {err}"
         );
     }
+}
+
+const PAGE: &[&str] = &[
+    "--mode",
+    "fulfilment-page",
+    "--fulfilment-url",
+    "https://capm.example.com",
+    "--fulfilment-keys-file",
+    "/keys",
+];
+
+#[test]
+fn the_mode_is_all_unless_a_flag_its_variable_or_the_file_says_fulfilment_page() {
+    assert!(matches!(
+        resolve(MAILGUN, &with_key).unwrap().role,
+        Role::All(_)
+    ));
+    assert_eq!(Field::of("mode").to_string(), "--mode (CAPM_MODE)");
+    let page = resolve(PAGE, &no_env).unwrap().page_only();
+    assert_eq!(page.fulfilment.url, "https://capm.example.com");
+    assert_eq!(page.fulfilment.keys_file, Path::new("/keys"));
+    assert_eq!(page.bind, "0.0.0.0:8090".parse().unwrap());
+    assert_eq!(page.fulfilment.bind, Some(page.bind));
+    assert!(page.recipients.is_empty());
+
+    let config = file(
+        "mode: fulfilment-page\nfulfilmentUrl: https://capm.example.com\n\
+         fulfilmentKeysFile: /keys\nfulfilmentBindAddress: 127.0.0.1:9999\n\
+         mailRecipients: [ops@example.com]\n",
+    );
+    let path = config.path().to_str().unwrap();
+    let page = resolve(&["--config", path], &no_env).unwrap().page_only();
+    assert_eq!(page.bind, "127.0.0.1:9999".parse().unwrap());
+    assert_eq!(page.recipients, ["ops@example.com"]);
+    // A flag beats the file.
+    assert!(matches!(
+        resolve(
+            &[&["--config", path, "--mode", "all"], MAILGUN].concat(),
+            &with_key
+        )
+        .unwrap()
+        .role,
+        Role::All(_)
+    ));
+    assert!(error(&["--mode", "controllers"], &no_env).contains("controllers"));
+}
+
+#[test]
+fn a_page_only_process_needs_the_page_settings_each_named() {
+    let without = |skip: &str| -> Vec<&str> {
+        let mut flags = PAGE.to_vec();
+        if let Some(at) = flags.iter().position(|f| *f == skip) {
+            flags.drain(at..at + 2);
+        }
+        flags
+    };
+    assert_eq!(
+        error(&without("--fulfilment-url"), &no_env),
+        "--fulfilment-url (FULFILMENT_URL): required with --mode (CAPM_MODE) fulfilment-page: \
+         the page's public base URL"
+    );
+    assert_eq!(
+        error(&without("--fulfilment-keys-file"), &no_env),
+        "--fulfilment-keys-file (FULFILMENT_KEYS_FILE): required with --mode (CAPM_MODE) \
+         fulfilment-page: the links' keys"
+    );
+    assert_eq!(
+        error(
+            &[PAGE, &["--fulfilment-bind-address", "0"]].concat(),
+            &no_env
+        ),
+        "--fulfilment-bind-address (FULFILMENT_BIND_ADDRESS): required with --mode (CAPM_MODE) \
+         fulfilment-page: the page's address (not 0)"
+    );
+    // The page's own rules still hold.
+    assert!(
+        error(
+            &[
+                &without("--fulfilment-url")[..],
+                &["--fulfilment-url", "http://capm.example.com"]
+            ]
+            .concat(),
+            &no_env
+        )
+        .starts_with("--fulfilment-url (FULFILMENT_URL): \"http://capm.example.com\" is http")
+    );
+}
+
+#[test]
+fn a_page_only_process_refuses_every_mail_setting_naming_it() {
+    let refusal = "with --mode (CAPM_MODE) fulfilment-page, which serves only the fulfilment \
+                   page and holds no mail credentials";
+    for (flag, value, named) in [
+        ("--mail-backend", "smtp", "--mail-backend (MAIL_BACKEND)"),
+        (
+            "--mailgun-domain",
+            "mg.example.com",
+            "--mailgun-domain (MAILGUN_DOMAIN)",
+        ),
+        (
+            "--mailgun-api-key-file",
+            "/key",
+            "--mailgun-api-key-file (MAILGUN_API_KEY_FILE)",
+        ),
+        (
+            "--mailgun-read-key-file",
+            "/key",
+            "--mailgun-read-key-file (MAILGUN_READ_KEY_FILE)",
+        ),
+        (
+            "--mailgun-region",
+            "eu",
+            "--mailgun-region (MAILGUN_REGION)",
+        ),
+        (
+            "--mailgun-events-api",
+            "events",
+            "--mailgun-events-api (MAILGUN_EVENTS_API)",
+        ),
+        (
+            "--mailgun-base-url",
+            "http://127.0.0.1:9",
+            "--mailgun-base-url (MAILGUN_BASE_URL)",
+        ),
+        ("--smtp-url", "smtp://relay", "--smtp-url (SMTP_URL)"),
+        ("--smtp-username", "u", "--smtp-username (SMTP_USERNAME)"),
+        (
+            "--smtp-password-file",
+            "/p",
+            "--smtp-password-file (SMTP_PASSWORD_FILE)",
+        ),
+        ("--smtp-ca-file", "/ca", "--smtp-ca-file (SMTP_CA_FILE)"),
+    ] {
+        assert_eq!(
+            error(&[PAGE, &[flag, value]].concat(), &no_env),
+            format!(
+                "{named}: is set {refusal}: remove the mail settings from its flags, variables \
+                 and config file"
+            ),
+            "{flag}"
+        );
+    }
+    assert_eq!(
+        error(PAGE, &with_key),
+        format!(
+            "MAILGUN_API_KEY: is set {refusal}: remove the mail settings from its flags, \
+             variables and config file"
+        )
+    );
+    let password = |name: &str| (name == SMTP_PASSWORD_ENV).then(|| "hunter2".to_owned());
+    let refused = error(PAGE, &password);
+    assert!(refused.starts_with("SMTP_PASSWORD: is set "), "{refused}");
+    assert!(!refused.contains("hunter2"));
+    let config = file("mailer:\n  smtp:\n    url: smtp://relay.example.com\n");
+    let refused = error(
+        &[PAGE, &["--config", config.path().to_str().unwrap()]].concat(),
+        &no_env,
+    );
+    assert!(
+        refused.starts_with(&format!(
+            "--config (CAPM_CONFIG): has a `mailer` section {refusal}"
+        )),
+        "{refused}"
+    );
 }
