@@ -93,55 +93,6 @@ fn fulfil_command(mail: &ReceivedMail, fill: &[(&str, &str)]) -> Result<Vec<Stri
     capm_e2e::fulfil_command(&body_text(mail), fill)
 }
 
-/// Uses a mailed fulfilment `link` as a browser would, with curl: opens it (the page's cookie
-/// lands in a jar in `dir`), then posts the form's `fields` with its token from the page's own
-/// Origin `page`. Returns the answer's status and body.
-fn fulfil_through_link(
-    dir: &std::path::Path,
-    page: &str,
-    link: &str,
-    fields: &[(&str, &str)],
-) -> Result<(u16, String)> {
-    let jar = dir.join(format!("jar-{}", fields.len()));
-    let curl = |extra: &[&str]| -> Result<(u16, String)> {
-        let out = Command::new("curl")
-            .args([
-                "-sS",
-                "--max-time",
-                "30",
-                "-o",
-                "-",
-                "-w",
-                "\n%{http_code}",
-                "-c",
-            ])
-            .arg(&jar)
-            .arg("-b")
-            .arg(&jar)
-            .args(extra)
-            .arg(link)
-            .output()
-            .context("running curl")?;
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        let (body, code) = text.rsplit_once('\n').context("curl's output")?;
-        Ok((code.trim().parse().context("the status")?, body.to_owned()))
-    };
-    let (status, form) = curl(&[])?;
-    ensure!(status == 200, "opening the link: HTTP {status}:\n{form}");
-    let token = capm_e2e::browser::form_token(&form)?;
-    let mut body: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    body.push(format!("form-token={token}"));
-    let origin = format!("Origin: {page}");
-    curl(&[
-        "-H",
-        &origin,
-        "-H",
-        "Content-Type: application/x-www-form-urlencoded",
-        "--data-binary",
-        &body.join("&"),
-    ])
-}
-
 /// Granted (group, resource, verb) triples of a rule list.
 fn granted(rules: &[PolicyRule]) -> BTreeSet<(String, String, String)> {
     let mut out = BTreeSet::new();
@@ -368,7 +319,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     // The recipient fulfils this one through the mailed link: the page (its own Deployment and
     // ServiceAccount) reads the MailgunMachine and its Machine, patches it and records an Event.
     let link = capm_e2e::browser::link_in(&text)?;
-    let (status, answer) = fulfil_through_link(
+    let (status, answer) = capm_e2e::browser::fulfil_through_link(
         dir,
         &page_url,
         &link,
@@ -773,7 +724,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     );
     // Fulfilled through its link: the page names the identity's recipients in the Event.
     let link = capm_e2e::browser::link_in(&body_text(&tenant))?;
-    let (status, answer) = fulfil_through_link(
+    let (status, answer) = capm_e2e::browser::fulfil_through_link(
         dir,
         &page_url,
         &link,
