@@ -2,7 +2,8 @@
 
 clusterctl wants one Namespace, every object labelled cluster.x-k8s.io/provider, and ${VAR}
 placeholders for what the user supplies (the Mailgun region among them, default us). Helm's own bookkeeping labels are dropped: clusterctl,
-not Helm, manages these objects.
+not Helm, manages these objects. The manager reads the fulfilment links' settings from the optional
+ConfigMap and Secret of fulfilment-page-components.yaml (hack/clusterctl_page_components.py).
 """
 import sys
 
@@ -14,6 +15,28 @@ PROVIDER_LABEL = ("cluster.x-k8s.io/provider", "infrastructure-mailgun")
 REGION_ARG = "--mailgun-region=us"
 REGION_VAR = "--mailgun-region=${MAILGUN_REGION:=us}"
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
+# The fulfilment links, once fulfilment-page-components.yaml is applied (its ConfigMap and key
+# Secret): optional here, so that without them the provider runs as before, no link in the mails.
+# The page itself is that asset's own Deployment: this one only seals links (bind address 0).
+FULFILMENT_CONFIG = "capm-fulfilment"
+FULFILMENT_KEYS = "capm-fulfilment-keys"
+
+
+def with_fulfilment_links(pod: dict, container: dict) -> None:
+    env = container.setdefault("env", [])
+    for name, key in (("FULFILMENT_URL", "url"), ("FULFILMENT_KEYS_FILE", "keysFile")):
+        env.append({
+            "name": name,
+            "valueFrom": {"configMapKeyRef": {"name": FULFILMENT_CONFIG, "key": key, "optional": True}},
+        })
+    env.append({"name": "FULFILMENT_BIND_ADDRESS", "value": "0"})
+    container.setdefault("volumeMounts", []).append(
+        {"name": "fulfilment-keys", "mountPath": "/etc/capm/fulfilment", "readOnly": True}
+    )
+    pod.setdefault("volumes", []).append({
+        "name": "fulfilment-keys",
+        "secret": {"secretName": FULFILMENT_KEYS, "optional": True, "defaultMode": 0o400},
+    })
 
 
 def main() -> None:
@@ -52,6 +75,9 @@ def main() -> None:
                 if REGION_ARG not in args:
                     sys.exit(f"the manager's arguments have no {REGION_ARG}: {args}")
                 container["args"] = [REGION_VAR if a == REGION_ARG else a for a in args]
+                if any(a.startswith("--fulfilment-") for a in args):
+                    sys.exit(f"the manager already has fulfilment arguments: {args}")
+                with_fulfilment_links(doc["spec"]["template"]["spec"], container)
         out.append(doc)
     for doc in out:
         doc["metadata"].setdefault("labels", {})[PROVIDER_LABEL[0]] = PROVIDER_LABEL[1]

@@ -5,6 +5,12 @@
 #                                   configured by the walkthrough's variables ${MAIL_RECIPIENT},
 #                                   ${MAILGUN_DOMAIN} and ${MAILGUN_API_KEY}, and the account's
 #                                   region ${MAILGUN_REGION} (us, the default, or eu)
+#   fulfilment-page-components.yaml the fulfilment page apart from the keys, applied beside
+#                                   `clusterctl init` (clusterctl generate yaml --from ... |
+#                                   kubectl apply -f -): its Deployment, ServiceAccount, roles and
+#                                   Service, the links' key Secret (${FULFILMENT_KEYS}) and the
+#                                   ConfigMap the provider reads its public URL from
+#                                   (${FULFILMENT_URL}); ${FULFILMENT_TRUSTED_PROXIES} optional
 #   metadata.yaml                   release series -> Cluster API contract
 #   cluster-template.yaml           for `clusterctl generate cluster`
 #   cluster-template-clusterclass.yaml
@@ -36,9 +42,24 @@ image=()
   --set crds.keep=false \
   ${image[@]+"${image[@]}"} \
   | python3 "$root/hack/clusterctl_components.py" "$namespace" > "$out/infrastructure-components.yaml"
+# The page apart: the same chart with fulfilment.separateDeployment, only the page's objects kept.
+"$helm" template capm "$root/charts/cluster-api-provider-mailgun" --skip-tests \
+  --namespace "$namespace" \
+  --set fullnameOverride=capm-controller-manager \
+  --set 'mail.recipient=${MAIL_RECIPIENT}' \
+  --set mail.backend=mailgun \
+  --set 'mail.mailgun.domain=${MAILGUN_DOMAIN}' \
+  --set mail.mailgun.apiKeySecret.name=capm-mailgun-api-key \
+  --set webhook.certManager.enabled=true \
+  --set fulfilment.url=https://fulfilment-url.invalid \
+  --set fulfilment.keysSecret.name=capm-fulfilment-keys \
+  --set fulfilment.separateDeployment=true \
+  ${image[@]+"${image[@]}"} \
+  | python3 "$root/hack/clusterctl_page_components.py" "$namespace" capm-controller-manager-fulfilment \
+  > "$out/fulfilment-page-components.yaml"
 cp "$root/metadata.yaml" "$out/metadata.yaml"
 cp "$root/config/clusterctl/cluster-template.yaml" "$out/cluster-template.yaml"
 cp "$root/config/clusterctl/cluster-template-clusterclass.yaml" "$out/cluster-template-clusterclass.yaml"
 "$root/hack/check-clusterclass.sh" "$root/config/clusterctl/clusterclass-mailgun.yaml" >/dev/null
 cp "$root/config/clusterctl/clusterclass-mailgun.yaml" "$out/clusterclass-mailgun.yaml"
-echo "wrote $out/infrastructure-components.yaml, metadata.yaml, cluster-template.yaml, cluster-template-clusterclass.yaml, clusterclass-mailgun.yaml"
+echo "wrote $out/infrastructure-components.yaml, fulfilment-page-components.yaml, metadata.yaml, cluster-template.yaml, cluster-template-clusterclass.yaml, clusterclass-mailgun.yaml"

@@ -123,7 +123,7 @@ for crate in ("kube", "tokio", "capm-mailer"):
 print(f"    {len(names)} components")
 EOF
 
-assets=(infrastructure-components.yaml metadata.yaml cluster-template.yaml
+assets=(infrastructure-components.yaml fulfilment-page-components.yaml metadata.yaml cluster-template.yaml
   cluster-template-clusterclass.yaml clusterclass-mailgun.yaml
   "$chart_name-$version.tgz" "$chart_name-$version.cdx.json")
 cat > "$out/release.txt" <<EOF

@@ -214,3 +214,41 @@ path: /metrics
 interval: {{ .Values.metrics.serviceMonitor.interval }}
 scrapeTimeout: {{ .Values.metrics.serviceMonitor.scrapeTimeout }}
 {{- end }}
+
+{{/*
+The fulfilment page's own Deployment (fulfilment.separateDeployment): its name (also its
+ServiceAccount's and its roles'), and labels whose `app.kubernetes.io/name` differs from the
+provider's, so the provider Deployment's selector (immutable) never takes the page's Pods.
+*/}}
+{{- define "capm.page.fullname" -}}
+{{- printf "%s-fulfilment" (include "capm.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "capm.page.selectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-fulfilment" (include "capm.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: fulfilment-page
+{{- end }}
+
+{{- define "capm.page.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "capm.page.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: cluster-api
+cluster.x-k8s.io/provider: infrastructure-mailgun
+{{- end }}
+
+{{/* Whether the page runs in its own Deployment: the page configured and asked apart. */}}
+{{- define "capm.page.separate" -}}
+{{- if and .Values.fulfilment.url .Values.fulfilment.separateDeployment }}true{{ end }}
+{{- end }}
+
+{{/* The Pods that serve /fulfil/: the page's own, or the provider's. */}}
+{{- define "capm.page.servingSelectorLabels" -}}
+{{- if include "capm.page.separate" . }}
+{{- include "capm.page.selectorLabels" . }}
+{{- else }}
+{{- include "capm.selectorLabels" . }}
+{{- end }}
+{{- end }}

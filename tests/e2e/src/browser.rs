@@ -158,3 +158,55 @@ pub fn page_says(report: &Value, key: &str, h1: &str, texts: &[&str]) -> Result<
     }
     Ok(())
 }
+
+/// Uses a mailed fulfilment `link` as a browser would, with curl: opens it (the page's cookie
+/// lands in a jar in `dir`), then posts the form's `fields` with its token from the page's own
+/// Origin `page`. Returns the answer's status and body.
+///
+/// # Errors
+/// When curl fails or the link does not open.
+pub fn fulfil_through_link(
+    dir: &std::path::Path,
+    page: &str,
+    link: &str,
+    fields: &[(&str, &str)],
+) -> Result<(u16, String)> {
+    let jar = dir.join(format!("jar-{}", fields.len()));
+    let curl = |extra: &[&str]| -> Result<(u16, String)> {
+        let out = Command::new("curl")
+            .args([
+                "-sS",
+                "--max-time",
+                "30",
+                "-o",
+                "-",
+                "-w",
+                "\n%{http_code}",
+                "-c",
+            ])
+            .arg(&jar)
+            .arg("-b")
+            .arg(&jar)
+            .args(extra)
+            .arg(link)
+            .output()
+            .context("running curl")?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').context("curl's output")?;
+        Ok((code.trim().parse().context("the status")?, body.to_owned()))
+    };
+    let (status, form) = curl(&[])?;
+    ensure!(status == 200, "opening the link: HTTP {status}:\n{form}");
+    let token = form_token(&form)?;
+    let mut body: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    body.push(format!("form-token={token}"));
+    let origin = format!("Origin: {page}");
+    curl(&[
+        "-H",
+        &origin,
+        "-H",
+        "Content-Type: application/x-www-form-urlencoded",
+        "--data-binary",
+        &body.join("&"),
+    ])
+}

@@ -11,7 +11,10 @@ use anyhow::{Context, Result};
 use capm_test_support::provider::Launch;
 use k8s_openapi::{
     ByteString,
-    api::{apps::v1::Deployment, core::v1::Secret},
+    api::{
+        apps::v1::Deployment,
+        core::v1::{ConfigMap, Secret},
+    },
 };
 use kube::{
     Api, Client,
@@ -48,20 +51,35 @@ async fn emulate_secret_mounts(
             .secret
             .as_ref()
             .context("only Secret volumes are expected")?;
-        let secret = secrets
-            .get(source.secret_name.as_deref().context("secretName")?)
-            .await?;
+        let name = source.secret_name.as_deref().context("secretName")?;
+        let secret = match secrets.get_opt(name).await? {
+            Some(secret) => secret,
+            // As the kubelet: an optional volume of a missing Secret is not mounted.
+            None if source.optional == Some(true) => continue,
+            None => anyhow::bail!(
+                "Secret {namespace}/{name} of volume {} not found",
+                mount.name
+            ),
+        };
         let data = secret.data.unwrap_or_default();
         let local = dir.join("mounts").join(&mount.name);
         fs::create_dir_all(&local)?;
-        for item in source.items.as_deref().unwrap_or_default() {
+        // Without items, every key is a file of its own name.
+        let items: Vec<(String, String)> = match source.items.as_deref() {
+            Some(items) => items
+                .iter()
+                .map(|i| (i.key.clone(), i.path.clone()))
+                .collect(),
+            None => data.keys().map(|k| (k.clone(), k.clone())).collect(),
+        };
+        for (key, path) in items {
             let ByteString(bytes) = data
-                .get(&item.key)
-                .with_context(|| format!("key {} in Secret of volume {}", item.key, mount.name))?;
+                .get(&key)
+                .with_context(|| format!("key {key} in Secret of volume {}", mount.name))?;
             // As the kubelet updates a Secret volume: a new file put in place in one step.
-            let tmp = local.join(format!(".{}.tmp", item.path));
+            let tmp = local.join(format!(".{path}.tmp"));
             fs::write(&tmp, bytes)?;
-            fs::rename(&tmp, local.join(&item.path))?;
+            fs::rename(&tmp, local.join(&path))?;
         }
         mounts.push((mount.mount_path.clone(), local));
     }
@@ -125,6 +143,14 @@ pub async fn start_chart_provider(
         .context("container args")?;
     let metrics = format!("127.0.0.1:{}", free_port()?);
     let webhook_port = free_port()?;
+    // A path under a mount, moved to the emulated mount.
+    let mounted = |value: &str| {
+        mounts
+            .iter()
+            .find(|(path, _)| value == path || value.starts_with(&format!("{path}/")))
+            .map(|(path, local)| value.replacen(path.as_str(), &local.to_string_lossy(), 1))
+            .unwrap_or_else(|| value.to_owned())
+    };
     let mut args = Vec::new();
     for arg in &chart_args {
         let (flag, value) = arg.split_once('=').unwrap_or((arg, ""));
@@ -134,22 +160,20 @@ pub async fn start_chart_provider(
             "--webhook-port" => webhook_port.to_string(),
             // The chart's port kept (the public URL the test gave names it), on loopback.
             "--fulfilment-bind-address" if value.starts_with(':') => format!("127.0.0.1{value}"),
-            _ => mounts
-                .iter()
-                .find(|(path, _)| value == path || value.starts_with(&format!("{path}/")))
-                .map(|(path, local)| value.replacen(path.as_str(), &local.to_string_lossy(), 1))
-                .unwrap_or_else(|| value.to_owned()),
+            _ => mounted(value),
         };
         args.push(format!("{flag}={value}"));
     }
-    let cmd = Launch::new(provider_binary()?, kubeconfig)
+    let mut launch = Launch::new(provider_binary()?, kubeconfig)
         .inherit_env()
         .env_remove("KUBECONFIG")
         .env_remove("MAILGUN_API_KEY")
         .env_remove("SMTP_PASSWORD")
-        .env("POD_NAMESPACE", namespace)
-        .args(&args)
-        .command();
+        .env("POD_NAMESPACE", namespace);
+    for (name, value) in container_env(client, namespace, &deployment).await? {
+        launch = launch.env(name, mounted(&value));
+    }
+    let cmd = launch.args(&args).command();
     let proc = Proc::spawn("provider", cmd, dir.join("provider.log"))?;
     Ok(ChartProvider {
         proc,
@@ -158,6 +182,52 @@ pub async fn start_chart_provider(
         chart_args,
         kubeconfig: kubeconfig.to_path_buf(),
     })
+}
+
+/// The container's environment as the kubelet sets it: literal values and ConfigMap keys (an
+/// optional key of a missing ConfigMap left unset); the field references (the Pod's namespace)
+/// are set by [`start_chart_provider`] itself.
+async fn container_env(
+    client: &Client,
+    namespace: &str,
+    deployment: &Deployment,
+) -> Result<Vec<(String, String)>> {
+    let container = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .map(|p| &p.containers[0])
+        .context("the pod template's container")?;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let mut out = Vec::new();
+    for var in container.env.as_deref().unwrap_or_default() {
+        if let Some(value) = &var.value {
+            out.push((var.name.clone(), value.clone()));
+            continue;
+        }
+        let Some(from) = var
+            .value_from
+            .as_ref()
+            .and_then(|f| f.config_map_key_ref.as_ref())
+        else {
+            continue;
+        };
+        let value = maps
+            .get_opt(&from.name)
+            .await?
+            .and_then(|m| m.data.unwrap_or_default().remove(&from.key));
+        match value {
+            Some(value) => out.push((var.name.clone(), value)),
+            None if from.optional == Some(true) => {}
+            None => anyhow::bail!(
+                "{}: ConfigMap {namespace}/{} has no key {}",
+                var.name,
+                from.name,
+                from.key
+            ),
+        }
+    }
+    Ok(out)
 }
 
 /// Points the webhook Service `service` in `namespace` at a provider on this host's `port`:

@@ -40,11 +40,13 @@ fn lint_is_clean_with_the_defaults_and_every_ci_values_file() -> Result<()> {
     let chart = chart();
     let mailgun = ci_values("mailgun-values.yaml");
     let smtp = ci_values("smtp-values.yaml");
+    let page = ci_values("page-values.yaml");
     for args in [
         vec!["lint", chart.as_str()],
         vec!["lint", "--strict", chart.as_str()],
         vec!["lint", "--strict", chart.as_str(), "-f", mailgun.as_str()],
         vec!["lint", "--strict", chart.as_str(), "-f", smtp.as_str()],
+        vec!["lint", "--strict", chart.as_str(), "-f", page.as_str()],
     ] {
         let out = helm(None, &args)?;
         ensure!(
@@ -140,6 +142,11 @@ fn bad_values_are_refused_with_the_field_named() {
     ]);
     assert!(
         err.contains("fulfilment.trustedProxies needs fulfilment.networkPolicy.enabled=true"),
+        "{err}"
+    );
+    let err = with(&["fulfilment.separateDeployment=true"]);
+    assert!(
+        err.contains("fulfilment.separateDeployment needs fulfilment.url"),
         "{err}"
     );
     let err = with(&[page[0], page[1], "fulfilment.trustForwardedFor=true"]);
@@ -317,7 +324,11 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
     for ns in ["capm-system", "clusters"] {
         cp.kubectl_output(&["create", "namespace", ns])?;
     }
-    for values in ["mailgun-values.yaml", "smtp-values.yaml"] {
+    for values in [
+        "mailgun-values.yaml",
+        "smtp-values.yaml",
+        "page-values.yaml",
+    ] {
         // Without the `helm test` hook (its Pod names the hook's ServiceAccount, which a dry
         // run does not create): the Pods test runs `helm test`.
         let rendered = helm(
@@ -911,6 +922,83 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         "the API key Secret is filled from MAILGUN_API_KEY"
     );
 
+    // The second asset, the fulfilment page apart from the keys, applied beside `clusterctl
+    // init`: its variables, the page's grants exactly what the page does, and the provider's
+    // own RBAC in the components no wider than the chart's default (config/rbac/rbac.yaml).
+    let page_file = release.join("fulfilment-page-components.yaml");
+    let page_file = page_file.to_string_lossy();
+    let listed = repo.clusterctl(
+        &["generate", "yaml", "--from", &page_file, "--list-variables"],
+        &[],
+    )?;
+    for var in [
+        "FULFILMENT_KEYS",
+        "FULFILMENT_TRUSTED_PROXIES",
+        "FULFILMENT_URL",
+        "MAIL_RECIPIENT",
+    ] {
+        ensure!(listed.contains(var), "variable {var}: {listed}");
+    }
+    let page_yaml = repo.clusterctl(
+        &["generate", "yaml", "--from", &page_file],
+        &[
+            ("FULFILMENT_URL", "https://capm.example.com"),
+            (
+                "FULFILMENT_KEYS",
+                "a2V5LWZyb20tY2x1c3RlcmN0bC1vZi10aGlydHktdHdv",
+            ),
+            ("MAIL_RECIPIENT", "ops@example.com"),
+        ],
+    )?;
+    ensure!(!page_yaml.contains("${"), "unsubstituted variables left");
+    let page_docs = yaml_docs(&page_yaml)?;
+    let page_sa = "capm-controller-manager-fulfilment";
+    let page_grants: std::collections::BTreeSet<_> = granted_to(
+        &[page_docs.clone(), docs.clone()].concat(),
+        "capm-system",
+        page_sa,
+    )?
+    .into_iter()
+    .map(|(group, resource, verb, _)| (group, resource, verb))
+    .collect();
+    let want: std::collections::BTreeSet<_> = PAGE_RULES
+        .iter()
+        .map(|(g, r, v)| ((*g).to_owned(), (*r).to_owned(), (*v).to_owned()))
+        .collect();
+    ensure!(
+        page_grants == want,
+        "the clusterctl page's grants: {page_grants:#?}"
+    );
+    let page_args = deployment_container(&page_docs, page_sa)?["args"].to_string();
+    ensure!(
+        page_args.contains("--mode=fulfilment-page")
+            && page_args.contains("--fulfilment-url=https://capm.example.com")
+            && page_args.contains("--fulfilment-trusted-proxies=127.0.0.1\""),
+        "{page_args}"
+    );
+    ensure!(
+        page_docs.iter().all(|d| d["metadata"]["labels"]
+            .get("cluster.x-k8s.io/provider")
+            .is_none()),
+        "the page's asset is the user's, not clusterctl's: no provider label"
+    );
+    let config_rbac = yaml_docs(&std::fs::read_to_string(
+        chart_dir().join("../../config/rbac/rbac.yaml"),
+    )?)?;
+    let provider_sa = "capm-controller-manager";
+    ensure!(
+        granted_to(&docs, "capm-system", provider_sa)?
+            == granted_to(&config_rbac, "capm-system", provider_sa)?,
+        "the components' provider RBAC differs from config/rbac/rbac.yaml"
+    );
+    // The provider reads the links' settings from the asset's ConfigMap and Secret, optional.
+    let manager = &deployment_container(&docs, provider_sa)?;
+    let env = manager["env"].to_string();
+    ensure!(
+        env.contains("\"FULFILMENT_URL\"") && env.contains("\"optional\":true"),
+        "{env}"
+    );
+
     // The API server accepts it (cert-manager is not installed here: its objects are left out).
     let cp = ControlPlane::start(Options::default()).await?;
     cp.install_capi_crds().await?;
@@ -940,6 +1028,15 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
     kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
     let accepted = run_with_input(&mut kubectl, &list.to_string(), "dry run of the components")?;
     ensure!(accepted.lines().count() == ours.len(), "{accepted}");
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": page_docs});
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
+    let accepted = run_with_input(
+        &mut kubectl,
+        &list.to_string(),
+        "dry run of the page's asset",
+    )?;
+    ensure!(accepted.lines().count() == page_docs.len(), "{accepted}");
 
     // `clusterctl generate cluster` renders a Cluster + MailgunCluster the API server accepts.
     let template = repo.generate_cluster(
@@ -1058,5 +1155,325 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         ensure!(accepted.contains(name), "{name} not accepted: {accepted}");
     }
     cp.stop();
+    Ok(())
+}
+
+/// The page's ServiceAccount when run apart (`fulfilment.separateDeployment`), as the chart
+/// names it for release `capm`.
+const PAGE: &str = "capm-cluster-api-provider-mailgun-fulfilment";
+
+/// Exactly what the page run apart may do (issue 54, item 7): get and patch the objects a link
+/// names, get the Machine a MailgunMachine belongs to (the page names its Cluster and bootstrap
+/// Secret), list identities (the Event names an identity's recipients), create its Event, and
+/// review a scraper's token for /metrics. No Secret, no Lease, no status, no list or watch of
+/// the objects.
+const PAGE_RULES: [(&str, &str, &str); 9] = [
+    ("infrastructure.cluster.x-k8s.io", "mailgunclusters", "get"),
+    (
+        "infrastructure.cluster.x-k8s.io",
+        "mailgunclusters",
+        "patch",
+    ),
+    ("infrastructure.cluster.x-k8s.io", "mailgunmachines", "get"),
+    (
+        "infrastructure.cluster.x-k8s.io",
+        "mailgunmachines",
+        "patch",
+    ),
+    ("cluster.x-k8s.io", "machines", "get"),
+    ("events.k8s.io", "events", "create"),
+    (
+        "infrastructure.cluster.x-k8s.io",
+        "mailgunclusteridentities",
+        "list",
+    ),
+    ("authentication.k8s.io", "tokenreviews", "create"),
+    ("authorization.k8s.io", "subjectaccessreviews", "create"),
+];
+
+/// What the rendered `docs` grant the ServiceAccount `namespace`/`account`: (group, resource,
+/// verb, where: `cluster` or the binding's namespace) for every rule of every role a binding
+/// names it in; a rule's resourceNames follow its resource in brackets, a non-resource URL is
+/// a resource of group "".
+fn granted_to(
+    docs: &[serde_json::Value],
+    namespace: &str,
+    account: &str,
+) -> Result<std::collections::BTreeSet<(String, String, String, String)>> {
+    let mut out = std::collections::BTreeSet::new();
+    for binding in docs
+        .iter()
+        .filter(|d| d["kind"] == "RoleBinding" || d["kind"] == "ClusterRoleBinding")
+    {
+        let named = binding["subjects"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|s| {
+                s["kind"] == "ServiceAccount" && s["name"] == account && s["namespace"] == namespace
+            });
+        if !named {
+            continue;
+        }
+        let role_ref = &binding["roleRef"];
+        let where_ = match binding["metadata"]["namespace"].as_str() {
+            Some(ns) if binding["kind"] == "RoleBinding" => ns.to_owned(),
+            _ => "cluster".to_owned(),
+        };
+        let role = docs
+            .iter()
+            .find(|d| {
+                d["kind"] == role_ref["kind"]
+                    && d["metadata"]["name"] == role_ref["name"]
+                    && (d["kind"] == "ClusterRole"
+                        || d["metadata"]["namespace"] == binding["metadata"]["namespace"])
+            })
+            .with_context(|| format!("the role {role_ref} is not rendered"))?;
+        for rule in role["rules"].as_array().into_iter().flatten() {
+            let list = |key: &str| -> Vec<String> {
+                rule[key]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            };
+            let names = list("resourceNames");
+            let suffix = if names.is_empty() {
+                String::new()
+            } else {
+                format!("[{}]", names.join(","))
+            };
+            for url in list("nonResourceURLs") {
+                for verb in list("verbs") {
+                    out.insert((String::new(), url.clone(), verb, where_.clone()));
+                }
+            }
+            for group in list("apiGroups") {
+                for resource in list("resources").iter().map(|r| format!("{r}{suffix}")) {
+                    for verb in list("verbs") {
+                        out.insert((group.clone(), resource.clone(), verb, where_.clone()));
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The container of the Deployment `name` in `docs`.
+fn deployment_container<'a>(
+    docs: &'a [serde_json::Value],
+    name: &str,
+) -> Result<&'a serde_json::Value> {
+    docs.iter()
+        .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == name)
+        .map(|d| &d["spec"]["template"]["spec"]["containers"][0])
+        .with_context(|| format!("no Deployment {name}"))
+}
+
+#[test]
+fn the_page_apart_runs_under_a_service_account_granted_only_what_it_does() -> Result<()> {
+    let (chart, page_values) = (chart(), ci_values("page-values.yaml"));
+    let render = |sets: &[&str]| -> Result<Vec<serde_json::Value>> {
+        let mut args = vec![
+            "template",
+            "capm",
+            chart.as_str(),
+            "-n",
+            "capm-system",
+            "-f",
+            page_values.as_str(),
+        ];
+        for set in sets {
+            args.extend(["--set", set]);
+        }
+        yaml_docs(&helm(None, &args)?)
+    };
+    let provider = "capm-cluster-api-provider-mailgun";
+    // Cluster-wide (no watchNamespace), and bound in the watched namespace only.
+    for (watch, namespaced) in [(None, "cluster"), (Some("clusters"), "clusters")] {
+        let set = watch.map(|ns| format!("watchNamespace={ns}"));
+        let docs = render(
+            set.as_slice()
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .as_slice(),
+        )?;
+        let grants = granted_to(&docs, "capm-system", PAGE)?;
+        let want: std::collections::BTreeSet<_> = PAGE_RULES
+            .iter()
+            .map(|(group, resource, verb)| {
+                let where_ = if *resource == "mailgunclusteridentities"
+                    || group.ends_with("k8s.io") && group.starts_with("auth")
+                {
+                    "cluster"
+                } else {
+                    namespaced
+                };
+                (
+                    (*group).to_owned(),
+                    (*resource).to_owned(),
+                    (*verb).to_owned(),
+                    where_.to_owned(),
+                )
+            })
+            .collect();
+        for g in &grants {
+            println!(
+                "watch {watch:?}: {PAGE} may {} {}.{} ({})",
+                g.2, g.1, g.0, g.3
+            );
+        }
+        ensure!(
+            grants == want,
+            "watch {watch:?}: the page's ServiceAccount is granted\n{grants:#?}\nnot exactly\n{want:#?}"
+        );
+        let role = docs
+            .iter()
+            .find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == PAGE)
+            .context("the page's ClusterRole")?;
+        println!(
+            "ClusterRole {PAGE}:\n{}",
+            serde_yaml_ng::to_string(&role["rules"])?
+        );
+
+        // The page's Deployment: the page-only mode, its own ServiceAccount, the key volume
+        // (0400) and nothing else mounted; no mail, leader election or webhook flag.
+        let deployment = docs
+            .iter()
+            .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == PAGE)
+            .context("the page's Deployment")?;
+        let pod = &deployment["spec"]["template"]["spec"];
+        ensure!(
+            pod["serviceAccountName"] == PAGE,
+            "{}",
+            pod["serviceAccountName"]
+        );
+        let page = deployment_container(&docs, PAGE)?;
+        let args: Vec<&str> = page["args"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.as_str())
+            .collect();
+        ensure!(args.first() == Some(&"--mode=fulfilment-page"), "{args:?}");
+        ensure!(
+            args.contains(&"--fulfilment-bind-address=:8090")
+                && args.contains(&"--fulfilment-trusted-proxies=10.244.0.0/16"),
+            "{args:?}"
+        );
+        for refused in [
+            "--mail-backend",
+            "--mailgun",
+            "--smtp",
+            "--leader-elect",
+            "--webhook",
+            "--namespace",
+        ] {
+            ensure!(
+                !args.iter().any(|a| a.starts_with(refused)),
+                "the page is given {refused}: {args:?}"
+            );
+        }
+        let volumes = pod["volumes"].as_array().context("volumes")?;
+        ensure!(
+            volumes.len() == 1
+                && volumes[0]["secret"]["secretName"] == "capm-fulfilment-keys"
+                && volumes[0]["secret"]["defaultMode"] == 0o400,
+            "the page mounts only the links' keys, 0400: {volumes:?}"
+        );
+        // Its selector takes none of the provider's Pods, and the provider's none of its.
+        let selector = &deployment["spec"]["selector"]["matchLabels"];
+        let provider_deployment = docs
+            .iter()
+            .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == provider)
+            .context("the provider's Deployment")?;
+        let provider_pod_labels = &provider_deployment["spec"]["template"]["metadata"]["labels"];
+        let page_pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+        let matches = |selector: &serde_json::Value, labels: &serde_json::Value| {
+            selector
+                .as_object()
+                .is_some_and(|s| s.iter().all(|(k, v)| labels[k] == *v))
+        };
+        ensure!(matches(selector, page_pod_labels) && !matches(selector, provider_pod_labels));
+        let provider_selector = &provider_deployment["spec"]["selector"]["matchLabels"];
+        ensure!(
+            !matches(provider_selector, page_pod_labels),
+            "{provider_selector}"
+        );
+        // The page's Service and NetworkPolicy select the page's Pods.
+        for kind in ["Service", "NetworkPolicy"] {
+            let object = docs
+                .iter()
+                .find(|d| d["kind"] == kind && d["metadata"]["name"] == PAGE)
+                .with_context(|| format!("the page's {kind}"))?;
+            let selector = if kind == "Service" {
+                &object["spec"]["selector"]
+            } else {
+                &object["spec"]["podSelector"]["matchLabels"]
+            };
+            ensure!(
+                selector == &deployment["spec"]["selector"]["matchLabels"],
+                "{kind}: {selector}"
+            );
+        }
+
+        // The provider still seals the links (the keys mounted, 0400) but serves no page, and
+        // its role no longer reads the objects one by one.
+        let manager = deployment_container(&docs, provider)?;
+        let args: Vec<&str> = manager["args"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.as_str())
+            .collect();
+        ensure!(
+            args.contains(&"--fulfilment-url=https://capm.example.com")
+                && args.contains(&"--fulfilment-bind-address=0")
+                && !args.iter().any(|a| a.starts_with("--mode")),
+            "{args:?}"
+        );
+        ensure!(
+            !manager["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|p| p["name"] == "fulfilment"),
+            "the provider still exposes the page's port"
+        );
+        let keys = provider_deployment["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|v| v["name"] == "fulfilment-keys")
+            .context("the provider's key volume")?;
+        ensure!(keys["secret"]["defaultMode"] == 0o400, "{keys}");
+        let provider_grants = granted_to(&docs, "capm-system", provider)?;
+        ensure!(
+            !provider_grants
+                .iter()
+                .any(|(_, resource, verb, _)| resource.starts_with("mailgun") && verb == "get"),
+            "the provider reads the objects one by one with the page apart: {provider_grants:#?}"
+        );
+    }
+
+    // The page in the provider (the default): the provider's role reads the objects, and the
+    // key volume is 0400 there too.
+    let docs = render(&["fulfilment.separateDeployment=false"])?;
+    ensure!(!docs.iter().any(|d| d["metadata"]["name"] == PAGE
+        && d["kind"] != "Service"
+        && d["kind"] != "Ingress"
+        && d["kind"] != "NetworkPolicy"));
+    let provider_grants = granted_to(&docs, "capm-system", provider)?;
+    ensure!(provider_grants.contains(&(
+        "infrastructure.cluster.x-k8s.io".into(),
+        "mailgunclusters".into(),
+        "get".into(),
+        "cluster".into()
+    )));
+    let args = deployment_container(&docs, provider)?["args"].to_string();
+    ensure!(args.contains("--fulfilment-bind-address=:8090"), "{args}");
     Ok(())
 }

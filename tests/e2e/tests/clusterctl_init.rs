@@ -24,10 +24,10 @@ use capm_e2e::{
     FULLNAME, RELEASE,
     cert_manager::{self, CertManager},
     clusterctl::{LocalRepository, cluster_api_module, yaml_docs},
-    create_namespace, dynamic_api, eventually, fulfil_command, helm, helm_chart,
+    create_namespace, dynamic_api, eventually, free_port, fulfil_command, helm, helm_chart,
     ledger::{Kind, Which, parse_message_id},
-    mailgun_ledger, mailgun_mails, run_with_input, start_capi_manager_with, start_chart_provider,
-    start_routed_chart_provider,
+    mailgun_ledger, mailgun_mails, run_with_input, service_account_kubeconfig,
+    start_capi_manager_with, start_chart_provider, start_routed_chart_provider,
     topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -44,6 +44,10 @@ const USER_NS: &str = "team-a";
 const DOMAIN: &str = "mg.clusterctl.example.com";
 const API_KEY: &str = "key-clusterctl-init-not-logged";
 const INFRA: &str = "infrastructure.cluster.x-k8s.io";
+/// The page's Deployment and ServiceAccount (`fulfilment-page-components.yaml`).
+const PAGE: &str = "capm-controller-manager-fulfilment";
+/// The links' key (32 bytes, base64).
+const LINK_KEY: &str = "Y2x1c3RlcmN0bC1pbml0LWxpbmsta2V5LW9mLTMyLWI=";
 /// The Lease every install method names by default (the binary's default).
 const LEASE: &str = "cluster-api-provider-mailgun-leader";
 
@@ -162,14 +166,18 @@ async fn one_request_each(
     .await
 }
 
-/// The human for every MailgunCluster's request mail: runs its `kubectl patch`, so that the
-/// Cluster's infrastructure is provisioned and its machines may ask.
-fn fulfil_cluster_requests(cp: &ControlPlane, mailgun: &MailgunServer) -> Result<()> {
+/// The human for every MailgunCluster's request mail but those of `done` (uids): runs its
+/// `kubectl patch`, so that the Cluster's infrastructure is provisioned and its machines may ask.
+fn fulfil_cluster_requests(
+    cp: &ControlPlane,
+    mailgun: &MailgunServer,
+    done: &[String],
+) -> Result<()> {
     for (mail, body) in mailgun_mails(mailgun)? {
         let Some((object, Which::Request)) = parse_message_id(&mail.message_id, DOMAIN) else {
             continue;
         };
-        if object.kind != Kind::Cluster {
+        if object.kind != Kind::Cluster || done.contains(&object.uid) {
             continue;
         }
         let host = format!("api-{}.example.com", &object.uid[..8.min(object.uid.len())]);
@@ -276,9 +284,62 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
 
+    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NS);
+    // 2b. The fulfilment page apart, the release's second asset applied beside init as
+    //     docs/fulfilment.md says: the provider reads the links' URL and keys file from its
+    //     ConfigMap and Secret. The page's port is moved to a free one (the URL names it).
+    let page_port = free_port()?;
+    let page_url = format!("http://127.0.0.1:{page_port}");
+    let page_asset = repo.release.join("fulfilment-page-components.yaml");
+    let page_yaml = repo.clusterctl(
+        &["generate", "yaml", "--from", &page_asset.to_string_lossy()],
+        &[
+            ("FULFILMENT_URL", &page_url),
+            ("FULFILMENT_KEYS", LINK_KEY),
+            ("MAIL_RECIPIENT", "infrastructure-team@example.com"),
+        ],
+    )?;
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "-f", "-"]);
+    println!(
+        "{}",
+        run_with_input(&mut kubectl, &page_yaml, "applying the page's asset")?
+    );
+    let page_args: Vec<String> = deployments
+        .get(PAGE)
+        .await?
+        .spec
+        .and_then(|s| s.template.spec)
+        .and_then(|p| p.containers[0].args.clone())
+        .context("the page's args")?
+        .into_iter()
+        .map(|a| {
+            if a.starts_with("--fulfilment-bind-address=") {
+                format!("--fulfilment-bind-address=:{page_port}")
+            } else {
+                a
+            }
+        })
+        .collect();
+    let patch = json!([{
+        "op": "replace",
+        "path": "/spec/template/spec/containers/0/args",
+        "value": page_args,
+    }])
+    .to_string();
+    cp.kubectl_output(&[
+        "-n",
+        NS,
+        "patch",
+        "deployment",
+        PAGE,
+        "--type=json",
+        "-p",
+        &patch,
+    ])?;
+
     // 3. The provider as the installed Deployment runs it. The test's Mailgun is the contract
     //    server: the one change to the Deployment, `--mailgun-base-url` (a user never needs it).
-    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), NS);
     let patch = json!([{
         "op": "add",
         "path": "/spec/template/spec/containers/0/args/-",
@@ -297,6 +358,12 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     ])?;
     let provider = start_routed_chart_provider(&cp, &admin, NS, NAME, dir).await?;
     cp.adopt(provider.proc.pid())?;
+    // And the page, as its Deployment runs it, as its own ServiceAccount.
+    let page_dir = dir.join("page");
+    std::fs::create_dir_all(&page_dir)?;
+    let page_kubeconfig = service_account_kubeconfig(&cp, NS, PAGE, &page_dir)?;
+    let page = start_chart_provider(&admin, NS, PAGE, &page_kubeconfig, &page_dir).await?;
+    cp.adopt(page.proc.pid())?;
 
     // 4. clusterctl generate cluster, both flavors, applied as a user would.
     create_namespace(&admin, USER_NS, false).await?;
@@ -314,6 +381,32 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
         .await
         .with_context(|| format!("provider log:\n{}", provider.proc.tail(30)))?;
     println!("default flavor: one request mail each: {mailed:?}");
+    // Its mail carries a link (the provider read the asset's ConfigMap), fulfilled through
+    // the page apart.
+    let (mail, body) = mailgun_mails(&mailgun)?
+        .into_iter()
+        .find(|(m, _)| {
+            parse_message_id(&m.message_id, DOMAIN)
+                .is_some_and(|(o, w)| o.kind == Kind::Cluster && w == Which::Request)
+        })
+        .context("the plain cluster's request mail")?;
+    let (object, _) = parse_message_id(&mail.message_id, DOMAIN).context("its Message-Id")?;
+    let link = capm_e2e::browser::link_in(&body)?;
+    ensure!(link.starts_with(&format!("{page_url}/fulfil/")), "{link}");
+    let (status, answer) = capm_e2e::browser::fulfil_through_link(
+        &page_dir,
+        &page_url,
+        &link,
+        &[("host", "api-plain.example.com"), ("port", "6443")],
+    )?;
+    ensure!(
+        status == 200 && answer.contains("Recorded"),
+        "the plain cluster's link: HTTP {status}:\n{answer}\npage log:\n{}",
+        page.proc.tail(20)
+    );
+    let note = capm_e2e::browser::fulfilled_event(&admin, USER_NS, "plain").await?;
+    println!("fulfilled through the page apart: {note}");
+    let through_link = vec![object.uid];
 
     let generated = repo.generate_cluster(
         "topo",
@@ -341,7 +434,7 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
     one_request_each(&admin, &mailgun, 2)
         .await
         .with_context(|| format!("provider log:\n{}", provider.proc.tail(30)))?;
-    fulfil_cluster_requests(&cp, &mailgun)?;
+    fulfil_cluster_requests(&cp, &mailgun, &through_link)?;
     // The default Cluster's MailgunCluster, the topology Cluster's and its one machine's.
     let mailed = one_request_each(&admin, &mailgun, 3)
         .await

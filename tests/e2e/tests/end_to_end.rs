@@ -5,7 +5,11 @@
 //! calling the conversion webhook through the chart's Service and certificate; Debian's
 //! Prometheus scraping the provider. The API server's audit log then shows that the chart's
 //! RBAC was sufficient (no request of the provider was denied) and minimal (each permission it
-//! grants was used, bar the ones listed with their reason).
+//! grants was used, bar the ones listed with their reason). The fulfilment page runs apart
+//! (`fulfilment.separateDeployment`), as the chart's second Deployment runs it (`--mode
+//! fulfilment-page`, its own ServiceAccount); the links of two mails are used through it (curl,
+//! as a browser: the page's cookie and form token), and the audit log shows the same of the
+//! page's ServiceAccount: nothing denied, every permission used.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -18,7 +22,8 @@ use anyhow::{Context, Result, bail, ensure};
 use capm_e2e::{
     AUDIT_POLICY, CHART_NAMESPACE as NS, FULLNAME, HttpsScrape, Prometheus, RELEASE,
     audited_requests, create_cluster_pair, create_namespace, create_secret, dynamic_api,
-    dynamic_object, eventually, helm_chart, https_get, promtool_check_metrics, start_capi_manager,
+    dynamic_object, eventually, free_port, helm_chart, https_get, promtool_check_metrics,
+    service_account_kubeconfig, start_capi_manager, start_chart_provider,
     start_routed_chart_provider,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
@@ -35,6 +40,8 @@ use kube::{
 
 const USER_NS: &str = "team-a";
 const RECIPIENT: &str = "infrastructure-team@example.com";
+/// The links' key (32 bytes, base64).
+const LINK_KEY: &str = "ZW5kLXRvLWVuZC1saW5rLWtleS1vZi10aGlydHktdHdv";
 
 /// controller-runtime's queue series (histograms by their count), present per controller.
 const QUEUE_SERIES: [&str; 7] = [
@@ -143,6 +150,10 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         ],
     )
     .await?;
+    // The page apart from the keys: links in the mails, the page its own Deployment.
+    create_secret(&admin, NS, "capm-fulfilment-keys", &[("keys", LINK_KEY)]).await?;
+    let page_port = free_port()?;
+    let page_url = format!("http://127.0.0.1:{page_port}");
     let values = dir.join("values.yaml");
     fs::write(
         &values,
@@ -152,7 +163,9 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
              caSecret: {{name: smtp-ca}}\n\
              tenancy:\n  smtpHosts: [\"127.0.0.1\"]\n\
              metrics:\n  certSecret: diagnostics-cert\n  \
-             reader:\n    serviceAccounts: [{{name: prometheus, namespace: {USER_NS}}}]\n",
+             reader:\n    serviceAccounts: [{{name: prometheus, namespace: {USER_NS}}}]\n\
+             fulfilment:\n  url: {page_url}\n  port: {page_port}\n  keysSecret: {{name: capm-fulfilment-keys}}\n  \
+             separateDeployment: true\n",
             smtp.url()
         ),
     )?;
@@ -167,6 +180,25 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
             .any(|a| a == "--leader-elect=true"),
         "the chart runs with leader election: {:?}",
         provider.chart_args
+    );
+    ensure!(
+        provider
+            .chart_args
+            .iter()
+            .any(|a| a == "--fulfilment-bind-address=0"),
+        "the provider seals the links and serves no page: {:?}",
+        provider.chart_args
+    );
+    // The page as its Deployment runs it, as its own ServiceAccount.
+    let page_dir = dir.join("page");
+    fs::create_dir_all(&page_dir)?;
+    let page_account = format!("{FULLNAME}-fulfilment");
+    let page_kubeconfig = service_account_kubeconfig(&cp, NS, &page_account, &page_dir)?;
+    let page = start_chart_provider(&admin, NS, &page_account, &page_kubeconfig, &page_dir).await?;
+    ensure!(
+        page.chart_args.first().map(String::as_str) == Some("--mode=fulfilment-page"),
+        "the page's Deployment: {:?}",
+        page.chart_args
     );
     let capi = start_capi_manager(cp.kubeconfig(), dir)?;
 
@@ -284,16 +316,29 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         text.contains("e2e-cp-0-bootstrap"),
         "the mail names the bootstrap Secret:\n{text}"
     );
-    let command = fulfil_command(
-        &machine_mail,
+    // The recipient fulfils this one through the mailed link: the page (its own Deployment and
+    // ServiceAccount) reads the MailgunMachine and its Machine, patches it and records an Event.
+    let link = capm_e2e::browser::link_in(&text)?;
+    let (status, answer) = capm_e2e::browser::fulfil_through_link(
+        dir,
+        &page_url,
+        &link,
         &[
-            ("<scheme>://<id>", "mailgun://e2e-cp-0"),
-            ("<ip>", "192.0.2.10"),
+            ("provider-id", "mailgun://e2e-cp-0"),
+            ("address-type-0", "InternalIP"),
+            ("address-0", "192.0.2.10"),
         ],
     )?;
-    let mut kubectl = cp.kubectl()?;
-    kubectl.args(&command[1..]);
-    capm_e2e::run(&mut kubectl, &command.join(" "))?;
+    ensure!(
+        status == 200 && answer.contains("Recorded"),
+        "the machine's link: HTTP {status}:\n{answer}\npage log:\n{}",
+        page.proc.tail(20)
+    );
+    let note = capm_e2e::browser::fulfilled_event(&admin, USER_NS, "e2e-cp-0").await?;
+    ensure!(
+        note.starts_with("From 127.0.0.1") && note.contains(RECIPIENT),
+        "the machine's FulfilledThroughLink Event: {note}"
+    );
     eventually(wait, "the Machine's infrastructure provisioned", || async {
         let m = mailgun_machines.get("e2e-cp-0").await?;
         Ok((m.data["status"]["initialization"]["provisioned"] == true).then_some(()))
@@ -677,6 +722,32 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         tenant.rcpt_tos,
         tenant.header("From")
     );
+    // Fulfilled through its link: the page names the identity's recipients in the Event.
+    let link = capm_e2e::browser::link_in(&body_text(&tenant))?;
+    let (status, answer) = capm_e2e::browser::fulfil_through_link(
+        dir,
+        &page_url,
+        &link,
+        &[("host", "api.e2e-tenant.example.com"), ("port", "6443")],
+    )?;
+    ensure!(
+        status == 200 && answer.contains("Recorded"),
+        "the tenant's link: HTTP {status}:\n{answer}\npage log:\n{}",
+        page.proc.tail(20)
+    );
+    let note = capm_e2e::browser::fulfilled_event(&admin, USER_NS, "e2e-tenant").await?;
+    ensure!(
+        note.contains("tenant-oncall@example.com"),
+        "the tenant's FulfilledThroughLink Event names the identity's recipients: {note}"
+    );
+    // The page's /metrics, as the provider's: the scraper's token reviewed.
+    let (status, _) = https_get(&page.metrics, "/metrics", &scrape, true)?;
+    ensure!(status == 200, "the page's metrics: HTTP {status}");
+    let (status, _) = https_get(&page.metrics, "/metrics", &scrape, false)?;
+    ensure!(
+        status == 401,
+        "the page's metrics without a token: HTTP {status}"
+    );
 
     // RBAC, sufficient: nothing the provider asked for was denied. Minimal: everything the
     // chart grants was used (events patch by the repeated failure above), except what is
@@ -784,6 +855,96 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
             ),
         }
     }
+
+    // The page's ServiceAccount: nothing denied, every permission its roles grant used, and
+    // what they do not grant refused.
+    ensure!(
+        page.proc.terminate(Duration::from_secs(40)),
+        "the page did not exit 0 on SIGTERM:\n{}",
+        page.proc.tail(20)
+    );
+    let page_requests = audited_requests(
+        &audit_log,
+        &format!("system:serviceaccount:{NS}:{page_account}"),
+    )?;
+    let denied: Vec<_> = page_requests.iter().filter(|r| r.code == 403).collect();
+    ensure!(
+        denied.is_empty(),
+        "the chart's RBAC denied the page: {denied:#?}"
+    );
+    let page_used: BTreeSet<_> = page_requests
+        .iter()
+        .map(|r| (r.group.clone(), r.resource.clone(), r.verb.clone()))
+        .collect();
+    let mut page_grants = BTreeSet::new();
+    for role in [page_account.clone(), format!("{page_account}-identities")] {
+        let role = Api::<ClusterRole>::all(admin.clone()).get(&role).await?;
+        page_grants.extend(granted(role.rules.as_deref().unwrap_or_default()));
+    }
+    // The provider's diagnostics-auth ClusterRole, bound to the page's ServiceAccount too.
+    let binding = Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(admin.clone())
+        .get(&format!("{page_account}-diagnostics-auth"))
+        .await?;
+    ensure!(
+        binding.role_ref.name == format!("{FULLNAME}-diagnostics-auth"),
+        "{binding:?}"
+    );
+    ensure!(
+        binding
+            .subjects
+            .iter()
+            .flatten()
+            .any(|s| s.name == page_account && s.namespace.as_deref() == Some(NS)),
+        "the diagnostics-auth binding does not name the page: {binding:?}"
+    );
+    page_grants.extend(granted(
+        diagnostics_role.rules.as_deref().unwrap_or_default(),
+    ));
+    let unused: Vec<_> = page_grants.difference(&page_used).collect();
+    ensure!(
+        unused.is_empty(),
+        "granted to the page but never used: {unused:?}\nused: {page_used:#?}"
+    );
+    let more: Vec<_> = page_used.difference(&page_grants).collect();
+    ensure!(
+        more.is_empty(),
+        "the page asked for more than it is granted: {more:?}"
+    );
+    println!("the page's ServiceAccount used exactly what it is granted: {page_used:?}");
+    let sa = format!("--kubeconfig={}", page.kubeconfig.display());
+    for args in [
+        vec!["get", "secrets", "-n", NS],
+        vec!["get", "secret", "capm-fulfilment-keys", "-n", NS],
+        vec!["get", "secret", "smtp-credentials", "-n", NS],
+        vec!["get", "leases", "-n", NS],
+        vec!["get", "mailgunclusters", "-n", USER_NS],
+        vec!["get", "mailgunclusteridentities", "e2e-tenant"],
+        vec!["delete", "mailgunclusters", "e2e-tenant", "-n", USER_NS],
+        vec![
+            "get",
+            "clusters.cluster.x-k8s.io",
+            "e2e-tenant",
+            "-n",
+            USER_NS,
+        ],
+    ] {
+        let mut cmd = Command::new(capm_test_support::process::binary("kubectl")?);
+        cmd.arg(&sa).args(&args).env_remove("KUBECONFIG");
+        match capm_e2e::run(&mut cmd, &args.join(" ")) {
+            Ok(out) => bail!("`kubectl {}` as the page succeeded: {out}", args.join(" ")),
+            Err(e) => ensure!(
+                format!("{e:#}").contains("Forbidden"),
+                "`kubectl {}` as the page: {e:#}",
+                args.join(" ")
+            ),
+        }
+    }
+    let page_log = page.proc.log();
+    ensure!(
+        !page_log.contains(LINK_KEY) && !page_log.contains("ERROR"),
+        "the page's log holds the key or an error:\n{}",
+        page.proc.tail(40)
+    );
 
     // Secrets never reach the logs.
     let log = provider.proc.log();

@@ -110,6 +110,12 @@ async fn release_pushes_a_signed_image_and_chart_to_a_registry() -> Result<()> {
         "infrastructure-components.yaml does not run {}",
         released.image
     );
+    let page = fs::read_to_string(out.join("fulfilment-page-components.yaml"))?;
+    ensure!(
+        page.contains(&format!("image: {}", released.image)),
+        "fulfilment-page-components.yaml does not run {}",
+        released.image
+    );
     let sbom_file = out.join(format!("{CHART}-{version}.cdx.json"));
     let sbom: serde_json::Value = serde_json::from_str(&fs::read_to_string(&sbom_file)?)?;
     let names: Vec<&str> = sbom["components"]
@@ -142,6 +148,7 @@ async fn release_pushes_a_signed_image_and_chart_to_a_registry() -> Result<()> {
     )?;
     for asset in [
         "infrastructure-components.yaml",
+        "fulfilment-page-components.yaml",
         "metadata.yaml",
         "cluster-template.yaml",
         "cluster-template-clusterclass.yaml",
