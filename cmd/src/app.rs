@@ -179,6 +179,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let readiness = tokio::spawn(watch_api_server(client.clone(), api_reachable));
 
     let mut config = settings.controllers.clone();
+    // One `Events` (one kube `Recorder`) for the controllers and the fulfilment page.
+    let events =
+        capm_controllers::Events::new(client.clone(), "cluster-api-provider-mailgun", instance);
     let mut key_reload = None;
     if let (Some(f), Some((file, keys))) = (&settings.fulfilment, fulfilment_keys) {
         config.fulfilment = Some(capm_api::link_token::Links {
@@ -198,7 +201,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 keys,
                 f,
                 config.recipients.clone(),
-                instance.clone(),
+                events.clone(),
                 &registry,
             )?;
             servers.push(server::serve(
@@ -208,11 +211,11 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             ));
         }
     }
-    config.instance = instance;
     let controllers = Controllers {
         client: client.clone(),
         leadership: leadership.clone(),
         mailer,
+        events,
         config,
         metrics: controller_metrics,
         timeout: settings.shutdown_timeout,
@@ -341,6 +344,7 @@ struct Controllers {
     client: kube::Client,
     leadership: Leadership,
     mailer: Arc<dyn Mailer>,
+    events: capm_controllers::Events,
     config: capm_controllers::Config,
     metrics: capm_controllers::Metrics,
     timeout: Duration,
@@ -373,6 +377,7 @@ impl Controllers {
         let mut task = tokio::spawn(capm_controllers::run(
             self.client,
             self.mailer,
+            self.events,
             self.config,
             self.leadership,
             self.metrics,

@@ -106,7 +106,7 @@ impl Page {
         keys: KeyRing,
         settings: &crate::settings::Fulfilment,
         recipients: Vec<String>,
-        instance: String,
+        events: Events,
         registry: &Registry,
     ) -> anyhow::Result<Self> {
         let requests = IntCounterVec::new(
@@ -129,7 +129,7 @@ impl Page {
             base64::engine::general_purpose::STANDARD.encode(digest.as_ref())
         };
         Ok(Self {
-            events: Events::new(client.clone(), FIELD_MANAGER, instance),
+            events,
             client,
             keys,
             origin,
@@ -589,7 +589,7 @@ mod tests {
             keys.clone(),
             &settings,
             vec!["ops@example.com".into()],
-            "test".into(),
+            Events::new(client.clone(), "test", "test"),
             &Registry::new(),
         )
         .unwrap();
