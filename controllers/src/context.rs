@@ -104,11 +104,8 @@ impl ReconcileError {
         }
     }
 
+    /// The API server's error while `context`: a lost race (409) is a [`Self::Conflict`].
     pub(crate) fn kube(context: &'static str) -> impl FnOnce(kube::Error) -> Self {
-        move |source| Self::Kube { context, source }
-    }
-
-    pub(crate) fn from_write(context: &'static str) -> impl FnOnce(kube::Error) -> Self {
         move |source| match &source {
             kube::Error::Api(status) if status.code == 409 => Self::Conflict(context),
             _ => Self::Kube { context, source },

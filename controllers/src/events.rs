@@ -63,7 +63,7 @@ impl Events {
     /// and the Events it kept go).
     pub(crate) fn end_series(&self) {
         let fresh = Recorder::new(self.client.clone(), self.reporter.clone());
-        *self.recorder.lock().unwrap_or_else(|e| e.into_inner()) = fresh;
+        *crate::lock(&self.recorder) = fresh;
     }
 
     /// Publishes one Event about `regarding`, or counts it in the series of an identical
@@ -85,10 +85,7 @@ impl Events {
                 action: ACTION.into(),
                 secondary: None,
             };
-            let recorder = self
-                .recorder
-                .lock()
-                .map_or_else(|e| e.into_inner().clone(), |r| r.clone());
+            let recorder = crate::lock(&self.recorder).clone();
             return recorder.publish(&event, regarding).await;
         }
         let now = Timestamp::now();

@@ -130,7 +130,7 @@ impl Ledger {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        crate::lock(&self.inner)
     }
 
     fn count(&self, inner: &Inner) {
