@@ -46,7 +46,7 @@ mod workqueue;
 pub use config::{Config, DEFAULT_RELEASE_TIMEOUT, Error, Field, Invalid, Reason, Tenancy};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
-pub use pipeline::{run, trim};
+pub use pipeline::run;
 
 // The manager's fulfilment page records its Events through the controllers' `Events`.
 pub use events::{EventType, Events};

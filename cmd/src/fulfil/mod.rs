@@ -585,11 +585,11 @@ mod tests {
             trusted_proxies: Vec::new(),
         };
         let page = Page::new(
-            client,
+            client.clone(),
             keys.clone(),
             &settings,
             vec!["ops@example.com".into()],
-            Events::new(client.clone(), "test", "test"),
+            Events::new(client, "test", "test"),
             &Registry::new(),
         )
         .unwrap();

@@ -7,7 +7,7 @@ mod controller;
 mod identity_triggers;
 mod lists;
 mod resync;
-pub mod trim;
+mod trim;
 
 use std::{future::Future, sync::Arc};
 
