@@ -33,18 +33,6 @@ struct Listing<K: Resource<DynamicType = ()> + 'static> {
     seen: HashSet<String>,
 }
 
-impl<K: Resource<DynamicType = ()>> Listing<K> {
-    /// A list that began over the snapshot `before`.
-    fn after(before: HashMap<ObjectRef<K>, (String, Option<String>)>) -> Self {
-        let (changed, seen) = (Vec::new(), HashSet::new());
-        Self {
-            before,
-            changed,
-            seen,
-        }
-    }
-}
-
 /// A predicate on objects' UIDs.
 type UidFilter = Box<dyn Fn(&str) -> bool + Send + Sync>;
 
@@ -107,11 +95,19 @@ where
                         )
                     })
                     .collect();
-                self.listing = Some(Listing::after(before));
+                self.listing = Some(Listing {
+                    before,
+                    changed: Vec::new(),
+                    seen: HashSet::new(),
+                });
                 None
             }
             watcher::Event::InitApply(obj) => {
-                let listing = (self.listing).get_or_insert_with(|| Listing::after(HashMap::new()));
+                let listing = self.listing.get_or_insert_with(|| Listing {
+                    before: HashMap::new(),
+                    changed: Vec::new(),
+                    seen: HashSet::new(),
+                });
                 let uid = obj.uid().unwrap_or_default();
                 let reference = ObjectRef::from_obj(&obj);
                 let unchanged = listing
