@@ -518,6 +518,7 @@ mod tests {
             r#""message":"requester is immutable""#,
             "controlPlaneEndpoint is set-once",
             r#""x-kubernetes-list-type":"map""#,
+            r#""x-kubernetes-map-type":"atomic""#,
             r#""maxLength":4096"#,
             r#""maxLength":254"#,
             r#""maximum":65535.0"#,
@@ -532,6 +533,7 @@ mod tests {
             "providerID is set-once",
             "failureDomain is set-once",
             r#""maxItems":16"#,
+            r#""x-kubernetes-map-type":"atomic""#,
         ] {
             assert!(
                 machine.contains(needle),

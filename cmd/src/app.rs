@@ -41,6 +41,9 @@ use crate::{
 /// How often `/readyz` re-checks that the API server answers.
 const READINESS_INTERVAL: Duration = Duration::from_secs(5);
 
+/// The Events' `reportingController`.
+const REPORTING_CONTROLLER: &str = "cluster-api-provider-mailgun";
+
 /// Runs the process until SIGTERM/SIGINT (`Ok`) or a fatal error, including a lost Lease.
 ///
 /// # Errors
@@ -85,6 +88,9 @@ async fn run_all(
     let keys = all.fulfilment.as_ref().map(read_keys).transpose()?;
 
     let client = kube_client(settings.kubeconfig.as_deref(), &registry).await?;
+    // One `Events` (one kube `Recorder`) for the controllers and the fulfilment page.
+    let events =
+        capm_controllers::Events::new(client.clone(), REPORTING_CONTROLLER, instance.clone());
     let page = all.fulfilment.as_ref().is_some_and(|f| f.bind.is_some());
     let mut manager = Manager::new(&registry, 3 + u64::from(page))?;
     let mut reloads: Vec<Box<dyn Reload>> = Vec::new();
@@ -106,7 +112,7 @@ async fn run_all(
                 settings: f,
                 bind,
                 recipients,
-                instance: &instance,
+                events: events.clone(),
             };
             setup_fulfilment(&mut manager, page, &client, ring.clone(), &registry).await?;
         }
@@ -121,7 +127,7 @@ async fn run_all(
         leadership,
         mailer,
         links,
-        instance,
+        events,
         &registry,
     )?;
     manager.run(settings.shutdown_timeout).await
@@ -141,12 +147,15 @@ async fn run_page(settings: &Settings, page: &PageOnly, registry: Registry) -> a
     let mut manager = Manager::new(&registry, 3)?;
     setup_diagnostics(&mut manager, settings, diagnostics_tls, &client, &registry).await?;
     setup_checks(&mut manager, settings, &client).await?;
-    let instance = instance_name();
     let served = Page {
         settings: &page.fulfilment,
         bind: page.bind,
         recipients: page.recipients.clone(),
-        instance: &instance,
+        events: capm_controllers::Events::new(
+            client.clone(),
+            REPORTING_CONTROLLER,
+            instance_name(),
+        ),
     };
     setup_fulfilment(&mut manager, served, &client, ring.clone(), &registry).await?;
     setup_reloader(
@@ -258,7 +267,8 @@ struct Page<'a> {
     settings: &'a Fulfilment,
     bind: SocketAddr,
     recipients: Vec<String>,
-    instance: &'a str,
+    /// The process's one `Events` (one kube `Recorder`), shared with the controllers.
+    events: capm_controllers::Events,
 }
 
 /// The fulfilment page on its own port.
@@ -274,7 +284,7 @@ async fn setup_fulfilment(
         keys,
         page.settings,
         page.recipients,
-        page.instance.to_owned(),
+        page.events,
         registry,
     )?;
     let routes = Arc::new(handler).router();
@@ -304,7 +314,7 @@ fn setup_reconcilers(
     leadership: Leadership,
     mailer: Arc<dyn Mailer>,
     links: Option<Links>,
-    instance: String,
+    events: capm_controllers::Events,
     registry: &Registry,
 ) -> anyhow::Result<()> {
     let metrics =
@@ -323,11 +333,11 @@ fn setup_reconcilers(
     });
     let mut config = all.controllers.clone();
     config.fulfilment = links;
-    config.instance = instance;
     let controllers = Controllers {
         client,
         leadership,
         mailer,
+        events,
         config,
         metrics,
         timeout: settings.shutdown_timeout,

@@ -21,6 +21,8 @@ pub struct Controllers {
     pub leadership: Leadership,
     /// The mail backend.
     pub mailer: Arc<dyn Mailer>,
+    /// Where their Events go: the process's one `Events`.
+    pub events: capm_controllers::Events,
     /// Their configuration.
     pub config: capm_controllers::Config,
     /// Their metrics.
@@ -85,6 +87,7 @@ impl Controllers {
         let mut task = tokio::spawn(capm_controllers::run(
             self.client,
             self.mailer,
+            self.events,
             self.config,
             self.leadership,
             self.metrics,

@@ -37,8 +37,6 @@ pub struct Config {
     /// Ceiling of the per-object retry delay. Permanent errors are not retried on a timer: the
     /// object's next change (or the next sync period) reconciles it again.
     pub backoff_max: Duration,
-    /// `reportingInstance` of the events this process records (for example the pod name).
-    pub instance: String,
     /// How long a backend lookup must keep answering "not found" for a mail whose outcome was
     /// unknown before it is sent again (event stores lag behind sends).
     pub lookup_grace: Duration,
@@ -271,7 +269,6 @@ pub(crate) mod tests {
             concurrency: 10,
             backoff_base: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
-            instance: "t".into(),
             lookup_grace: Duration::from_secs(10),
             delivery_poll_base: Duration::from_secs(30),
             delivery_poll_max: Duration::from_secs(30 * 60),

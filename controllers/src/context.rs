@@ -104,11 +104,8 @@ impl ReconcileError {
         }
     }
 
+    /// The API server's error while `context`: a lost race (409) is a [`Self::Conflict`].
     pub(crate) fn kube(context: &'static str) -> impl FnOnce(kube::Error) -> Self {
-        move |source| Self::Kube { context, source }
-    }
-
-    pub(crate) fn from_write(context: &'static str) -> impl FnOnce(kube::Error) -> Self {
         move |source| match &source {
             kube::Error::Api(status) if status.code == 409 => Self::Conflict(context),
             _ => Self::Kube { context, source },
@@ -201,7 +198,7 @@ impl Ctx {
             identities,
             poller,
             leadership,
-            ledger: Ledger::counted(metrics.remembered.clone()),
+            ledger: Ledger::new(metrics.remembered.clone(), events.clone()),
             events,
             config,
             metrics,
@@ -249,8 +246,8 @@ impl Ctx {
         }
     }
 
-    /// Publishes an Event about `obj` (in its series); a refusal is logged, never fails the
-    /// reconcile.
+    /// Publishes an Event about `obj` (its series open until its mail is final); a refusal is
+    /// logged, never fails the reconcile.
     pub async fn publish<K: InfraKind>(
         &self,
         obj: &K,
@@ -259,11 +256,9 @@ impl Ctx {
         note: String,
     ) {
         let regarding = obj.object_ref(&());
-        let uid = regarding.uid.as_deref().unwrap_or_default();
-        let recorder = self.ledger.recorder(uid, || self.events.recorder());
-        let published = self
-            .events
-            .publish_to(&recorder, &regarding, type_, reason, &note);
+        self.ledger
+            .in_series(regarding.uid.as_deref().unwrap_or_default());
+        let published = self.events.publish(&regarding, type_, reason, &note);
         if let Err(e) = published.await {
             tracing::warn!(error = %e, "Could not record an event");
         }
@@ -528,7 +523,7 @@ mod tests {
         ctx.ledger.first_seen_ago(uid, Which::Deletion);
         ctx.queued::<MailgunCluster>(uid);
         assert_eq!(depth(), 1);
-        ctx.ledger.recorder(uid, || ctx.events.recorder());
+        ctx.ledger.in_series(uid);
         let identity = ctx.poller.sibling(Arc::new(MockMailer::new()));
         assert!(track(&ctx.poller) && track(&identity));
         assert!(!ctx.poller.holds(uid), "moved to the identity's poller");
@@ -547,7 +542,7 @@ mod tests {
 
         ctx.retry_delay(uid, &transient());
         ctx.queued::<MailgunCluster>(uid);
-        ctx.ledger.recorder(uid, || ctx.events.recorder());
+        ctx.ledger.in_series(uid);
         assert!(!ctx.ledger.track(uid, &identity));
         assert_eq!(ctx.ledger.len(), 0);
         assert_eq!(depth(), 0);
@@ -561,9 +556,33 @@ mod tests {
         assert!(ctx.ledger.track("f", &ctx.poller));
         let id = crate::poller::tests::id(2);
         ctx.poller.track(&cluster, "f", id, now, Duration::ZERO);
-        ctx.ledger.recorder("f", || ctx.events.recorder());
+        ctx.ledger.in_series("f");
         ctx.ledger.mail_final("f");
         assert!(!ctx.poller.holds("f"));
         assert_eq!(ctx.ledger.len(), 0, "nothing else was noted");
+    }
+
+    /// The one `Recorder`'s series end once no object has one open: when the last object's
+    /// mail is final or it is gone, not before.
+    #[tokio::test]
+    async fn series_end_when_no_object_is_worked_on() {
+        use crate::poller::tests::cluster;
+        let (client, log) = crate::events::tests::answering_client();
+        let mut ctx = ctx();
+        ctx.events = Events::new(client, "t", "t");
+        ctx.ledger = Ledger::new(ctx.metrics.remembered.clone(), ctx.events.clone());
+        let (a, b) = (cluster("a"), cluster("b"));
+        let posts = || log.lock().unwrap().iter().filter(|m| *m == "POST").count();
+        for obj in [&a, &b, &a] {
+            ctx.publish(obj, EventType::Normal, "R", "n".into()).await;
+        }
+        assert_eq!(posts(), 2, "a's repeat is a series");
+        ctx.ledger.mail_final("a");
+        ctx.publish(&a, EventType::Normal, "R", "n".into()).await;
+        assert_eq!(posts(), 2, "b is still worked on: a's series goes on");
+        ctx.ledger.mail_final("a");
+        ctx.forget("b");
+        ctx.publish(&a, EventType::Normal, "R", "n".into()).await;
+        assert_eq!(posts(), 3, "nobody worked on: the series ended");
     }
 }

@@ -4,10 +4,7 @@
 //! delivery failure never leads to a resend. The schedule and what each answer shows:
 //! docs/how-it-works.md, step 4.
 
-use std::{
-    sync::Arc,
-    time::{Duration, SystemTime},
-};
+use std::{sync::Arc, time::SystemTime};
 
 use capm_api::{
     names::{conditions, reasons},
@@ -115,14 +112,7 @@ pub(crate) async fn track<K: InfraKind>(
         show(obj, ctx, via, status, &unknown(why.to_owned())).await;
         return;
     };
-    let elapsed = Duration::from_millis(
-        u64::try_from(
-            Timestamp::now()
-                .as_millisecond()
-                .saturating_sub(sent_at.as_millisecond()),
-        )
-        .unwrap_or(0),
-    );
+    let elapsed = crate::sendonce::execute::age(Timestamp::now(), sent_at);
     let retention = ctx.config.delivery_retention;
     if elapsed >= retention {
         ctx.ledger.mail_final(&uid);

@@ -1,14 +1,17 @@
-//! Kubernetes Events (`events.k8s.io/v1`) about our objects, through kube's `Recorder`.
+//! Kubernetes Events (`events.k8s.io/v1`) about our objects, through one kube `Recorder` for
+//! the controllers and the fulfilment page, as controller-rs keeps one in its context.
 //!
-//! Each object's series have a `Recorder` of their own, kept in the object's memory
-//! (`crate::ledger`) and dropped when its mail is final, when it is gone or after six minutes
-//! without an Event: a shared one keeps every Event it published for six minutes
-//! (docs/kube-runtime-recorder.md). Done here, not by the `Recorder`:
-//! a note from a peer is cleaned and cut to 1 KiB, and an object whose name leaves no room for the
-//! `Recorder`'s `.<nanoseconds>` suffix (over 236 characters) gets its Event under a shortened
-//! name, without a series (the API server refuses the `Recorder`'s name).
+//! A series matters while an object is worked on; once its mail is final, or it is gone, it may
+//! end. kube's `Recorder` keeps every Event it published for six minutes and cannot forget one
+//! object's (docs/kube-runtime-recorder.md, report 2): the per-object ledger (`crate::ledger`)
+//! notes which objects have a series open, and when none has, [`Events::end_series`] starts a
+//! fresh `Recorder`, so a finished backlog or a churn of objects keeps none of their Events.
+//! Done here, not by the `Recorder`: a note from a peer is cleaned and cut to 1 KiB, and an object
+//! whose name leaves no room for the `Recorder`'s `.<nanoseconds>` suffix (over 236 characters)
+//! gets its Event under a shortened name, without a series (report 1: the API server refuses the
+//! `Recorder`'s name).
 
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
 use k8s_openapi::{
     api::{core::v1::ObjectReference, events::v1::Event as K8sEvent},
@@ -30,13 +33,14 @@ const SUFFIX_LENGTH: usize = 17;
 const MAX_NOTE_BYTES: usize = 1024;
 /// The action of every Event: what a controller does.
 const ACTION: &str = "Reconcile";
-/// How long an Event can grow into a series (kube's `Recorder`, as client-go).
-pub(crate) const SERIES_TTL: Duration = Duration::from_secs(6 * 60);
 
-/// Publishes Events for one reporting controller and instance.
+/// Publishes Events for one reporting controller and instance. Cheap to clone: clones share
+/// the `Recorder`.
+#[derive(Clone)]
 pub struct Events {
     client: Client,
     reporter: Reporter,
+    recorder: Arc<Mutex<Recorder>>,
 }
 
 impl Events {
@@ -46,32 +50,26 @@ impl Events {
             controller: controller.into(),
             instance: Some(instance.into()),
         };
-        Self { client, reporter }
+        let recorder = Recorder::new(client.clone(), reporter.clone());
+        let recorder = Arc::new(Mutex::new(recorder));
+        Self {
+            client,
+            reporter,
+            recorder,
+        }
     }
 
-    /// A `Recorder` for one object's series.
-    pub(crate) fn recorder(&self) -> Recorder {
-        Recorder::new(self.client.clone(), self.reporter.clone())
+    /// Ends every series: the next Event of each object starts a new one (the old `Recorder`
+    /// and the Events it kept go).
+    pub(crate) fn end_series(&self) {
+        let fresh = Recorder::new(self.client.clone(), self.reporter.clone());
+        *crate::lock(&self.recorder) = fresh;
     }
 
-    /// Publishes one Event about `regarding`, a series of its own; an error is the API server's
-    /// refusal.
+    /// Publishes one Event about `regarding`, or counts it in the series of an identical
+    /// recent one; an error is the API server's refusal.
     pub async fn publish(
         &self,
-        regarding: &ObjectReference,
-        type_: EventType,
-        reason: &'static str,
-        note: &str,
-    ) -> Result<(), kube::Error> {
-        self.publish_to(&self.recorder(), regarding, type_, reason, note)
-            .await
-    }
-
-    /// Publishes one Event about `regarding`, or counts it in `recorder`'s series of an
-    /// identical recent one; an error is the API server's refusal.
-    pub(crate) async fn publish_to(
-        &self,
-        recorder: &Recorder,
         regarding: &ObjectReference,
         type_: EventType,
         reason: &'static str,
@@ -87,10 +85,10 @@ impl Events {
                 action: ACTION.into(),
                 secondary: None,
             };
+            let recorder = crate::lock(&self.recorder).clone();
             return recorder.publish(&event, regarding).await;
         }
         let now = Timestamp::now();
-        let namespace = regarding.namespace.as_deref().unwrap_or("default");
         let event = K8sEvent {
             action: Some(ACTION.into()),
             reason: Some(reason.into()),
@@ -103,12 +101,10 @@ impl Events {
             },
             reporting_controller: Some(self.reporter.controller.clone()),
             reporting_instance: self.reporter.instance.clone(),
-            type_: Some(match type_ {
-                EventType::Normal => "Normal".into(),
-                EventType::Warning => "Warning".into(),
-            }),
+            type_: Some(format!("{type_:?}")),
             ..K8sEvent::default()
         };
+        let namespace = regarding.namespace.as_deref().unwrap_or("default");
         Api::<K8sEvent>::namespaced(self.client.clone(), namespace)
             .create(&PostParams::default(), &event)
             .await
@@ -128,8 +124,56 @@ fn short_name(object: &str, nanos: i128) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    /// A client whose API server takes every write (answering it with its body), and the
+    /// method of each request, in order.
+    pub(crate) fn answering_client() -> (Client, Arc<Mutex<Vec<String>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let logging = Arc::clone(&log);
+        tokio::spawn(async move {
+            while let Some((request, respond)) = handle.next_request().await {
+                logging.lock().unwrap().push(request.method().to_string());
+                let body = request.into_body().collect_bytes().await.unwrap();
+                respond.send_response(
+                    Response::builder()
+                        .status(200)
+                        .body(Body::from(body.to_vec()))
+                        .unwrap(),
+                );
+            }
+        });
+        (Client::new(service, "default"), log)
+    }
+
+    /// A repeat joins its Event's series (a patch) until the series end; then it is new.
+    #[tokio::test]
+    async fn a_repeat_is_a_series_until_the_series_end() {
+        let (client, log) = answering_client();
+        let events = Events::new(client, "c", "i");
+        let regarding = ObjectReference {
+            name: Some("a".into()),
+            namespace: Some("ns".into()),
+            uid: Some("u".into()),
+            ..ObjectReference::default()
+        };
+        for _ in 0..2 {
+            events
+                .publish(&regarding, EventType::Normal, "R", "n")
+                .await
+                .unwrap();
+        }
+        events.end_series();
+        events
+            .publish(&regarding, EventType::Normal, "R", "n")
+            .await
+            .unwrap();
+        assert_eq!(*log.lock().unwrap(), ["POST", "PATCH", "POST"]);
+    }
 
     #[test]
     fn short_names_fit_and_end_labels_in_alphanumerics() {
@@ -156,7 +200,6 @@ mod tests {
             .await
             .unwrap();
         let events = Events::new(ns.client.clone(), "mailguncluster-controller", "i-1");
-        let recorder = events.recorder();
         let names = [
             "a".repeat(253),
             format!("{}.b", "a".repeat(236)),
@@ -174,7 +217,7 @@ mod tests {
                 ..ObjectReference::default()
             };
             events
-                .publish_to(&recorder, &regarding, EventType::Normal, "MailSent", "sent")
+                .publish(&regarding, EventType::Normal, "MailSent", "sent")
                 .await
                 .unwrap_or_else(|e| panic!("event about {} characters: {e}", name.len()));
         }
@@ -188,7 +231,7 @@ mod tests {
             ..ObjectReference::default()
         };
         events
-            .publish_to(&recorder, &short, EventType::Normal, "MailSent", "sent")
+            .publish(&short, EventType::Normal, "MailSent", "sent")
             .await
             .unwrap();
         let list = Api::<K8sEvent>::namespaced(ns.client.clone(), &ns.name)

@@ -336,7 +336,7 @@ impl Identities {
     }
 
     fn built(&self) -> std::sync::MutexGuard<'_, HashMap<String, Built>> {
-        self.built.lock().unwrap_or_else(|e| e.into_inner())
+        crate::lock(&self.built)
     }
 
     /// The names of namespaces whose labels may have changed (an identity's, or the provider's

@@ -84,7 +84,7 @@ impl Leadership {
     /// not the end: the API server may have applied the write any time in between).
     pub fn renewed(&self, started: Instant) {
         if let Some(elected) = &self.inner.elected {
-            let mut renewed = elected.renewed.lock().unwrap_or_else(|e| e.into_inner());
+            let mut renewed = crate::lock(&elected.renewed);
             if renewed.is_none_or(|at| at < started) {
                 *renewed = Some(started);
             }
@@ -94,7 +94,7 @@ impl Leadership {
     /// Forgets every renewal: this process no longer leads.
     pub fn lost(&self) {
         if let Some(elected) = &self.inner.elected {
-            *elected.renewed.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            *crate::lock(&elected.renewed) = None;
         }
     }
 
@@ -107,10 +107,7 @@ impl Leadership {
     fn may_act_at(&self, now: Instant) -> bool {
         match &self.inner.elected {
             None => true,
-            Some(elected) => elected
-                .renewed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+            Some(elected) => crate::lock(&elected.renewed)
                 .is_some_and(|at| now.saturating_duration_since(at) < elected.renew_deadline),
         }
     }

@@ -1,7 +1,7 @@
 //! The ledger: the one memory this process keeps about each object, by UID (retry counts and
 //! backoff, the version its last write produced, when a mail's intent was first seen, refusals,
-//! since when it waits in its controller's queue, the delivery poller asking about its mail, its
-//! Events' series), and the tombstones of gone objects. Nothing here is durable: it only makes
+//! since when it waits in its controller's queue, the delivery poller asking about its mail,
+//! whether its Events' series are open), and the tombstones of gone objects. Nothing here is durable: it only makes
 //! retries slower, lookups patient, writes fewer and Events series. A gone object is forgotten in
 //! one call ([`Ledger::forget`]) and its UID not remembered again for [`TOMBSTONE_TTL`] (far
 //! longer than any cached copy lingers), so what a reconcile still in flight for it records is
@@ -16,10 +16,9 @@ use std::{
 
 use capm_api::names::RETRY_ANNOTATION;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::runtime::events::Recorder;
 use prometheus::IntGaugeVec;
 
-use crate::{events::SERIES_TTL, poller::Poller, sendonce::Which};
+use crate::{events::Events, poller::Poller, sendonce::Which};
 
 /// How long a gone object's UID is remembered, so stale cached copies of it are ignored.
 pub const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
@@ -75,8 +74,8 @@ struct Object {
     queued: Option<(&'static str, Instant)>,
     /// The delivery poller asking about its open request mail.
     poller: Option<Arc<Poller>>,
-    /// Its Events' series (kube's `Recorder`) and their last Event.
-    events: Option<(Recorder, Instant)>,
+    /// It published an Event since its mail was last final: its series are open.
+    in_series: bool,
 }
 
 impl Object {
@@ -87,7 +86,7 @@ impl Object {
             && self.mails == [MailNotes::default(); 2]
             && self.queued.is_none()
             && self.poller.is_none()
-            && self.events.is_none()
+            && !self.in_series
     }
 }
 
@@ -103,8 +102,8 @@ struct Inner {
     objects: HashMap<Box<str>, Object>,
     /// UIDs of gone objects, with when they went.
     tombstones: HashMap<Box<str>, Instant>,
-    /// When Events series idle for [`SERIES_TTL`] were last dropped.
-    series_pruned: Option<Instant>,
+    /// How many objects have their series open.
+    in_series: usize,
 }
 
 /// The controllers' per-object notes, keyed by UID.
@@ -113,21 +112,25 @@ pub struct Ledger {
     inner: Mutex<Inner>,
     /// `capm_remembered_objects{state}`: `live` objects remembered, `tombstone` gone UIDs.
     gauge: Option<IntGaugeVec>,
+    /// Whose series end when no object has one open.
+    events: Option<Events>,
 }
 
 impl Ledger {
-    /// A ledger whose size `gauge` (`{state}`: `live`, `tombstone`) shows.
-    pub fn counted(gauge: IntGaugeVec) -> Self {
+    /// A ledger whose size `gauge` (`{state}`: `live`, `tombstone`) shows, ending `events`'
+    /// series when no object has one open.
+    pub fn new(gauge: IntGaugeVec, events: Events) -> Self {
         gauge.with_label_values(&["live"]).set(0);
         gauge.with_label_values(&["tombstone"]).set(0);
         Self {
             inner: Mutex::default(),
             gauge: Some(gauge),
+            events: Some(events),
         }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        crate::lock(&self.inner)
     }
 
     fn count(&self, inner: &Inner) {
@@ -150,18 +153,27 @@ impl Ledger {
 
     /// Changes `uid`'s notes; nothing for a gone object; an entry left empty is removed.
     fn change<T>(&self, uid: &str, f: impl FnOnce(&mut Object) -> T) -> Option<T> {
-        let mut inner = self.lock();
+        let mut guard = self.lock();
+        let inner = &mut *guard;
         if inner.tombstones.contains_key(uid) {
             return None;
         }
         let before = inner.objects.len();
         let object = inner.objects.entry(uid.into()).or_default();
+        let was_in_series = object.in_series;
         let out = f(object);
+        let in_series = object.in_series;
         if object.is_empty() {
             inner.objects.remove(uid);
         }
         if inner.objects.len() != before {
-            self.count(&inner);
+            self.count(inner);
+        }
+        inner.in_series = (inner.in_series + usize::from(in_series)) - usize::from(was_in_series);
+        let quiet = was_in_series && inner.in_series == 0;
+        drop(guard);
+        if quiet {
+            self.end_series();
         }
         Some(out)
     }
@@ -312,10 +324,10 @@ impl Ledger {
     }
 
     /// `uid`'s request mail shows its outcome for good: no poller asks about it, and its Events
-    /// series end (a later Event starts a new one).
+    /// series end (a later Event opens them again).
     pub fn mail_final(&self, uid: &str) {
         let poller = self.change(uid, |o| {
-            o.events = None;
+            o.in_series = false;
             o.poller.take()
         });
         if let Some(poller) = poller.flatten() {
@@ -323,39 +335,16 @@ impl Ledger {
         }
     }
 
-    /// The `Recorder` of `uid`'s Events series (`new` makes one); series without an Event for
-    /// [`SERIES_TTL`] end (looked for at most every tenth of it).
-    pub fn recorder(&self, uid: &str, new: impl FnOnce() -> Recorder) -> Recorder {
-        let now = Instant::now();
-        let mut inner = self.lock();
-        if inner
-            .series_pruned
-            .is_none_or(|at| now.duration_since(at) >= SERIES_TTL / 10)
-        {
-            inner.objects.retain(|_, o| {
-                if o.events
-                    .as_ref()
-                    .is_some_and(|(_, at)| now.duration_since(*at) >= SERIES_TTL)
-                {
-                    o.events = None;
-                }
-                !o.is_empty()
-            });
-            inner.series_pruned = Some(now);
-            self.count(&inner);
+    /// `uid` publishes an Event: its series are open (not for a gone object).
+    pub fn in_series(&self, uid: &str) {
+        self.change(uid, |o| o.in_series = true);
+    }
+
+    /// No object has its series open: every series ends (kube's `Recorder` cannot end one).
+    fn end_series(&self) {
+        if let Some(events) = &self.events {
+            events.end_series();
         }
-        if inner.tombstones.contains_key(uid) {
-            return new();
-        }
-        let before = inner.objects.len();
-        let object = inner.objects.entry(uid.into()).or_default();
-        let (recorder, at) = object.events.get_or_insert_with(|| (new(), now));
-        *at = now;
-        let recorder = recorder.clone();
-        if inner.objects.len() != before {
-            self.count(&inner);
-        }
-        recorder
     }
 
     /// The object `uid` is gone: everything noted about it is forgotten (its poller told), and
@@ -373,8 +362,13 @@ impl Ledger {
             inner.objects.shrink_to_fit();
         }
         self.count(&inner);
-        drop(inner);
         let object = object?;
+        inner.in_series -= usize::from(object.in_series);
+        let quiet = object.in_series && inner.in_series == 0;
+        drop(inner);
+        if quiet {
+            self.end_series();
+        }
         if let Some(poller) = &object.poller {
             poller.forget(uid);
         }

@@ -46,7 +46,13 @@ mod workqueue;
 pub use config::{Config, DEFAULT_RELEASE_TIMEOUT, Error, Field, Invalid, Reason, Tenancy};
 pub use leadership::Leadership;
 pub use metrics::Metrics;
-pub use pipeline::{run, trim};
+pub use pipeline::run;
 
-// The manager's fulfilment page records its Events the way the controllers do.
+// The manager's fulfilment page records its Events through the controllers' `Events`.
 pub use events::{EventType, Events};
+
+/// Locks `m`, also after a panic while it was held: every critical section here leaves its
+/// data whole, and a reconcile's panic must not stop the process's other work.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

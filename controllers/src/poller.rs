@@ -76,10 +76,6 @@ pub(crate) struct WakeSenders {
     pub machines: mpsc::UnboundedSender<ObjectRef<MailgunMachine>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// The process's delivery poller (see the module); one more per mail identity in use
 /// ([`Poller::sibling`]), each with its own request budget and pause.
 pub struct Poller {
@@ -144,15 +140,12 @@ impl Poller {
     /// A poller asking `mailer` (a mail identity's backend) with a budget and pause of its own,
     /// waking the same reconciles, running until this one's run ends. Call within a runtime.
     pub(crate) fn sibling(&self, mailer: Arc<dyn Mailer>) -> Arc<Self> {
-        let sibling = Arc::new(Self {
-            mailer: Mutex::new(mailer),
-            leadership: self.leadership.clone(),
-            timings: self.timings,
-            state: Mutex::default(),
-            added: Notify::new(),
-            wakes: self.wakes.clone(),
+        let (leadership, wakes) = (self.leadership.clone(), self.wakes.clone());
+        let sibling = Self {
             stop: self.stop.child_token(),
-        });
+            ..Self::new(mailer, leadership, self.timings, wakes)
+        };
+        let sibling = Arc::new(sibling);
         let stop = sibling.stop.clone();
         tokio::spawn(Arc::clone(&sibling).run(stop.cancelled_owned()));
         sibling
@@ -160,11 +153,11 @@ impl Poller {
 
     /// Asks `mailer` from now on (a backend rebuilt with a rotated key).
     pub(crate) fn set_mailer(&self, mailer: Arc<dyn Mailer>) {
-        *lock(&self.mailer) = mailer;
+        *crate::lock(&self.mailer) = mailer;
     }
 
     fn mailer(&self) -> Arc<dyn Mailer> {
-        Arc::clone(&lock(&self.mailer))
+        Arc::clone(&crate::lock(&self.mailer))
     }
 
     fn wake(&self, owner: &Owner) {
@@ -189,7 +182,7 @@ impl Poller {
     ) -> Option<Delivery> {
         use kube::ResourceExt;
         let now = Instant::now();
-        let mut state = lock(&self.state);
+        let mut state = crate::lock(&self.state);
         if let Some(open) = state.mails.get(uid)
             && open.mail.message_id == message_id
         {
@@ -221,12 +214,12 @@ impl Poller {
 
     /// Forgets object `uid`'s mail (its outcome is shown for good, or the object is gone).
     pub(crate) fn forget(&self, uid: &str) {
-        lock(&self.state).mails.remove(uid);
+        crate::lock(&self.state).mails.remove(uid);
     }
 
     /// The wait before the next question or expiry is due (`None`: nothing is scheduled).
     fn next_in(&self, now: Instant) -> Option<Duration> {
-        let state = lock(&self.state);
+        let state = crate::lock(&self.state);
         let next = state
             .mails
             .values()
@@ -247,7 +240,7 @@ impl Poller {
 
     /// Wakes the objects whose mails' retention has passed, and forgets those mails.
     fn expire(&self, now: Instant) {
-        let mut state = lock(&self.state);
+        let mut state = crate::lock(&self.state);
         let expired: Vec<String> = state
             .mails
             .iter()
@@ -266,7 +259,7 @@ impl Poller {
         let now = Instant::now();
         self.expire(now);
         let batch: Vec<(String, OpenMail)> = {
-            let state = lock(&self.state);
+            let state = crate::lock(&self.state);
             if state.paused_until.is_some_and(|until| until > now) {
                 return false;
             }
@@ -302,7 +295,7 @@ impl Poller {
         let mails: Vec<OpenMail> = batch.iter().map(|(_, m)| m.clone()).collect();
         let answers = self.mailer().delivery_statuses(&mails).await;
         let now = Instant::now();
-        let mut state = lock(&self.state);
+        let mut state = crate::lock(&self.state);
         match answers {
             Ok(answers) => {
                 for ((uid, mail), answer) in batch.iter().zip(answers) {
@@ -398,7 +391,7 @@ pub(crate) mod tests {
     impl Poller {
         /// Whether this poller holds a mail of object `uid`.
         pub(crate) fn holds(&self, uid: &str) -> bool {
-            lock(&self.state).mails.contains_key(uid)
+            crate::lock(&self.state).mails.contains_key(uid)
         }
     }
 
@@ -452,7 +445,7 @@ pub(crate) mod tests {
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let seen = sizes.clone();
         mock.expect_delivery_statuses().returning(move |mails| {
-            lock(&seen).push(mails.len());
+            crate::lock(&seen).push(mails.len());
             Ok(mails
                 .iter()
                 .map(|m| {
@@ -492,7 +485,7 @@ pub(crate) mod tests {
         assert!(!poller.ask_due().await);
         tokio::time::sleep(Duration::from_millis(600)).await;
         while poller.ask_due().await {}
-        assert_eq!(*lock(&sizes), [100, 100, 50]);
+        assert_eq!(*crate::lock(&sizes), [100, 100, 50]);
         let woken = wakes.next().await.unwrap();
         assert_eq!(woken.name, "c7");
         assert!(wakes.try_recv().is_err(), "woken without news");
@@ -510,7 +503,7 @@ pub(crate) mod tests {
         assert!(!poller.ask_due().await);
         tokio::time::sleep(Duration::from_millis(600)).await;
         while poller.ask_due().await {}
-        assert_eq!(lock(&sizes)[3..], [100, 100, 49]);
+        assert_eq!(crate::lock(&sizes)[3..], [100, 100, 49]);
     }
 
     #[tokio::test]
@@ -520,8 +513,8 @@ pub(crate) mod tests {
         let calls = Arc::new(Mutex::new(0));
         let counted = calls.clone();
         mock.expect_delivery_statuses().returning(move |mails| {
-            *lock(&counted) += 1;
-            if *lock(&counted) == 1 {
+            *crate::lock(&counted) += 1;
+            if *crate::lock(&counted) == 1 {
                 Err(MailError::Retryable {
                     backend: "mock",
                     code: Some(429),
@@ -553,12 +546,12 @@ pub(crate) mod tests {
         assert!(poller.ask_due().await);
         // Paused: not one of the three is asked about, though all are due.
         assert!(!poller.ask_due().await);
-        assert_eq!(*lock(&calls), 1);
+        assert_eq!(*crate::lock(&calls), 1);
         let wait = poller.next_in(Instant::now()).unwrap();
         assert!(wait > Duration::from_millis(200), "{wait:?}");
         tokio::time::sleep(wait).await;
         while poller.ask_due().await {}
-        assert_eq!(*lock(&calls), 4);
+        assert_eq!(*crate::lock(&calls), 4);
     }
 
     #[tokio::test]

@@ -185,10 +185,7 @@ impl Namespaces {
     /// once the watch has been started and has listed; a re-list is no news.
     pub(crate) fn changes(&self) -> mpsc::UnboundedReceiver<String> {
         let (tx, rx) = mpsc::unbounded();
-        self.subscribers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(tx);
+        crate::lock(&self.subscribers).push(tx);
         rx
     }
 
@@ -209,9 +206,8 @@ impl Namespaces {
                         }
                         Ok(watcher::Event::Apply(ns)) if *tx.borrow() => {
                             let name = ns.metadata.name.unwrap_or_default();
-                            let mut subscribers =
-                                subscribers.lock().unwrap_or_else(|e| e.into_inner());
-                            subscribers.retain(|s| s.unbounded_send(name.clone()).is_ok());
+                            crate::lock(&subscribers)
+                                .retain(|s| s.unbounded_send(name.clone()).is_ok());
                         }
                         _ => {}
                     }

@@ -102,7 +102,7 @@ impl Page {
         keys: KeyRing,
         settings: &crate::settings::Fulfilment,
         recipients: Vec<String>,
-        instance: String,
+        events: Events,
         registry: &Registry,
     ) -> anyhow::Result<Self> {
         let requests = IntCounterVec::new(
@@ -125,7 +125,7 @@ impl Page {
             base64::engine::general_purpose::STANDARD.encode(digest.as_ref())
         };
         Ok(Self {
-            events: Events::new(client.clone(), FIELD_MANAGER, instance),
+            events,
             client,
             keys,
             origin,
@@ -537,11 +537,11 @@ mod tests {
             trusted_proxies: Vec::new(),
         };
         let page = Page::new(
-            client,
+            client.clone(),
             keys.clone(),
             &settings,
             vec!["ops@example.com".into()],
-            "test".into(),
+            Events::new(client, "test", "test"),
             &Registry::new(),
         )
         .unwrap();

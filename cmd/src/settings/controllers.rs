@@ -129,7 +129,6 @@ pub(super) fn resolve(
         identity_secret_namespace: None,
         tenancy,
         // Known only once the process runs (see `app::run`).
-        instance: String::new(),
     };
     controllers
         .validate()

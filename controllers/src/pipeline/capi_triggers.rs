@@ -74,7 +74,7 @@ where
     /// The store's objects as they change, and the whole store after each list.
     fn subscribe(&self) -> BoxStream<'static, Heard<K>> {
         let (tx, rx) = unbounded();
-        lock(&self.subscribers).push(tx);
+        crate::lock(&self.subscribers).push(tx);
         rx.boxed()
     }
 
@@ -97,10 +97,6 @@ where
     }
 }
 
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Sends what `event` (already applied to the store) changed to every subscriber: the object
 /// of an `Apply`, [`Heard::Listed`] after a list; nothing for a deletion.
 fn fan_out<K>(event: &watcher::Event<K>, subscribers: &Subscribers<K>)
@@ -113,7 +109,7 @@ where
         _ => return,
     };
     // A subscriber gone (its controller stopped) is dropped.
-    lock(subscribers).retain(|tx| tx.unbounded_send(heard.clone()).is_ok());
+    crate::lock(subscribers).retain(|tx| tx.unbounded_send(heard.clone()).is_ok());
 }
 
 /// The reconciles `heard` asks for, by `target` (an object's infrastructure): the changed

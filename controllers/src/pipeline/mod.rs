@@ -7,7 +7,7 @@ mod controller;
 mod identity_triggers;
 mod lists;
 mod resync;
-pub mod trim;
+mod trim;
 
 use std::{future::Future, sync::Arc};
 
@@ -26,11 +26,14 @@ use crate::{
     watch::scoped,
 };
 
-/// Runs both controllers until `shutdown` resolves. `leadership` is consulted before every
-/// write and send (an unelected process is its own leader: [`Leadership::unelected`]).
+/// Runs both controllers until `shutdown` resolves, publishing their Events through `events`
+/// (the process's one [`Events`]). `leadership` is consulted before every write and send (an
+/// unelected process is its own leader: [`Leadership::unelected`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     client: Client,
     mailer: Arc<dyn Mailer>,
+    events: Events,
     config: Config,
     leadership: Leadership,
     metrics: Metrics,
@@ -41,11 +44,6 @@ pub async fn run(
     let shutdown = shutdown.shared();
 
     let capi = CapiWatches::new();
-    let events = Events::new(
-        client.clone(),
-        "cluster-api-provider-mailgun",
-        config.instance.clone(),
-    );
     let mailgun_clusters = reflector::store();
     let (clusters, cluster_wakes) = mpsc::unbounded();
     let (machines, machine_wakes) = mpsc::unbounded();

@@ -2,7 +2,7 @@
 
 use capm_api::names::{RETRY_ANNOTATION, reasons};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::{Api, ResourceExt, api::Patch, runtime::controller::Action};
+use kube::runtime::controller::Action;
 use serde_json::json;
 use tracing::{debug, info, warn};
 
@@ -15,7 +15,7 @@ use crate::{
     sendonce::{
         Which,
         decide::{Release, Withheld, release_needed},
-        execute::{Tracked, ensure_sent},
+        execute::{Tracked, ensure_sent, patch_metadata},
         records::{IntentState, read_records},
     },
 };
@@ -62,7 +62,7 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
                 );
                 ctx.publish(obj, EventType::Warning, reasons::RELEASE_ABANDONED, note)
                     .await;
-                return remove_finalizer(obj, ctx, &tracked).await;
+                return remove_finalizer(obj, ctx, &mut tracked).await;
             }
             let message = match &error {
                 ReconcileError::Withheld(Withheld::PermanentlyRefused) => {
@@ -85,7 +85,7 @@ pub(super) async fn reconcile_delete<K: InfraKind>(
     {
         debug!("The request was never accepted: no release mail");
     }
-    remove_finalizer(obj, ctx, &tracked).await
+    remove_finalizer(obj, ctx, &mut tracked).await
 }
 
 /// Why the release is given up: it could not go out (its identity cannot be used, its backend
@@ -110,31 +110,15 @@ fn abandon<K: InfraKind>(
 async fn remove_finalizer<K: InfraKind>(
     obj: &K,
     ctx: &Ctx,
-    tracked: &Tracked,
+    tracked: &mut Tracked,
 ) -> Result<Pass, ReconcileError> {
-    let remaining: Vec<String> = tracked
-        .finalizers
-        .iter()
-        .filter(|f| *f != K::FINALIZER)
-        .cloned()
-        .collect();
-    ctx.ensure_leading()?;
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    match api
-        .patch(
-            &obj.name_any(),
-            &crate::context::patch_params(),
-            &Patch::Merge(json!({
-                "metadata": { "resourceVersion": tracked.resource_version, "finalizers": remaining }
-            })),
-        )
-        .await
-    {
-        Ok(_) => info!("Finalizer removed"),
-        Err(kube::Error::Api(s)) if s.code == 404 => {
-            debug!("Already gone");
-        }
-        Err(e) => return Err(ReconcileError::from_write("removing the finalizer")(e)),
+    let mut remaining = tracked.finalizers.clone();
+    remaining.retain(|f| f != K::FINALIZER);
+    let metadata = json!({ "resourceVersion": tracked.resource_version, "finalizers": remaining });
+    match patch_metadata(obj, ctx, tracked, metadata, "removing the finalizer").await {
+        Ok(()) => info!("Finalizer removed"),
+        Err(e) if e.is_not_found() => debug!("Already gone"),
+        Err(e) => return Err(e),
     }
     Ok(Pass {
         action: Action::await_change(),

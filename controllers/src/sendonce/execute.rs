@@ -78,7 +78,8 @@ pub(crate) struct OwnerCheck {
     pub(crate) uid: String,
 }
 
-fn age(now: Timestamp, at: Timestamp) -> Duration {
+/// How long before `now` the time `at` was (zero for a time in the future).
+pub(crate) fn age(now: Timestamp, at: Timestamp) -> Duration {
     let ms = now.as_millisecond().saturating_sub(at.as_millisecond());
     Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }

@@ -69,7 +69,6 @@ impl Env {
             delivery_poll_base: Duration::from_secs(30),
             delivery_poll_max: Duration::from_secs(30 * 60),
             delivery_retention: Duration::from_secs(72 * 3600),
-            instance: "test".into(),
             sync_period: Duration::from_secs(10 * 3600),
             identity_secret_namespace: None,
             tenancy: capm_controllers::Tenancy {
@@ -122,6 +121,7 @@ impl Env {
         let handle = tokio::spawn(capm_controllers::run(
             self.ns.client.clone(),
             mailer,
+            capm_controllers::Events::new(self.ns.client.clone(), "t", "t"),
             config,
             self.leadership.clone(),
             metrics,

@@ -15,7 +15,6 @@ use capm_api::{
     capi::{Cluster, ClusterSpec, ContractRef},
     v1beta1::MailgunCluster,
 };
-use capm_controllers::trim;
 use kube::{
     api::ObjectMeta,
     runtime::{reflector, watcher},
@@ -132,11 +131,7 @@ type Kept = (Box<dyn std::any::Any>, Box<dyn std::any::Any>);
 fn with_finished_objects(pairs: usize) -> anyhow::Result<(f64, Kept)> {
     let (bytes, stores) = fill(
         pairs,
-        move |i| {
-            let mut mgc = serde_json::from_value::<MailgunCluster>(finished(i))?;
-            trim::ours(&mut mgc);
-            Ok(mgc)
-        },
+        move |i| Ok(serde_json::from_value::<MailgunCluster>(finished(i))?),
         |i| {
             let mut cluster = Cluster::new(
                 &object_name(i),
@@ -196,9 +191,7 @@ fn fill(
             before = rss_bytes()?;
         }
         mgc_writer.apply_watcher_event(&watcher::Event::Apply(mgc(i)?));
-        let mut cluster = cluster(i);
-        trim::cluster(&mut cluster);
-        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster));
+        cluster_writer.apply_watcher_event(&watcher::Event::Apply(cluster(i)));
     }
     let after = rss_bytes()?;
     anyhow::ensure!(

@@ -77,7 +77,7 @@ pub(crate) async fn patch_metadata<K: InfraKind>(
             &Patch::Merge(json!({ "metadata": metadata })),
         )
         .await
-        .map_err(ReconcileError::from_write(what))?;
+        .map_err(ReconcileError::kube(what))?;
     adopt(ctx, tracked, &written);
     Ok(())
 }
