@@ -39,17 +39,22 @@ def with_fulfilment_links(pod: dict, container: dict) -> None:
     })
 
 
-def main() -> None:
-    namespace = sys.argv[1]
-    docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
-    ns = {
+def restricted_namespace(name: str) -> dict:
+    """The provider's namespace, its Pods held to the restricted Pod Security Standard."""
+    return {
         "apiVersion": "v1",
         "kind": "Namespace",
         "metadata": {
-            "name": namespace,
+            "name": name,
             "labels": {"pod-security.kubernetes.io/enforce": "restricted"},
         },
     }
+
+
+def main() -> None:
+    namespace = sys.argv[1]
+    docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+    ns = restricted_namespace(namespace)
     # The API key the chart reads from an existing Secret, here filled by clusterctl.
     api_key = {
         "apiVersion": "v1",

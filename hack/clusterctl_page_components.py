@@ -14,6 +14,8 @@ import sys
 
 import yaml
 
+from clusterctl_components import restricted_namespace
+
 # The chart's schema wants a URL: rendered with this one, replaced by the variable here.
 URL = "https://fulfilment-url.invalid"
 URL_VAR = "${FULFILMENT_URL}"
@@ -45,14 +47,7 @@ def main() -> None:
     kinds = sorted(d["kind"] for d in wanted)
     if "Deployment" not in kinds or "ServiceAccount" not in kinds or "Service" not in kinds:
         sys.exit(f"the page's objects are missing from the render: {kinds}")
-    ns = {
-        "apiVersion": "v1",
-        "kind": "Namespace",
-        "metadata": {
-            "name": namespace,
-            "labels": {"pod-security.kubernetes.io/enforce": "restricted"},
-        },
-    }
+    ns = restricted_namespace(namespace)
     keys = {
         "apiVersion": "v1",
         "kind": "Secret",
