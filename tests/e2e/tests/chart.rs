@@ -362,19 +362,7 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
                 ours.push(v);
             }
         }
-        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": ours});
-        let mut kubectl = cp.kubectl()?;
-        kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
-        let accepted = run_with_input(
-            &mut kubectl,
-            &list.to_string(),
-            "kubectl apply --dry-run=server",
-        )?;
-        ensure!(
-            accepted.lines().count() == ours.len(),
-            "{values}: {} objects rendered, the API server accepted:\n{accepted}",
-            ours.len()
-        );
+        dry_run_all(&cp, &ours, values)?;
         for kind in [
             "Deployment",
             "ClusterRole",
@@ -1023,20 +1011,8 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         &serde_json::to_string(namespaces[0])?,
         "creating the namespace",
     )?;
-    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": ours});
-    let mut kubectl = cp.kubectl()?;
-    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
-    let accepted = run_with_input(&mut kubectl, &list.to_string(), "dry run of the components")?;
-    ensure!(accepted.lines().count() == ours.len(), "{accepted}");
-    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": page_docs});
-    let mut kubectl = cp.kubectl()?;
-    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
-    let accepted = run_with_input(
-        &mut kubectl,
-        &list.to_string(),
-        "dry run of the page's asset",
-    )?;
-    ensure!(accepted.lines().count() == page_docs.len(), "{accepted}");
+    dry_run_all(&cp, &ours, "the components")?;
+    dry_run_all(&cp, &page_docs, "the page's asset")?;
 
     // `clusterctl generate cluster` renders a Cluster + MailgunCluster the API server accepts.
     let template = repo.generate_cluster(
@@ -1055,9 +1031,7 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         "-f",
         &crds.to_string_lossy(),
     ])?;
-    let mut kubectl = cp.kubectl()?;
-    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
-    let accepted = run_with_input(&mut kubectl, &template, "dry run of the cluster template")?;
+    let accepted = dry_run(&cp, &template, "the cluster template")?;
     ensure!(
         accepted.contains("cluster.cluster.x-k8s.io/hello")
             && accepted.contains("mailguncluster.infrastructure.cluster.x-k8s.io/hello"),
@@ -1137,13 +1111,7 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         "-f",
         &kubeadm.to_string_lossy(),
     ])?;
-    let mut kubectl = cp.kubectl()?;
-    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
-    let accepted = run_with_input(
-        &mut kubectl,
-        &template,
-        "dry run of the clusterclass flavor",
-    )?;
+    let accepted = dry_run(&cp, &template, "the clusterclass flavor")?;
     for name in [
         "clusterclass.cluster.x-k8s.io/mailgun",
         "mailgunclustertemplate.infrastructure.cluster.x-k8s.io/mailgun-cluster",
@@ -1475,5 +1443,25 @@ fn the_page_apart_runs_under_a_service_account_granted_only_what_it_does() -> Re
     )));
     let args = deployment_container(&docs, provider)?["args"].to_string();
     ensure!(args.contains("--fulfilment-bind-address=:8090"), "{args}");
+    Ok(())
+}
+
+/// `kubectl apply --dry-run=server -o name` of `input` (YAML or JSON): the names the API server
+/// accepted, one a line.
+fn dry_run(cp: &ControlPlane, input: &str, what: &str) -> Result<String> {
+    let mut kubectl = cp.kubectl()?;
+    kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
+    run_with_input(&mut kubectl, input, &format!("dry run of {what}"))
+}
+
+/// [`dry_run`] of `items` as one List, each of which the API server must accept.
+fn dry_run_all(cp: &ControlPlane, items: &[serde_json::Value], what: &str) -> Result<()> {
+    let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+    let accepted = dry_run(cp, &list.to_string(), what)?;
+    ensure!(
+        accepted.lines().count() == items.len(),
+        "{what}: {} objects rendered, the API server accepted:\n{accepted}",
+        items.len()
+    );
     Ok(())
 }
