@@ -30,31 +30,25 @@ namespace=capm-system
 image=()
 [ -z "${CAPM_IMAGE_REPOSITORY:-}" ] || image+=(--set "image.repository=$CAPM_IMAGE_REPOSITORY")
 [ -z "${CAPM_IMAGE_DIGEST:-}" ] || image+=(--set "image.digest=$CAPM_IMAGE_DIGEST")
-"$helm" template capm "$root/charts/cluster-api-provider-mailgun" --skip-tests \
-  --namespace "$namespace" \
-  --set fullnameOverride=capm-controller-manager \
-  --set 'mail.recipient=${MAIL_RECIPIENT}' \
-  --set mail.backend=mailgun \
-  --set 'mail.mailgun.domain=${MAILGUN_DOMAIN}' \
-  --set mail.mailgun.region=us \
-  --set mail.mailgun.apiKeySecret.name=capm-mailgun-api-key \
-  --set webhook.certManager.enabled=true \
-  --set crds.keep=false \
-  ${image[@]+"${image[@]}"} \
-  | python3 "$root/hack/clusterctl_components.py" "$namespace" > "$out/infrastructure-components.yaml"
+# The chart as clusterctl's variables fill it: `${VAR}`s where users give values.
+render() {
+  "$helm" template capm "$root/charts/cluster-api-provider-mailgun" --skip-tests \
+    --namespace "$namespace" \
+    --set fullnameOverride=capm-controller-manager \
+    --set 'mail.recipient=${MAIL_RECIPIENT}' \
+    --set mail.backend=mailgun \
+    --set 'mail.mailgun.domain=${MAILGUN_DOMAIN}' \
+    --set mail.mailgun.region=us \
+    --set mail.mailgun.apiKeySecret.name=capm-mailgun-api-key \
+    --set webhook.certManager.enabled=true \
+    --set crds.keep=false \
+    ${image[@]+"${image[@]}"} "$@"
+}
+render | python3 "$root/hack/clusterctl_components.py" "$namespace" > "$out/infrastructure-components.yaml"
 # The page apart: the same chart with fulfilment.separateDeployment, only the page's objects kept.
-"$helm" template capm "$root/charts/cluster-api-provider-mailgun" --skip-tests \
-  --namespace "$namespace" \
-  --set fullnameOverride=capm-controller-manager \
-  --set 'mail.recipient=${MAIL_RECIPIENT}' \
-  --set mail.backend=mailgun \
-  --set 'mail.mailgun.domain=${MAILGUN_DOMAIN}' \
-  --set mail.mailgun.apiKeySecret.name=capm-mailgun-api-key \
-  --set webhook.certManager.enabled=true \
-  --set fulfilment.url=https://fulfilment-url.invalid \
+render --set fulfilment.url=https://fulfilment-url.invalid \
   --set fulfilment.keysSecret.name=capm-fulfilment-keys \
   --set fulfilment.separateDeployment=true \
-  ${image[@]+"${image[@]}"} \
   | python3 "$root/hack/clusterctl_page_components.py" "$namespace" capm-controller-manager-fulfilment \
   > "$out/fulfilment-page-components.yaml"
 cp "$root/metadata.yaml" "$out/metadata.yaml"

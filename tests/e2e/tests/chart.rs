@@ -166,7 +166,14 @@ fn bad_values_are_refused_with_the_field_named() {
 /// `helm template` of the chart with the Mailgun CI values and `sets` (`--set`, or `--set-file`
 /// for an item `@key=path`), written to `file`.
 fn render_to(file: &std::path::Path, sets: &[&str]) -> Result<String> {
-    let (chart, values) = (chart(), ci_values("mailgun-values.yaml"));
+    let out = render_with("mailgun-values.yaml", sets)?;
+    std::fs::write(file, &out)?;
+    Ok(out)
+}
+
+/// `helm template` of the chart with the CI values file `values` and `sets` (as [`render_to`]).
+fn render_with(values: &str, sets: &[&str]) -> Result<String> {
+    let (chart, values) = (chart(), ci_values(values));
     let mut args = vec![
         "template",
         "capm",
@@ -182,9 +189,7 @@ fn render_to(file: &std::path::Path, sets: &[&str]) -> Result<String> {
             None => args.extend(["--set", set]),
         }
     }
-    let out = helm(None, &args)?;
-    std::fs::write(file, &out)?;
-    Ok(out)
+    helm(None, &args)
 }
 
 /// `diff -u` of two renders: empty when they are identical.
@@ -1242,22 +1247,7 @@ fn deployment_container<'a>(
 
 #[test]
 fn the_page_apart_runs_under_a_service_account_granted_only_what_it_does() -> Result<()> {
-    let (chart, page_values) = (chart(), ci_values("page-values.yaml"));
-    let render = |sets: &[&str]| -> Result<Vec<serde_json::Value>> {
-        let mut args = vec![
-            "template",
-            "capm",
-            chart.as_str(),
-            "-n",
-            "capm-system",
-            "-f",
-            page_values.as_str(),
-        ];
-        for set in sets {
-            args.extend(["--set", set]);
-        }
-        yaml_docs(&helm(None, &args)?)
-    };
+    let render = |sets: &[&str]| yaml_docs(&render_with("page-values.yaml", sets)?);
     let provider = "capm-cluster-api-provider-mailgun";
     // Cluster-wide (no watchNamespace), and bound in the watched namespace only.
     for (watch, namespaced) in [(None, "cluster"), (Some("clusters"), "clusters")] {
