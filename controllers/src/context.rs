@@ -256,10 +256,23 @@ impl Ctx {
         note: String,
     ) {
         let regarding = obj.object_ref(&());
-        self.ledger
+        // The Recorder first: if every series ends between the two, this Event goes to the
+        // Recorder dropped, not into the fresh one where nothing would end it.
+        let recorder = self.events.recorder();
+        let series = self
+            .ledger
             .in_series(regarding.uid.as_deref().unwrap_or_default());
-        let published = self.events.publish(&regarding, type_, reason, &note);
-        if let Err(e) = published.await {
+        let published = if series {
+            let events = &self.events;
+            events
+                .publish_in(recorder, &regarding, type_, reason, &note)
+                .await
+        } else {
+            self.events
+                .publish_without_series(&regarding, type_, reason, &note)
+                .await
+        };
+        if let Err(e) = published {
             tracing::warn!(error = %e, "Could not record an event");
         }
     }

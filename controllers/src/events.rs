@@ -75,19 +75,53 @@ impl Events {
         reason: &'static str,
         note: &str,
     ) -> Result<(), kube::Error> {
+        self.publish_in(self.recorder(), regarding, type_, reason, note)
+            .await
+    }
+
+    /// The `Recorder` of the series open now. Taken before an object's series is noted open, an
+    /// Event published through it goes to the `Recorder` that a later end of every series drops.
+    pub(crate) fn recorder(&self) -> Recorder {
+        crate::lock(&self.recorder).clone()
+    }
+
+    /// [`Events::publish`] through `recorder`.
+    pub(crate) async fn publish_in(
+        &self,
+        recorder: Recorder,
+        regarding: &ObjectReference,
+        type_: EventType,
+        reason: &'static str,
+        note: &str,
+    ) -> Result<(), kube::Error> {
+        let name = regarding.name.as_deref().unwrap_or_default();
+        if name.len() + SUFFIX_LENGTH > MAX_NAME_LENGTH {
+            return self
+                .publish_without_series(regarding, type_, reason, note)
+                .await;
+        }
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(capm_mailer::text::clean(note, MAX_NOTE_BYTES)),
+            action: ACTION.into(),
+            secondary: None,
+        };
+        recorder.publish(&event, regarding).await
+    }
+
+    /// Publishes one Event about `regarding` that no `Recorder` keeps: for an object that is
+    /// gone (its series would outlive it: nothing would end them), or whose name leaves no room
+    /// for the `Recorder`'s suffix (named here, shortened).
+    pub async fn publish_without_series(
+        &self,
+        regarding: &ObjectReference,
+        type_: EventType,
+        reason: &'static str,
+        note: &str,
+    ) -> Result<(), kube::Error> {
         let note = capm_mailer::text::clean(note, MAX_NOTE_BYTES);
         let name = regarding.name.as_deref().unwrap_or_default();
-        if name.len() + SUFFIX_LENGTH <= MAX_NAME_LENGTH {
-            let event = Event {
-                type_,
-                reason: reason.into(),
-                note: Some(note),
-                action: ACTION.into(),
-                secondary: None,
-            };
-            let recorder = crate::lock(&self.recorder).clone();
-            return recorder.publish(&event, regarding).await;
-        }
         let now = Timestamp::now();
         let event = K8sEvent {
             action: Some(ACTION.into()),

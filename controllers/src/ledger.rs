@@ -335,9 +335,10 @@ impl Ledger {
         }
     }
 
-    /// `uid` publishes an Event: its series are open (not for a gone object).
-    pub fn in_series(&self, uid: &str) {
-        self.change(uid, |o| o.in_series = true);
+    /// `uid` publishes an Event: its series are open. `false` for a gone object, whose Event
+    /// must then go out without a series: no later forget would end it.
+    pub fn in_series(&self, uid: &str) -> bool {
+        self.change(uid, |o| o.in_series = true).is_some()
     }
 
     /// No object has its series open: every series ends (kube's `Recorder` cannot end one).
