@@ -262,17 +262,11 @@ impl Ctx {
         let series = self
             .ledger
             .in_series(regarding.uid.as_deref().unwrap_or_default());
-        let published = if series {
-            let events = &self.events;
-            events
-                .publish_in(recorder, &regarding, type_, reason, &note)
-                .await
-        } else {
-            self.events
-                .publish_without_series(&regarding, type_, reason, &note)
-                .await
-        };
-        if let Err(e) = published {
+        let recorder = series.then_some(recorder);
+        let published = self
+            .events
+            .publish_in(recorder, &regarding, type_, reason, &note);
+        if let Err(e) = published.await {
             tracing::warn!(error = %e, "Could not record an event");
         }
     }

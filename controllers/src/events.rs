@@ -75,7 +75,7 @@ impl Events {
         reason: &'static str,
         note: &str,
     ) -> Result<(), kube::Error> {
-        self.publish_in(self.recorder(), regarding, type_, reason, note)
+        self.publish_in(Some(self.recorder()), regarding, type_, reason, note)
             .await
     }
 
@@ -85,36 +85,12 @@ impl Events {
         crate::lock(&self.recorder).clone()
     }
 
-    /// [`Events::publish`] through `recorder`.
+    /// [`Events::publish`] through `recorder`; with none, an Event no `Recorder` keeps: for an
+    /// object that is gone (its series would outlive it: nothing would end them). So is the Event
+    /// of an object whose name leaves no room for the `Recorder`'s suffix (named here, shortened).
     pub(crate) async fn publish_in(
         &self,
-        recorder: Recorder,
-        regarding: &ObjectReference,
-        type_: EventType,
-        reason: &'static str,
-        note: &str,
-    ) -> Result<(), kube::Error> {
-        let name = regarding.name.as_deref().unwrap_or_default();
-        if name.len() + SUFFIX_LENGTH > MAX_NAME_LENGTH {
-            return self
-                .publish_without_series(regarding, type_, reason, note)
-                .await;
-        }
-        let event = Event {
-            type_,
-            reason: reason.into(),
-            note: Some(capm_mailer::text::clean(note, MAX_NOTE_BYTES)),
-            action: ACTION.into(),
-            secondary: None,
-        };
-        recorder.publish(&event, regarding).await
-    }
-
-    /// Publishes one Event about `regarding` that no `Recorder` keeps: for an object that is
-    /// gone (its series would outlive it: nothing would end them), or whose name leaves no room
-    /// for the `Recorder`'s suffix (named here, shortened).
-    pub async fn publish_without_series(
-        &self,
+        recorder: Option<Recorder>,
         regarding: &ObjectReference,
         type_: EventType,
         reason: &'static str,
@@ -122,6 +98,16 @@ impl Events {
     ) -> Result<(), kube::Error> {
         let note = capm_mailer::text::clean(note, MAX_NOTE_BYTES);
         let name = regarding.name.as_deref().unwrap_or_default();
+        if let Some(recorder) = recorder.filter(|_| name.len() + SUFFIX_LENGTH <= MAX_NAME_LENGTH) {
+            let event = Event {
+                type_,
+                reason: reason.into(),
+                note: Some(note),
+                action: ACTION.into(),
+                secondary: None,
+            };
+            return recorder.publish(&event, regarding).await;
+        }
         let now = Timestamp::now();
         let event = K8sEvent {
             action: Some(ACTION.into()),
