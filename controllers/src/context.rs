@@ -274,7 +274,7 @@ impl Ctx {
     /// A trigger for the object `uid` entered `K`'s queue: an add unless it already waits.
     pub fn queued<K: InfraKind>(&self, uid: &str) {
         if self.ledger.queue(uid, K::CONTROLLER) {
-            self.metrics.workqueue.added(K::CONTROLLER);
+            self.metrics.added(K::CONTROLLER);
         }
     }
 
@@ -312,7 +312,7 @@ impl Ctx {
     /// everything noted about it is forgotten, in one place.
     pub fn forget(&self, uid: &str) {
         if let Some(controller) = self.ledger.forget(uid) {
-            self.metrics.workqueue.left(controller);
+            self.metrics.left(controller);
         }
     }
 }
@@ -512,7 +512,12 @@ mod tests {
         use crate::{ledger::Attempt, poller::tests as poller, sendonce::Which};
         use capm_api::v1beta1::MailgunCluster;
         let ctx = ctx();
-        let depth = || ctx.metrics.workqueue.depth(MailgunCluster::CONTROLLER);
+        let depth = || {
+            ctx.metrics
+                .queue_depth
+                .with_label_values(&[MailgunCluster::CONTROLLER])
+                .get()
+        };
         let (uid, cluster) = ("u", poller::cluster("u"));
         let track = |p: &Arc<Poller>| {
             let now = std::time::SystemTime::now();
