@@ -4,7 +4,10 @@
 use std::{sync::Arc, time::Duration};
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
-use kube::Client;
+use kube::{
+    Api, Client, ResourceExt,
+    api::{Patch, PatchParams},
+};
 use tokio::sync::watch;
 
 use crate::{
@@ -20,14 +23,6 @@ use crate::{
 /// The field manager of every write to our objects, so `managedFields` (and whoever audits
 /// them) can tell the provider's writes from others' (not "unknown").
 pub const FIELD_MANAGER: &str = "cluster-api-provider-mailgun";
-
-/// Patch parameters naming [`FIELD_MANAGER`].
-pub fn patch_params() -> kube::api::PatchParams {
-    kube::api::PatchParams {
-        field_manager: Some(FIELD_MANAGER.to_owned()),
-        ..kube::api::PatchParams::default()
-    }
-}
 
 /// Why one reconcile failed (or waits); decides how soon it is retried.
 #[derive(Debug, thiserror::Error)]
@@ -244,6 +239,35 @@ impl Ctx {
         if listed.await.is_err() {
             tracing::debug!("Shared stores not listed after {CAPI_LIST_WAIT:?}; going on");
         }
+    }
+
+    /// Merge-patches our object `obj` with `body`, `{"metadata": …}` or `{"status": …}` (then
+    /// its status subresource), as [`FIELD_MANAGER`] and only while leading
+    /// ([`Self::ensure_leading`]); the version written is remembered, so that a reconcile that
+    /// starts from an older cached copy waits for the cache ([`Ledger::expect_version`]).
+    pub(crate) async fn patch<K: InfraKind>(
+        &self,
+        obj: &K,
+        body: serde_json::Value,
+        what: &'static str,
+    ) -> Result<K, ReconcileError> {
+        self.ensure_leading()?;
+        let api: Api<K> =
+            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_owned()),
+            ..PatchParams::default()
+        };
+        let (name, patch) = (obj.name_any(), Patch::Merge(&body));
+        let written = if body.get("status").is_some() {
+            api.patch_status(&name, &params, &patch).await
+        } else {
+            api.patch(&name, &params, &patch).await
+        };
+        let written = written.map_err(ReconcileError::kube(what))?;
+        let uid = obj.uid().unwrap_or_default();
+        (self.ledger).expect_version(&uid, written.resource_version().as_deref());
+        Ok(written)
     }
 
     /// Publishes an Event about `obj` (its series open until its mail is final); a refusal is

@@ -12,7 +12,7 @@ use capm_api::{
     capi,
     names::{self, conditions, reasons},
 };
-use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
+use kube::{Resource, ResourceExt, runtime::controller::Action};
 use serde_json::json;
 use tracing::{Instrument, debug, warn};
 
@@ -137,31 +137,10 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     status.set_ready(ready);
     status.drop_condition_generations();
     if status.differs_on_the_wire(&original) {
-        write_status(obj, ctx, &status).await?;
+        ctx.patch(obj, json!({ "status": status }), "writing status")
+            .await?;
     }
     outcome.map(|p| p.action)
-}
-
-async fn write_status<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    status: &Status,
-) -> Result<(), ReconcileError> {
-    ctx.ensure_leading()?;
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let written = api
-        .patch_status(
-            &obj.name_any(),
-            &crate::context::patch_params(),
-            &Patch::Merge(json!({ "status": status })),
-        )
-        .await
-        .map_err(ReconcileError::kube("writing status"))?;
-    ctx.ledger.expect_version(
-        &obj.uid().unwrap_or_default(),
-        written.resource_version().as_deref(),
-    );
-    Ok(())
 }
 
 /// The owner as Cluster API guarantees it: the ownerReference's UID is the live owner's, and
