@@ -1,5 +1,6 @@
 //! The fulfilment page: `GET /fulfil/<token>` shows what was asked and a form; `POST` records
-//! what the human built by patching the object as the provider. The token is the capability
+//! what the human built (or, for a repair request, the answer: repaired or cannot repair) by
+//! patching the object as the provider. The token is the capability
 //! (`capm_api::link_token`); the object itself says whether it is already fulfilled, so a link is
 //! single-use without any state here but the rate limits. docs/fulfilment.md has the threat
 //! model.
@@ -75,6 +76,8 @@ enum Outcome {
     Invalid,
     Fulfilled,
     Already,
+    Answered,
+    AlreadyAnswered,
     Refused(&'static str),
     Error,
 }
@@ -86,6 +89,8 @@ impl Outcome {
             Self::Invalid => "invalid_values",
             Self::Fulfilled => "fulfilled",
             Self::Already => "already_fulfilled",
+            Self::Answered => "answered",
+            Self::AlreadyAnswered => "already_answered",
             Self::Refused(reason) => reason,
             Self::Error => "error",
         }
@@ -176,6 +181,16 @@ impl Page {
         self.answer_with(Outcome::Refused(reason), status, html::refusal(message))
     }
 
+    /// The "already recorded" page of `target`, counted by its kind.
+    async fn already_answer(&self, target: &Target, values: &[(String, String)]) -> Answer {
+        let outcome = if target.is_repair() {
+            Outcome::AlreadyAnswered
+        } else {
+            Outcome::Already
+        };
+        Answer(outcome, self.already(target, values).await)
+    }
+
     /// Finds the object of an opened link, still the one it was made for.
     async fn resolve(&self, claims: &Claims) -> Result<Target, Answer> {
         let target = match Target::get(&self.client, claims).await {
@@ -216,6 +231,9 @@ impl Page {
                 "What this link asks for is no longer needed.",
             ));
         }
+        if let Some(message) = target.closed() {
+            return Err(self.refused("closed", StatusCode::GONE, message));
+        }
         Ok(target)
     }
 
@@ -226,10 +244,7 @@ impl Page {
             Err(answer) => return (jar, answer),
         };
         if let Some(values) = target.fulfilment() {
-            return (
-                jar,
-                Answer(Outcome::Already, page.already(&target, &values).await),
-            );
+            return (jar, page.already_answer(&target, &values).await);
         }
         let cookie = cookie(&jar).unwrap_or_else(new_cookie);
         let response = page
@@ -337,7 +352,7 @@ impl Page {
                 return self.too_many(wait);
             }
             if let Some(values) = target.fulfilment() {
-                return Answer(Outcome::Already, self.already(&target, &values).await);
+                return self.already_answer(&target, &values).await;
             }
             let patch = match target.apply(&form) {
                 Ok(patch) => patch,
@@ -365,11 +380,12 @@ impl Page {
             Ok(updated) => {
                 let values = updated.fulfilment().unwrap_or_default();
                 self.record(&updated, &values, address, headers).await;
-                self.answer_with(
-                    Outcome::Fulfilled,
-                    StatusCode::OK,
-                    html::recorded(claims.kind.as_str(), &claims.name, &values),
-                )
+                let outcome = if updated.is_repair() {
+                    Outcome::Answered
+                } else {
+                    Outcome::Fulfilled
+                };
+                self.answer_with(outcome, StatusCode::OK, Self::recorded(&updated, &values))
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
                 let problem = "The request kept changing while the values were recorded; check them and send them again.";
@@ -381,6 +397,13 @@ impl Page {
                 )
             }
             Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
+                // Recorded meanwhile (a second answer meets the set-once rule): the page says
+                // so, as for any use after the first.
+                if let Ok(now) = self.resolve(&claims).await
+                    && let Some(values) = now.fulfilment()
+                {
+                    return self.already_answer(&now, &values).await;
+                }
                 let problem = format!("The API server refused the values: {}", e.message);
                 let form = form.with(vec![(None, problem)]);
                 Answer(
@@ -527,6 +550,19 @@ mod tests {
 
     /// The page's answer to the form for the MailgunCluster `team-a/c` sent from its page.
     async fn submit_form(client: Client) -> (StatusCode, String) {
+        let claims = Claims::new(
+            Kind::MailgunCluster,
+            "team-a",
+            "c",
+            "u-1",
+            "<mailguncluster.u-1@mg.example.com>",
+            u64::MAX / 2,
+        );
+        submit(client, &claims, "host=api.example.com&port=6443").await
+    }
+
+    /// The page's answer to `fields` posted from its page for the link of `claims`.
+    async fn submit(client: Client, claims: &Claims, fields: &str) -> (StatusCode, String) {
         let keys = KeyRing::new(Keys::parse(KEY_A).unwrap());
         let settings = crate::settings::Fulfilment {
             url: "https://capm.example.com".into(),
@@ -545,18 +581,10 @@ mod tests {
             &Registry::new(),
         )
         .unwrap();
-        let claims = Claims::new(
-            Kind::MailgunCluster,
-            "team-a",
-            "c",
-            "u-1",
-            "<mailguncluster.u-1@mg.example.com>",
-            u64::MAX / 2,
-        );
-        let token = keys.current().seal(&claims).unwrap();
+        let token = keys.current().seal(claims).unwrap();
         let cookie = new_cookie();
         let form = format!(
-            "host=api.example.com&port=6443&form-token={}",
+            "{fields}&form-token={}",
             keys.current().form_token(&token, &cookie)
         );
         let mut req = http::Request::builder()
@@ -654,6 +682,228 @@ mod tests {
             event.contains("From 192.0.2.1: Control plane endpoint")
                 && event.contains("mailed to team-a-builders@example.com (user agent"),
             "{event}"
+        );
+    }
+
+    /// What a fake API server answers a PATCH of the remediation: `Apply` it, refuse it with
+    /// 409 after someone else answered (`CannotRepair`, the version moved on), or refuse it with
+    /// 422 as the set-once rule would, the other answer already stored.
+    #[derive(Clone, Copy)]
+    enum OnPatch {
+        Apply,
+        AnsweredMeanwhile,
+        SetOnceRefusal,
+    }
+
+    /// A fake API server holding one MailgunRemediation `team-a/m-0` (UID `u-1`, its repair
+    /// mail recorded) whose Machine `m-0` is unhealthy. Returns the page's client and the log.
+    fn fake_remediation_api(on_patch: OnPatch) -> (Client, Arc<std::sync::Mutex<Vec<String>>>) {
+        use http::Request;
+        use kube::client::Body;
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&log);
+        let record = serde_json::json!({
+            "messageId": "<mailgunremediation.u-1@mg.example.com>", "state": "sent",
+            "backendId": "<x@mg.example.com>",
+        });
+        let mut object = serde_json::json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
+            "metadata": {
+                "name": "m-0", "namespace": "team-a", "uid": "u-1", "resourceVersion": "1",
+                "labels": { "cluster.x-k8s.io/cluster-name": "c" },
+                "annotations": { capm_api::names::MAIL_ANNOTATION: record.to_string() },
+                "ownerReferences": [{
+                    "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine", "name": "m-0",
+                    "uid": "machine-uid",
+                }],
+            },
+            "spec": { "priority": "Urgent", "request": "Power-cycle it <please>." },
+            "status": { "phase": "WaitingForAnswer" },
+        });
+        let machine = serde_json::json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": { "name": "m-0", "namespace": "team-a", "uid": "machine-uid" },
+            "spec": { "clusterName": "c", "providerID": "dc://rack4/slot12" },
+            "status": {
+                "nodeRef": { "name": "node-12" },
+                "conditions": [{
+                    "type": "HealthCheckSucceeded", "status": "False",
+                    "reason": "UnhealthyNode", "message": "Condition Ready on Node is reporting status False for more than 5m0s",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }],
+            },
+        });
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        tokio::spawn(async move {
+            let mut patched = false;
+            while let Some((request, respond)) = handle.next_request().await {
+                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+                let body: serde_json::Value =
+                    serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
+                        .unwrap_or_default();
+                seen.lock().unwrap().push(format!(
+                    "{method} {path} {} {}",
+                    body["spec"]["answer"], body["reason"]
+                ));
+                let failure = |code: u16, reason: &str| {
+                    serde_json::json!({
+                        "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": reason, "code": code, "message": "refused",
+                    })
+                };
+                let (code, answer) = match method {
+                    Method::GET if path.ends_with("/machines/m-0") => (200, machine.clone()),
+                    Method::GET if path.contains("mailgunclusteridentities") => {
+                        (403, failure(403, "Forbidden"))
+                    }
+                    Method::GET => (200, object.clone()),
+                    Method::PATCH if !patched && !matches!(on_patch, OnPatch::Apply) => {
+                        patched = true;
+                        object["spec"]["answer"] =
+                            serde_json::json!({"result": "CannotRepair", "message": "gone"});
+                        object["metadata"]["resourceVersion"] = "2".into();
+                        match on_patch {
+                            OnPatch::SetOnceRefusal => (422, failure(422, "Invalid")),
+                            _ => (409, failure(409, "Conflict")),
+                        }
+                    }
+                    Method::PATCH => {
+                        object["spec"]["answer"] = body["spec"]["answer"].clone();
+                        (200, object.clone())
+                    }
+                    _ => (201, body),
+                };
+                let response = Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                    .unwrap();
+                respond.send_response(response);
+            }
+        });
+        (Client::new(service, "default"), log)
+    }
+
+    fn repair_claims(kind: Kind) -> Claims {
+        Claims::new(
+            kind,
+            "team-a",
+            "m-0",
+            "u-1",
+            "<mailgunremediation.u-1@mg.example.com>",
+            u64::MAX / 2,
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_link_records_the_answer_once() {
+        let (client, log) = fake_remediation_api(OnPatch::Apply);
+        let claims = repair_claims(Kind::MailgunRemediation);
+        let (status, body) = submit(
+            client,
+            &claims,
+            "result=Repaired&message=Replaced+the+PSU.%0D%0ABack+up.",
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(
+            body.contains("Answer recorded")
+                && body.contains("watched until its health check passes"),
+            "{body}"
+        );
+        assert!(body.contains("Replaced the PSU."), "{body}");
+        let log = log.lock().unwrap().clone();
+        let path = "/apis/infrastructure.cluster.x-k8s.io/v1beta1/namespaces/team-a/mailgunremediations/m-0";
+        assert!(
+            log.iter().any(|l| l
+                == &format!(
+                    "PATCH {path} {} null",
+                    serde_json::json!({"result": "Repaired", "message": "Replaced the PSU.\nBack up."})
+                )),
+            "the answer, its line break a LF: {log:?}"
+        );
+        assert!(
+            log.iter().any(|l| l
+                .starts_with("POST /apis/events.k8s.io/v1/namespaces/team-a/events")
+                && l.ends_with("\"AnsweredThroughLink\"")),
+            "{log:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_answer_shows_already_answered_never_an_error() {
+        for on_patch in [OnPatch::AnsweredMeanwhile, OnPatch::SetOnceRefusal] {
+            let (client, log) = fake_remediation_api(on_patch);
+            let claims = repair_claims(Kind::MailgunRemediation);
+            let (status, body) = submit(client, &claims, "result=Repaired").await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            assert!(body.contains("Already answered"), "{body}");
+            assert!(
+                body.contains("Cannot repair") && body.contains("gone"),
+                "{body}"
+            );
+            // What happened, read from the Machine; the request's text escaped.
+            for want in [
+                "<dt>Machine</dt><dd>m-0</dd>",
+                "<dt>Cluster</dt><dd>c</dd>",
+                "<dt>Node</dt><dd>node-12</dd>",
+                "<dt>Provider ID</dt><dd>dc://rack4/slot12</dd>",
+                "UnhealthyNode: Condition Ready on Node is reporting status False",
+                "<dt>Phase</dt><dd>WaitingForAnswer</dd>",
+                "Power-cycle it &#60;please&#62;.",
+            ] {
+                assert!(body.contains(want), "{want:?} not in {body}");
+            }
+            assert!(!body.contains("Requested by"), "{body}");
+            let log = log.lock().unwrap().clone();
+            assert_eq!(
+                log.iter().filter(|l| l.starts_with("PATCH")).count(),
+                1,
+                "{log:?}"
+            );
+            assert!(
+                !log.iter().any(|l| l.starts_with("POST")),
+                "no Event: {log:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_form_is_judged_and_a_link_of_another_kind_answers_nothing() {
+        let (client, log) = fake_remediation_api(OnPatch::Apply);
+        let claims = repair_claims(Kind::MailgunRemediation);
+        let (status, body) = submit(client.clone(), &claims, "result=Maybe").await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(body.contains("Choose repaired or cannot repair."), "{body}");
+        assert!(
+            body.contains("<h1>A machine needs repair</h1>")
+                && body.contains("<select id=\"result\" name=\"result\"")
+                && body.contains("<dt>Node</dt><dd>node-12</dd>"),
+            "{body}"
+        );
+        let long = "x".repeat(capm_api::limits::MAX_ANSWER_MESSAGE_LENGTH as usize + 1);
+        let (status, body) = submit(
+            client.clone(),
+            &claims,
+            &format!("result=CannotRepair&message={long}"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(body.contains("spec.answer.message"), "{body}");
+        // A machine's link sealed for the same namespace, name and UID: it reads a
+        // MailgunMachine, never the remediation.
+        let (status, body) = submit(
+            client,
+            &repair_claims(Kind::MailgunMachine),
+            "result=Repaired",
+        )
+        .await;
+        assert_ne!(status, StatusCode::OK, "{body}");
+        let log = log.lock().unwrap().clone();
+        assert!(!log.iter().any(|l| l.starts_with("PATCH")), "{log:?}");
+        assert!(
+            log.iter().any(|l| l.contains("/mailgunmachines/m-0")),
+            "{log:?}"
         );
     }
 }

@@ -1,17 +1,21 @@
-//! What a link names: a `MailgunCluster` or a `MailgunMachine`, what it asks and what was
-//! recorded, and the form's values turned into a patch the API's own rules accept.
+//! What a link names: a `MailgunCluster`, a `MailgunMachine` or a `MailgunRemediation`, what it
+//! asks and what was recorded (the endpoint, the machine's provider ID, the human's answer to a
+//! repair request), and the form's values turned into a patch the API's own rules accept.
 
 use std::collections::HashMap;
 
 use capm_api::{
     capi::{self, Machine},
     link_token::{Claims, Kind},
-    v1beta1::{ApiEndpoint, MachineAddress, MailgunCluster, MailgunMachine},
+    v1beta1::{
+        AnswerResult, ApiEndpoint, MachineAddress, MailgunCluster, MailgunMachine,
+        MailgunRemediation, RemediationAnswer, RemediationPhase,
+    },
     validation::Validate,
 };
 use kube::{
     Api, Client, Resource, ResourceExt,
-    api::{Patch, PatchParams},
+    api::{ApiResource, DynamicObject, Patch, PatchParams},
 };
 
 use super::{ADDRESS_ROWS, FIELD_MANAGER, html};
@@ -24,6 +28,10 @@ pub(super) struct Form {
     pub(super) provider_id: String,
     /// (type, address) per row, empty addresses included.
     pub(super) addresses: Vec<(String, String)>,
+    /// A repair request's answer: `Repaired` or `CannotRepair`.
+    pub(super) result: String,
+    /// The answer's message, its line breaks as `\n`.
+    pub(super) message: String,
     pub(super) problems: Vec<(Option<String>, String)>,
 }
 
@@ -47,6 +55,9 @@ impl Form {
                     )
                 })
                 .collect(),
+            result: get("result"),
+            // A browser sends a text area's line breaks as CRLF.
+            message: get("message").replace("\r\n", "\n"),
             problems: Vec::new(),
         }
     }
@@ -63,6 +74,15 @@ impl Form {
 pub(super) enum Target {
     Cluster(MailgunCluster),
     Machine(MailgunMachine),
+    Remediation(MailgunRemediation),
+}
+
+/// How the page shows an answer's result.
+fn result_label(result: AnswerResult) -> &'static str {
+    match result {
+        AnswerResult::Repaired => "Repaired",
+        AnswerResult::CannotRepair => "Cannot repair",
+    }
 }
 
 impl Target {
@@ -77,6 +97,10 @@ impl Target {
                 .get_opt(name)
                 .await?
                 .map(Self::Machine),
+            Kind::MailgunRemediation => Api::<MailgunRemediation>::namespaced(client.clone(), ns)
+                .get_opt(name)
+                .await?
+                .map(Self::Remediation),
         })
     }
 
@@ -84,6 +108,7 @@ impl Target {
         match self {
             Self::Cluster(_) => Kind::MailgunCluster,
             Self::Machine(_) => Kind::MailgunMachine,
+            Self::Remediation(_) => Kind::MailgunRemediation,
         }
     }
 
@@ -91,6 +116,7 @@ impl Target {
         match self {
             Self::Cluster(c) => c.meta(),
             Self::Machine(m) => m.meta(),
+            Self::Remediation(r) => r.meta(),
         }
     }
 
@@ -98,6 +124,32 @@ impl Target {
         match self {
             Self::Cluster(c) => c.object_ref(&()),
             Self::Machine(m) => m.object_ref(&()),
+            Self::Remediation(r) => r.object_ref(&()),
+        }
+    }
+
+    /// True for a repair request (the page records an answer, not what was built).
+    pub(super) fn is_repair(&self) -> bool {
+        matches!(self, Self::Remediation(_))
+    }
+
+    /// Why the link can no longer be used although nothing was recorded through it: a repair
+    /// request whose Machine was handed back to its owner or is healthy again.
+    pub(super) fn closed(&self) -> Option<&'static str> {
+        let Self::Remediation(r) = self else {
+            return None;
+        };
+        if r.spec.answer.is_some() {
+            return None;
+        }
+        match r.status.as_ref().and_then(|s| s.phase) {
+            Some(RemediationPhase::HandedBack) => Some(
+                "This repair request is closed: the machine was handed back to its owner, which replaces it.",
+            ),
+            Some(RemediationPhase::NoLongerNeeded) => {
+                Some("This repair request is closed: the machine is healthy again.")
+            }
+            _ => None,
         }
     }
 
@@ -118,6 +170,13 @@ impl Target {
                         .and_then(|v| v.as_str().map(str::to_owned))
                         .unwrap_or_default();
                     rows.push((format!("Address ({t})"), a.address.clone()));
+                }
+                rows
+            }),
+            Self::Remediation(r) => r.spec.answer.as_ref().map(|a| {
+                let mut rows = vec![("Answer".to_owned(), result_label(a.result).to_owned())];
+                if let Some(message) = &a.message {
+                    rows.push(("Message".to_owned(), message.clone()));
                 }
                 rows
             }),
@@ -205,6 +264,16 @@ impl Target {
                         .map(|secret| format!("Secret {namespace}/{secret} (key \"value\"); feed it to the machine at first boot"))
                         .unwrap_or_else(unknown),
                 ));
+                s
+            }
+            Self::Remediation(r) => {
+                let status = r.status.as_ref();
+                let sent = status
+                    .and_then(|s| s.asked_at.as_ref())
+                    .or_else(|| status.and_then(|s| s.mail.as_ref()?.sent_at.as_ref()));
+                // Asked by the MachineHealthCheck that found the Machine unhealthy: no person.
+                let mut s = base(r.spec.priority.to_string(), &r.spec.request, "", when(sent));
+                s.extra = repair_rows(client, r).await;
                 s
             }
         }
@@ -311,6 +380,41 @@ impl Target {
                     "spec": spec,
                 })
             }
+            Self::Remediation(old) => {
+                let result = match form.result.as_str() {
+                    "Repaired" => Some(AnswerResult::Repaired),
+                    "CannotRepair" => Some(AnswerResult::CannotRepair),
+                    _ => {
+                        problems.push((
+                            Some("result".into()),
+                            "Choose repaired or cannot repair.".into(),
+                        ));
+                        None
+                    }
+                };
+                let answer = RemediationAnswer {
+                    result: result.unwrap_or(AnswerResult::CannotRepair),
+                    message: (!form.message.is_empty()).then(|| form.message.clone()),
+                };
+                let mut new = old.clone();
+                new.spec.answer = Some(answer.clone());
+                if problems.is_empty() {
+                    problems.extend(rule_problems(
+                        MailgunRemediation::validate_update(old, &new),
+                        |path| {
+                            if path.ends_with("message") {
+                                "message"
+                            } else {
+                                "result"
+                            }
+                        },
+                    ));
+                }
+                serde_json::json!({
+                    "metadata": { "resourceVersion": rv },
+                    "spec": { "answer": answer },
+                })
+            }
         };
         if problems.is_empty() {
             Ok(patch)
@@ -342,8 +446,84 @@ impl Target {
                     .patch(name, &params, &Patch::Merge(&patch))
                     .await?,
             ),
+            Self::Remediation(_) => Self::Remediation(
+                Api::<MailgunRemediation>::namespaced(client.clone(), ns)
+                    .patch(name, &params, &Patch::Merge(&patch))
+                    .await?,
+            ),
         })
     }
+}
+
+/// What happened to the Machine of a repair request, read from the Machine itself (the owner
+/// the MachineHealthCheck set, checked by its UID): its Cluster, Node and provider ID, why its
+/// health check failed, and where the repair stands. Read with a `get` of the Machine as any
+/// object: the fields the provider's own `Machine` type leaves out are read by their paths.
+async fn repair_rows(client: &Client, r: &MailgunRemediation) -> Vec<(&'static str, String)> {
+    let namespace = r.namespace().unwrap_or_default();
+    let owner = capi::owner(r.owner_references(), "Machine");
+    let machine = match owner {
+        Some(o) => {
+            let resource = ApiResource::erase::<Machine>(&());
+            Api::<DynamicObject>::namespaced_with(client.clone(), &namespace, &resource)
+                .get_opt(&o.name)
+                .await
+                .ok()
+                .flatten()
+                .filter(|m| m.metadata.uid.as_deref() == Some(o.uid.as_str()))
+        }
+        None => None,
+    };
+    let data = machine.as_ref().map(|m| &m.data);
+    let text = |value: Option<&serde_json::Value>| {
+        value
+            .and_then(serde_json::Value::as_str)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned)
+    };
+    let unknown = || "unknown".to_owned();
+    let health = data
+        .and_then(|d| d["status"]["conditions"].as_array())
+        .and_then(|conditions| {
+            conditions
+                .iter()
+                .find(|c| c["type"] == "HealthCheckSucceeded" && c["status"] == "False")
+        })
+        .map(|c| {
+            let reason = c["reason"].as_str().unwrap_or_default();
+            match c["message"].as_str().filter(|m| !m.is_empty()) {
+                Some(message) => format!("{reason}: {message}"),
+                None => reason.to_owned(),
+            }
+        });
+    let phase = r
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .and_then(|p| serde_json::to_value(p).ok())
+        .and_then(|v| v.as_str().map(str::to_owned));
+    vec![
+        ("Machine", owner.map_or_else(unknown, |o| o.name.clone())),
+        (
+            "Cluster",
+            text(data.map(|d| &d["spec"]["clusterName"]))
+                .or_else(|| r.labels().get(capm_api::names::CLUSTER_NAME_LABEL).cloned())
+                .unwrap_or_else(unknown),
+        ),
+        (
+            "Node",
+            text(data.map(|d| &d["status"]["nodeRef"]["name"])).unwrap_or_else(unknown),
+        ),
+        (
+            "Provider ID",
+            text(data.map(|d| &d["spec"]["providerID"])).unwrap_or_else(unknown),
+        ),
+        (
+            "Health check",
+            health.unwrap_or_else(|| "no failed health check on the Machine now".to_owned()),
+        ),
+        ("Phase", phase.unwrap_or_else(|| "Pending".to_owned())),
+    ]
 }
 
 /// The API rules' refusals, each on the form field `field_of(path)` names.
@@ -379,6 +559,83 @@ mod tests {
             }))
             .unwrap(),
         ))
+    }
+
+    fn remediation(phase: Option<&str>, answer: Option<serde_json::Value>) -> Target {
+        let mut object = serde_json::json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
+            "metadata": { "name": "m-0", "namespace": "ns", "resourceVersion": "7" },
+            "spec": { "request": "Fix it." },
+        });
+        if let Some(phase) = phase {
+            object["status"] = serde_json::json!({ "phase": phase });
+        }
+        if let Some(answer) = answer {
+            object["spec"]["answer"] = answer;
+        }
+        Target::Remediation(serde_json::from_value(object).unwrap())
+    }
+
+    #[test]
+    fn a_repair_answer_is_one_of_two_with_a_bounded_clean_message() {
+        let ok = remediation(None, None)
+            .apply(&fields(&[
+                ("result", "CannotRepair"),
+                ("message", " Burnt.\r\nGone. "),
+            ]))
+            .unwrap();
+        assert_eq!(
+            ok,
+            serde_json::json!({
+                "metadata": { "resourceVersion": "7" },
+                "spec": { "answer": { "result": "CannotRepair", "message": "Burnt.\nGone." } },
+            })
+        );
+        let ok = remediation(None, None)
+            .apply(&fields(&[("result", "Repaired"), ("message", "")]))
+            .unwrap();
+        assert_eq!(
+            ok["spec"],
+            serde_json::json!({"answer": {"result": "Repaired"}})
+        );
+        assert_eq!(
+            problems(&remediation(None, None), &[("message", "m")]),
+            [Some("result".into())]
+        );
+        assert_eq!(
+            problems(
+                &remediation(None, None),
+                &[("result", "Repaired"), ("message", "a\u{202e}b")]
+            ),
+            [Some("message".into())]
+        );
+        // Answered already: the rule's own refusal (the page shows "already answered" first).
+        let answered = remediation(None, Some(serde_json::json!({"result": "Repaired"})));
+        assert_eq!(
+            problems(&answered, &[("result", "CannotRepair")]),
+            [Some("result".into())]
+        );
+        assert!(answered.fulfilment().is_some());
+    }
+
+    #[test]
+    fn a_closed_repair_request_takes_no_answer() {
+        assert!(remediation(Some("HandedBack"), None).closed().is_some());
+        assert!(remediation(Some("NoLongerNeeded"), None).closed().is_some());
+        assert!(
+            remediation(Some("WaitingForAnswer"), None)
+                .closed()
+                .is_none()
+        );
+        assert!(remediation(None, None).closed().is_none());
+        // Answered and handed back (CannotRepair): "already answered", not closed.
+        let answered = serde_json::json!({"result": "CannotRepair"});
+        assert!(
+            remediation(Some("HandedBack"), Some(answered))
+                .closed()
+                .is_none()
+        );
+        assert!(cluster().closed().is_none() && machine().closed().is_none());
     }
 
     fn fields(pairs: &[(&str, &str)]) -> Form {

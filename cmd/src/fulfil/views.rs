@@ -1,7 +1,8 @@
-//! The pages the handlers answer with: the form (with its problems) and "already recorded".
+//! The pages the handlers answer with: the form (with its problems), "recorded" and "already
+//! recorded", for what was built and for a repair request's answer alike.
 
 use bytes::Bytes;
-use capm_api::link_token;
+use capm_api::{link_token, v1beta1::AnswerResult};
 use http::{Response, StatusCode};
 use http_body_util::Full;
 
@@ -17,7 +18,30 @@ impl Page {
         values: &[(String, String)],
     ) -> Response<Full<Bytes>> {
         let asked = target.summary(&self.client).await;
-        self.answer(StatusCode::OK, html::already(values, &asked))
+        let title = if target.is_repair() {
+            "Already answered"
+        } else {
+            "Already fulfilled"
+        };
+        self.answer(StatusCode::OK, html::already(title, values, &asked))
+    }
+
+    /// What the page answers once the values are recorded on `target`.
+    pub(super) fn recorded(target: &Target, values: &[(String, String)]) -> String {
+        let name = html::shown(target.meta().name.as_deref().unwrap_or_default());
+        let kind = target.kind().as_str();
+        let sentence = match target {
+            Target::Remediation(r) => match r.spec.answer.as_ref().map(|a| a.result) {
+                Some(AnswerResult::CannotRepair) => format!(
+                    "Answer recorded. Thank you: the Machine {name} is handed back to its owner, which replaces it."
+                ),
+                _ => format!(
+                    "Answer recorded. Thank you: the Machine {name} is watched until its health check passes."
+                ),
+            },
+            _ => format!("Recorded. Thank you: the {kind} {name} is marked provisioned shortly."),
+        };
+        html::recorded(&sentence, values)
     }
 
     pub(super) async fn form_page(
@@ -98,10 +122,20 @@ impl Page {
                     .collect();
                 html::form(&action, &form_token, &fields, &rows, general)
             }
+            Target::Remediation(_) => html::answer_form(&html::AnswerForm {
+                action: &action,
+                form_token: &form_token,
+                result: &form.result,
+                result_problem: problem("result"),
+                message: &form.message,
+                message_problem: problem("message"),
+                problem: general,
+            }),
         };
         let title = match target {
             Target::Cluster(_) => "A cluster was requested",
             Target::Machine(_) => "A machine was requested",
+            Target::Remediation(_) => "A machine needs repair",
         };
         self.answer(status, html::page(title, &summary.then(&body)))
     }
