@@ -812,12 +812,51 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
             ),
             "as for mailgunclusters/finalizers",
         ),
+        (
+            (
+                "infrastructure.cluster.x-k8s.io",
+                "mailgunremediations/finalizers",
+                "update",
+            ),
+            "as for mailgunclusters/finalizers",
+        ),
     ]);
+    // Remediation by mail (issue 56): granted with its CRDs, used by its controller, which is
+    // the next step; until it lands these are the only grants nothing exercises. The
+    // controller's step removes this list and the remediation stories exercise them.
+    let not_exercised_until_the_remediation_controller: BTreeSet<(&str, &str, &str)> = [
+        (
+            "infrastructure.cluster.x-k8s.io",
+            "mailgunremediations",
+            "list",
+        ),
+        (
+            "infrastructure.cluster.x-k8s.io",
+            "mailgunremediations",
+            "watch",
+        ),
+        (
+            "infrastructure.cluster.x-k8s.io",
+            "mailgunremediations",
+            "patch",
+        ),
+        (
+            "infrastructure.cluster.x-k8s.io",
+            "mailgunremediations/status",
+            "patch",
+        ),
+        ("cluster.x-k8s.io", "machines/status", "patch"),
+        ("cluster.x-k8s.io", "machinehealthchecks", "list"),
+        ("cluster.x-k8s.io", "machinehealthchecks", "watch"),
+    ]
+    .into();
     let mut unused = Vec::new();
     for (group, resource, verb) in &grants {
         let was_used = used.contains(&(group.clone(), resource.clone(), verb.clone()));
+        let key = (group.as_str(), resource.as_str(), verb.as_str());
         if !was_used
-            && !not_exercised.contains_key(&(group.as_str(), resource.as_str(), verb.as_str()))
+            && !not_exercised.contains_key(&key)
+            && !not_exercised_until_the_remediation_controller.contains(&key)
         {
             unused.push(format!("{verb} {resource}.{group}"));
         }
