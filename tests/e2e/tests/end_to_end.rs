@@ -108,6 +108,11 @@ fn granted(rules: &[PolicyRule]) -> BTreeSet<(String, String, String)> {
     out
 }
 
+/// The provider's ServiceAccount as the API server names it.
+fn username_of_provider() -> String {
+    format!("system:serviceaccount:{NS}:{FULLNAME}")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     let work = tempfile::tempdir()?;
@@ -740,6 +745,89 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         note.contains("tenant-oncall@example.com"),
         "the tenant's FulfilledThroughLink Event names the identity's recipients: {note}"
     );
+    // Issue 56: a repair request answered through its link, by the page run apart (its
+    // ServiceAccount reads and patches the MailgunRemediation). Made by hand as a
+    // MachineHealthCheck makes one, its repair mail's record written as the provider's
+    // ServiceAccount (the remediation controller is the next step), its link minted as the
+    // controller will mint it; the Machine is gone (deleted with the Cluster above), which the
+    // page shows.
+    let remediations = dynamic_api(
+        &admin,
+        USER_NS,
+        "infrastructure.cluster.x-k8s.io",
+        "v1beta1",
+        "MailgunRemediation",
+    );
+    let remediation = dynamic_object(
+        "infrastructure.cluster.x-k8s.io/v1beta1",
+        "MailgunRemediation",
+        USER_NS,
+        "e2e-repair",
+        serde_json::json!({"request": "Power-cycle it."}),
+    )?;
+    let created = remediations
+        .create(&Default::default(), &remediation)
+        .await?;
+    let uid = created
+        .metadata
+        .uid
+        .clone()
+        .context("the remediation's UID")?;
+    let mut config = cp.config().await?;
+    config.auth_info.impersonate = Some(username_of_provider());
+    let record = serde_json::json!({
+        "messageId": format!("<mailgunremediation.{uid}@capm.e2e.example.com>"),
+        "state": "sent", "backendId": format!("<repair.{uid}@capm.e2e.example.com>"),
+    });
+    let recorded = dynamic_api(
+        &kube::Client::try_from(config)?,
+        USER_NS,
+        "infrastructure.cluster.x-k8s.io",
+        "v1beta1",
+        "MailgunRemediation",
+    )
+    .patch(
+        "e2e-repair",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({"metadata": {"annotations": {
+            capm_api::names::MAIL_ANNOTATION: record.to_string()}}})),
+    )
+    .await?;
+    let links = capm_api::link_token::Links {
+        base_url: page_url.clone(),
+        validity: capm_api::link_token::DEFAULT_VALIDITY,
+        keys: capm_api::link_token::KeyRing::new(capm_api::link_token::Keys::parse(LINK_KEY)?),
+    };
+    let link = links
+        .repair_link(
+            &recorded.metadata,
+            "capm.e2e.example.com",
+            std::time::SystemTime::now(),
+        )
+        .context("a repair link")?;
+    let (status, answer) = capm_e2e::browser::fulfil_through_link(
+        dir,
+        &page_url,
+        &link,
+        &[
+            ("result", "CannotRepair"),
+            ("message", "The+board+is+burnt."),
+        ],
+    )?;
+    ensure!(
+        status == 200 && answer.contains("Answer recorded") && answer.contains("handed back"),
+        "the repair link: HTTP {status}:\n{answer}\npage log:\n{}",
+        page.proc.tail(20)
+    );
+    let stored = remediations.get("e2e-repair").await?;
+    ensure!(
+        stored.data["spec"]["answer"]
+            == serde_json::json!({"result": "CannotRepair", "message": "The board is burnt."}),
+        "{}",
+        stored.data
+    );
+    capm_e2e::browser::link_event(&admin, USER_NS, "e2e-repair", "AnsweredThroughLink").await?;
+
     // The page's /metrics, as the provider's: the scraper's token reviewed.
     let (status, _) = https_get(&page.metrics, "/metrics", &scrape, true)?;
     ensure!(status == 200, "the page's metrics: HTTP {status}");
@@ -757,7 +845,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         "provider did not exit 0 on SIGTERM:\n{}",
         provider.proc.tail(20)
     );
-    let username = format!("system:serviceaccount:{NS}:{FULLNAME}");
+    let username = username_of_provider();
     let requests = audited_requests(&audit_log, &username)?;
     let denied: Vec<_> = requests.iter().filter(|r| r.code == 403).collect();
     ensure!(

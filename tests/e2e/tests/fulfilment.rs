@@ -4,7 +4,8 @@
 //! request mails. A headless Chromium (Debian's `chromium`, driven by Playwright for Python:
 //! `tests/e2e/browser/fulfil_page.py`) opens the link from each received mail, fills the form by
 //! its labels and submits it: the `Cluster` reaches `Provisioned`, and so does a `MailgunMachine`
-//! of a MachineDeployment. The screenshots of each page state go to the test's own directory, or
+//! of a MachineDeployment, and the worker's repair request (issue 56) is answered through its
+//! link. The screenshots of each page state go to the test's own directory, or
 //! to `docs/fulfilment/` with `CAPM_SCREENSHOTS=docs` (`make screenshots`), so a test run leaves
 //! the tree as it was.
 
@@ -335,7 +336,7 @@ async fn story(
 
     let mailgun_machines = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunMachine");
     let machines = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine");
-    eventually(
+    let machine_name = eventually(
         wait,
         "the MailgunMachine and its Machine provisioned",
         || async {
@@ -353,7 +354,7 @@ async fn story(
             let infra = capi_machine.data["status"]["initialization"]["infrastructureProvisioned"]
                 == true
                 && capi_machine.data["spec"]["providerID"] == "datacentre://rack4/slot12";
-            Ok((provisioned && infra).then_some(()))
+            Ok((provisioned && infra).then_some(owner.name))
         },
     )
     .await?;
@@ -362,6 +363,132 @@ async fn story(
         note.contains("datacentre://rack4/slot12") && note.contains(RECIPIENT),
         "{note}"
     );
+    repair_story(cp, admin, dir, &url, &machine_name).await?;
     println!("screenshots in {}", screenshots_dir(dir).display());
+    Ok(())
+}
+
+/// Issue 56: the answer to a repair request, in the browser. A `MailgunRemediation` for the
+/// worker's Machine as a MachineHealthCheck makes it (named like the Machine, its
+/// ownerReference, the cluster-name label), its repair mail's record written as the provider's
+/// ServiceAccount writes it (the remediation controller is the next step), the link minted as
+/// the controller will mint it (`Links::repair_link`); the browser answers `Repaired` with a
+/// message, and opening the link again shows the answer, not a form.
+async fn repair_story(
+    cp: &ControlPlane,
+    admin: &Client,
+    dir: &Path,
+    url: &str,
+    machine_name: &str,
+) -> Result<()> {
+    use capm_api::link_token::{DEFAULT_VALIDITY, KeyRing, Keys, Links};
+    let machines = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine");
+    let machine = machines.get(machine_name).await?;
+    let machine_uid = machine.metadata.uid.clone().context("the Machine's UID")?;
+    let remediations = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation");
+    let object = serde_json::from_value(json!({
+        "apiVersion": format!("{INFRA}/v1beta1"), "kind": "MailgunRemediation",
+        "metadata": {
+            "name": machine_name, "namespace": USER_NS,
+            "labels": {"cluster.x-k8s.io/cluster-name": CLUSTER},
+            "ownerReferences": [{
+                "apiVersion": format!("{CAPI}/v1beta2"), "kind": "Machine",
+                "name": machine_name, "uid": machine_uid,
+            }],
+        },
+        "spec": {"request": "The worker stopped answering.\nPower-cycle it and check its cable."},
+    }))?;
+    let created = remediations
+        .create(&kube::api::PostParams::default(), &object)
+        .await
+        .context("creating the MailgunRemediation")?;
+    let uid = created.metadata.uid.clone().context("its UID")?;
+    // The repair mail's record, as the provider's ServiceAccount (the only writer the
+    // annotation policy lets add it).
+    let mut config = cp.config().await?;
+    config.auth_info.impersonate = Some(format!("system:serviceaccount:{NS}:{FULLNAME}"));
+    let as_provider = dynamic_api(
+        &Client::try_from(config)?,
+        USER_NS,
+        INFRA,
+        "v1beta1",
+        "MailgunRemediation",
+    );
+    let record = json!({
+        "messageId": format!("<mailgunremediation.{uid}@{DOMAIN}>"), "state": "sent",
+        "backendId": format!("<repair.{uid}@{DOMAIN}>"),
+    });
+    let recorded = as_provider
+        .patch(
+            machine_name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({
+                "metadata": {"annotations": {capm_api::names::MAIL_ANNOTATION: record.to_string()}},
+            })),
+        )
+        .await
+        .context("the repair mail's record, as the provider")?;
+    let links = Links {
+        base_url: url.to_owned(),
+        validity: DEFAULT_VALIDITY,
+        keys: KeyRing::new(Keys::parse(KEY)?),
+    };
+    let link = links
+        .repair_link(&recorded.metadata, DOMAIN, std::time::SystemTime::now())
+        .context("a repair link")?;
+    ensure!(
+        !link.contains(machine_name) && !link.contains(USER_NS),
+        "the link names the object: {link}"
+    );
+    let report = browse(
+        dir,
+        &link,
+        "repair",
+        &[("Message", "Reseated the power cable.")],
+        &[("result", "Repaired")],
+        None,
+    )?;
+    ensure!(report["request"]["status"] == 200, "{report}");
+    ensure!(
+        report["scripts"] == 0,
+        "the page has no JavaScript: {report}"
+    );
+    page_says(
+        &report,
+        "request",
+        "A machine needs repair",
+        &[
+            "MailgunRemediation",
+            machine_name,
+            "Urgent",
+            "Power-cycle it and check its cable.",
+            CLUSTER,
+            "datacentre://rack4/slot12",
+            "Pending",
+        ],
+    )?;
+    page_says(
+        &report,
+        "submitted",
+        "Recorded",
+        &["Answer recorded", "Repaired", "Reseated the power cable."],
+    )?;
+    page_says(
+        &report,
+        "again",
+        "Already answered",
+        &["Repaired", "Reseated the power cable.", machine_name],
+    )?;
+    let stored = remediations.get(machine_name).await?;
+    ensure!(
+        stored.data["spec"]["answer"]
+            == json!({"result": "Repaired", "message": "Reseated the power cable."}),
+        "{}",
+        stored.data
+    );
+    let note = browser::link_event(admin, USER_NS, machine_name, "AnsweredThroughLink").await?;
+    for want in [RECIPIENT, "127.0.0.1", "Chrome", "Repaired"] {
+        ensure!(note.contains(want), "{want:?} not in the Event: {note}");
+    }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! The monitoring the project ships, run for real (issue 46): the real kube-state-metrics
 //! (`make tools` builds it) serves `config/metrics/crd-metrics-config.yaml` for MailgunClusters
-//! and MailgunMachines in every state the provider gives them, and Debian's Prometheus scrapes
+//! and MailgunMachines in every state the provider gives them (and for two MailgunRemediations,
+//! their status written by the test until their controller lands, issue 56), and Debian's Prometheus scrapes
 //! the provider, the Cluster API core manager and kube-state-metrics together and evaluates the
 //! chart's alert rules on them.
 //!
@@ -368,6 +369,163 @@ impl<'a> Expect<'a> {
     }
 }
 
+/// A MailgunRemediation for the Machine `machine` as a MachineHealthCheck makes it (named like
+/// the Machine, its ownerReference, the cluster-name label), with `answer` in its spec and
+/// `status` written as the remediation controller (the next step of issue 56) will write it.
+async fn create_remediation(
+    admin: &Client,
+    machine: &str,
+    cluster: &str,
+    answer: Option<Value>,
+    status: Value,
+) -> Result<DynamicObject> {
+    let owner = capi(admin, "Machine").get(machine).await?;
+    let mut spec = json!({"request": "Power-cycle it.", "strategy": {"unfulfilled": "GiveUp"}});
+    if let Some(answer) = answer {
+        spec["answer"] = answer;
+    }
+    let mut object = dynamic_object(
+        &format!("{INFRA}/v1beta1"),
+        "MailgunRemediation",
+        USER_NS,
+        machine,
+        spec,
+    )?;
+    object.metadata.labels = Some([(CLUSTER_NAME.to_owned(), cluster.to_owned())].into());
+    object.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: format!("{CAPI}/v1beta2"),
+            kind: "Machine".into(),
+            name: machine.into(),
+            uid: owner.uid().context("the Machine's UID")?,
+            ..Default::default()
+        },
+    ]);
+    let remediations = infra(admin, "MailgunRemediation");
+    remediations
+        .create(&Default::default(), &object)
+        .await
+        .with_context(|| format!("creating MailgunRemediation {machine}"))?;
+    Ok(remediations
+        .patch_status(
+            machine,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": status})),
+        )
+        .await?)
+}
+
+const CLUSTER_NAME: &str = "cluster.x-k8s.io/cluster-name";
+
+/// The families of one MailgunRemediation (`capi_mailgunremediation_*`) against what its state
+/// means: `info` with its priority and strategy, `created`, each condition and its transition
+/// time, its Machine owner, its phase, the answer (none before one) and the repair mail.
+fn check_remediation(
+    samples: &[Sample],
+    seen: &mut BTreeSet<String>,
+    o: &DynamicObject,
+) -> Result<()> {
+    let p = "capi_mailgunremediation";
+    let name = o.name_any();
+    let ns = o.namespace().context("namespace")?;
+    let uid = o.uid().context("uid")?;
+    let cluster = o.labels().get(CLUSTER_NAME).cloned().unwrap_or_default();
+    let base = [
+        ("name", name.as_str()),
+        ("namespace", ns.as_str()),
+        ("uid", uid.as_str()),
+        ("cluster_name", cluster.as_str()),
+    ];
+    let mut check = |family: &str, extra: &[(&str, &str)], want: Option<f64>| {
+        let labels: Vec<(&str, &str)> = base.iter().chain(extra).copied().collect();
+        let metric = format!("{p}_{family}");
+        let got = sample_value(samples, &metric, &labels);
+        ensure!(
+            got == want,
+            "{metric}{labels:?} of {name}: kube-state-metrics gives {got:?}, the object's state means {want:?}"
+        );
+        if got.is_some() {
+            seen.insert(metric);
+        }
+        Ok(())
+    };
+    check(
+        "info",
+        &[("priority", "Urgent"), ("unfulfilled", "GiveUp")],
+        Some(1.0),
+    )?;
+    let created = o
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .context("creationTimestamp")?
+        .0
+        .as_second() as f64;
+    check("created", &[], Some(created))?;
+    let status = &o.data["status"];
+    for c in status["conditions"].as_array().context("no conditions")? {
+        let (t, s) = (
+            c["type"].as_str().context("type")?,
+            c["status"].as_str().context("status")?,
+        );
+        for state in ["True", "False", "Unknown"] {
+            check(
+                "status_condition",
+                &[("type", t), ("status", state)],
+                Some(if state == s { 1.0 } else { 0.0 }),
+            )?;
+        }
+        check(
+            "status_condition_last_transition_time",
+            &[("type", t), ("status", s)],
+            Some(unix(&c["lastTransitionTime"])?),
+        )?;
+    }
+    for r in o.owner_references() {
+        check(
+            "owner",
+            &[
+                ("owner_kind", r.kind.as_str()),
+                ("owner_name", r.name.as_str()),
+                ("owner_uid", r.uid.as_str()),
+            ],
+            Some(1.0),
+        )?;
+    }
+    let phase = status["phase"].as_str().context("no phase")?;
+    for each in [
+        "Pending",
+        "WaitingForFulfilment",
+        "WaitingForAnswer",
+        "WaitingForRepair",
+        "HandBackHeld",
+        "HandedBack",
+        "NoLongerNeeded",
+    ] {
+        check(
+            "status_phase",
+            &[("phase", each)],
+            Some(if each == phase { 1.0 } else { 0.0 }),
+        )?;
+    }
+    let answer = o.data["spec"]["answer"]["result"].as_str();
+    for each in ["Repaired", "CannotRepair"] {
+        let want = answer.map(|a| if a == each { 1.0 } else { 0.0 });
+        check("answer", &[("result", each)], want)?;
+    }
+    let state = status["mail"]["state"].as_str();
+    for each in ["Pending", "Sent", "Delivered", "Failed"] {
+        let want = state.map(|s| if s == each { 1.0 } else { 0.0 });
+        check("status_mail_state", &[("state", each)], want)?;
+    }
+    let sent_at = match status["mail"]["sentAt"] {
+        Value::Null => None,
+        ref at => Some(unix(at)?),
+    };
+    check("status_mail_sent_at", &[], sent_at)?;
+    Ok(())
+}
+
 /// The stock kube-state-metrics chart's values the docs give: (customResourceState.config,
 /// rbac.extraRules).
 fn stock_chart_values() -> Result<(Value, Value)> {
@@ -613,6 +771,41 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     )
     .await?;
 
+    // Issue 56: two repair requests as the remediation controller will leave them (it is the
+    // next step; the test writes their status): fulfilled-m0's answered `Repaired` after its
+    // repair mail was delivered, fulfilled-m1's not believed yet (no mail, no answer).
+    let delivered = "2026-01-02T03:04:05Z";
+    create_remediation(
+        &admin,
+        "fulfilled-m0",
+        "fulfilled",
+        Some(json!({"result": "Repaired", "message": "Reseated the cable."})),
+        json!({
+            "phase": "WaitingForRepair",
+            "conditions": [
+                {"type": "Ready", "status": "False", "reason": "WaitingForRepair", "message": "", "lastTransitionTime": delivered},
+                {"type": "MailSent", "status": "True", "reason": "MailSent", "message": "", "lastTransitionTime": delivered},
+                {"type": "Answered", "status": "True", "reason": "Repaired", "message": "", "lastTransitionTime": delivered},
+            ],
+            "mail": {"state": "Delivered", "sentAt": delivered, "messageID": "<repair@mg.monitoring.example.com>"},
+            "askedAt": delivered,
+        }),
+    )
+    .await?;
+    create_remediation(
+        &admin,
+        "fulfilled-m1",
+        "fulfilled",
+        None,
+        json!({
+            "phase": "Pending",
+            "conditions": [
+                {"type": "Ready", "status": "False", "reason": "WaitingForMachine", "message": "", "lastTransitionTime": delivered},
+            ],
+        }),
+    )
+    .await?;
+
     // kube-state-metrics as the stock chart would run it with the documented values: a
     // ServiceAccount with exactly rbac.extraRules, customResourceState.config as its file.
     let (config, rules) = stock_chart_values()?;
@@ -666,6 +859,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     // Every family, for every object, as its state means.
     let declared = crd_metric_names(&config_dir().join("metrics/crd-metrics-config.yaml"))?;
     let machines = infra(&admin, "MailgunMachine");
+    let remediations = infra(&admin, "MailgunRemediation");
     // What was still missing, printed when it changes.
     let last_reason = std::sync::Mutex::new(String::new());
     let (samples, exposition) = eventually(wait, "kube-state-metrics's series", || async {
@@ -715,6 +909,12 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         let mut last = None;
         for e in &expectations {
             if let Err(err) = e.check(&samples, &mut seen) {
+                last = Some(err);
+            }
+        }
+        for name in ["fulfilled-m0", "fulfilled-m1"] {
+            let r = remediations.get(name).await?;
+            if let Err(err) = check_remediation(&samples, &mut seen, &r) {
                 last = Some(err);
             }
         }
