@@ -35,12 +35,14 @@ deps-browser: ## Install Debian's chromium, nginx-light and Playwright for Pytho
 	  echo "installing Debian's chromium and nginx-light (the fulfilment page's browser tests)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium nginx-light; fi
 
-# runc (built by `make tools`) links libseccomp through cgo; the node needs ip and iptables.
+# runc (built by `make tools`) links libseccomp through cgo; the node needs ip and iptables; the
+# churn test asks the provider's allocator, through gdb, to give back its free memory before it
+# measures the heap.
 .PHONY: deps-node
-deps-node: ## Install Debian's libseccomp-dev, pkg-config, iproute2, iptables (runc with seccomp; the local node's bridge and Service route)
-	@missing=$$(for p in libseccomp-dev pkg-config iproute2 iptables; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+deps-node: ## Install Debian's libseccomp-dev, pkg-config, iproute2, iptables, gdb (runc with seccomp; the local node's bridge and Service route; the churn test's heap)
+	@missing=$$(for p in libseccomp-dev pkg-config iproute2 iptables gdb; do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	  if [ -n "$$missing" ]; then \
-	  echo "installing Debian's $$missing (runc with seccomp; the local node's bridge and Service route)"; \
+	  echo "installing Debian's $$missing (runc with seccomp; the local node's bridge and Service route; gdb for the churn test)"; \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; fi
 
 .PHONY: deps-py

@@ -4,7 +4,10 @@
 use std::{sync::Arc, time::Duration};
 
 use capm_mailer::{ErrorKind, MailError, Mailer, MessageError};
-use kube::Client;
+use kube::{
+    Api, Client, ResourceExt,
+    api::{Patch, PatchParams},
+};
 use tokio::sync::watch;
 
 use crate::{
@@ -20,14 +23,6 @@ use crate::{
 /// The field manager of every write to our objects, so `managedFields` (and whoever audits
 /// them) can tell the provider's writes from others' (not "unknown").
 pub const FIELD_MANAGER: &str = "cluster-api-provider-mailgun";
-
-/// Patch parameters naming [`FIELD_MANAGER`].
-pub fn patch_params() -> kube::api::PatchParams {
-    kube::api::PatchParams {
-        field_manager: Some(FIELD_MANAGER.to_owned()),
-        ..kube::api::PatchParams::default()
-    }
-}
 
 /// Why one reconcile failed (or waits); decides how soon it is retried.
 #[derive(Debug, thiserror::Error)]
@@ -246,6 +241,35 @@ impl Ctx {
         }
     }
 
+    /// Merge-patches our object `obj` with `body`, `{"metadata": …}` or `{"status": …}` (then
+    /// its status subresource), as [`FIELD_MANAGER`] and only while leading
+    /// ([`Self::ensure_leading`]); the version written is remembered, so that a reconcile that
+    /// starts from an older cached copy waits for the cache ([`Ledger::expect_version`]).
+    pub(crate) async fn patch<K: InfraKind>(
+        &self,
+        obj: &K,
+        body: serde_json::Value,
+        what: &'static str,
+    ) -> Result<K, ReconcileError> {
+        self.ensure_leading()?;
+        let api: Api<K> =
+            Api::namespaced(self.client.clone(), &obj.namespace().unwrap_or_default());
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_owned()),
+            ..PatchParams::default()
+        };
+        let (name, patch) = (obj.name_any(), Patch::Merge(&body));
+        let written = if body.get("status").is_some() {
+            api.patch_status(&name, &params, &patch).await
+        } else {
+            api.patch(&name, &params, &patch).await
+        };
+        let written = written.map_err(ReconcileError::kube(what))?;
+        let uid = obj.uid().unwrap_or_default();
+        (self.ledger).expect_version(&uid, written.resource_version().as_deref());
+        Ok(written)
+    }
+
     /// Publishes an Event about `obj` (its series open until its mail is final); a refusal is
     /// logged, never fails the reconcile.
     pub async fn publish<K: InfraKind>(
@@ -274,7 +298,7 @@ impl Ctx {
     /// A trigger for the object `uid` entered `K`'s queue: an add unless it already waits.
     pub fn queued<K: InfraKind>(&self, uid: &str) {
         if self.ledger.queue(uid, K::CONTROLLER) {
-            self.metrics.workqueue.added(K::CONTROLLER);
+            self.metrics.added(K::CONTROLLER);
         }
     }
 
@@ -312,7 +336,7 @@ impl Ctx {
     /// everything noted about it is forgotten, in one place.
     pub fn forget(&self, uid: &str) {
         if let Some(controller) = self.ledger.forget(uid) {
-            self.metrics.workqueue.left(controller);
+            self.metrics.left(controller);
         }
     }
 }
@@ -512,7 +536,12 @@ mod tests {
         use crate::{ledger::Attempt, poller::tests as poller, sendonce::Which};
         use capm_api::v1beta1::MailgunCluster;
         let ctx = ctx();
-        let depth = || ctx.metrics.workqueue.depth(MailgunCluster::CONTROLLER);
+        let depth = || {
+            ctx.metrics
+                .queue_depth
+                .with_label_values(&[MailgunCluster::CONTROLLER])
+                .get()
+        };
         let (uid, cluster) = ("u", poller::cluster("u"));
         let track = |p: &Arc<Poller>| {
             let now = std::time::SystemTime::now();

@@ -107,20 +107,6 @@ impl Identities {
         }
     }
 
-    /// The name of the identity `wanted` stands for (`None`: the provider's own). A machine's
-    /// is its Cluster's `MailgunCluster`'s; when that does not exist (any more), the provider's
-    /// own configuration (if it serves the namespace), never another tenant's.
-    pub(crate) fn wanted(
-        &self,
-        wanted: &Wanted,
-        namespace: &str,
-    ) -> Result<Option<String>, IdentityError> {
-        if let Wanted::OfMailgunCluster(_) = wanted {
-            listed(&self.stores.mailgun_clusters, "MailgunCluster")?;
-        }
-        Ok(wanted.name(&self.stores.mailgun_clusters, namespace))
-    }
-
     /// The route of the identity `name` (`None`: the provider's own configuration) for an
     /// object in `namespace`; [`IdentityError::Unusable`] when it does not exist, does not allow
     /// `namespace` (checked for [`Access::New`] only), or cannot be used.

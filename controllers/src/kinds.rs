@@ -15,7 +15,10 @@ use kube::{
 };
 use serde::{Serialize, de::DeserializeOwned};
 
-use crate::status::Status;
+use crate::{
+    status::Status,
+    watch::{NotListed, listed},
+};
 
 /// The reflector stores the reconciles read: Cluster API's objects, the mail identities and their
 /// claimed Secrets (never written), and our `MailgunCluster`s (a machine's identity is its
@@ -43,31 +46,9 @@ pub struct MailText {
     pub body: String,
 }
 
-/// Which mail identity an object wants now.
-pub enum Wanted {
-    /// This one, by name; `None`: the provider's own configuration.
-    Named(Option<String>),
-    /// The one of the `MailgunCluster` of this name, in the object's namespace (a machine's
-    /// Cluster's infrastructure).
-    OfMailgunCluster(String),
-}
-
-impl Wanted {
-    /// The identity's name (`None`: the provider's own), a machine's read from `mailgun_clusters`
-    /// (its `MailgunCluster` not there: the provider's own, as a reconcile finds).
-    pub fn name(
-        &self,
-        mailgun_clusters: &Store<MailgunCluster>,
-        namespace: &str,
-    ) -> Option<String> {
-        match self {
-            Self::Named(name) => name.clone(),
-            Self::OfMailgunCluster(cluster) => mailgun_clusters
-                .get(&ObjectRef::new(cluster).within(namespace))
-                .and_then(|infra| infra.spec.identity_ref.clone().map(|r| r.name)),
-        }
-    }
-}
+/// The mail identity an object wants now, by name (`None`: the provider's own configuration);
+/// a machine's is read from a cache that may not have been listed yet.
+pub type Wanted = Result<Option<String>, NotListed>;
 
 /// An object's key in logs, as Cluster API's: `namespace/name`.
 pub fn key(namespace: Option<&str>, name: &str) -> String {
@@ -238,7 +219,7 @@ impl InfraKind for MailgunCluster {
         })
     }
     fn wanted_identity(&self, _: &Stores) -> Wanted {
-        Wanted::Named(self.spec.identity_ref.as_ref().map(|r| r.name.clone()))
+        Ok(self.spec.identity_ref.as_ref().map(|r| r.name.clone()))
     }
     fn deletion_mail(&self) -> MailText {
         let name = self.name_any();
@@ -365,8 +346,9 @@ impl InfraKind for MailgunMachine {
         })
     }
     /// The identity of its Cluster's `MailgunCluster`. A Cluster not in the cache (gone, for a
-    /// release whose request's identity is gone too) or of another infrastructure: the
-    /// provider's own.
+    /// release whose request's identity is gone too) or of another infrastructure, or a
+    /// `MailgunCluster` that does not exist (any more): the provider's own (if it serves the
+    /// namespace), never another tenant's.
     fn wanted_identity(&self, capi: &Stores) -> Wanted {
         let namespace = self.namespace().unwrap_or_default();
         let cluster = self
@@ -378,9 +360,11 @@ impl InfraKind for MailgunMachine {
             .and_then(|c| c.spec.infrastructure_ref.as_ref())
         {
             Some(r) if r.api_group == capm_api::GROUP && r.kind == MailgunCluster::KIND => {
-                Wanted::OfMailgunCluster(r.name.clone())
+                let infra = ObjectRef::new(&r.name).within(&namespace);
+                let infra = listed(&capi.mailgun_clusters, "MailgunCluster")?.get(&infra);
+                Ok(infra.and_then(|i| i.spec.identity_ref.clone().map(|r| r.name)))
             }
-            _ => Wanted::Named(None),
+            _ => Ok(None),
         }
     }
     fn deletion_mail(&self) -> MailText {

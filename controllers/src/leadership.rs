@@ -12,7 +12,6 @@
 //! ([`Leadership::handover`]) and the window left open: docs/how-it-works.md.
 
 use std::{
-    fmt,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -34,16 +33,6 @@ struct Elected {
     renew_deadline: Duration,
     /// Start of the last successful acquire or renew round; `None` before the first.
     renewed: Mutex<Option<Instant>>,
-}
-
-impl fmt::Debug for Leadership {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Leadership")
-            .field("identity", &self.inner.identity)
-            .field("elected", &self.inner.elected.is_some())
-            .field("may_act", &self.may_act())
-            .finish()
-    }
 }
 
 impl Leadership {

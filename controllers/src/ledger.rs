@@ -107,13 +107,12 @@ struct Inner {
 }
 
 /// The controllers' per-object notes, keyed by UID.
-#[derive(Default)]
 pub struct Ledger {
     inner: Mutex<Inner>,
     /// `capm_remembered_objects{state}`: `live` objects remembered, `tombstone` gone UIDs.
-    gauge: Option<IntGaugeVec>,
+    gauge: IntGaugeVec,
     /// Whose series end when no object has one open.
-    events: Option<Events>,
+    events: Events,
 }
 
 impl Ledger {
@@ -124,8 +123,8 @@ impl Ledger {
         gauge.with_label_values(&["tombstone"]).set(0);
         Self {
             inner: Mutex::default(),
-            gauge: Some(gauge),
-            events: Some(events),
+            gauge,
+            events,
         }
     }
 
@@ -134,15 +133,10 @@ impl Ledger {
     }
 
     fn count(&self, inner: &Inner) {
-        if let Some(gauge) = &self.gauge {
-            let len = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-            gauge
-                .with_label_values(&["live"])
-                .set(len(inner.objects.len()));
-            gauge
-                .with_label_values(&["tombstone"])
-                .set(len(inner.tombstones.len()));
-        }
+        let len = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let gauge = |state| self.gauge.with_label_values(&[state]);
+        gauge("live").set(len(inner.objects.len()));
+        gauge("tombstone").set(len(inner.tombstones.len()));
     }
 
     /// Reads `uid`'s notes (default ones when there is none).
@@ -178,25 +172,24 @@ impl Ledger {
         Some(out)
     }
 
-    /// Counts one more failure of `uid` and returns its retry delay, `delay(count)`; with
-    /// `gate_sends` (a mail backend's failure) no other trigger sends before it has passed.
+    /// Counts one more failure of `uid` and returns its retry delay, `delay(count)` (a gone
+    /// object's: `delay(1)`); with `gate_sends` (a mail backend's failure) no other trigger sends
+    /// before it has passed.
     pub fn failed(
         &self,
         uid: &str,
         gate_sends: bool,
-        delay: impl FnOnce(u32) -> Duration,
+        mut delay: impl FnMut(u32) -> Duration,
     ) -> Duration {
-        let mut inner = self.lock();
-        if inner.tombstones.contains_key(uid) {
-            return delay(1);
-        }
-        let object = inner.objects.entry(uid.into()).or_default();
-        object.failures = object.failures.saturating_add(1);
-        let d = delay(object.failures);
-        if gate_sends {
-            object.not_before = Some(Instant::now() + d);
-        }
-        d
+        let failed = self.change(uid, |o| {
+            o.failures = o.failures.saturating_add(1);
+            let d = delay(o.failures);
+            if gate_sends {
+                o.not_before = Some(Instant::now() + d);
+            }
+            d
+        });
+        failed.unwrap_or_else(|| delay(1))
     }
 
     /// Whether `uid`'s last reconciles failed (it waits out a retry delay).
@@ -231,26 +224,15 @@ impl Ledger {
 
     /// True when the cached copy predates our own last write, or the object is gone.
     pub fn is_stale(&self, uid: &str, resource_version: Option<&str>) -> bool {
-        let mut inner = self.lock();
-        if inner.tombstones.contains_key(uid) {
-            return true;
-        }
-        let Some(object) = inner.objects.get_mut(uid) else {
-            return false;
-        };
-        let Some(expected) = object.expected_version else {
-            return false;
-        };
-        match resource_version.and_then(|v| v.parse::<u64>().ok()) {
-            Some(seen) if seen < expected => true,
+        let seen = resource_version.and_then(|v| v.parse::<u64>().ok());
+        self.change(uid, |o| match (o.expected_version, seen) {
+            (Some(expected), Some(seen)) if seen < expected => true,
             _ => {
-                object.expected_version = None;
-                if object.is_empty() {
-                    inner.objects.remove(uid);
-                }
+                o.expected_version = None;
                 false
             }
-        }
+        })
+        .unwrap_or(true)
     }
 
     /// How long ago this process first saw the intent of `uid`'s mail (now, the first time).
@@ -343,9 +325,7 @@ impl Ledger {
 
     /// No object has its series open: every series ends (kube's `Recorder` cannot end one).
     fn end_series(&self) {
-        if let Some(events) = &self.events {
-            events.end_series();
-        }
+        self.events.end_series();
     }
 
     /// The object `uid` is gone: everything noted about it is forgotten (its poller told), and
@@ -381,6 +361,15 @@ impl Ledger {
 mod tests {
     use super::*;
 
+    /// A ledger with a gauge and `Events` of its own (a client nothing answers: no Event is
+    /// published here). Within a runtime: the client's buffer is a task.
+    fn ledger() -> Ledger {
+        let config = kube::Config::new("http://127.0.0.1:1".parse().expect("a URL"));
+        let client = kube::Client::try_from(config).expect("a client");
+        let gauge = IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state"]).expect("a gauge");
+        Ledger::new(gauge, Events::new(client, "t", "t"))
+    }
+
     impl Ledger {
         /// How many objects are remembered (gone ones not counted).
         pub(crate) fn len(&self) -> usize {
@@ -388,9 +377,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_gone_object_stays_stale_whatever_copy_arrives_and_is_not_remembered_again() {
-        let ledger = Ledger::default();
+    #[tokio::test]
+    async fn a_gone_object_stays_stale_whatever_copy_arrives_and_is_not_remembered_again() {
+        let ledger = ledger();
         ledger.expect_version("u1", Some("120"));
         ledger.mark_permanently_refused("u1", Which::Request, at(3, 0));
         ledger.forget("u1");
@@ -409,9 +398,9 @@ mod tests {
         Attempt { generation, retry }
     }
 
-    #[test]
-    fn permanent_refusals_are_remembered_per_mail_with_their_attempt() {
-        let ledger = Ledger::default();
+    #[tokio::test]
+    async fn permanent_refusals_are_remembered_per_mail_with_their_attempt() {
+        let ledger = ledger();
         ledger.mark_permanently_refused("u", Which::Request, at(3, 7));
         assert_eq!(ledger.refused_at("u", Which::Request), Some(at(3, 7)));
         assert_eq!(ledger.refused_at("u", Which::Deletion), None);
@@ -441,9 +430,9 @@ mod tests {
         assert_ne!(Attempt::of(&meta(3, Some("2"))), asked);
     }
 
-    #[test]
-    fn a_cache_older_than_our_write_is_stale_until_it_caught_up() {
-        let ledger = Ledger::default();
+    #[tokio::test]
+    async fn a_cache_older_than_our_write_is_stale_until_it_caught_up() {
+        let ledger = ledger();
         ledger.expect_version("u1", Some("120"));
         assert!(ledger.is_stale("u1", Some("100")));
         assert!(!ledger.is_stale("u1", Some("120")));
@@ -454,9 +443,9 @@ mod tests {
         assert_eq!(ledger.len(), 0);
     }
 
-    #[test]
-    fn failures_count_per_object_and_gate_sends() {
-        let ledger = Ledger::default();
+    #[tokio::test]
+    async fn failures_count_per_object_and_gate_sends() {
+        let ledger = ledger();
         let counts: Vec<u32> = (0..3)
             .map(|_| {
                 let mut seen = 0;

@@ -11,7 +11,7 @@
 //!
 //! The modules in layers, lowest first: each imports only its own layer's and lower layers'
 //! modules, with no circle (`make lint` checks it, `hack/module-cycles.py`):
-//! - `failpoint`, `config`, `watch`, `status`, `events`, `workqueue`, `metrics`: how the
+//! - `failpoint`, `config`, `watch`, `status`, `events`, `metrics`: how the
 //!   provider watches (paged lists, quick reconnects) and reports (conditions, Events, the
 //!   `workqueue_*` series for kube-runtime's scheduler, [`Metrics`]), its [`Config`] and the
 //!   operator's rules for tenants ([`Tenancy`]);
@@ -41,7 +41,6 @@ mod reconcile;
 mod sendonce;
 mod status;
 mod watch;
-mod workqueue;
 
 pub use config::{Config, DEFAULT_RELEASE_TIMEOUT, Error, Field, Invalid, Reason, Tenancy};
 pub use leadership::Leadership;

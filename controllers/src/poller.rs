@@ -90,12 +90,6 @@ pub struct Poller {
     pub(crate) stop: CancellationToken,
 }
 
-impl std::fmt::Debug for Poller {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Poller").finish_non_exhaustive()
-    }
-}
-
 /// Whether `next` says something `known` did not (no answer and "no report yet" are the same).
 fn is_news(known: Option<&Delivery>, next: &Delivery) -> bool {
     let nothing = Delivery::Pending {

@@ -12,7 +12,7 @@ use capm_api::{
     capi,
     names::{self, conditions, reasons},
 };
-use kube::{Api, Resource, ResourceExt, api::Patch, runtime::controller::Action};
+use kube::{Resource, ResourceExt, runtime::controller::Action};
 use serde_json::json;
 use tracing::{Instrument, debug, warn};
 
@@ -22,7 +22,6 @@ use crate::{
     kinds::InfraKind,
     sendonce::execute::OwnerCheck,
     status::{Readiness, Status},
-    workqueue::Running,
 };
 
 /// How soon an object whose owner is not in the cache yet is looked at again.
@@ -62,56 +61,11 @@ impl Pass {
     }
 }
 
-/// Records one reconcile in the controller metrics when dropped, so a reconcile future that
-/// is dropped half-way (shutdown, lost Lease) still leaves `active_workers` right.
-struct MetricsGuard<'a> {
-    ctx: &'a Ctx,
-    controller: &'static str,
-    started: Instant,
-    result: &'static str,
-    running: Running,
-}
-
-impl<'a> MetricsGuard<'a> {
-    fn start(ctx: &'a Ctx, controller: &'static str, waited: Option<Instant>) -> Self {
-        ctx.metrics
-            .active_workers
-            .with_label_values(&[controller])
-            .inc();
-        let started = Instant::now();
-        Self {
-            ctx,
-            controller,
-            started,
-            result: "cancelled",
-            running: ctx.metrics.workqueue.started(controller, waited, started),
-        }
-    }
-}
-
-impl Drop for MetricsGuard<'_> {
-    fn drop(&mut self) {
-        let m = &self.ctx.metrics;
-        m.workqueue.finished(&self.running, Instant::now());
-        m.active_workers.with_label_values(&[self.controller]).dec();
-        m.reconcile_time
-            .with_label_values(&[self.controller])
-            .observe(self.started.elapsed().as_secs_f64());
-        m.reconcile_total
-            .with_label_values(&[self.controller, self.result])
-            .inc();
-        if self.result == "error" {
-            m.reconcile_errors
-                .with_label_values(&[self.controller])
-                .inc();
-        }
-    }
-}
-
 /// One reconcile of `obj`, with metrics around it.
 pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    let mut guard = MetricsGuard::start(&ctx, K::CONTROLLER, ctx.ledger.dequeue(&uid));
+    let waited = ctx.ledger.dequeue(&uid);
+    let mut guard = (ctx.metrics).reconciling(K::CONTROLLER, waited, Instant::now());
     let span = obj.span();
     let result = reconcile_inner(&*obj, &ctx).instrument(span.clone()).await;
     if let Err(error) = &result {
@@ -183,31 +137,10 @@ async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, Rec
     status.set_ready(ready);
     status.drop_condition_generations();
     if status.differs_on_the_wire(&original) {
-        write_status(obj, ctx, &status).await?;
+        ctx.patch(obj, json!({ "status": status }), "writing status")
+            .await?;
     }
     outcome.map(|p| p.action)
-}
-
-async fn write_status<K: InfraKind>(
-    obj: &K,
-    ctx: &Ctx,
-    status: &Status,
-) -> Result<(), ReconcileError> {
-    ctx.ensure_leading()?;
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let written = api
-        .patch_status(
-            &obj.name_any(),
-            &crate::context::patch_params(),
-            &Patch::Merge(json!({ "status": status })),
-        )
-        .await
-        .map_err(ReconcileError::kube("writing status"))?;
-    ctx.ledger.expect_version(
-        &obj.uid().unwrap_or_default(),
-        written.resource_version().as_deref(),
-    );
-    Ok(())
 }
 
 /// The owner as Cluster API guarantees it: the ownerReference's UID is the live owner's, and

@@ -138,7 +138,7 @@ where
 const LIST_WAIT: Duration = Duration::from_secs(30);
 
 /// A store that has not been listed yet: what it holds cannot be told from absence.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("the {0} cache has not been listed yet")]
 pub(crate) struct NotListed(&'static str);
 

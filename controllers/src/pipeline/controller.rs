@@ -41,14 +41,8 @@ pub(super) fn controller<K: Pipelined>(
     let config = &ctx.config;
     let metrics = &ctx.metrics;
     let name = K::CONTROLLER;
-    metrics
-        .max_concurrent
-        .with_label_values(&[name])
-        .set(i64::from(config.concurrency));
+    metrics.init(name, config.concurrency);
     let count = |counter: &prometheus::IntCounterVec| counter.with_label_values(&[name]);
-    metrics.workqueue.init(name);
-    // Present at zero before the first retry, as the other queue series.
-    count(&metrics.queue_retries);
 
     let mut wc = list_config();
     if let Some(filter) = &config.watch_filter {

@@ -65,11 +65,8 @@ fn concerned<K: InfraKind>(
     own.state()
         .iter()
         .filter(|obj| {
-            let namespace = obj.namespace().unwrap_or_default();
-            let name = obj
-                .wanted_identity(capi)
-                .name(&capi.mailgun_clusters, &namespace);
-            match (news, name) {
+            // A cache not listed yet names nothing, as an empty one would.
+            match (news, obj.wanted_identity(capi).ok().flatten()) {
                 (_, None) => false,
                 (IdentityNews::Relisted, Some(_)) => true,
                 (IdentityNews::Changed(changed), Some(name)) => *changed == name,

@@ -17,7 +17,7 @@ pub(super) async fn current_route(
     wanted: &Wanted,
     namespace: &str,
 ) -> Result<Route, ReconcileError> {
-    let name = ctx.identities.wanted(wanted, namespace)?;
+    let name = wanted.clone().map_err(IdentityError::from)?;
     Ok(ctx
         .identities
         .route(name.as_deref(), namespace, Access::New)

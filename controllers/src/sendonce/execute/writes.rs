@@ -1,7 +1,7 @@
 //! The writes of the protocol: the intent (the fence), the sent record, a refusal.
 
 use k8s_openapi::jiff::Timestamp;
-use kube::{Api, ResourceExt, api::Patch};
+use kube::ResourceExt;
 use serde_json::json;
 use tracing::debug;
 
@@ -68,17 +68,12 @@ pub(crate) async fn patch_metadata<K: InfraKind>(
     metadata: serde_json::Value,
     what: &'static str,
 ) -> Result<(), ReconcileError> {
-    ctx.ensure_leading()?;
-    let api: Api<K> = Api::namespaced(ctx.client.clone(), &obj.namespace().unwrap_or_default());
-    let written = api
-        .patch(
-            &obj.name_any(),
-            &crate::context::patch_params(),
-            &Patch::Merge(json!({ "metadata": metadata })),
-        )
-        .await
-        .map_err(ReconcileError::kube(what))?;
-    adopt(ctx, tracked, &written);
+    let written = ctx
+        .patch(obj, json!({ "metadata": metadata }), what)
+        .await?;
+    tracked.resource_version = written.resource_version();
+    tracked.annotations = written.annotations().clone();
+    tracked.finalizers = written.finalizers().to_vec();
     Ok(())
 }
 
@@ -119,14 +114,4 @@ pub(super) async fn record_sent<K: InfraKind>(
         "annotations": record_patch(tracked, which, records::sent_value(message_id, sent)),
     });
     patch_metadata(obj, ctx, tracked, metadata, "recording the mail as sent").await
-}
-
-fn adopt<K: InfraKind>(ctx: &Ctx, tracked: &mut Tracked, written: &K) {
-    tracked.resource_version = written.resource_version();
-    tracked.annotations = written.annotations().clone();
-    tracked.finalizers = written.finalizers().to_vec();
-    ctx.ledger.expect_version(
-        &written.uid().unwrap_or_default(),
-        written.resource_version().as_deref(),
-    );
 }
