@@ -7,15 +7,17 @@ use std::collections::HashMap;
 use capm_api::{
     capi::{self, Machine},
     link_token::{Claims, Kind},
+    owner_remediated::HEALTH_CHECK_SUCCEEDED,
     v1beta1::{
         AnswerResult, ApiEndpoint, MachineAddress, MailgunCluster, MailgunMachine,
         MailgunRemediation, RemediationAnswer, RemediationPhase,
     },
     validation::Validate,
 };
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::{
     Api, Client, Resource, ResourceExt,
-    api::{ApiResource, DynamicObject, Patch, PatchParams},
+    api::{Patch, PatchParams},
 };
 
 use super::{ADDRESS_ROWS, FIELD_MANAGER, html};
@@ -228,18 +230,11 @@ impl Target {
                     when(sent),
                 );
                 let namespace = s.namespace.clone();
-                let owner = capi::owner(m.owner_references(), "Machine").map(|o| o.name.clone());
-                let machine = match &owner {
-                    Some(name) => Api::<Machine>::namespaced(client.clone(), &namespace)
-                        .get_opt(name)
-                        .await
-                        .ok()
-                        .flatten(),
-                    None => None,
-                };
+                let (owner, machine) =
+                    owner_machine(client, &namespace, m.owner_references()).await;
                 let unknown = || "unknown".to_owned();
                 s.extra
-                    .push(("Machine", owner.clone().unwrap_or_else(unknown)));
+                    .push(("Machine", owner.map_or_else(unknown, str::to_owned)));
                 s.extra.push((
                     "Cluster",
                     machine
@@ -287,8 +282,7 @@ impl Target {
         form: &Form,
     ) -> Result<serde_json::Value, Vec<(Option<String>, String)>> {
         let mut problems = Vec::new();
-        let rv = self.meta().resource_version.clone();
-        let patch = match self {
+        let spec = match self {
             Self::Cluster(old) => {
                 if form.host.is_empty() {
                     problems.push((Some("host".into()), "Enter the host.".into()));
@@ -305,24 +299,13 @@ impl Target {
                     host: form.host.clone(),
                     port: port.unwrap_or(0),
                 };
-                let mut new = old.clone();
-                new.spec.control_plane_endpoint = Some(endpoint.clone());
-                if problems.is_empty() {
-                    problems.extend(rule_problems(
-                        MailgunCluster::validate_update(old, &new),
-                        |path| {
-                            if path.ends_with("port") {
-                                "port"
-                            } else {
-                                "host"
-                            }
-                        },
-                    ));
-                }
-                serde_json::json!({
-                    "metadata": { "resourceVersion": rv },
-                    "spec": { "controlPlaneEndpoint": endpoint },
-                })
+                check_rules(
+                    old,
+                    |new| new.spec.control_plane_endpoint = Some(endpoint.clone()),
+                    &mut problems,
+                    field_or("port", "host"),
+                );
+                serde_json::json!({ "controlPlaneEndpoint": endpoint })
             }
             Self::Machine(old) => {
                 if form.provider_id.is_empty() {
@@ -347,38 +330,35 @@ impl Target {
                         )),
                     }
                 }
-                let mut new = old.clone();
-                new.spec.provider_id = Some(form.provider_id.clone());
                 let list: Vec<MachineAddress> = addresses.iter().map(|(_, a)| a.clone()).collect();
-                new.spec.addresses = (!list.is_empty())
-                    .then(|| list.clone())
-                    .or(old.spec.addresses.clone());
-                if problems.is_empty() {
-                    problems.extend(rule_problems(
-                        MailgunMachine::validate_update(old, &new),
-                        |path| {
-                            // spec.addresses[2].address → the form row of the third non-empty address.
-                            path.strip_prefix("spec.addresses[")
-                                .and_then(|rest| rest.split(']').next())
-                                .and_then(|n| n.parse::<usize>().ok())
-                                .and_then(|n| addresses.get(n))
-                                .map_or("provider-id", |(row, _)| {
-                                    ["address-0", "address-1", "address-2", "address-3"]
-                                        .get(*row)
-                                        .copied()
-                                        .unwrap_or("provider-id")
-                                })
-                        },
-                    ));
-                }
+                check_rules(
+                    old,
+                    |new| {
+                        new.spec.provider_id = Some(form.provider_id.clone());
+                        if !list.is_empty() {
+                            new.spec.addresses = Some(list.clone());
+                        }
+                    },
+                    &mut problems,
+                    |path| {
+                        // spec.addresses[2].address → the form row of the third non-empty address.
+                        path.strip_prefix("spec.addresses[")
+                            .and_then(|rest| rest.split(']').next())
+                            .and_then(|n| n.parse::<usize>().ok())
+                            .and_then(|n| addresses.get(n))
+                            .map_or("provider-id", |(row, _)| {
+                                ["address-0", "address-1", "address-2", "address-3"]
+                                    .get(*row)
+                                    .copied()
+                                    .unwrap_or("provider-id")
+                            })
+                    },
+                );
                 let mut spec = serde_json::json!({ "providerID": form.provider_id });
                 if !list.is_empty() {
                     spec["addresses"] = serde_json::json!(list);
                 }
-                serde_json::json!({
-                    "metadata": { "resourceVersion": rv },
-                    "spec": spec,
-                })
+                spec
             }
             Self::Remediation(old) => {
                 let result = match form.result.as_str() {
@@ -396,28 +376,20 @@ impl Target {
                     result: result.unwrap_or(AnswerResult::CannotRepair),
                     message: (!form.message.is_empty()).then(|| form.message.clone()),
                 };
-                let mut new = old.clone();
-                new.spec.answer = Some(answer.clone());
-                if problems.is_empty() {
-                    problems.extend(rule_problems(
-                        MailgunRemediation::validate_update(old, &new),
-                        |path| {
-                            if path.ends_with("message") {
-                                "message"
-                            } else {
-                                "result"
-                            }
-                        },
-                    ));
-                }
-                serde_json::json!({
-                    "metadata": { "resourceVersion": rv },
-                    "spec": { "answer": answer },
-                })
+                check_rules(
+                    old,
+                    |new| new.spec.answer = Some(answer.clone()),
+                    &mut problems,
+                    field_or("message", "result"),
+                );
+                serde_json::json!({ "answer": answer })
             }
         };
         if problems.is_empty() {
-            Ok(patch)
+            Ok(serde_json::json!({
+                "metadata": { "resourceVersion": self.meta().resource_version },
+                "spec": spec,
+            }))
         } else {
             Err(problems)
         }
@@ -455,46 +427,40 @@ impl Target {
     }
 }
 
+/// The Machine that owns an object (its ownerReference's name, and the Machine if it is still
+/// the one named, checked by its UID).
+async fn owner_machine<'a>(
+    client: &Client,
+    namespace: &str,
+    owners: &'a [OwnerReference],
+) -> (Option<&'a str>, Option<Machine>) {
+    let Some(owner) = capi::owner(owners, "Machine") else {
+        return (None, None);
+    };
+    let machine = Api::<Machine>::namespaced(client.clone(), namespace)
+        .get_opt(&owner.name)
+        .await
+        .ok()
+        .flatten()
+        .filter(|m| m.metadata.uid.as_deref() == Some(owner.uid.as_str()));
+    (Some(owner.name.as_str()), machine)
+}
+
 /// What happened to the Machine of a repair request, read from the Machine itself (the owner
-/// the MachineHealthCheck set, checked by its UID): its Cluster, Node and provider ID, why its
-/// health check failed, and where the repair stands. Read with a `get` of the Machine as any
-/// object: the fields the provider's own `Machine` type leaves out are read by their paths.
+/// the MachineHealthCheck set): its Cluster, Node and provider ID, why its health check failed,
+/// and where the repair stands.
 async fn repair_rows(client: &Client, r: &MailgunRemediation) -> Vec<(&'static str, String)> {
     let namespace = r.namespace().unwrap_or_default();
-    let owner = capi::owner(r.owner_references(), "Machine");
-    let machine = match owner {
-        Some(o) => {
-            let resource = ApiResource::erase::<Machine>(&());
-            Api::<DynamicObject>::namespaced_with(client.clone(), &namespace, &resource)
-                .get_opt(&o.name)
-                .await
-                .ok()
-                .flatten()
-                .filter(|m| m.metadata.uid.as_deref() == Some(o.uid.as_str()))
-        }
-        None => None,
-    };
-    let data = machine.as_ref().map(|m| &m.data);
-    let text = |value: Option<&serde_json::Value>| {
-        value
-            .and_then(serde_json::Value::as_str)
-            .filter(|v| !v.is_empty())
-            .map(str::to_owned)
-    };
+    let (owner, machine) = owner_machine(client, &namespace, r.owner_references()).await;
+    let machine = machine.as_ref();
     let unknown = || "unknown".to_owned();
-    let health = data
-        .and_then(|d| d["status"]["conditions"].as_array())
-        .and_then(|conditions| {
-            conditions
-                .iter()
-                .find(|c| c["type"] == "HealthCheckSucceeded" && c["status"] == "False")
-        })
-        .map(|c| {
-            let reason = c["reason"].as_str().unwrap_or_default();
-            match c["message"].as_str().filter(|m| !m.is_empty()) {
-                Some(message) => format!("{reason}: {message}"),
-                None => reason.to_owned(),
-            }
+    let known = |value: Option<&str>| value.map_or_else(unknown, str::to_owned);
+    let health = machine
+        .and_then(|m| m.condition(HEALTH_CHECK_SUCCEEDED))
+        .filter(|c| c.status == "False")
+        .map(|c| match c.message.as_str() {
+            "" => c.reason.clone(),
+            message => format!("{}: {message}", c.reason),
         });
     let phase = r
         .status
@@ -503,20 +469,18 @@ async fn repair_rows(client: &Client, r: &MailgunRemediation) -> Vec<(&'static s
         .and_then(|p| serde_json::to_value(p).ok())
         .and_then(|v| v.as_str().map(str::to_owned));
     vec![
-        ("Machine", owner.map_or_else(unknown, |o| o.name.clone())),
+        ("Machine", known(owner)),
         (
             "Cluster",
-            text(data.map(|d| &d["spec"]["clusterName"]))
+            machine
+                .and_then(Machine::cluster_name)
                 .or_else(|| r.labels().get(capm_api::names::CLUSTER_NAME_LABEL).cloned())
                 .unwrap_or_else(unknown),
         ),
-        (
-            "Node",
-            text(data.map(|d| &d["status"]["nodeRef"]["name"])).unwrap_or_else(unknown),
-        ),
+        ("Node", known(machine.and_then(Machine::node_name))),
         (
             "Provider ID",
-            text(data.map(|d| &d["spec"]["providerID"])).unwrap_or_else(unknown),
+            known(machine.and_then(|m| m.spec.provider_id.as_deref())),
         ),
         (
             "Health check",
@@ -526,15 +490,36 @@ async fn repair_rows(client: &Client, r: &MailgunRemediation) -> Vec<(&'static s
     ]
 }
 
-/// The API rules' refusals, each on the form field `field_of(path)` names.
-fn rule_problems(
-    errors: Vec<capm_api::validation::FieldError>,
+/// The form field of a refusal: `field` for a path ending in its name, else `otherwise`.
+fn field_or(field: &'static str, otherwise: &'static str) -> impl Fn(&str) -> &'static str {
+    move |path| {
+        if path.ends_with(field) {
+            field
+        } else {
+            otherwise
+        }
+    }
+}
+
+/// Adds to `problems`, when the form itself had none, the API's rules' refusals of `old`
+/// changed by `change` (`Validate::validate_update`), each on the form field `field_of(path)`
+/// names.
+fn check_rules<K: Validate + Clone>(
+    old: &K,
+    change: impl FnOnce(&mut K),
+    problems: &mut Vec<(Option<String>, String)>,
     field_of: impl Fn(&str) -> &'static str,
-) -> Vec<(Option<String>, String)> {
-    errors
-        .into_iter()
-        .map(|e| (Some(field_of(e.path()).to_owned()), e.to_string()))
-        .collect()
+) {
+    if !problems.is_empty() {
+        return;
+    }
+    let mut new = old.clone();
+    change(&mut new);
+    problems.extend(
+        K::validate_update(old, &new)
+            .into_iter()
+            .map(|e| (Some(field_of(e.path()).to_owned()), e.to_string())),
+    );
 }
 
 #[cfg(test)]
