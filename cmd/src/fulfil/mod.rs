@@ -444,14 +444,57 @@ mod tests {
 
     const KEY_A: &str = "QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUE=";
 
+    /// The log of the requests a fake API server answered.
+    type Log = Arc<std::sync::Mutex<Vec<String>>>;
+
+    /// A fake API server: `answer` gives each request's (status code, JSON body) from its
+    /// method, path, query (`?...` or empty) and JSON body. Returns the page's client.
+    fn fake_server(
+        mut answer: impl FnMut(&Method, &str, &str, &serde_json::Value) -> (u16, serde_json::Value)
+        + Send
+        + 'static,
+    ) -> Client {
+        use http::Request;
+        use kube::client::Body;
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        tokio::spawn(async move {
+            while let Some((request, respond)) = handle.next_request().await {
+                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+                let query = request
+                    .uri()
+                    .query()
+                    .map(|q| format!("?{q}"))
+                    .unwrap_or_default();
+                let body: serde_json::Value =
+                    serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
+                        .unwrap_or_default();
+                let (code, answer) = answer(&method, &path, &query, &body);
+                let response = Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                    .unwrap();
+                respond.send_response(response);
+            }
+        });
+        Client::new(service, "default")
+    }
+
+    /// The API server's refusal: a `Status` of `code` and `reason`.
+    fn failure(code: u16, reason: &str) -> (u16, serde_json::Value) {
+        let status = serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": reason, "code": code, "message": "refused",
+        });
+        (code, status)
+    }
+
     /// A fake API server holding one MailgunCluster: `conflicts` PATCHes answer 409 (after
     /// each, the object moves on a version, as when the controller writes meanwhile), the next
     /// one applies. Returns the page's client and the log of requests (`METHOD path rv`).
     /// With `identity`, the request went through the MailgunClusterIdentity `team-a-mail`.
-    fn fake_api(conflicts: usize, identity: bool) -> (Client, Arc<std::sync::Mutex<Vec<String>>>) {
-        use http::Request;
-        use kube::client::Body;
-        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    fn fake_api(conflicts: usize, identity: bool) -> (Client, Log) {
+        let log = Log::default();
         let seen = Arc::clone(&log);
         let mut record = serde_json::json!({
             "messageId": "<mailguncluster.u-1@mg.example.com>", "state": "sent",
@@ -468,84 +511,61 @@ mod tests {
             },
             "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "dev@example.com" },
         });
-        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        tokio::spawn(async move {
-            let mut left = conflicts;
-            while let Some((request, respond)) = handle.next_request().await {
-                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
-                let query = request
-                    .uri()
-                    .query()
-                    .map(|q| format!("?{q}"))
-                    .unwrap_or_default();
-                let body: serde_json::Value =
-                    serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
-                        .unwrap_or_default();
-                let rv = body["metadata"]["resourceVersion"].as_str().unwrap_or("-");
-                let note = body["note"].as_str().unwrap_or_default();
-                seen.lock()
+        let mut left = conflicts;
+        let client = fake_server(move |method, path, query, body| {
+            let rv = body["metadata"]["resourceVersion"].as_str().unwrap_or("-");
+            let note = body["note"].as_str().unwrap_or_default();
+            seen.lock()
+                .unwrap()
+                .push(format!("{method} {path}{query} {rv} {note}"));
+            let version = |o: &serde_json::Value| {
+                o["metadata"]["resourceVersion"]
+                    .as_str()
                     .unwrap()
-                    .push(format!("{method} {path}{query} {rv} {note}"));
-                let version = |o: &serde_json::Value| {
-                    o["metadata"]["resourceVersion"]
-                        .as_str()
-                        .unwrap()
-                        .parse::<u32>()
-                        .unwrap()
-                };
-                let (code, answer) = match method {
-                    Method::GET if path.ends_with("/mailgunclusteridentities") => {
-                        let list = serde_json::json!({
+                    .parse::<u32>()
+                    .unwrap()
+            };
+            match *method {
+                Method::GET if path.ends_with("/mailgunclusteridentities") => {
+                    let list = serde_json::json!({
+                        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+                        "kind": "MailgunClusterIdentityList", "metadata": {},
+                        "items": [{
                             "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-                            "kind": "MailgunClusterIdentityList", "metadata": {},
-                            "items": [{
-                                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-                                "kind": "MailgunClusterIdentity",
-                                "metadata": { "name": "team-a-mail" },
-                                "spec": {
-                                    "mailgun": { "domain": "mg.example.com", "apiKeySecretRef": { "name": "k", "key": "k" } },
-                                    "recipients": ["team-a-builders@example.com"],
-                                    "allowedNamespaces": {},
-                                },
-                            }],
-                        });
-                        (200, list)
-                    }
-                    Method::GET if path.contains("/mailgunclusteridentities/") => (
-                        403,
-                        serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403}),
-                    ),
-                    Method::GET => (200, object.clone()),
-                    Method::PATCH if left > 0 => {
-                        left -= 1;
-                        let next = version(&object) + 1;
-                        object["metadata"]["resourceVersion"] = next.to_string().into();
-                        let status = serde_json::json!({
-                            "kind": "Status", "apiVersion": "v1", "status": "Failure",
-                            "reason": "Conflict", "code": 409, "message": "the object has been modified",
-                        });
-                        (409, status)
-                    }
-                    Method::PATCH => {
-                        assert_eq!(
-                            rv, object["metadata"]["resourceVersion"],
-                            "a patch on the version read"
-                        );
-                        object["spec"]["controlPlaneEndpoint"] =
-                            body["spec"]["controlPlaneEndpoint"].clone();
-                        (200, object.clone())
-                    }
-                    _ => (201, body),
-                };
-                let response = Response::builder()
-                    .status(code)
-                    .header("content-type", "application/json")
-                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
-                    .unwrap();
-                respond.send_response(response);
+                            "kind": "MailgunClusterIdentity",
+                            "metadata": { "name": "team-a-mail" },
+                            "spec": {
+                                "mailgun": { "domain": "mg.example.com", "apiKeySecretRef": { "name": "k", "key": "k" } },
+                                "recipients": ["team-a-builders@example.com"],
+                                "allowedNamespaces": {},
+                            },
+                        }],
+                    });
+                    (200, list)
+                }
+                Method::GET if path.contains("/mailgunclusteridentities/") => {
+                    failure(403, "Forbidden")
+                }
+                Method::GET => (200, object.clone()),
+                Method::PATCH if left > 0 => {
+                    left -= 1;
+                    let next = version(&object) + 1;
+                    object["metadata"]["resourceVersion"] = next.to_string().into();
+                    failure(409, "Conflict")
+                }
+                Method::PATCH => {
+                    assert_eq!(
+                        rv, object["metadata"]["resourceVersion"],
+                        "a patch on the version read"
+                    );
+                    object["spec"]["controlPlaneEndpoint"] =
+                        body["spec"]["controlPlaneEndpoint"].clone();
+                    (200, object.clone())
+                }
+                _ => (201, body.clone()),
             }
         });
-        (Client::new(service, "default"), log)
+        (client, log)
     }
 
     /// The page's answer to the form for the MailgunCluster `team-a/c` sent from its page.
@@ -697,10 +717,8 @@ mod tests {
 
     /// A fake API server holding one MailgunRemediation `team-a/m-0` (UID `u-1`, its repair
     /// mail recorded) whose Machine `m-0` is unhealthy. Returns the page's client and the log.
-    fn fake_remediation_api(on_patch: OnPatch) -> (Client, Arc<std::sync::Mutex<Vec<String>>>) {
-        use http::Request;
-        use kube::client::Body;
-        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    fn fake_remediation_api(on_patch: OnPatch) -> (Client, Log) {
+        let log = Log::default();
         let seen = Arc::clone(&log);
         let record = serde_json::json!({
             "messageId": "<mailgunremediation.u-1@mg.example.com>", "state": "sent",
@@ -733,55 +751,36 @@ mod tests {
                 }],
             },
         });
-        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        tokio::spawn(async move {
-            let mut patched = false;
-            while let Some((request, respond)) = handle.next_request().await {
-                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
-                let body: serde_json::Value =
-                    serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
-                        .unwrap_or_default();
-                seen.lock().unwrap().push(format!(
-                    "{method} {path} {} {}",
-                    body["spec"]["answer"], body["reason"]
-                ));
-                let failure = |code: u16, reason: &str| {
-                    serde_json::json!({
-                        "kind": "Status", "apiVersion": "v1", "status": "Failure",
-                        "reason": reason, "code": code, "message": "refused",
-                    })
-                };
-                let (code, answer) = match method {
-                    Method::GET if path.ends_with("/machines/m-0") => (200, machine.clone()),
-                    Method::GET if path.contains("mailgunclusteridentities") => {
-                        (403, failure(403, "Forbidden"))
+        let mut patched = false;
+        let client = fake_server(move |method, path, _, body| {
+            seen.lock().unwrap().push(format!(
+                "{method} {path} {} {}",
+                body["spec"]["answer"], body["reason"]
+            ));
+            match *method {
+                Method::GET if path.ends_with("/machines/m-0") => (200, machine.clone()),
+                Method::GET if path.contains("mailgunclusteridentities") => {
+                    failure(403, "Forbidden")
+                }
+                Method::GET => (200, object.clone()),
+                Method::PATCH if !patched && !matches!(on_patch, OnPatch::Apply) => {
+                    patched = true;
+                    object["spec"]["answer"] =
+                        serde_json::json!({"result": "CannotRepair", "message": "gone"});
+                    object["metadata"]["resourceVersion"] = "2".into();
+                    match on_patch {
+                        OnPatch::SetOnceRefusal => failure(422, "Invalid"),
+                        _ => failure(409, "Conflict"),
                     }
-                    Method::GET => (200, object.clone()),
-                    Method::PATCH if !patched && !matches!(on_patch, OnPatch::Apply) => {
-                        patched = true;
-                        object["spec"]["answer"] =
-                            serde_json::json!({"result": "CannotRepair", "message": "gone"});
-                        object["metadata"]["resourceVersion"] = "2".into();
-                        match on_patch {
-                            OnPatch::SetOnceRefusal => (422, failure(422, "Invalid")),
-                            _ => (409, failure(409, "Conflict")),
-                        }
-                    }
-                    Method::PATCH => {
-                        object["spec"]["answer"] = body["spec"]["answer"].clone();
-                        (200, object.clone())
-                    }
-                    _ => (201, body),
-                };
-                let response = Response::builder()
-                    .status(code)
-                    .header("content-type", "application/json")
-                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
-                    .unwrap();
-                respond.send_response(response);
+                }
+                Method::PATCH => {
+                    object["spec"]["answer"] = body["spec"]["answer"].clone();
+                    (200, object.clone())
+                }
+                _ => (201, body.clone()),
             }
         });
-        (Client::new(service, "default"), log)
+        (client, log)
     }
 
     fn repair_claims(kind: Kind) -> Claims {
