@@ -616,15 +616,10 @@ impl Links {
         domain: &str,
         now: SystemTime,
     ) -> String {
-        self.link(kind, meta, domain, now)
-            .map(|link| {
-                format!(
-                    "\nWithout access to the management cluster, record it through this page \
-                     instead\n(anyone holding this mail can use the link, once; do not forward \
-                     it):\n\n  {link}\n"
-                )
-            })
-            .unwrap_or_default()
+        link_paragraph(
+            self.link(kind, meta, domain, now),
+            "record it through this page instead",
+        )
     }
 
     /// The paragraph a `MailgunRemediation`'s repair mail and each reminder end with: the
@@ -635,16 +630,23 @@ impl Links {
         domain: &str,
         mail_at: SystemTime,
     ) -> String {
-        self.repair_link(meta, domain, mail_at)
-            .map(|link| {
-                format!(
-                    "\nWithout access to the management cluster, answer through this page \
-                     instead: repaired, or cannot repair\n(anyone holding this mail can use the \
-                     link, once; do not forward it):\n\n  {link}\n"
-                )
-            })
-            .unwrap_or_default()
+        link_paragraph(
+            self.repair_link(meta, domain, mail_at),
+            "answer through this page instead: repaired, or cannot repair",
+        )
     }
+}
+
+/// The paragraph a mail ends with: its `link`, what to do there and who can use it; empty
+/// without a link.
+fn link_paragraph(link: Option<String>, what: &str) -> String {
+    link.map(|link| {
+        format!(
+            "\nWithout access to the management cluster, {what}\n(anyone holding this mail can \
+             use the link, once; do not forward it):\n\n  {link}\n"
+        )
+    })
+    .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -669,6 +671,24 @@ mod tests {
             "<mailgunmachine.u-1@mg.example.com>",
             expires,
         )
+    }
+
+    /// Links to `https://capm.example.com/fulfil/...` (`base_url` with or without its slash),
+    /// sealed with `KEY_A`.
+    fn links(base_url: &str) -> Links {
+        Links {
+            base_url: base_url.into(),
+            validity: DEFAULT_VALIDITY,
+            keys: KeyRing::new(keys(KEY_A)),
+        }
+    }
+
+    /// The claims of a link `links` made, opened at `now`.
+    fn open(links: &Links, link: &str, now: SystemTime) -> Claims {
+        let token = link
+            .strip_prefix("https://capm.example.com/fulfil/")
+            .unwrap();
+        links.keys.current().open(token, now).unwrap()
     }
 
     fn at(seconds: u64) -> SystemTime {
@@ -874,11 +894,7 @@ mod tests {
     /// another, even one of the same namespace, name and UID.
     #[test]
     fn a_repair_link_answers_only_its_remediation() {
-        let links = Links {
-            base_url: "https://capm.example.com".into(),
-            validity: DEFAULT_VALIDITY,
-            keys: KeyRing::new(keys(KEY_A)),
-        };
+        let links = links("https://capm.example.com");
         let record = serde_json::json!({
             "messageId": "<mailgunremediation.u-1@mg.example.com>",
             "state": "sent",
@@ -895,10 +911,7 @@ mod tests {
         };
         let sent = at(1_800_000_100);
         let link = links.repair_link(&meta, "mg.example.com", sent).unwrap();
-        let token = link
-            .strip_prefix("https://capm.example.com/fulfil/")
-            .unwrap();
-        let opened = links.keys.current().open(token, sent).unwrap();
+        let opened = open(&links, &link, sent);
         assert_eq!(opened.kind, Kind::MailgunRemediation);
         assert_eq!(opened.check_object(&meta), Ok(()));
         assert!(opened.expires >= 1_800_000_100 + DEFAULT_VALIDITY.as_secs());
@@ -911,23 +924,16 @@ mod tests {
         let reminder = links
             .repair_link(&meta, "mg.example.com", sent + Duration::from_secs(86_400))
             .unwrap();
-        let token = reminder
-            .strip_prefix("https://capm.example.com/fulfil/")
-            .unwrap();
-        let later = links.keys.current().open(token, sent).unwrap();
+        let later = open(&links, &reminder, sent);
         assert!(later.expires > opened.expires);
         assert_eq!(later.check_object(&meta), Ok(()));
         // A cluster's or a machine's link for the same namespace, name and UID: its own kind,
         // checked against its own kind's record, which the remediation does not carry.
         for kind in [Kind::MailgunCluster, Kind::MailgunMachine] {
-            let other = Claims::new(
+            let other = Claims {
                 kind,
-                "team-a",
-                "m-0",
-                "u-1",
-                "<mailgunremediation.u-1@mg.example.com>",
-                u64::MAX / 2,
-            );
+                ..opened.clone()
+            };
             assert_eq!(other.check_object(&meta), Err(FulfilError::OtherRequest));
         }
         // And a repair link never opens as another kind.
@@ -947,11 +953,7 @@ mod tests {
 
     #[test]
     fn links_name_the_request_mail_and_expire_on_the_hour() {
-        let links = Links {
-            base_url: "https://capm.example.com/".into(),
-            validity: DEFAULT_VALIDITY,
-            keys: KeyRing::new(keys(KEY_A)),
-        };
+        let links = links("https://capm.example.com/");
         let meta = ObjectMeta {
             name: Some("c".into()),
             namespace: Some("ns".into()),
@@ -962,10 +964,7 @@ mod tests {
         let link = links
             .link("MailgunCluster", &meta, "mg.example.com", now)
             .unwrap();
-        let token = link
-            .strip_prefix("https://capm.example.com/fulfil/")
-            .unwrap();
-        let opened = links.keys.current().open(token, now).unwrap();
+        let opened = open(&links, &link, now);
         assert_eq!(
             (opened.kind, &*opened.namespace, &*opened.name, &*opened.uid),
             (Kind::MailgunCluster, "ns", "c", "u-9")

@@ -161,21 +161,21 @@ fn check_string(
     }
 }
 
+/// The text rule of a request, and of a repair request's answer.
+const TEXT: &str = "text without control characters (other than tab and line breaks), Unicode line or paragraph separators, or bidirectional controls";
+
+/// What a mail asks for: 1 to [`MAX_REQUEST_LENGTH`] characters of [`TEXT`].
+fn check_request(errors: &mut Vec<FieldError>, path: &str, request: &str) {
+    check_string(errors, path, request, 1, MAX_REQUEST_LENGTH, &REQUEST, TEXT);
+}
+
 fn check_request_fields(
     errors: &mut Vec<FieldError>,
     prefix: &str,
     request: &str,
     requester: &str,
 ) {
-    check_string(
-        errors,
-        &format!("{prefix}.request"),
-        request,
-        1,
-        MAX_REQUEST_LENGTH,
-        &REQUEST,
-        "text without control characters (other than tab and line breaks), Unicode line or paragraph separators, or bidirectional controls",
-    );
+    check_request(errors, &format!("{prefix}.request"), request);
     let before = errors.len();
     check_string(
         errors,
@@ -455,24 +455,13 @@ impl Validate for MailgunMachineTemplate {
     }
 }
 
-/// The text rule of a remediation's request and of its answer's message.
-const REMEDIATION_TEXT: &str = "text without control characters (other than tab and line breaks), Unicode line or paragraph separators, or bidirectional controls";
-
 /// The rules of a `MailgunRemediation` a writer can break: its request, its answer's message,
 /// the immutable priority, request and strategy, and the set-once answer. (The strategy's
 /// durations and bounds are the schema's alone: nothing but a template sets them.)
 impl Validate for MailgunRemediation {
     fn validate(&self) -> Vec<FieldError> {
         let mut errors = Vec::new();
-        check_string(
-            &mut errors,
-            "spec.request",
-            &self.spec.request,
-            1,
-            MAX_REQUEST_LENGTH,
-            &REQUEST,
-            REMEDIATION_TEXT,
-        );
+        check_request(&mut errors, "spec.request", &self.spec.request);
         if let Some(message) = self.spec.answer.as_ref().and_then(|a| a.message.as_ref()) {
             check_string(
                 &mut errors,
@@ -481,7 +470,7 @@ impl Validate for MailgunRemediation {
                 0,
                 MAX_ANSWER_MESSAGE_LENGTH,
                 &REQUEST,
-                REMEDIATION_TEXT,
+                TEXT,
             );
         }
         errors
