@@ -23,8 +23,8 @@ use capm_e2e::{
     AUDIT_POLICY, CHART_NAMESPACE as NS, FULLNAME, HttpsScrape, Prometheus, RELEASE,
     audited_requests, create_cluster_pair, create_namespace, create_secret, dynamic_api,
     dynamic_object, eventually, free_port, helm_chart, https_get, promtool_check_metrics,
-    service_account_kubeconfig, start_capi_manager, start_chart_provider,
-    start_routed_chart_provider,
+    provider_username, remediation, service_account_kubeconfig, start_capi_manager,
+    start_chart_provider, start_routed_chart_provider,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::pki::CertificateAuthority;
@@ -39,6 +39,8 @@ use kube::{
 };
 
 const USER_NS: &str = "team-a";
+const INFRA: &str = "infrastructure.cluster.x-k8s.io";
+const CAPI: &str = "cluster.x-k8s.io";
 const RECIPIENT: &str = "infrastructure-team@example.com";
 /// The links' key (32 bytes, base64).
 const LINK_KEY: &str = "ZW5kLXRvLWVuZC1saW5rLWtleS1vZi10aGlydHktdHdv";
@@ -106,11 +108,6 @@ fn granted(rules: &[PolicyRule]) -> BTreeSet<(String, String, String)> {
         }
     }
     out
-}
-
-/// The provider's ServiceAccount as the API server names it.
-fn username_of_provider() -> String {
-    format!("system:serviceaccount:{NS}:{FULLNAME}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -751,60 +748,16 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     // ServiceAccount (the remediation controller is the next step), its link minted as the
     // controller will mint it; the Machine is gone (deleted with the Cluster above), which the
     // page shows.
-    let remediations = dynamic_api(
+    let created = remediation::create_remediation(
         &admin,
         USER_NS,
-        "infrastructure.cluster.x-k8s.io",
-        "v1beta1",
-        "MailgunRemediation",
-    );
-    let remediation = dynamic_object(
-        "infrastructure.cluster.x-k8s.io/v1beta1",
-        "MailgunRemediation",
-        USER_NS,
         "e2e-repair",
+        None,
         serde_json::json!({"request": "Power-cycle it."}),
-    )?;
-    let created = remediations
-        .create(&Default::default(), &remediation)
-        .await?;
-    let uid = created
-        .metadata
-        .uid
-        .clone()
-        .context("the remediation's UID")?;
-    let mut config = cp.config().await?;
-    config.auth_info.impersonate = Some(username_of_provider());
-    let record = serde_json::json!({
-        "messageId": format!("<mailgunremediation.{uid}@capm.e2e.example.com>"),
-        "state": "sent", "backendId": format!("<repair.{uid}@capm.e2e.example.com>"),
-    });
-    let recorded = dynamic_api(
-        &kube::Client::try_from(config)?,
-        USER_NS,
-        "infrastructure.cluster.x-k8s.io",
-        "v1beta1",
-        "MailgunRemediation",
-    )
-    .patch(
-        "e2e-repair",
-        &kube::api::PatchParams::default(),
-        &kube::api::Patch::Merge(serde_json::json!({"metadata": {"annotations": {
-            capm_api::names::MAIL_ANNOTATION: record.to_string()}}})),
     )
     .await?;
-    let links = capm_api::link_token::Links {
-        base_url: page_url.clone(),
-        validity: capm_api::link_token::DEFAULT_VALIDITY,
-        keys: capm_api::link_token::KeyRing::new(capm_api::link_token::Keys::parse(LINK_KEY)?),
-    };
-    let link = links
-        .repair_link(
-            &recorded.metadata,
-            "capm.e2e.example.com",
-            std::time::SystemTime::now(),
-        )
-        .context("a repair link")?;
+    let link = remediation::repair_link(&cp, &created, "capm.e2e.example.com", &page_url, LINK_KEY)
+        .await?;
     let (status, answer) = capm_e2e::browser::fulfil_through_link(
         dir,
         &page_url,
@@ -819,7 +772,9 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         "the repair link: HTTP {status}:\n{answer}\npage log:\n{}",
         page.proc.tail(20)
     );
-    let stored = remediations.get("e2e-repair").await?;
+    let stored = dynamic_api(&admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation")
+        .get("e2e-repair")
+        .await?;
     ensure!(
         stored.data["spec"]["answer"]
             == serde_json::json!({"result": "CannotRepair", "message": "The board is burnt."}),
@@ -845,7 +800,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         "provider did not exit 0 on SIGTERM:\n{}",
         provider.proc.tail(20)
     );
-    let username = username_of_provider();
+    let username = provider_username();
     let requests = audited_requests(&audit_log, &username)?;
     let denied: Vec<_> = requests.iter().filter(|r| r.code == 403).collect();
     ensure!(
@@ -883,68 +838,35 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         identities_role.rules.as_deref().unwrap_or_default(),
     ));
     grants.extend(granted(secrets_role.rules.as_deref().unwrap_or_default()));
+    // Remediation by mail (issue 56): granted with its CRDs for its controller, the next step,
+    // whose stories will exercise these.
+    let next_step = "the remediation controller's (issue 56's next step)";
     let not_exercised: BTreeMap<(&str, &str, &str), &str> = BTreeMap::from([
         (
-            (
-                "infrastructure.cluster.x-k8s.io",
-                "mailgunclusters/finalizers",
-                "update",
-            ),
+            (INFRA, "mailgunclusters/finalizers", "update"),
             "checked by the OwnerReferencesPermissionEnforcement admission plugin (OpenShift enables it), not used by our merge patches",
         ),
         (
-            (
-                "infrastructure.cluster.x-k8s.io",
-                "mailgunmachines/finalizers",
-                "update",
-            ),
+            (INFRA, "mailgunmachines/finalizers", "update"),
             "as for mailgunclusters/finalizers",
         ),
         (
-            (
-                "infrastructure.cluster.x-k8s.io",
-                "mailgunremediations/finalizers",
-                "update",
-            ),
+            (INFRA, "mailgunremediations/finalizers", "update"),
             "as for mailgunclusters/finalizers",
         ),
+        ((INFRA, "mailgunremediations", "list"), next_step),
+        ((INFRA, "mailgunremediations", "watch"), next_step),
+        ((INFRA, "mailgunremediations", "patch"), next_step),
+        ((INFRA, "mailgunremediations/status", "patch"), next_step),
+        ((CAPI, "machines/status", "patch"), next_step),
+        ((CAPI, "machinehealthchecks", "list"), next_step),
+        ((CAPI, "machinehealthchecks", "watch"), next_step),
     ]);
-    // Remediation by mail (issue 56): granted with its CRDs, used by its controller, which is
-    // the next step; until it lands these are the only grants nothing exercises. The
-    // controller's step removes this list and the remediation stories exercise them.
-    let not_exercised_until_the_remediation_controller: BTreeSet<(&str, &str, &str)> = [
-        (
-            "infrastructure.cluster.x-k8s.io",
-            "mailgunremediations",
-            "list",
-        ),
-        (
-            "infrastructure.cluster.x-k8s.io",
-            "mailgunremediations",
-            "watch",
-        ),
-        (
-            "infrastructure.cluster.x-k8s.io",
-            "mailgunremediations",
-            "patch",
-        ),
-        (
-            "infrastructure.cluster.x-k8s.io",
-            "mailgunremediations/status",
-            "patch",
-        ),
-        ("cluster.x-k8s.io", "machines/status", "patch"),
-        ("cluster.x-k8s.io", "machinehealthchecks", "list"),
-        ("cluster.x-k8s.io", "machinehealthchecks", "watch"),
-    ]
-    .into();
     let mut unused = Vec::new();
     for (group, resource, verb) in &grants {
         let was_used = used.contains(&(group.clone(), resource.clone(), verb.clone()));
-        let key = (group.as_str(), resource.as_str(), verb.as_str());
         if !was_used
-            && !not_exercised.contains_key(&key)
-            && !not_exercised_until_the_remediation_controller.contains(&key)
+            && !not_exercised.contains_key(&(group.as_str(), resource.as_str(), verb.as_str()))
         {
             unused.push(format!("{verb} {resource}.{group}"));
         }

@@ -20,7 +20,7 @@ use capm_e2e::{
     CHART_NAMESPACE as NS, FULLNAME, RELEASE,
     browser::{self, Visit, chromium, fulfilled_event, link_in, page_says},
     create_namespace, create_object, create_secret, dynamic_api, eventually, free_port, helm_chart,
-    mailgun_mails, mailgun_values, start_capi_manager, start_routed_chart_provider,
+    mailgun_mails, mailgun_values, remediation, start_capi_manager, start_routed_chart_provider,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -65,6 +65,25 @@ fn browse(
         refused,
         proxy: None,
     })
+}
+
+/// What the browser saw of one link (`report`), without JavaScript: the request page (its
+/// title, and what it shows), "Recorded" showing `recorded`, and the page opened again (its
+/// title, and what it shows).
+fn pages_say(
+    report: &Value,
+    request: (&str, &[&str]),
+    recorded: &[&str],
+    again: (&str, &[&str]),
+) -> Result<()> {
+    ensure!(report["request"]["status"] == 200, "{report}");
+    ensure!(
+        report["scripts"] == 0,
+        "the page has no JavaScript: {report}"
+    );
+    page_says(report, "request", request.0, request.1)?;
+    page_says(report, "submitted", "Recorded", recorded)?;
+    page_says(report, "again", again.0, again.1)
 }
 
 fn condition_true(object: &DynamicObject, kind: &str) -> bool {
@@ -190,35 +209,21 @@ async fn story(
         &[],
         Some(&altered),
     )?;
-    ensure!(report["request"]["status"] == 200, "{report}");
-    ensure!(
-        report["scripts"] == 0,
-        "the page has no JavaScript: {report}"
-    );
-    page_says(
+    pages_say(
         &report,
-        "request",
-        "A cluster was requested",
-        &[
-            "MailgunCluster",
-            CLUSTER,
-            USER_NS,
-            "Urgent",
-            "Three control plane nodes.",
-            "web-admin@example.com",
-        ],
-    )?;
-    page_says(
-        &report,
-        "submitted",
-        "Recorded",
+        (
+            "A cluster was requested",
+            &[
+                "MailgunCluster",
+                CLUSTER,
+                USER_NS,
+                "Urgent",
+                "Three control plane nodes.",
+                "web-admin@example.com",
+            ],
+        ),
         &["api.web.example.com:6443"],
-    )?;
-    page_says(
-        &report,
-        "again",
-        "Already fulfilled",
-        &["api.web.example.com:6443"],
+        ("Already fulfilled", &["api.web.example.com:6443"]),
     )?;
     ensure!(report["refused"]["status"] == 403, "{report}");
     page_says(
@@ -308,30 +313,21 @@ async fn story(
         &[("address-type-0", "InternalIP")],
         None,
     )?;
-    page_says(
+    pages_say(
         &report,
-        "request",
-        "A machine was requested",
-        &[
-            "MailgunMachine",
-            &machine,
-            "BusinessCritical",
-            "A worker please",
-            "Bootstrap data",
-            &secret,
-        ],
-    )?;
-    page_says(
-        &report,
-        "submitted",
-        "Recorded",
+        (
+            "A machine was requested",
+            &[
+                "MailgunMachine",
+                &machine,
+                "BusinessCritical",
+                "A worker please",
+                "Bootstrap data",
+                &secret,
+            ],
+        ),
         &["datacentre://rack4/slot12", "192.0.2.10"],
-    )?;
-    page_says(
-        &report,
-        "again",
-        "Already fulfilled",
-        &["datacentre://rack4/slot12"],
+        ("Already fulfilled", &["datacentre://rack4/slot12"]),
     )?;
 
     let mailgun_machines = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunMachine");
@@ -369,11 +365,9 @@ async fn story(
 }
 
 /// Issue 56: the answer to a repair request, in the browser. A `MailgunRemediation` for the
-/// worker's Machine as a MachineHealthCheck makes it (named like the Machine, its
-/// ownerReference, the cluster-name label), its repair mail's record written as the provider's
-/// ServiceAccount writes it (the remediation controller is the next step), the link minted as
-/// the controller will mint it (`Links::repair_link`); the browser answers `Repaired` with a
-/// message, and opening the link again shows the answer, not a form.
+/// worker's Machine as a MachineHealthCheck makes it, its link as the remediation controller
+/// (the next step) will mint it; the browser answers `Repaired` with a message, and opening the
+/// link again shows the answer, not a form.
 async fn repair_story(
     cp: &ControlPlane,
     admin: &Client,
@@ -381,61 +375,14 @@ async fn repair_story(
     url: &str,
     machine_name: &str,
 ) -> Result<()> {
-    use capm_api::link_token::{DEFAULT_VALIDITY, KeyRing, Keys, Links};
-    let machines = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine");
-    let machine = machines.get(machine_name).await?;
-    let machine_uid = machine.metadata.uid.clone().context("the Machine's UID")?;
-    let remediations = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation");
-    let object = serde_json::from_value(json!({
-        "apiVersion": format!("{INFRA}/v1beta1"), "kind": "MailgunRemediation",
-        "metadata": {
-            "name": machine_name, "namespace": USER_NS,
-            "labels": {"cluster.x-k8s.io/cluster-name": CLUSTER},
-            "ownerReferences": [{
-                "apiVersion": format!("{CAPI}/v1beta2"), "kind": "Machine",
-                "name": machine_name, "uid": machine_uid,
-            }],
-        },
-        "spec": {"request": "The worker stopped answering.\nPower-cycle it and check its cable."},
-    }))?;
-    let created = remediations
-        .create(&kube::api::PostParams::default(), &object)
-        .await
-        .context("creating the MailgunRemediation")?;
-    let uid = created.metadata.uid.clone().context("its UID")?;
-    // The repair mail's record, as the provider's ServiceAccount (the only writer the
-    // annotation policy lets add it).
-    let mut config = cp.config().await?;
-    config.auth_info.impersonate = Some(format!("system:serviceaccount:{NS}:{FULLNAME}"));
-    let as_provider = dynamic_api(
-        &Client::try_from(config)?,
-        USER_NS,
-        INFRA,
-        "v1beta1",
-        "MailgunRemediation",
-    );
-    let record = json!({
-        "messageId": format!("<mailgunremediation.{uid}@{DOMAIN}>"), "state": "sent",
-        "backendId": format!("<repair.{uid}@{DOMAIN}>"),
-    });
-    let recorded = as_provider
-        .patch(
-            machine_name,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(json!({
-                "metadata": {"annotations": {capm_api::names::MAIL_ANNOTATION: record.to_string()}},
-            })),
-        )
-        .await
-        .context("the repair mail's record, as the provider")?;
-    let links = Links {
-        base_url: url.to_owned(),
-        validity: DEFAULT_VALIDITY,
-        keys: KeyRing::new(Keys::parse(KEY)?),
-    };
-    let link = links
-        .repair_link(&recorded.metadata, DOMAIN, std::time::SystemTime::now())
-        .context("a repair link")?;
+    let machine = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine")
+        .get(machine_name)
+        .await?;
+    let spec =
+        json!({"request": "The worker stopped answering.\nPower-cycle it and check its cable."});
+    let created =
+        remediation::create_remediation(admin, USER_NS, machine_name, Some(&machine), spec).await?;
+    let link = remediation::repair_link(cp, &created, DOMAIN, url, KEY).await?;
     ensure!(
         !link.contains(machine_name) && !link.contains(USER_NS),
         "the link names the object: {link}"
@@ -448,38 +395,29 @@ async fn repair_story(
         &[("result", "Repaired")],
         None,
     )?;
-    ensure!(report["request"]["status"] == 200, "{report}");
-    ensure!(
-        report["scripts"] == 0,
-        "the page has no JavaScript: {report}"
-    );
-    page_says(
+    pages_say(
         &report,
-        "request",
-        "A machine needs repair",
-        &[
-            "MailgunRemediation",
-            machine_name,
-            "Urgent",
-            "Power-cycle it and check its cable.",
-            CLUSTER,
-            "datacentre://rack4/slot12",
-            "Pending",
-        ],
-    )?;
-    page_says(
-        &report,
-        "submitted",
-        "Recorded",
+        (
+            "A machine needs repair",
+            &[
+                "MailgunRemediation",
+                machine_name,
+                "Urgent",
+                "Power-cycle it and check its cable.",
+                CLUSTER,
+                "datacentre://rack4/slot12",
+                "Pending",
+            ],
+        ),
         &["Answer recorded", "Repaired", "Reseated the power cable."],
+        (
+            "Already answered",
+            &["Repaired", "Reseated the power cable.", machine_name],
+        ),
     )?;
-    page_says(
-        &report,
-        "again",
-        "Already answered",
-        &["Repaired", "Reseated the power cable.", machine_name],
-    )?;
-    let stored = remediations.get(machine_name).await?;
+    let stored = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation")
+        .get(machine_name)
+        .await?;
     ensure!(
         stored.data["spec"]["answer"]
             == json!({"result": "Repaired", "message": "Reseated the power cable."}),
