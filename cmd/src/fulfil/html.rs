@@ -189,6 +189,11 @@ struct FormTemplate<'a> {
     problem: Option<&'a str>,
 }
 
+/// An option's `selected` attribute: ` selected` for the chosen one, else empty.
+fn selected(chosen: bool) -> &'static str {
+    if chosen { " selected" } else { "" }
+}
+
 /// The form: hidden form token, the fields, address rows, one problem for the whole form.
 pub fn form(
     action: &str,
@@ -204,7 +209,7 @@ pub fn form(
             number: row.index + 1,
             options: ADDRESS_TYPES
                 .iter()
-                .map(|t| (*t, if *t == row.type_ { " selected" } else { "" }))
+                .map(|t| (*t, selected(*t == row.type_)))
                 .collect(),
             field: Html::render(&Field {
                 name: &format!("address-{}", row.index),
@@ -272,14 +277,7 @@ pub fn answer_form(form: &AnswerForm<'_>) -> Html {
         form_token: form.form_token,
         options: ANSWERS
             .iter()
-            .map(|(value, label)| {
-                let selected = if *value == form.result {
-                    " selected"
-                } else {
-                    ""
-                };
-                (*value, *label, selected)
-            })
+            .map(|(value, label)| (*value, *label, selected(*value == form.result)))
             .collect(),
         result_problem: form.result_problem,
         message: form.message,

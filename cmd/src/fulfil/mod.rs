@@ -181,16 +181,6 @@ impl Page {
         self.answer_with(Outcome::Refused(reason), status, html::refusal(message))
     }
 
-    /// The "already recorded" page of `target`, counted by its kind.
-    async fn already_answer(&self, target: &Target, values: &[(String, String)]) -> Answer {
-        let outcome = if target.is_repair() {
-            Outcome::AlreadyAnswered
-        } else {
-            Outcome::Already
-        };
-        Answer(outcome, self.already(target, values).await)
-    }
-
     /// Finds the object of an opened link, still the one it was made for.
     async fn resolve(&self, claims: &Claims) -> Result<Target, Answer> {
         let target = match Target::get(&self.client, claims).await {
@@ -244,7 +234,7 @@ impl Page {
             Err(answer) => return (jar, answer),
         };
         if let Some(values) = target.fulfilment() {
-            return (jar, page.already_answer(&target, &values).await);
+            return (jar, page.already(&target, &values).await);
         }
         let cookie = cookie(&jar).unwrap_or_else(new_cookie);
         let response = page
@@ -352,7 +342,7 @@ impl Page {
                 return self.too_many(wait);
             }
             if let Some(values) = target.fulfilment() {
-                return self.already_answer(&target, &values).await;
+                return self.already(&target, &values).await;
             }
             let patch = match target.apply(&form) {
                 Ok(patch) => patch,
@@ -380,12 +370,7 @@ impl Page {
             Ok(updated) => {
                 let values = updated.fulfilment().unwrap_or_default();
                 self.record(&updated, &values, address, headers).await;
-                let outcome = if updated.is_repair() {
-                    Outcome::Answered
-                } else {
-                    Outcome::Fulfilled
-                };
-                self.answer_with(outcome, StatusCode::OK, Self::recorded(&updated, &values))
+                self.recorded(&updated, &values)
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
                 let problem = "The request kept changing while the values were recorded; check them and send them again.";
@@ -402,7 +387,7 @@ impl Page {
                 if let Ok(now) = self.resolve(&claims).await
                     && let Some(values) = now.fulfilment()
                 {
-                    return self.already_answer(&now, &values).await;
+                    return self.already(&now, &values).await;
                 }
                 let problem = format!("The API server refused the values: {}", e.message);
                 let form = form.with(vec![(None, problem)]);

@@ -7,41 +7,49 @@ use http::{Response, StatusCode};
 use http_body_util::Full;
 
 use super::{
-    ADDRESS_ROWS, Page, html,
+    ADDRESS_ROWS, Answer, Outcome, Page, html,
     target::{Form, Target},
 };
 
 impl Page {
-    pub(super) async fn already(
-        &self,
-        target: &Target,
-        values: &[(String, String)],
-    ) -> Response<Full<Bytes>> {
+    /// The "already recorded" page of `target` (what was built, or a repair request's answer),
+    /// counted by its kind.
+    pub(super) async fn already(&self, target: &Target, values: &[(String, String)]) -> Answer {
         let asked = target.summary(&self.client).await;
-        let title = if target.is_repair() {
-            "Already answered"
+        let (outcome, title) = if target.is_repair() {
+            (Outcome::AlreadyAnswered, "Already answered")
         } else {
-            "Already fulfilled"
+            (Outcome::Already, "Already fulfilled")
         };
-        self.answer(StatusCode::OK, html::already(title, values, &asked))
+        self.answer_with(
+            outcome,
+            StatusCode::OK,
+            html::already(title, values, &asked),
+        )
     }
 
     /// What the page answers once the values are recorded on `target`.
-    pub(super) fn recorded(target: &Target, values: &[(String, String)]) -> String {
+    pub(super) fn recorded(&self, target: &Target, values: &[(String, String)]) -> Answer {
         let name = html::shown(target.meta().name.as_deref().unwrap_or_default());
         let kind = target.kind().as_str();
-        let sentence = match target {
-            Target::Remediation(r) => match r.spec.answer.as_ref().map(|a| a.result) {
-                Some(AnswerResult::CannotRepair) => format!(
-                    "Answer recorded. Thank you: the Machine {name} is handed back to its owner, which replaces it."
-                ),
-                _ => format!(
-                    "Answer recorded. Thank you: the Machine {name} is watched until its health check passes."
-                ),
-            },
-            _ => format!("Recorded. Thank you: the {kind} {name} is marked provisioned shortly."),
+        let (outcome, sentence) = match target {
+            Target::Remediation(r) => (
+                Outcome::Answered,
+                match r.spec.answer.as_ref().map(|a| a.result) {
+                    Some(AnswerResult::CannotRepair) => format!(
+                        "Answer recorded. Thank you: the Machine {name} is handed back to its owner, which replaces it."
+                    ),
+                    _ => format!(
+                        "Answer recorded. Thank you: the Machine {name} is watched until its health check passes."
+                    ),
+                },
+            ),
+            _ => (
+                Outcome::Fulfilled,
+                format!("Recorded. Thank you: the {kind} {name} is marked provisioned shortly."),
+            ),
         };
-        html::recorded(&sentence, values)
+        self.answer_with(outcome, StatusCode::OK, html::recorded(&sentence, values))
     }
 
     pub(super) async fn form_page(
