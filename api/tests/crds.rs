@@ -1394,23 +1394,14 @@ async fn remediations_take_their_defaults_and_keep_their_answer_and_strategy() {
     .expect("a template with its own annotation");
     // Immutable as the other templates (the chart's template-immutable policy; the policy
     // takes a moment to become active).
+    let changed = json!({"template": {"spec": {"request": "Reboot it."}}});
     let mut message = None;
     for _ in 0..100 {
-        match templates
-            .patch(
-                "fine",
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"template": {"spec": {"request": "Reboot it."}}}})),
-            )
-            .await
-        {
-            Ok(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            Err(kube::Error::Api(e)) => {
-                message = Some(e.message);
-                break;
-            }
-            Err(e) => panic!("unexpected error {e}"),
+        message = patch_spec(&templates, "fine", changed.clone()).await;
+        if message.is_some() {
+            break;
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let message = message.expect("a changed template was accepted");
     assert!(message.contains("a template is immutable"), "{message}");
