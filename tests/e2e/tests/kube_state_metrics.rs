@@ -1,9 +1,9 @@
 //! The monitoring the project ships, run for real (issue 46): the real kube-state-metrics
 //! (`make tools` builds it) serves `config/metrics/crd-metrics-config.yaml` for MailgunClusters
 //! and MailgunMachines in every state the provider gives them (and for two MailgunRemediations,
-//! their status written by the test until their controller lands, issue 56), and Debian's Prometheus scrapes
-//! the provider, the Cluster API core manager and kube-state-metrics together and evaluates the
-//! chart's alert rules on them.
+//! their status written by the test until their controller lands, issue 56), and Debian's
+//! Prometheus scrapes the provider, the Cluster API core manager and kube-state-metrics together
+//! and evaluates the chart's alert rules on them.
 //!
 //! The provider runs from this build as the chart's Deployment runs it (install_chart_and_provider),
 //! against the Mailgun contract server, beside the real core manager. The objects: a cluster
