@@ -33,7 +33,8 @@ cp "$chart/files/grafana/cluster-api-provider-mailgun.json" "$out/grafana/cluste
   echo "#   helm upgrade --install kube-state-metrics prometheus-community/kube-state-metrics \\"
   echo "#     -f kube-state-metrics-chart-values.yaml"
   echo "# (kube-prometheus-stack: the same under its kube-state-metrics: key). kube-state-metrics then"
-  echo "# serves capi_mailguncluster_* and capi_mailgunmachine_*, and may list and watch our kinds."
+  echo "# serves capi_mailguncluster_*, capi_mailgunmachine_* and capi_mailgunremediation_*, and may list"
+  echo "# and watch our kinds."
   echo "rbac:"
   echo "  extraRules:"
   render --set metrics.kubeStateMetrics.enabled=true -s templates/kube-state-metrics.yaml \

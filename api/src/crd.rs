@@ -112,19 +112,21 @@ pub fn crds() -> Result<Vec<CustomResourceDefinition>, CrdError> {
         labels.insert(PROVIDER_LABEL.into(), PROVIDER_NAME.into());
         out.push(finish(crd));
     }
-    // Mail identities exist in v1beta1 only: nothing to merge.
+    // Mail identities and remediation by mail exist in v1beta1 only: nothing to merge.
     out.push(finish(v1beta1::MailgunClusterIdentity::crd()));
+    out.extend(remediation_crds());
     out.sort_by(|x, y| x.metadata.name.cmp(&y.metadata.name));
     Ok(out)
 }
 
 /// The CRDs of remediation by mail (`MailgunRemediation`, `MailgunRemediationTemplate`; v1beta1
-/// only, no conversion), sorted by name.
+/// only, no conversion, and both contracts' labels name v1beta1), sorted by name; among
+/// [`crds`].
 ///
-/// Not among [`crds`], so neither the chart, `config/crd` nor the clusterctl components install
-/// them: no controller reconciles them yet (issue 56), and a MachineHealthCheck pointed at a
-/// template nothing answers would leave its Machines unhealthy for ever. The API-server tests
-/// install them to check their schema.
+/// Shipped (the chart, `config/crd`, the clusterctl components) ahead of their controller
+/// (issue 56), but no shipped template or ClusterClass names a `MailgunRemediationTemplate` yet:
+/// a MachineHealthCheck pointed at a template nothing answers would leave its Machines
+/// unhealthy for ever.
 pub fn remediation_crds() -> Vec<CustomResourceDefinition> {
     vec![
         finish(v1beta1::MailgunRemediation::crd()),
@@ -379,6 +381,8 @@ mod tests {
                 "mailgunclustertemplates.infrastructure.cluster.x-k8s.io",
                 "mailgunmachines.infrastructure.cluster.x-k8s.io",
                 "mailgunmachinetemplates.infrastructure.cluster.x-k8s.io",
+                "mailgunremediations.infrastructure.cluster.x-k8s.io",
+                "mailgunremediationtemplates.infrastructure.cluster.x-k8s.io",
             ]
         );
         // Remediation by mail: v1beta1 only, both contracts' labels naming it, namespaced.
@@ -421,7 +425,8 @@ mod tests {
             labels.get("cluster.x-k8s.io/provider").map(String::as_str),
             Some("infrastructure-mailgun")
         );
-        for crd in &crds[1..] {
+        // The four kinds of both versions (the remediation kinds, v1beta1 only, are checked above).
+        for crd in &crds[1..5] {
             assert_eq!(
                 crd.metadata.name.as_deref(),
                 Some(format!("{}.{}", crd.spec.names.plural, crate::GROUP).as_str())
@@ -485,7 +490,7 @@ mod tests {
                     .join(",")
             })
             .collect();
-        assert_eq!(short, ["mgci", "mgc", "mgct", "mgm", "mgmt"]);
+        assert_eq!(short, ["mgci", "mgc", "mgct", "mgm", "mgmt", "mgr", "mgrt"]);
     }
 
     #[test]

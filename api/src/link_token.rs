@@ -65,6 +65,8 @@ pub enum Kind {
     MailgunCluster,
     /// `MailgunMachine`.
     MailgunMachine,
+    /// `MailgunRemediation`: the link answers a repair request (repaired / cannot repair).
+    MailgunRemediation,
 }
 
 impl Kind {
@@ -73,6 +75,7 @@ impl Kind {
         match self {
             Self::MailgunCluster => "MailgunCluster",
             Self::MailgunMachine => "MailgunMachine",
+            Self::MailgunRemediation => "MailgunRemediation",
         }
     }
 
@@ -81,6 +84,7 @@ impl Kind {
         match kind {
             "MailgunCluster" => Some(Self::MailgunCluster),
             "MailgunMachine" => Some(Self::MailgunMachine),
+            "MailgunRemediation" => Some(Self::MailgunRemediation),
             _ => None,
         }
     }
@@ -89,6 +93,7 @@ impl Kind {
         match self {
             Self::MailgunCluster => 1,
             Self::MailgunMachine => 2,
+            Self::MailgunRemediation => 3,
         }
     }
 
@@ -96,6 +101,7 @@ impl Kind {
         match byte {
             1 => Some(Self::MailgunCluster),
             2 => Some(Self::MailgunMachine),
+            3 => Some(Self::MailgunRemediation),
             _ => None,
         }
     }
@@ -535,7 +541,42 @@ impl Links {
         domain: &str,
         now: SystemTime,
     ) -> Option<String> {
-        let kind_of = Kind::from_name(kind)?;
+        self.sealed_link(Kind::from_name(kind)?, meta, domain, None, now)
+    }
+
+    /// The link of a `MailgunRemediation`'s repair mail and of each of its reminders: it answers
+    /// the repair request (repaired / cannot repair) on the page. Sealed for the repair mail
+    /// (the object's request record, [`crate::records::Which::Request`], else its deterministic
+    /// Message-Id on `domain`), so a reminder's link is checked against the repair mail's
+    /// record, and it expires [`Links::validity`] after `mail_at`, rounded up to the hour:
+    /// pass the time the mail being composed was first intended (the repair mail's or the
+    /// reminder's intent record), so that a mail composed again after a crash carries the same
+    /// link and a late reminder's link outlives it. `None` for an object without UID, namespace
+    /// or name.
+    pub fn repair_link(
+        &self,
+        meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        domain: &str,
+        mail_at: SystemTime,
+    ) -> Option<String> {
+        self.sealed_link(
+            Kind::MailgunRemediation,
+            meta,
+            domain,
+            Some(unix_seconds(mail_at)),
+            mail_at,
+        )
+    }
+
+    fn sealed_link(
+        &self,
+        kind_of: Kind,
+        meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        domain: &str,
+        from: Option<u64>,
+        now: SystemTime,
+    ) -> Option<String> {
+        let kind = kind_of.as_str();
         let (uid, namespace, name) = (
             meta.uid.as_deref()?,
             meta.namespace.as_deref()?,
@@ -548,10 +589,12 @@ impl Links {
             || Which::Request.message_id(kind, uid, domain),
             |i| i.message_id.clone(),
         );
-        let from = intent
-            .and_then(|i| i.at)
-            .and_then(|at| u64::try_from(at.as_second()).ok())
-            .unwrap_or_else(|| unix_seconds(now));
+        let from = from.unwrap_or_else(|| {
+            intent
+                .and_then(|i| i.at)
+                .and_then(|at| u64::try_from(at.as_second()).ok())
+                .unwrap_or_else(|| unix_seconds(now))
+        });
         let expires = from
             .saturating_add(self.validity.as_secs())
             .div_ceil(3600)
@@ -573,16 +616,37 @@ impl Links {
         domain: &str,
         now: SystemTime,
     ) -> String {
-        self.link(kind, meta, domain, now)
-            .map(|link| {
-                format!(
-                    "\nWithout access to the management cluster, record it through this page \
-                     instead\n(anyone holding this mail can use the link, once; do not forward \
-                     it):\n\n  {link}\n"
-                )
-            })
-            .unwrap_or_default()
+        link_paragraph(
+            self.link(kind, meta, domain, now),
+            "record it through this page instead",
+        )
     }
+
+    /// The paragraph a `MailgunRemediation`'s repair mail and each reminder end with: the
+    /// [`Links::repair_link`] and what it allows; empty when no link can be made.
+    pub fn repair_paragraph(
+        &self,
+        meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        domain: &str,
+        mail_at: SystemTime,
+    ) -> String {
+        link_paragraph(
+            self.repair_link(meta, domain, mail_at),
+            "answer through this page instead: repaired, or cannot repair",
+        )
+    }
+}
+
+/// The paragraph a mail ends with: its `link`, what to do there and who can use it; empty
+/// without a link.
+fn link_paragraph(link: Option<String>, what: &str) -> String {
+    link.map(|link| {
+        format!(
+            "\nWithout access to the management cluster, {what}\n(anyone holding this mail can \
+             use the link, once; do not forward it):\n\n  {link}\n"
+        )
+    })
+    .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -607,6 +671,24 @@ mod tests {
             "<mailgunmachine.u-1@mg.example.com>",
             expires,
         )
+    }
+
+    /// Links to `https://capm.example.com/fulfil/...` (`base_url` with or without its slash),
+    /// sealed with `KEY_A`.
+    fn links(base_url: &str) -> Links {
+        Links {
+            base_url: base_url.into(),
+            validity: DEFAULT_VALIDITY,
+            keys: KeyRing::new(keys(KEY_A)),
+        }
+    }
+
+    /// The claims of a link `links` made, opened at `now`.
+    fn open(links: &Links, link: &str, now: SystemTime) -> Claims {
+        let token = link
+            .strip_prefix("https://capm.example.com/fulfil/")
+            .unwrap();
+        links.keys.current().open(token, now).unwrap()
     }
 
     fn at(seconds: u64) -> SystemTime {
@@ -808,13 +890,70 @@ mod tests {
         assert!(keys(&format!("{KEY_B}\n{KEY_A}")).check_form_token("tok", "cookie", &form));
     }
 
+    /// Issue 56: a repair link names its kind, so a link of one kind never opens an object of
+    /// another, even one of the same namespace, name and UID.
+    #[test]
+    fn a_repair_link_answers_only_its_remediation() {
+        let links = links("https://capm.example.com");
+        let record = serde_json::json!({
+            "messageId": "<mailgunremediation.u-1@mg.example.com>",
+            "state": "sent",
+            "backendId": "<x@mg.example.com>",
+        });
+        let meta = ObjectMeta {
+            name: Some("m-0".into()),
+            namespace: Some("team-a".into()),
+            uid: Some("u-1".into()),
+            annotations: Some(
+                [(crate::names::MAIL_ANNOTATION.to_owned(), record.to_string())].into(),
+            ),
+            ..ObjectMeta::default()
+        };
+        let sent = at(1_800_000_100);
+        let link = links.repair_link(&meta, "mg.example.com", sent).unwrap();
+        let opened = open(&links, &link, sent);
+        assert_eq!(opened.kind, Kind::MailgunRemediation);
+        assert_eq!(opened.check_object(&meta), Ok(()));
+        assert!(opened.expires >= 1_800_000_100 + DEFAULT_VALIDITY.as_secs());
+        // The same mail composed again: the same link; a reminder a day later: a later expiry,
+        // still for the repair mail.
+        assert_eq!(
+            links.repair_link(&meta, "mg.example.com", sent + Duration::from_secs(60)),
+            Some(link.clone())
+        );
+        let reminder = links
+            .repair_link(&meta, "mg.example.com", sent + Duration::from_secs(86_400))
+            .unwrap();
+        let later = open(&links, &reminder, sent);
+        assert!(later.expires > opened.expires);
+        assert_eq!(later.check_object(&meta), Ok(()));
+        // A cluster's or a machine's link for the same namespace, name and UID: its own kind,
+        // checked against its own kind's record, which the remediation does not carry.
+        for kind in [Kind::MailgunCluster, Kind::MailgunMachine] {
+            let other = Claims {
+                kind,
+                ..opened.clone()
+            };
+            assert_eq!(other.check_object(&meta), Err(FulfilError::OtherRequest));
+        }
+        // And a repair link never opens as another kind.
+        assert_eq!(
+            Kind::from_name("MailgunRemediation"),
+            Some(Kind::MailgunRemediation)
+        );
+        assert_eq!(Kind::from_name("MailgunRemediationTemplate"), None);
+        let text = links.repair_paragraph(&meta, "mg.example.com", sent);
+        assert!(
+            text.contains(&link) && text.contains("cannot repair"),
+            "{text}"
+        );
+        let no_uid = ObjectMeta { uid: None, ..meta };
+        assert!(links.repair_paragraph(&no_uid, "d", sent).is_empty());
+    }
+
     #[test]
     fn links_name_the_request_mail_and_expire_on_the_hour() {
-        let links = Links {
-            base_url: "https://capm.example.com/".into(),
-            validity: DEFAULT_VALIDITY,
-            keys: KeyRing::new(keys(KEY_A)),
-        };
+        let links = links("https://capm.example.com/");
         let meta = ObjectMeta {
             name: Some("c".into()),
             namespace: Some("ns".into()),
@@ -825,10 +964,7 @@ mod tests {
         let link = links
             .link("MailgunCluster", &meta, "mg.example.com", now)
             .unwrap();
-        let token = link
-            .strip_prefix("https://capm.example.com/fulfil/")
-            .unwrap();
-        let opened = links.keys.current().open(token, now).unwrap();
+        let opened = open(&links, &link, now);
         assert_eq!(
             (opened.kind, &*opened.namespace, &*opened.name, &*opened.uid),
             (Kind::MailgunCluster, "ns", "c", "u-9")

@@ -18,7 +18,8 @@ use regex::Regex;
 
 use crate::v1beta1::{
     ApiEndpoint, MachineAddress, MailgunCluster, MailgunClusterSpec, MailgunClusterTemplate,
-    MailgunMachine, MailgunMachineSpec, MailgunMachineTemplate, TemplateMetadata,
+    MailgunMachine, MailgunMachineSpec, MailgunMachineTemplate, MailgunRemediation,
+    TemplateMetadata,
 };
 
 pub use crate::limits::*;
@@ -160,21 +161,21 @@ fn check_string(
     }
 }
 
+/// The text rule of a request, and of a repair request's answer.
+const TEXT: &str = "text without control characters (other than tab and line breaks), Unicode line or paragraph separators, or bidirectional controls";
+
+/// What a mail asks for: 1 to [`MAX_REQUEST_LENGTH`] characters of [`TEXT`].
+fn check_request(errors: &mut Vec<FieldError>, path: &str, request: &str) {
+    check_string(errors, path, request, 1, MAX_REQUEST_LENGTH, &REQUEST, TEXT);
+}
+
 fn check_request_fields(
     errors: &mut Vec<FieldError>,
     prefix: &str,
     request: &str,
     requester: &str,
 ) {
-    check_string(
-        errors,
-        &format!("{prefix}.request"),
-        request,
-        1,
-        MAX_REQUEST_LENGTH,
-        &REQUEST,
-        "text without control characters (other than tab and line breaks), Unicode line or paragraph separators, or bidirectional controls",
-    );
+    check_request(errors, &format!("{prefix}.request"), request);
     let before = errors.len();
     check_string(
         errors,
@@ -454,6 +455,38 @@ impl Validate for MailgunMachineTemplate {
     }
 }
 
+/// The rules of a `MailgunRemediation` a writer can break: its request, its answer's message,
+/// the immutable priority, request and strategy, and the set-once answer. (The strategy's
+/// durations and bounds are the schema's alone: nothing but a template sets them.)
+impl Validate for MailgunRemediation {
+    fn validate(&self) -> Vec<FieldError> {
+        let mut errors = Vec::new();
+        check_request(&mut errors, "spec.request", &self.spec.request);
+        if let Some(message) = self.spec.answer.as_ref().and_then(|a| a.message.as_ref()) {
+            check_string(
+                &mut errors,
+                "spec.answer.message",
+                message,
+                0,
+                MAX_ANSWER_MESSAGE_LENGTH,
+                &REQUEST,
+                TEXT,
+            );
+        }
+        errors
+    }
+
+    fn validate_update(old: &Self, new: &Self) -> Vec<FieldError> {
+        let mut errors = new.validate();
+        let (o, n) = (&old.spec, &new.spec);
+        immutable(&mut errors, "spec", "priority", &o.priority, &n.priority);
+        immutable(&mut errors, "spec", "request", &o.request, &n.request);
+        immutable(&mut errors, "spec", "strategy", &o.strategy, &n.strategy);
+        set_once(&mut errors, "spec", "answer", &o.answer, &n.answer);
+        errors
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -461,6 +494,56 @@ mod tests {
         MachineAddressType, MailgunClusterTemplateResource, MailgunClusterTemplateSpec,
         MailgunMachineTemplateResource, MailgunMachineTemplateSpec, Priority,
     };
+
+    #[test]
+    fn a_remediation_answer_is_bounded_clean_and_set_once() {
+        use crate::v1beta1::{AnswerResult, MailgunRemediationSpec, RemediationAnswer};
+        let old = MailgunRemediation::new(
+            "m-0",
+            MailgunRemediationSpec {
+                priority: Priority::Urgent,
+                request: "Power-cycle it.".into(),
+                strategy: Default::default(),
+                answer: None,
+            },
+        );
+        let answered = |message: &str| {
+            let mut new = old.clone();
+            new.spec.answer = Some(RemediationAnswer {
+                result: AnswerResult::Repaired,
+                message: Some(message.into()),
+            });
+            new
+        };
+        let ok = answered("Replaced the PSU.\r\nBack up.");
+        assert_eq!(MailgunRemediation::validate_update(&old, &ok), []);
+        let paths = |new: &MailgunRemediation, base: &MailgunRemediation| {
+            MailgunRemediation::validate_update(base, new)
+                .iter()
+                .map(|e| e.path().to_owned())
+                .collect::<Vec<_>>()
+        };
+        let long = "x".repeat(MAX_ANSWER_MESSAGE_LENGTH as usize + 1);
+        assert_eq!(paths(&answered(&long), &old), ["spec.answer.message"]);
+        assert_eq!(
+            paths(&answered("a\u{202e}b"), &old),
+            ["spec.answer.message"]
+        );
+        assert_eq!(paths(&answered("bell\u{7}"), &old), ["spec.answer.message"]);
+        // Set once: another answer, or none, after one.
+        let mut other = ok.clone();
+        other.spec.answer = Some(RemediationAnswer {
+            result: AnswerResult::CannotRepair,
+            message: None,
+        });
+        assert_eq!(paths(&other, &ok), ["spec.answer"]);
+        let mut removed = ok.clone();
+        removed.spec.answer = None;
+        assert_eq!(paths(&removed, &ok), ["spec.answer"]);
+        let mut strategy = ok.clone();
+        strategy.spec.strategy.reminders = 3;
+        assert_eq!(paths(&strategy, &ok), ["spec.strategy"]);
+    }
 
     fn cluster() -> MailgunCluster {
         MailgunCluster::new(

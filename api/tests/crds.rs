@@ -352,7 +352,7 @@ async fn crds_are_established_and_every_sample_is_accepted() {
     let cp = ns.control_plane();
     cp.install_capi_crds().await.expect("Cluster API CRDs");
     let files = samples();
-    assert_eq!(files.len(), 12, "{files:?}");
+    assert_eq!(files.len(), 13, "{files:?}");
     for file in files {
         let path = file.to_string_lossy().into_owned();
         let mut last = None;
@@ -384,6 +384,7 @@ async fn crds_are_established_and_every_sample_is_accepted() {
         .kubectl_output(&["get", "cluster-api", "-n", &ns.name, "-o", "name"])
         .expect("kubectl get category");
     assert!(all.contains("mailgunmachinetemplate"), "{all}");
+    assert!(all.contains("mailgunremediationtemplate"), "{all}");
 }
 
 #[tokio::test]
@@ -1160,6 +1161,21 @@ async fn only_the_provider_writes_our_annotations() {
     machine_forged["metadata"]["annotations"] =
         json!({capm_api::names::DELETION_MAIL_SENT_ANNOTATION: "x"});
     refused(create(&as_mallory_machines, machine_forged).await);
+    // Issue 56: a hand-made MailgunRemediation carrying a repair mail's record (a link's
+    // check reads it).
+    let mut remediation_forged = remediation("rforged");
+    remediation_forged["metadata"]["annotations"] = json!({capm_api::names::MAIL_ANNOTATION: "{}"});
+    let message = refused(
+        create(
+            &kinds(&mallory, "v1beta1", "MailgunRemediation"),
+            remediation_forged,
+        )
+        .await,
+    );
+    assert!(
+        message.contains(capm_api::names::MAIL_ANNOTATION),
+        "{message}"
+    );
 
     // Added, changed and removed after creation.
     create(&as_mallory, cluster("c", "v1beta1"))
@@ -1271,10 +1287,6 @@ async fn patch_spec(api: &Api<DynamicObject>, name: &str, spec: Value) -> Option
 #[tokio::test]
 async fn remediations_take_their_defaults_and_keep_their_answer_and_strategy() {
     let ns = setup("api-remediation").await;
-    // Not among the shipped CRDs until their controller exists (`crd::remediation_crds`).
-    install_crds(&ns.client, &capm_api::crd::remediation_crds())
-        .await
-        .expect("the remediation CRDs");
     let remediations = api(&ns, "v1beta1", "MailgunRemediation");
     let created = create(&remediations, remediation("worker-0"))
         .await
@@ -1380,6 +1392,19 @@ async fn remediations_take_their_defaults_and_keep_their_answer_and_strategy() {
     )
     .await
     .expect("a template with its own annotation");
+    // Immutable as the other templates (the chart's template-immutable policy; the policy
+    // takes a moment to become active).
+    let changed = json!({"template": {"spec": {"request": "Reboot it."}}});
+    let mut message = None;
+    for _ in 0..100 {
+        message = patch_spec(&templates, "fine", changed.clone()).await;
+        if message.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let message = message.expect("a changed template was accepted");
+    assert!(message.contains("a template is immutable"), "{message}");
     for (what, template, field, says) in [
         (
             "an answer",

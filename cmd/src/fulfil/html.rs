@@ -9,7 +9,7 @@ use askama::Template;
 pub const CSS: &str = "body{font-family:system-ui,sans-serif;max-width:44rem;margin:2rem auto;\
 padding:0 1rem;line-height:1.5;color:#1b1b1b}h1{font-size:1.5rem}dl{display:grid;\
 grid-template-columns:max-content 1fr;gap:.25rem 1rem}dt{font-weight:600}dd{margin:0}\
-label{display:block;font-weight:600;margin-top:1rem}input,select{font:inherit;padding:.3rem;\
+label{display:block;font-weight:600;margin-top:1rem}input,select,textarea{font:inherit;padding:.3rem;\
 width:100%;box-sizing:border-box}fieldset{margin-top:1rem}button{font:inherit;margin-top:1.5rem;\
 padding:.5rem 1.5rem}.problem{color:#a00000;font-weight:600}.note{color:#444}\
 .refused{border-left:4px solid #a00000;padding-left:1rem}.done{border-left:4px solid #006b21;\
@@ -74,7 +74,7 @@ pub fn page(title: &str, body: &Html) -> String {
 /// What was asked, as the mail said it.
 #[derive(Debug, Clone, Default)]
 pub struct Summary {
-    /// `MailgunCluster` / `MailgunMachine`.
+    /// `MailgunCluster` / `MailgunMachine` / `MailgunRemediation`.
     pub kind: String,
     /// Name.
     pub name: String,
@@ -84,7 +84,7 @@ pub struct Summary {
     pub priority: String,
     /// The request's text.
     pub request: String,
-    /// Who asked.
+    /// Who asked (empty for a repair request: a MachineHealthCheck asked).
     pub requester: String,
     /// When the request was mailed (RFC 3339), or created.
     pub when: String,
@@ -107,9 +107,12 @@ pub fn summary(s: &Summary) -> Html {
         ("Namespace", one(&s.namespace)),
         ("Priority", one(&s.priority)),
         ("Request", s.request.lines().take(100).map(shown).collect()),
-        ("Requested by", one(&s.requester)),
-        ("Requested at", one(&s.when)),
     ];
+    // A repair request has no requester: a MachineHealthCheck asked.
+    if !s.requester.is_empty() {
+        rows.push(("Requested by", one(&s.requester)));
+    }
+    rows.push(("Requested at", one(&s.when)));
     rows.extend(s.extra.iter().map(|(k, v)| (*k, one(v))));
     Html::render(&SummaryTemplate { rows })
 }
@@ -186,6 +189,11 @@ struct FormTemplate<'a> {
     problem: Option<&'a str>,
 }
 
+/// An option's `selected` attribute: ` selected` for the chosen one, else empty.
+fn selected(chosen: bool) -> &'static str {
+    if chosen { " selected" } else { "" }
+}
+
 /// The form: hidden form token, the fields, address rows, one problem for the whole form.
 pub fn form(
     action: &str,
@@ -201,7 +209,7 @@ pub fn form(
             number: row.index + 1,
             options: ADDRESS_TYPES
                 .iter()
-                .map(|t| (*t, if *t == row.type_ { " selected" } else { "" }))
+                .map(|t| (*t, selected(*t == row.type_)))
                 .collect(),
             field: Html::render(&Field {
                 name: &format!("address-{}", row.index),
@@ -220,6 +228,62 @@ pub fn form(
         fields: fields.iter().map(Html::render).collect(),
         addresses,
         problem,
+    })
+}
+
+/// The answer to a repair request: its choices (the option's value, its label) and the limit of
+/// its message.
+const ANSWERS: &[(&str, &str)] = &[
+    ("Repaired", "Repaired: the machine works again"),
+    ("CannotRepair", "Cannot repair: replace the machine"),
+];
+
+/// A repair request's answer form as the handler fills it.
+pub struct AnswerForm<'a> {
+    /// Where it posts.
+    pub action: &'a str,
+    /// The form token.
+    pub form_token: &'a str,
+    /// The chosen result (`Repaired`, `CannotRepair`, or empty).
+    pub result: &'a str,
+    /// What is wrong with the result.
+    pub result_problem: Option<&'a str>,
+    /// The message.
+    pub message: &'a str,
+    /// What is wrong with the message.
+    pub message_problem: Option<&'a str>,
+    /// One problem for the whole form.
+    pub problem: Option<&'a str>,
+}
+
+#[derive(Template)]
+#[template(path = "fulfil/answer.html")]
+struct AnswerTemplate<'a> {
+    action: &'a str,
+    form_token: &'a str,
+    /// Each answer's value, label and `selected` attribute (empty or ` selected`).
+    options: Vec<(&'static str, &'static str, &'static str)>,
+    result_problem: Option<&'a str>,
+    message: &'a str,
+    message_problem: Option<&'a str>,
+    max_message: u32,
+    problem: Option<&'a str>,
+}
+
+/// The answer form: hidden form token, the result (a choice of two) and a message.
+pub fn answer_form(form: &AnswerForm<'_>) -> Html {
+    Html::render(&AnswerTemplate {
+        action: form.action,
+        form_token: form.form_token,
+        options: ANSWERS
+            .iter()
+            .map(|(value, label)| (*value, *label, selected(*value == form.result)))
+            .collect(),
+        result_problem: form.result_problem,
+        message: form.message,
+        message_problem: form.message_problem,
+        max_message: capm_api::limits::MAX_ANSWER_MESSAGE_LENGTH,
+        problem: form.problem,
     })
 }
 
@@ -251,16 +315,15 @@ pub fn notice(title: &str, message: &str) -> String {
 #[derive(Template)]
 #[template(path = "fulfil/recorded.html")]
 struct RecordedTemplate<'a> {
-    kind: &'a str,
-    name: String,
+    sentence: &'a str,
     values: Html,
 }
 
-/// What the page answers once the values are recorded.
-pub fn recorded(kind: &str, name: &str, rows: &[(String, String)]) -> String {
+/// What the page answers once the values are recorded: `sentence` (what happens next, its
+/// object's name already [`shown`]) and the values.
+pub fn recorded(sentence: &str, rows: &[(String, String)]) -> String {
     let body = Html::render(&RecordedTemplate {
-        kind,
-        name: shown(name),
+        sentence,
         values: values(rows),
     });
     page("Recorded", &body)
@@ -273,13 +336,13 @@ struct AlreadyTemplate {
     summary: Html,
 }
 
-/// What the page answers for an object already fulfilled.
-pub fn already(rows: &[(String, String)], asked: &Summary) -> String {
+/// What the page answers, under `title`, for an object already fulfilled (or answered).
+pub fn already(title: &str, rows: &[(String, String)], asked: &Summary) -> String {
     let body = Html::render(&AlreadyTemplate {
         values: values(rows),
         summary: summary(asked),
     });
-    page("Already fulfilled", &body)
+    page(title, &body)
 }
 
 #[cfg(test)]
@@ -335,5 +398,35 @@ mod tests {
         assert!(f.contains("value=\"ft&#34;\""), "{f}");
         assert!(f.contains("<option value=\"ExternalIP\" selected>"));
         assert!(!refusal("<script>").contains("<script"));
+    }
+
+    #[test]
+    fn the_answer_form_labels_both_fields_and_escapes_the_message() {
+        let f = answer_form(&AnswerForm {
+            action: "/fulfil/t",
+            form_token: "ft",
+            result: "CannotRepair",
+            result_problem: None,
+            message: "</textarea><script>x</script>",
+            message_problem: Some("too long"),
+            problem: None,
+        })
+        .to_string();
+        for id in ["result", "message"] {
+            assert!(f.contains(&format!("<label for=\"{id}\">")), "{id}: {f}");
+            assert!(f.contains(&format!("id=\"{id}\"")), "{id}: {f}");
+        }
+        assert!(
+            f.contains("<option value=\"CannotRepair\" selected>"),
+            "{f}"
+        );
+        assert!(f.contains("<option value=\"Repaired\">"), "{f}");
+        assert!(
+            !f.contains("<script>") && f.contains("&#60;/textarea&#62;"),
+            "{f}"
+        );
+        assert!(f.contains("maxlength=\"1024\""), "{f}");
+        assert!(f.contains("aria-invalid=\"true\""), "{f}");
+        assert!(f.contains("name=\"form-token\" value=\"ft\""), "{f}");
     }
 }

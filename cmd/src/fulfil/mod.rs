@@ -1,5 +1,6 @@
 //! The fulfilment page: `GET /fulfil/<token>` shows what was asked and a form; `POST` records
-//! what the human built by patching the object as the provider. The token is the capability
+//! what the human built (or, for a repair request, the answer: repaired or cannot repair) by
+//! patching the object as the provider. The token is the capability
 //! (`capm_api::link_token`); the object itself says whether it is already fulfilled, so a link is
 //! single-use without any state here but the rate limits. docs/fulfilment.md has the threat
 //! model.
@@ -75,6 +76,8 @@ enum Outcome {
     Invalid,
     Fulfilled,
     Already,
+    Answered,
+    AlreadyAnswered,
     Refused(&'static str),
     Error,
 }
@@ -86,6 +89,8 @@ impl Outcome {
             Self::Invalid => "invalid_values",
             Self::Fulfilled => "fulfilled",
             Self::Already => "already_fulfilled",
+            Self::Answered => "answered",
+            Self::AlreadyAnswered => "already_answered",
             Self::Refused(reason) => reason,
             Self::Error => "error",
         }
@@ -216,6 +221,9 @@ impl Page {
                 "What this link asks for is no longer needed.",
             ));
         }
+        if let Some(message) = target.closed() {
+            return Err(self.refused("closed", StatusCode::GONE, message));
+        }
         Ok(target)
     }
 
@@ -226,10 +234,7 @@ impl Page {
             Err(answer) => return (jar, answer),
         };
         if let Some(values) = target.fulfilment() {
-            return (
-                jar,
-                Answer(Outcome::Already, page.already(&target, &values).await),
-            );
+            return (jar, page.already(&target, &values).await);
         }
         let cookie = cookie(&jar).unwrap_or_else(new_cookie);
         let response = page
@@ -337,7 +342,7 @@ impl Page {
                 return self.too_many(wait);
             }
             if let Some(values) = target.fulfilment() {
-                return Answer(Outcome::Already, self.already(&target, &values).await);
+                return self.already(&target, &values).await;
             }
             let patch = match target.apply(&form) {
                 Ok(patch) => patch,
@@ -365,11 +370,7 @@ impl Page {
             Ok(updated) => {
                 let values = updated.fulfilment().unwrap_or_default();
                 self.record(&updated, &values, address, headers).await;
-                self.answer_with(
-                    Outcome::Fulfilled,
-                    StatusCode::OK,
-                    html::recorded(claims.kind.as_str(), &claims.name, &values),
-                )
+                self.recorded(&updated, &values)
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
                 let problem = "The request kept changing while the values were recorded; check them and send them again.";
@@ -381,6 +382,13 @@ impl Page {
                 )
             }
             Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
+                // Recorded meanwhile (a second answer meets the set-once rule): the page says
+                // so, as for any use after the first.
+                if let Ok(now) = self.resolve(&claims).await
+                    && let Some(values) = now.fulfilment()
+                {
+                    return self.already(&now, &values).await;
+                }
                 let problem = format!("The API server refused the values: {}", e.message);
                 let form = form.with(vec![(None, problem)]);
                 Answer(
@@ -421,14 +429,57 @@ mod tests {
 
     const KEY_A: &str = "QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUE=";
 
+    /// The log of the requests a fake API server answered.
+    type Log = Arc<std::sync::Mutex<Vec<String>>>;
+
+    /// A fake API server: `answer` gives each request's (status code, JSON body) from its
+    /// method, path, query (`?...` or empty) and JSON body. Returns the page's client.
+    fn fake_server(
+        mut answer: impl FnMut(&Method, &str, &str, &serde_json::Value) -> (u16, serde_json::Value)
+        + Send
+        + 'static,
+    ) -> Client {
+        use http::Request;
+        use kube::client::Body;
+        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        tokio::spawn(async move {
+            while let Some((request, respond)) = handle.next_request().await {
+                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+                let query = request
+                    .uri()
+                    .query()
+                    .map(|q| format!("?{q}"))
+                    .unwrap_or_default();
+                let body: serde_json::Value =
+                    serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
+                        .unwrap_or_default();
+                let (code, answer) = answer(&method, &path, &query, &body);
+                let response = Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
+                    .unwrap();
+                respond.send_response(response);
+            }
+        });
+        Client::new(service, "default")
+    }
+
+    /// The API server's refusal: a `Status` of `code` and `reason`.
+    fn failure(code: u16, reason: &str) -> (u16, serde_json::Value) {
+        let status = serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": reason, "code": code, "message": "refused",
+        });
+        (code, status)
+    }
+
     /// A fake API server holding one MailgunCluster: `conflicts` PATCHes answer 409 (after
     /// each, the object moves on a version, as when the controller writes meanwhile), the next
     /// one applies. Returns the page's client and the log of requests (`METHOD path rv`).
     /// With `identity`, the request went through the MailgunClusterIdentity `team-a-mail`.
-    fn fake_api(conflicts: usize, identity: bool) -> (Client, Arc<std::sync::Mutex<Vec<String>>>) {
-        use http::Request;
-        use kube::client::Body;
-        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    fn fake_api(conflicts: usize, identity: bool) -> (Client, Log) {
+        let log = Log::default();
         let seen = Arc::clone(&log);
         let mut record = serde_json::json!({
             "messageId": "<mailguncluster.u-1@mg.example.com>", "state": "sent",
@@ -445,88 +496,78 @@ mod tests {
             },
             "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": "dev@example.com" },
         });
-        let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        tokio::spawn(async move {
-            let mut left = conflicts;
-            while let Some((request, respond)) = handle.next_request().await {
-                let (method, path) = (request.method().clone(), request.uri().path().to_owned());
-                let query = request
-                    .uri()
-                    .query()
-                    .map(|q| format!("?{q}"))
-                    .unwrap_or_default();
-                let body: serde_json::Value =
-                    serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap())
-                        .unwrap_or_default();
-                let rv = body["metadata"]["resourceVersion"].as_str().unwrap_or("-");
-                let note = body["note"].as_str().unwrap_or_default();
-                seen.lock()
+        let mut left = conflicts;
+        let client = fake_server(move |method, path, query, body| {
+            let rv = body["metadata"]["resourceVersion"].as_str().unwrap_or("-");
+            let note = body["note"].as_str().unwrap_or_default();
+            seen.lock()
+                .unwrap()
+                .push(format!("{method} {path}{query} {rv} {note}"));
+            let version = |o: &serde_json::Value| {
+                o["metadata"]["resourceVersion"]
+                    .as_str()
                     .unwrap()
-                    .push(format!("{method} {path}{query} {rv} {note}"));
-                let version = |o: &serde_json::Value| {
-                    o["metadata"]["resourceVersion"]
-                        .as_str()
-                        .unwrap()
-                        .parse::<u32>()
-                        .unwrap()
-                };
-                let (code, answer) = match method {
-                    Method::GET if path.ends_with("/mailgunclusteridentities") => {
-                        let list = serde_json::json!({
+                    .parse::<u32>()
+                    .unwrap()
+            };
+            match *method {
+                Method::GET if path.ends_with("/mailgunclusteridentities") => {
+                    let list = serde_json::json!({
+                        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
+                        "kind": "MailgunClusterIdentityList", "metadata": {},
+                        "items": [{
                             "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-                            "kind": "MailgunClusterIdentityList", "metadata": {},
-                            "items": [{
-                                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1",
-                                "kind": "MailgunClusterIdentity",
-                                "metadata": { "name": "team-a-mail" },
-                                "spec": {
-                                    "mailgun": { "domain": "mg.example.com", "apiKeySecretRef": { "name": "k", "key": "k" } },
-                                    "recipients": ["team-a-builders@example.com"],
-                                    "allowedNamespaces": {},
-                                },
-                            }],
-                        });
-                        (200, list)
-                    }
-                    Method::GET if path.contains("/mailgunclusteridentities/") => (
-                        403,
-                        serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403}),
-                    ),
-                    Method::GET => (200, object.clone()),
-                    Method::PATCH if left > 0 => {
-                        left -= 1;
-                        let next = version(&object) + 1;
-                        object["metadata"]["resourceVersion"] = next.to_string().into();
-                        let status = serde_json::json!({
-                            "kind": "Status", "apiVersion": "v1", "status": "Failure",
-                            "reason": "Conflict", "code": 409, "message": "the object has been modified",
-                        });
-                        (409, status)
-                    }
-                    Method::PATCH => {
-                        assert_eq!(
-                            rv, object["metadata"]["resourceVersion"],
-                            "a patch on the version read"
-                        );
-                        object["spec"]["controlPlaneEndpoint"] =
-                            body["spec"]["controlPlaneEndpoint"].clone();
-                        (200, object.clone())
-                    }
-                    _ => (201, body),
-                };
-                let response = Response::builder()
-                    .status(code)
-                    .header("content-type", "application/json")
-                    .body(Body::from(serde_json::to_vec(&answer).unwrap()))
-                    .unwrap();
-                respond.send_response(response);
+                            "kind": "MailgunClusterIdentity",
+                            "metadata": { "name": "team-a-mail" },
+                            "spec": {
+                                "mailgun": { "domain": "mg.example.com", "apiKeySecretRef": { "name": "k", "key": "k" } },
+                                "recipients": ["team-a-builders@example.com"],
+                                "allowedNamespaces": {},
+                            },
+                        }],
+                    });
+                    (200, list)
+                }
+                Method::GET if path.contains("/mailgunclusteridentities/") => {
+                    failure(403, "Forbidden")
+                }
+                Method::GET => (200, object.clone()),
+                Method::PATCH if left > 0 => {
+                    left -= 1;
+                    let next = version(&object) + 1;
+                    object["metadata"]["resourceVersion"] = next.to_string().into();
+                    failure(409, "Conflict")
+                }
+                Method::PATCH => {
+                    assert_eq!(
+                        rv, object["metadata"]["resourceVersion"],
+                        "a patch on the version read"
+                    );
+                    object["spec"]["controlPlaneEndpoint"] =
+                        body["spec"]["controlPlaneEndpoint"].clone();
+                    (200, object.clone())
+                }
+                _ => (201, body.clone()),
             }
         });
-        (Client::new(service, "default"), log)
+        (client, log)
     }
 
     /// The page's answer to the form for the MailgunCluster `team-a/c` sent from its page.
     async fn submit_form(client: Client) -> (StatusCode, String) {
+        let claims = Claims::new(
+            Kind::MailgunCluster,
+            "team-a",
+            "c",
+            "u-1",
+            "<mailguncluster.u-1@mg.example.com>",
+            u64::MAX / 2,
+        );
+        submit(client, &claims, "host=api.example.com&port=6443").await
+    }
+
+    /// The page's answer to `fields` posted from its page for the link of `claims`.
+    async fn submit(client: Client, claims: &Claims, fields: &str) -> (StatusCode, String) {
         let keys = KeyRing::new(Keys::parse(KEY_A).unwrap());
         let settings = crate::settings::Fulfilment {
             url: "https://capm.example.com".into(),
@@ -545,18 +586,10 @@ mod tests {
             &Registry::new(),
         )
         .unwrap();
-        let claims = Claims::new(
-            Kind::MailgunCluster,
-            "team-a",
-            "c",
-            "u-1",
-            "<mailguncluster.u-1@mg.example.com>",
-            u64::MAX / 2,
-        );
-        let token = keys.current().seal(&claims).unwrap();
+        let token = keys.current().seal(claims).unwrap();
         let cookie = new_cookie();
         let form = format!(
-            "host=api.example.com&port=6443&form-token={}",
+            "{fields}&form-token={}",
             keys.current().form_token(&token, &cookie)
         );
         let mut req = http::Request::builder()
@@ -654,6 +687,207 @@ mod tests {
             event.contains("From 192.0.2.1: Control plane endpoint")
                 && event.contains("mailed to team-a-builders@example.com (user agent"),
             "{event}"
+        );
+    }
+
+    /// What a fake API server answers a PATCH of the remediation: `Apply` it, refuse it with
+    /// 409 after someone else answered (`CannotRepair`, the version moved on), or refuse it with
+    /// 422 as the set-once rule would, the other answer already stored.
+    #[derive(Clone, Copy)]
+    enum OnPatch {
+        Apply,
+        AnsweredMeanwhile,
+        SetOnceRefusal,
+    }
+
+    /// A fake API server holding one MailgunRemediation `team-a/m-0` (UID `u-1`, its repair
+    /// mail recorded) whose Machine `m-0` is unhealthy. Returns the page's client and the log.
+    fn fake_remediation_api(on_patch: OnPatch) -> (Client, Log) {
+        let log = Log::default();
+        let seen = Arc::clone(&log);
+        let record = serde_json::json!({
+            "messageId": "<mailgunremediation.u-1@mg.example.com>", "state": "sent",
+            "backendId": "<x@mg.example.com>",
+        });
+        let mut object = serde_json::json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
+            "metadata": {
+                "name": "m-0", "namespace": "team-a", "uid": "u-1", "resourceVersion": "1",
+                "labels": { "cluster.x-k8s.io/cluster-name": "c" },
+                "annotations": { capm_api::names::MAIL_ANNOTATION: record.to_string() },
+                "ownerReferences": [{
+                    "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine", "name": "m-0",
+                    "uid": "machine-uid",
+                }],
+            },
+            "spec": { "priority": "Urgent", "request": "Power-cycle it <please>." },
+            "status": { "phase": "WaitingForAnswer" },
+        });
+        let machine = serde_json::json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": { "name": "m-0", "namespace": "team-a", "uid": "machine-uid" },
+            "spec": { "clusterName": "c", "providerID": "dc://rack4/slot12" },
+            "status": {
+                "nodeRef": { "name": "node-12" },
+                "conditions": [{
+                    "type": "HealthCheckSucceeded", "status": "False",
+                    "reason": "UnhealthyNode", "message": "Condition Ready on Node is reporting status False for more than 5m0s",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }],
+            },
+        });
+        let mut patched = false;
+        let client = fake_server(move |method, path, _, body| {
+            seen.lock().unwrap().push(format!(
+                "{method} {path} {} {}",
+                body["spec"]["answer"], body["reason"]
+            ));
+            match *method {
+                Method::GET if path.ends_with("/machines/m-0") => (200, machine.clone()),
+                Method::GET if path.contains("mailgunclusteridentities") => {
+                    failure(403, "Forbidden")
+                }
+                Method::GET => (200, object.clone()),
+                Method::PATCH if !patched && !matches!(on_patch, OnPatch::Apply) => {
+                    patched = true;
+                    object["spec"]["answer"] =
+                        serde_json::json!({"result": "CannotRepair", "message": "gone"});
+                    object["metadata"]["resourceVersion"] = "2".into();
+                    match on_patch {
+                        OnPatch::SetOnceRefusal => failure(422, "Invalid"),
+                        _ => failure(409, "Conflict"),
+                    }
+                }
+                Method::PATCH => {
+                    object["spec"]["answer"] = body["spec"]["answer"].clone();
+                    (200, object.clone())
+                }
+                _ => (201, body.clone()),
+            }
+        });
+        (client, log)
+    }
+
+    fn repair_claims(kind: Kind) -> Claims {
+        Claims::new(
+            kind,
+            "team-a",
+            "m-0",
+            "u-1",
+            "<mailgunremediation.u-1@mg.example.com>",
+            u64::MAX / 2,
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_link_records_the_answer_once() {
+        let (client, log) = fake_remediation_api(OnPatch::Apply);
+        let claims = repair_claims(Kind::MailgunRemediation);
+        let (status, body) = submit(
+            client,
+            &claims,
+            "result=Repaired&message=Replaced+the+PSU.%0D%0ABack+up.",
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(
+            body.contains("Answer recorded")
+                && body.contains("watched until its health check passes"),
+            "{body}"
+        );
+        assert!(body.contains("Replaced the PSU."), "{body}");
+        let log = log.lock().unwrap().clone();
+        let path = "/apis/infrastructure.cluster.x-k8s.io/v1beta1/namespaces/team-a/mailgunremediations/m-0";
+        assert!(
+            log.iter().any(|l| l
+                == &format!(
+                    "PATCH {path} {} null",
+                    serde_json::json!({"result": "Repaired", "message": "Replaced the PSU.\nBack up."})
+                )),
+            "the answer, its line break a LF: {log:?}"
+        );
+        assert!(
+            log.iter().any(|l| l
+                .starts_with("POST /apis/events.k8s.io/v1/namespaces/team-a/events")
+                && l.ends_with("\"AnsweredThroughLink\"")),
+            "{log:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_answer_shows_already_answered_never_an_error() {
+        for on_patch in [OnPatch::AnsweredMeanwhile, OnPatch::SetOnceRefusal] {
+            let (client, log) = fake_remediation_api(on_patch);
+            let claims = repair_claims(Kind::MailgunRemediation);
+            let (status, body) = submit(client, &claims, "result=Repaired").await;
+            assert_eq!(status, StatusCode::OK, "{body}");
+            assert!(body.contains("Already answered"), "{body}");
+            assert!(
+                body.contains("Cannot repair") && body.contains("gone"),
+                "{body}"
+            );
+            // What happened, read from the Machine; the request's text escaped.
+            for want in [
+                "<dt>Machine</dt><dd>m-0</dd>",
+                "<dt>Cluster</dt><dd>c</dd>",
+                "<dt>Node</dt><dd>node-12</dd>",
+                "<dt>Provider ID</dt><dd>dc://rack4/slot12</dd>",
+                "UnhealthyNode: Condition Ready on Node is reporting status False",
+                "<dt>Phase</dt><dd>WaitingForAnswer</dd>",
+                "Power-cycle it &#60;please&#62;.",
+            ] {
+                assert!(body.contains(want), "{want:?} not in {body}");
+            }
+            assert!(!body.contains("Requested by"), "{body}");
+            let log = log.lock().unwrap().clone();
+            assert_eq!(
+                log.iter().filter(|l| l.starts_with("PATCH")).count(),
+                1,
+                "{log:?}"
+            );
+            assert!(
+                !log.iter().any(|l| l.starts_with("POST")),
+                "no Event: {log:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_form_is_judged_and_a_link_of_another_kind_answers_nothing() {
+        let (client, log) = fake_remediation_api(OnPatch::Apply);
+        let claims = repair_claims(Kind::MailgunRemediation);
+        let (status, body) = submit(client.clone(), &claims, "result=Maybe").await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(body.contains("Choose repaired or cannot repair."), "{body}");
+        assert!(
+            body.contains("<h1>A machine needs repair</h1>")
+                && body.contains("<select id=\"result\" name=\"result\"")
+                && body.contains("<dt>Node</dt><dd>node-12</dd>"),
+            "{body}"
+        );
+        let long = "x".repeat(capm_api::limits::MAX_ANSWER_MESSAGE_LENGTH as usize + 1);
+        let (status, body) = submit(
+            client.clone(),
+            &claims,
+            &format!("result=CannotRepair&message={long}"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert!(body.contains("spec.answer.message"), "{body}");
+        // A machine's link sealed for the same namespace, name and UID: it reads a
+        // MailgunMachine, never the remediation.
+        let (status, body) = submit(
+            client,
+            &repair_claims(Kind::MailgunMachine),
+            "result=Repaired",
+        )
+        .await;
+        assert_ne!(status, StatusCode::OK, "{body}");
+        let log = log.lock().unwrap().clone();
+        assert!(!log.iter().any(|l| l.starts_with("PATCH")), "{log:?}");
+        assert!(
+            log.iter().any(|l| l.contains("/mailgunmachines/m-0")),
+            "{log:?}"
         );
     }
 }

@@ -16,6 +16,8 @@ use super::{Page, target::Target};
 
 /// The Event recorded on the object when the page fulfils it.
 pub const EVENT_REASON: &str = "FulfilledThroughLink";
+/// The Event recorded on a `MailgunRemediation` when the page records its answer.
+pub const ANSWER_EVENT_REASON: &str = "AnsweredThroughLink";
 /// How much of the client's `User-Agent` the Event keeps.
 const MAX_AGENT_BYTES: usize = 200;
 
@@ -61,7 +63,16 @@ impl Page {
         );
         if let Err(e) = self
             .events
-            .publish(&target.object_ref(), EventType::Normal, EVENT_REASON, &note)
+            .publish(
+                &target.object_ref(),
+                EventType::Normal,
+                if target.is_repair() {
+                    ANSWER_EVENT_REASON
+                } else {
+                    EVENT_REASON
+                },
+                &note,
+            )
             .await
         {
             warn!(error = %e, "Fulfilment page: recording the Event failed");

@@ -1,14 +1,20 @@
-//! What a link names: a `MailgunCluster` or a `MailgunMachine`, what it asks and what was
-//! recorded, and the form's values turned into a patch the API's own rules accept.
+//! What a link names: a `MailgunCluster`, a `MailgunMachine` or a `MailgunRemediation`, what it
+//! asks and what was recorded (the endpoint, the machine's provider ID, the human's answer to a
+//! repair request), and the form's values turned into a patch the API's own rules accept.
 
 use std::collections::HashMap;
 
 use capm_api::{
     capi::{self, Machine},
     link_token::{Claims, Kind},
-    v1beta1::{ApiEndpoint, MachineAddress, MailgunCluster, MailgunMachine},
+    owner_remediated::HEALTH_CHECK_SUCCEEDED,
+    v1beta1::{
+        AnswerResult, ApiEndpoint, MachineAddress, MailgunCluster, MailgunMachine,
+        MailgunRemediation, RemediationAnswer, RemediationPhase,
+    },
     validation::Validate,
 };
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::{Patch, PatchParams},
@@ -24,6 +30,10 @@ pub(super) struct Form {
     pub(super) provider_id: String,
     /// (type, address) per row, empty addresses included.
     pub(super) addresses: Vec<(String, String)>,
+    /// A repair request's answer: `Repaired` or `CannotRepair`.
+    pub(super) result: String,
+    /// The answer's message, its line breaks as `\n`.
+    pub(super) message: String,
     pub(super) problems: Vec<(Option<String>, String)>,
 }
 
@@ -47,6 +57,9 @@ impl Form {
                     )
                 })
                 .collect(),
+            result: get("result"),
+            // A browser sends a text area's line breaks as CRLF.
+            message: get("message").replace("\r\n", "\n"),
             problems: Vec::new(),
         }
     }
@@ -63,6 +76,15 @@ impl Form {
 pub(super) enum Target {
     Cluster(MailgunCluster),
     Machine(MailgunMachine),
+    Remediation(MailgunRemediation),
+}
+
+/// How the page shows an answer's result.
+fn result_label(result: AnswerResult) -> &'static str {
+    match result {
+        AnswerResult::Repaired => "Repaired",
+        AnswerResult::CannotRepair => "Cannot repair",
+    }
 }
 
 impl Target {
@@ -77,6 +99,10 @@ impl Target {
                 .get_opt(name)
                 .await?
                 .map(Self::Machine),
+            Kind::MailgunRemediation => Api::<MailgunRemediation>::namespaced(client.clone(), ns)
+                .get_opt(name)
+                .await?
+                .map(Self::Remediation),
         })
     }
 
@@ -84,6 +110,7 @@ impl Target {
         match self {
             Self::Cluster(_) => Kind::MailgunCluster,
             Self::Machine(_) => Kind::MailgunMachine,
+            Self::Remediation(_) => Kind::MailgunRemediation,
         }
     }
 
@@ -91,6 +118,7 @@ impl Target {
         match self {
             Self::Cluster(c) => c.meta(),
             Self::Machine(m) => m.meta(),
+            Self::Remediation(r) => r.meta(),
         }
     }
 
@@ -98,6 +126,32 @@ impl Target {
         match self {
             Self::Cluster(c) => c.object_ref(&()),
             Self::Machine(m) => m.object_ref(&()),
+            Self::Remediation(r) => r.object_ref(&()),
+        }
+    }
+
+    /// True for a repair request (the page records an answer, not what was built).
+    pub(super) fn is_repair(&self) -> bool {
+        matches!(self, Self::Remediation(_))
+    }
+
+    /// Why the link can no longer be used although nothing was recorded through it: a repair
+    /// request whose Machine was handed back to its owner or is healthy again.
+    pub(super) fn closed(&self) -> Option<&'static str> {
+        let Self::Remediation(r) = self else {
+            return None;
+        };
+        if r.spec.answer.is_some() {
+            return None;
+        }
+        match r.status.as_ref().and_then(|s| s.phase) {
+            Some(RemediationPhase::HandedBack) => Some(
+                "This repair request is closed: the machine was handed back to its owner, which replaces it.",
+            ),
+            Some(RemediationPhase::NoLongerNeeded) => {
+                Some("This repair request is closed: the machine is healthy again.")
+            }
+            _ => None,
         }
     }
 
@@ -118,6 +172,13 @@ impl Target {
                         .and_then(|v| v.as_str().map(str::to_owned))
                         .unwrap_or_default();
                     rows.push((format!("Address ({t})"), a.address.clone()));
+                }
+                rows
+            }),
+            Self::Remediation(r) => r.spec.answer.as_ref().map(|a| {
+                let mut rows = vec![("Answer".to_owned(), result_label(a.result).to_owned())];
+                if let Some(message) = &a.message {
+                    rows.push(("Message".to_owned(), message.clone()));
                 }
                 rows
             }),
@@ -169,18 +230,11 @@ impl Target {
                     when(sent),
                 );
                 let namespace = s.namespace.clone();
-                let owner = capi::owner(m.owner_references(), "Machine").map(|o| o.name.clone());
-                let machine = match &owner {
-                    Some(name) => Api::<Machine>::namespaced(client.clone(), &namespace)
-                        .get_opt(name)
-                        .await
-                        .ok()
-                        .flatten(),
-                    None => None,
-                };
+                let (owner, machine) =
+                    owner_machine(client, &namespace, m.owner_references()).await;
                 let unknown = || "unknown".to_owned();
                 s.extra
-                    .push(("Machine", owner.clone().unwrap_or_else(unknown)));
+                    .push(("Machine", owner.map_or_else(unknown, str::to_owned)));
                 s.extra.push((
                     "Cluster",
                     machine
@@ -207,6 +261,16 @@ impl Target {
                 ));
                 s
             }
+            Self::Remediation(r) => {
+                let status = r.status.as_ref();
+                let sent = status
+                    .and_then(|s| s.asked_at.as_ref())
+                    .or_else(|| status.and_then(|s| s.mail.as_ref()?.sent_at.as_ref()));
+                // Asked by the MachineHealthCheck that found the Machine unhealthy: no person.
+                let mut s = base(r.spec.priority.to_string(), &r.spec.request, "", when(sent));
+                s.extra = repair_rows(client, r).await;
+                s
+            }
         }
     }
 
@@ -218,8 +282,7 @@ impl Target {
         form: &Form,
     ) -> Result<serde_json::Value, Vec<(Option<String>, String)>> {
         let mut problems = Vec::new();
-        let rv = self.meta().resource_version.clone();
-        let patch = match self {
+        let spec = match self {
             Self::Cluster(old) => {
                 if form.host.is_empty() {
                     problems.push((Some("host".into()), "Enter the host.".into()));
@@ -236,24 +299,13 @@ impl Target {
                     host: form.host.clone(),
                     port: port.unwrap_or(0),
                 };
-                let mut new = old.clone();
-                new.spec.control_plane_endpoint = Some(endpoint.clone());
-                if problems.is_empty() {
-                    problems.extend(rule_problems(
-                        MailgunCluster::validate_update(old, &new),
-                        |path| {
-                            if path.ends_with("port") {
-                                "port"
-                            } else {
-                                "host"
-                            }
-                        },
-                    ));
-                }
-                serde_json::json!({
-                    "metadata": { "resourceVersion": rv },
-                    "spec": { "controlPlaneEndpoint": endpoint },
-                })
+                check_rules(
+                    old,
+                    |new| new.spec.control_plane_endpoint = Some(endpoint.clone()),
+                    &mut problems,
+                    field_or("port", "host"),
+                );
+                serde_json::json!({ "controlPlaneEndpoint": endpoint })
             }
             Self::Machine(old) => {
                 if form.provider_id.is_empty() {
@@ -278,42 +330,66 @@ impl Target {
                         )),
                     }
                 }
-                let mut new = old.clone();
-                new.spec.provider_id = Some(form.provider_id.clone());
                 let list: Vec<MachineAddress> = addresses.iter().map(|(_, a)| a.clone()).collect();
-                new.spec.addresses = (!list.is_empty())
-                    .then(|| list.clone())
-                    .or(old.spec.addresses.clone());
-                if problems.is_empty() {
-                    problems.extend(rule_problems(
-                        MailgunMachine::validate_update(old, &new),
-                        |path| {
-                            // spec.addresses[2].address → the form row of the third non-empty address.
-                            path.strip_prefix("spec.addresses[")
-                                .and_then(|rest| rest.split(']').next())
-                                .and_then(|n| n.parse::<usize>().ok())
-                                .and_then(|n| addresses.get(n))
-                                .map_or("provider-id", |(row, _)| {
-                                    ["address-0", "address-1", "address-2", "address-3"]
-                                        .get(*row)
-                                        .copied()
-                                        .unwrap_or("provider-id")
-                                })
-                        },
-                    ));
-                }
+                check_rules(
+                    old,
+                    |new| {
+                        new.spec.provider_id = Some(form.provider_id.clone());
+                        if !list.is_empty() {
+                            new.spec.addresses = Some(list.clone());
+                        }
+                    },
+                    &mut problems,
+                    |path| {
+                        // spec.addresses[2].address → the form row of the third non-empty address.
+                        path.strip_prefix("spec.addresses[")
+                            .and_then(|rest| rest.split(']').next())
+                            .and_then(|n| n.parse::<usize>().ok())
+                            .and_then(|n| addresses.get(n))
+                            .map_or("provider-id", |(row, _)| {
+                                ["address-0", "address-1", "address-2", "address-3"]
+                                    .get(*row)
+                                    .copied()
+                                    .unwrap_or("provider-id")
+                            })
+                    },
+                );
                 let mut spec = serde_json::json!({ "providerID": form.provider_id });
                 if !list.is_empty() {
                     spec["addresses"] = serde_json::json!(list);
                 }
-                serde_json::json!({
-                    "metadata": { "resourceVersion": rv },
-                    "spec": spec,
-                })
+                spec
+            }
+            Self::Remediation(old) => {
+                let result = match form.result.as_str() {
+                    "Repaired" => Some(AnswerResult::Repaired),
+                    "CannotRepair" => Some(AnswerResult::CannotRepair),
+                    _ => {
+                        problems.push((
+                            Some("result".into()),
+                            "Choose repaired or cannot repair.".into(),
+                        ));
+                        None
+                    }
+                };
+                let answer = RemediationAnswer {
+                    result: result.unwrap_or(AnswerResult::CannotRepair),
+                    message: (!form.message.is_empty()).then(|| form.message.clone()),
+                };
+                check_rules(
+                    old,
+                    |new| new.spec.answer = Some(answer.clone()),
+                    &mut problems,
+                    field_or("message", "result"),
+                );
+                serde_json::json!({ "answer": answer })
             }
         };
         if problems.is_empty() {
-            Ok(patch)
+            Ok(serde_json::json!({
+                "metadata": { "resourceVersion": self.meta().resource_version },
+                "spec": spec,
+            }))
         } else {
             Err(problems)
         }
@@ -342,19 +418,108 @@ impl Target {
                     .patch(name, &params, &Patch::Merge(&patch))
                     .await?,
             ),
+            Self::Remediation(_) => Self::Remediation(
+                Api::<MailgunRemediation>::namespaced(client.clone(), ns)
+                    .patch(name, &params, &Patch::Merge(&patch))
+                    .await?,
+            ),
         })
     }
 }
 
-/// The API rules' refusals, each on the form field `field_of(path)` names.
-fn rule_problems(
-    errors: Vec<capm_api::validation::FieldError>,
+/// The Machine that owns an object (its ownerReference's name, and the Machine if it is still
+/// the one named, checked by its UID).
+async fn owner_machine<'a>(
+    client: &Client,
+    namespace: &str,
+    owners: &'a [OwnerReference],
+) -> (Option<&'a str>, Option<Machine>) {
+    let Some(owner) = capi::owner(owners, "Machine") else {
+        return (None, None);
+    };
+    let machine = Api::<Machine>::namespaced(client.clone(), namespace)
+        .get_opt(&owner.name)
+        .await
+        .ok()
+        .flatten()
+        .filter(|m| m.metadata.uid.as_deref() == Some(owner.uid.as_str()));
+    (Some(owner.name.as_str()), machine)
+}
+
+/// What happened to the Machine of a repair request, read from the Machine itself (the owner
+/// the MachineHealthCheck set): its Cluster, Node and provider ID, why its health check failed,
+/// and where the repair stands.
+async fn repair_rows(client: &Client, r: &MailgunRemediation) -> Vec<(&'static str, String)> {
+    let namespace = r.namespace().unwrap_or_default();
+    let (owner, machine) = owner_machine(client, &namespace, r.owner_references()).await;
+    let machine = machine.as_ref();
+    let unknown = || "unknown".to_owned();
+    let known = |value: Option<&str>| value.map_or_else(unknown, str::to_owned);
+    let health = machine
+        .and_then(|m| m.condition(HEALTH_CHECK_SUCCEEDED))
+        .filter(|c| c.status == "False")
+        .map(|c| match c.message.as_str() {
+            "" => c.reason.clone(),
+            message => format!("{}: {message}", c.reason),
+        });
+    let phase = r
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .and_then(|p| serde_json::to_value(p).ok())
+        .and_then(|v| v.as_str().map(str::to_owned));
+    vec![
+        ("Machine", known(owner)),
+        (
+            "Cluster",
+            machine
+                .and_then(Machine::cluster_name)
+                .or_else(|| r.labels().get(capm_api::names::CLUSTER_NAME_LABEL).cloned())
+                .unwrap_or_else(unknown),
+        ),
+        ("Node", known(machine.and_then(Machine::node_name))),
+        (
+            "Provider ID",
+            known(machine.and_then(|m| m.spec.provider_id.as_deref())),
+        ),
+        (
+            "Health check",
+            health.unwrap_or_else(|| "no failed health check on the Machine now".to_owned()),
+        ),
+        ("Phase", phase.unwrap_or_else(|| "Pending".to_owned())),
+    ]
+}
+
+/// The form field of a refusal: `field` for a path ending in its name, else `otherwise`.
+fn field_or(field: &'static str, otherwise: &'static str) -> impl Fn(&str) -> &'static str {
+    move |path| {
+        if path.ends_with(field) {
+            field
+        } else {
+            otherwise
+        }
+    }
+}
+
+/// Adds to `problems`, when the form itself had none, the API's rules' refusals of `old`
+/// changed by `change` (`Validate::validate_update`), each on the form field `field_of(path)`
+/// names.
+fn check_rules<K: Validate + Clone>(
+    old: &K,
+    change: impl FnOnce(&mut K),
+    problems: &mut Vec<(Option<String>, String)>,
     field_of: impl Fn(&str) -> &'static str,
-) -> Vec<(Option<String>, String)> {
-    errors
-        .into_iter()
-        .map(|e| (Some(field_of(e.path()).to_owned()), e.to_string()))
-        .collect()
+) {
+    if !problems.is_empty() {
+        return;
+    }
+    let mut new = old.clone();
+    change(&mut new);
+    problems.extend(
+        K::validate_update(old, &new)
+            .into_iter()
+            .map(|e| (Some(field_of(e.path()).to_owned()), e.to_string())),
+    );
 }
 
 #[cfg(test)]
@@ -379,6 +544,83 @@ mod tests {
             }))
             .unwrap(),
         ))
+    }
+
+    fn remediation(phase: Option<&str>, answer: Option<serde_json::Value>) -> Target {
+        let mut object = serde_json::json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
+            "metadata": { "name": "m-0", "namespace": "ns", "resourceVersion": "7" },
+            "spec": { "request": "Fix it." },
+        });
+        if let Some(phase) = phase {
+            object["status"] = serde_json::json!({ "phase": phase });
+        }
+        if let Some(answer) = answer {
+            object["spec"]["answer"] = answer;
+        }
+        Target::Remediation(serde_json::from_value(object).unwrap())
+    }
+
+    #[test]
+    fn a_repair_answer_is_one_of_two_with_a_bounded_clean_message() {
+        let ok = remediation(None, None)
+            .apply(&fields(&[
+                ("result", "CannotRepair"),
+                ("message", " Burnt.\r\nGone. "),
+            ]))
+            .unwrap();
+        assert_eq!(
+            ok,
+            serde_json::json!({
+                "metadata": { "resourceVersion": "7" },
+                "spec": { "answer": { "result": "CannotRepair", "message": "Burnt.\nGone." } },
+            })
+        );
+        let ok = remediation(None, None)
+            .apply(&fields(&[("result", "Repaired"), ("message", "")]))
+            .unwrap();
+        assert_eq!(
+            ok["spec"],
+            serde_json::json!({"answer": {"result": "Repaired"}})
+        );
+        assert_eq!(
+            problems(&remediation(None, None), &[("message", "m")]),
+            [Some("result".into())]
+        );
+        assert_eq!(
+            problems(
+                &remediation(None, None),
+                &[("result", "Repaired"), ("message", "a\u{202e}b")]
+            ),
+            [Some("message".into())]
+        );
+        // Answered already: the rule's own refusal (the page shows "already answered" first).
+        let answered = remediation(None, Some(serde_json::json!({"result": "Repaired"})));
+        assert_eq!(
+            problems(&answered, &[("result", "CannotRepair")]),
+            [Some("result".into())]
+        );
+        assert!(answered.fulfilment().is_some());
+    }
+
+    #[test]
+    fn a_closed_repair_request_takes_no_answer() {
+        assert!(remediation(Some("HandedBack"), None).closed().is_some());
+        assert!(remediation(Some("NoLongerNeeded"), None).closed().is_some());
+        assert!(
+            remediation(Some("WaitingForAnswer"), None)
+                .closed()
+                .is_none()
+        );
+        assert!(remediation(None, None).closed().is_none());
+        // Answered and handed back (CannotRepair): "already answered", not closed.
+        let answered = serde_json::json!({"result": "CannotRepair"});
+        assert!(
+            remediation(Some("HandedBack"), Some(answered))
+                .closed()
+                .is_none()
+        );
+        assert!(cluster().closed().is_none() && machine().closed().is_none());
     }
 
     fn fields(pairs: &[(&str, &str)]) -> Form {

@@ -1,23 +1,55 @@
-//! The pages the handlers answer with: the form (with its problems) and "already recorded".
+//! The pages the handlers answer with: the form (with its problems), "recorded" and "already
+//! recorded", for what was built and for a repair request's answer alike.
 
 use bytes::Bytes;
-use capm_api::link_token;
+use capm_api::{link_token, v1beta1::AnswerResult};
 use http::{Response, StatusCode};
 use http_body_util::Full;
 
 use super::{
-    ADDRESS_ROWS, Page, html,
+    ADDRESS_ROWS, Answer, Outcome, Page, html,
     target::{Form, Target},
 };
 
 impl Page {
-    pub(super) async fn already(
-        &self,
-        target: &Target,
-        values: &[(String, String)],
-    ) -> Response<Full<Bytes>> {
+    /// The "already recorded" page of `target` (what was built, or a repair request's answer),
+    /// counted by its kind.
+    pub(super) async fn already(&self, target: &Target, values: &[(String, String)]) -> Answer {
         let asked = target.summary(&self.client).await;
-        self.answer(StatusCode::OK, html::already(values, &asked))
+        let (outcome, title) = if target.is_repair() {
+            (Outcome::AlreadyAnswered, "Already answered")
+        } else {
+            (Outcome::Already, "Already fulfilled")
+        };
+        self.answer_with(
+            outcome,
+            StatusCode::OK,
+            html::already(title, values, &asked),
+        )
+    }
+
+    /// What the page answers once the values are recorded on `target`.
+    pub(super) fn recorded(&self, target: &Target, values: &[(String, String)]) -> Answer {
+        let name = html::shown(target.meta().name.as_deref().unwrap_or_default());
+        let kind = target.kind().as_str();
+        let (outcome, sentence) = match target {
+            Target::Remediation(r) => (
+                Outcome::Answered,
+                match r.spec.answer.as_ref().map(|a| a.result) {
+                    Some(AnswerResult::CannotRepair) => format!(
+                        "Answer recorded. Thank you: the Machine {name} is handed back to its owner, which replaces it."
+                    ),
+                    _ => format!(
+                        "Answer recorded. Thank you: the Machine {name} is watched until its health check passes."
+                    ),
+                },
+            ),
+            _ => (
+                Outcome::Fulfilled,
+                format!("Recorded. Thank you: the {kind} {name} is marked provisioned shortly."),
+            ),
+        };
+        self.answer_with(outcome, StatusCode::OK, html::recorded(&sentence, values))
     }
 
     pub(super) async fn form_page(
@@ -98,10 +130,20 @@ impl Page {
                     .collect();
                 html::form(&action, &form_token, &fields, &rows, general)
             }
+            Target::Remediation(_) => html::answer_form(&html::AnswerForm {
+                action: &action,
+                form_token: &form_token,
+                result: &form.result,
+                result_problem: problem("result"),
+                message: &form.message,
+                message_problem: problem("message"),
+                problem: general,
+            }),
         };
         let title = match target {
             Target::Cluster(_) => "A cluster was requested",
             Target::Machine(_) => "A machine was requested",
+            Target::Remediation(_) => "A machine needs repair",
         };
         self.answer(status, html::page(title, &summary.then(&body)))
     }

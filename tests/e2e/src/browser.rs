@@ -53,10 +53,24 @@ pub fn form_token(page: &str) -> Result<String> {
 /// # Errors
 /// When none is recorded in time.
 pub async fn fulfilled_event(admin: &Client, namespace: &str, name: &str) -> Result<String> {
+    link_event(admin, namespace, name, "FulfilledThroughLink").await
+}
+
+/// The note of the Event with `reason` (`FulfilledThroughLink`, or `AnsweredThroughLink` for a
+/// repair request's answer) about the object `name` in `namespace`, once recorded (within 30 s).
+///
+/// # Errors
+/// When none is recorded in time.
+pub async fn link_event(
+    admin: &Client,
+    namespace: &str,
+    name: &str,
+    reason: &str,
+) -> Result<String> {
     let events: Api<Event> = Api::namespaced(admin.clone(), namespace);
     crate::eventually(
         Duration::from_secs(30),
-        "the FulfilledThroughLink Event",
+        &format!("the {reason} Event"),
         || {
             let events = events.clone();
             async move {
@@ -66,7 +80,7 @@ pub async fn fulfilled_event(admin: &Client, namespace: &str, name: &str) -> Res
                     .items
                     .into_iter()
                     .find(|e| {
-                        e.reason.as_deref() == Some("FulfilledThroughLink")
+                        e.reason.as_deref() == Some(reason)
                             && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
                     })
                     .and_then(|e| e.note))

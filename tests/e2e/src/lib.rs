@@ -23,6 +23,7 @@ pub mod monitoring;
 pub mod pods;
 mod provider;
 pub mod release;
+pub mod remediation;
 pub mod topology;
 
 pub use provider::{
@@ -30,6 +31,12 @@ pub use provider::{
     mailgun_values, refresh_secret_mounts, route_webhook_service, start_chart_provider,
     start_routed_chart_provider,
 };
+
+/// The provider's ServiceAccount (the chart's, in [`CHART_NAMESPACE`]) as the API server names
+/// it.
+pub fn provider_username() -> String {
+    format!("system:serviceaccount:{CHART_NAMESPACE}:{FULLNAME}")
+}
 
 /// What a Mailgun contract server stored, as the ledger reads it (arrival order from 1), each
 /// with its text body.

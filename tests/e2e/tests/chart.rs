@@ -423,7 +423,11 @@ async fn rendered_manifests_pass_a_server_side_dry_run() -> Result<()> {
                         .into_iter()
                         .flatten()
                         .any(|r| r["resources"]
-                            == serde_json::json!(["mailgunclusters", "mailgunmachines"])
+                            == serde_json::json!([
+                                "mailgunclusters",
+                                "mailgunmachines",
+                                "mailgunremediations"
+                            ])
                             && r["verbs"] == serde_json::json!(["get"]))),
                 "smtp-values.yaml: the page may not read the objects links name"
             );
@@ -1140,7 +1144,7 @@ const PAGE: &str = "capm-cluster-api-provider-mailgun-fulfilment";
 /// Secret), list identities (the Event names an identity's recipients), create its Event, and
 /// review a scraper's token for /metrics. No Secret, no Lease, no status, no list or watch of
 /// the objects.
-const PAGE_RULES: [(&str, &str, &str); 9] = [
+const PAGE_RULES: [(&str, &str, &str); 11] = [
     ("infrastructure.cluster.x-k8s.io", "mailgunclusters", "get"),
     (
         "infrastructure.cluster.x-k8s.io",
@@ -1151,6 +1155,16 @@ const PAGE_RULES: [(&str, &str, &str); 9] = [
     (
         "infrastructure.cluster.x-k8s.io",
         "mailgunmachines",
+        "patch",
+    ),
+    (
+        "infrastructure.cluster.x-k8s.io",
+        "mailgunremediations",
+        "get",
+    ),
+    (
+        "infrastructure.cluster.x-k8s.io",
+        "mailgunremediations",
         "patch",
     ),
     ("cluster.x-k8s.io", "machines", "get"),

@@ -593,7 +593,7 @@ async fn clusterctl_init_generate_and_delete() -> Result<()> {
         "kept CRDs: {kept:?}; the whole test {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    ensure!(kept.len() == 5, "our five CRDs are kept: {kept:?}");
+    ensure!(kept.len() == 7, "our seven CRDs are kept: {kept:?}");
     cm.check_alive()?;
     capi.check_alive()?;
     Ok(())

@@ -23,8 +23,8 @@ use capm_e2e::{
     AUDIT_POLICY, CHART_NAMESPACE as NS, FULLNAME, HttpsScrape, Prometheus, RELEASE,
     audited_requests, create_cluster_pair, create_namespace, create_secret, dynamic_api,
     dynamic_object, eventually, free_port, helm_chart, https_get, promtool_check_metrics,
-    service_account_kubeconfig, start_capi_manager, start_chart_provider,
-    start_routed_chart_provider,
+    provider_username, remediation, service_account_kubeconfig, start_capi_manager,
+    start_chart_provider, start_routed_chart_provider,
 };
 use capm_mail_servers::{ReceivedMail, SmtpOptions, SmtpServer, SmtpTls};
 use capm_test_support::pki::CertificateAuthority;
@@ -39,6 +39,8 @@ use kube::{
 };
 
 const USER_NS: &str = "team-a";
+const INFRA: &str = "infrastructure.cluster.x-k8s.io";
+const CAPI: &str = "cluster.x-k8s.io";
 const RECIPIENT: &str = "infrastructure-team@example.com";
 /// The links' key (32 bytes, base64).
 const LINK_KEY: &str = "ZW5kLXRvLWVuZC1saW5rLWtleS1vZi10aGlydHktdHdv";
@@ -740,6 +742,47 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         note.contains("tenant-oncall@example.com"),
         "the tenant's FulfilledThroughLink Event names the identity's recipients: {note}"
     );
+    // Issue 56: a repair request answered through its link, by the page run apart (its
+    // ServiceAccount reads and patches the MailgunRemediation). Made by hand as a
+    // MachineHealthCheck makes one, its repair mail's record written as the provider's
+    // ServiceAccount (the remediation controller is the next step), its link minted as the
+    // controller will mint it; the Machine is gone (deleted with the Cluster above), which the
+    // page shows.
+    let created = remediation::create_remediation(
+        &admin,
+        USER_NS,
+        "e2e-repair",
+        None,
+        serde_json::json!({"request": "Power-cycle it."}),
+    )
+    .await?;
+    let link = remediation::repair_link(&cp, &created, "capm.e2e.example.com", &page_url, LINK_KEY)
+        .await?;
+    let (status, answer) = capm_e2e::browser::fulfil_through_link(
+        dir,
+        &page_url,
+        &link,
+        &[
+            ("result", "CannotRepair"),
+            ("message", "The+board+is+burnt."),
+        ],
+    )?;
+    ensure!(
+        status == 200 && answer.contains("Answer recorded") && answer.contains("handed back"),
+        "the repair link: HTTP {status}:\n{answer}\npage log:\n{}",
+        page.proc.tail(20)
+    );
+    let stored = dynamic_api(&admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation")
+        .get("e2e-repair")
+        .await?;
+    ensure!(
+        stored.data["spec"]["answer"]
+            == serde_json::json!({"result": "CannotRepair", "message": "The board is burnt."}),
+        "{}",
+        stored.data
+    );
+    capm_e2e::browser::link_event(&admin, USER_NS, "e2e-repair", "AnsweredThroughLink").await?;
+
     // The page's /metrics, as the provider's: the scraper's token reviewed.
     let (status, _) = https_get(&page.metrics, "/metrics", &scrape, true)?;
     ensure!(status == 200, "the page's metrics: HTTP {status}");
@@ -757,7 +800,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         "provider did not exit 0 on SIGTERM:\n{}",
         provider.proc.tail(20)
     );
-    let username = format!("system:serviceaccount:{NS}:{FULLNAME}");
+    let username = provider_username();
     let requests = audited_requests(&audit_log, &username)?;
     let denied: Vec<_> = requests.iter().filter(|r| r.code == 403).collect();
     ensure!(
@@ -795,23 +838,29 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         identities_role.rules.as_deref().unwrap_or_default(),
     ));
     grants.extend(granted(secrets_role.rules.as_deref().unwrap_or_default()));
+    // Remediation by mail (issue 56): granted with its CRDs for its controller, the next step,
+    // whose stories will exercise these.
+    let next_step = "the remediation controller's (issue 56's next step)";
     let not_exercised: BTreeMap<(&str, &str, &str), &str> = BTreeMap::from([
         (
-            (
-                "infrastructure.cluster.x-k8s.io",
-                "mailgunclusters/finalizers",
-                "update",
-            ),
+            (INFRA, "mailgunclusters/finalizers", "update"),
             "checked by the OwnerReferencesPermissionEnforcement admission plugin (OpenShift enables it), not used by our merge patches",
         ),
         (
-            (
-                "infrastructure.cluster.x-k8s.io",
-                "mailgunmachines/finalizers",
-                "update",
-            ),
+            (INFRA, "mailgunmachines/finalizers", "update"),
             "as for mailgunclusters/finalizers",
         ),
+        (
+            (INFRA, "mailgunremediations/finalizers", "update"),
+            "as for mailgunclusters/finalizers",
+        ),
+        ((INFRA, "mailgunremediations", "list"), next_step),
+        ((INFRA, "mailgunremediations", "watch"), next_step),
+        ((INFRA, "mailgunremediations", "patch"), next_step),
+        ((INFRA, "mailgunremediations/status", "patch"), next_step),
+        ((CAPI, "machines/status", "patch"), next_step),
+        ((CAPI, "machinehealthchecks", "list"), next_step),
+        ((CAPI, "machinehealthchecks", "watch"), next_step),
     ]);
     let mut unused = Vec::new();
     for (group, resource, verb) in &grants {

@@ -4,7 +4,8 @@
 //! request mails. A headless Chromium (Debian's `chromium`, driven by Playwright for Python:
 //! `tests/e2e/browser/fulfil_page.py`) opens the link from each received mail, fills the form by
 //! its labels and submits it: the `Cluster` reaches `Provisioned`, and so does a `MailgunMachine`
-//! of a MachineDeployment. The screenshots of each page state go to the test's own directory, or
+//! of a MachineDeployment, and the worker's repair request (issue 56) is answered through its
+//! link. The screenshots of each page state go to the test's own directory, or
 //! to `docs/fulfilment/` with `CAPM_SCREENSHOTS=docs` (`make screenshots`), so a test run leaves
 //! the tree as it was.
 
@@ -19,7 +20,7 @@ use capm_e2e::{
     CHART_NAMESPACE as NS, FULLNAME, RELEASE,
     browser::{self, Visit, chromium, fulfilled_event, link_in, page_says},
     create_namespace, create_object, create_secret, dynamic_api, eventually, free_port, helm_chart,
-    mailgun_mails, mailgun_values, start_capi_manager, start_routed_chart_provider,
+    mailgun_mails, mailgun_values, remediation, start_capi_manager, start_routed_chart_provider,
     topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
@@ -64,6 +65,25 @@ fn browse(
         refused,
         proxy: None,
     })
+}
+
+/// What the browser saw of one link (`report`), without JavaScript: the request page (its
+/// title, and what it shows), "Recorded" showing `recorded`, and the page opened again (its
+/// title, and what it shows).
+fn pages_say(
+    report: &Value,
+    request: (&str, &[&str]),
+    recorded: &[&str],
+    again: (&str, &[&str]),
+) -> Result<()> {
+    ensure!(report["request"]["status"] == 200, "{report}");
+    ensure!(
+        report["scripts"] == 0,
+        "the page has no JavaScript: {report}"
+    );
+    page_says(report, "request", request.0, request.1)?;
+    page_says(report, "submitted", "Recorded", recorded)?;
+    page_says(report, "again", again.0, again.1)
 }
 
 fn condition_true(object: &DynamicObject, kind: &str) -> bool {
@@ -189,35 +209,21 @@ async fn story(
         &[],
         Some(&altered),
     )?;
-    ensure!(report["request"]["status"] == 200, "{report}");
-    ensure!(
-        report["scripts"] == 0,
-        "the page has no JavaScript: {report}"
-    );
-    page_says(
+    pages_say(
         &report,
-        "request",
-        "A cluster was requested",
-        &[
-            "MailgunCluster",
-            CLUSTER,
-            USER_NS,
-            "Urgent",
-            "Three control plane nodes.",
-            "web-admin@example.com",
-        ],
-    )?;
-    page_says(
-        &report,
-        "submitted",
-        "Recorded",
+        (
+            "A cluster was requested",
+            &[
+                "MailgunCluster",
+                CLUSTER,
+                USER_NS,
+                "Urgent",
+                "Three control plane nodes.",
+                "web-admin@example.com",
+            ],
+        ),
         &["api.web.example.com:6443"],
-    )?;
-    page_says(
-        &report,
-        "again",
-        "Already fulfilled",
-        &["api.web.example.com:6443"],
+        ("Already fulfilled", &["api.web.example.com:6443"]),
     )?;
     ensure!(report["refused"]["status"] == 403, "{report}");
     page_says(
@@ -307,35 +313,26 @@ async fn story(
         &[("address-type-0", "InternalIP")],
         None,
     )?;
-    page_says(
+    pages_say(
         &report,
-        "request",
-        "A machine was requested",
-        &[
-            "MailgunMachine",
-            &machine,
-            "BusinessCritical",
-            "A worker please",
-            "Bootstrap data",
-            &secret,
-        ],
-    )?;
-    page_says(
-        &report,
-        "submitted",
-        "Recorded",
+        (
+            "A machine was requested",
+            &[
+                "MailgunMachine",
+                &machine,
+                "BusinessCritical",
+                "A worker please",
+                "Bootstrap data",
+                &secret,
+            ],
+        ),
         &["datacentre://rack4/slot12", "192.0.2.10"],
-    )?;
-    page_says(
-        &report,
-        "again",
-        "Already fulfilled",
-        &["datacentre://rack4/slot12"],
+        ("Already fulfilled", &["datacentre://rack4/slot12"]),
     )?;
 
     let mailgun_machines = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunMachine");
     let machines = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine");
-    eventually(
+    let machine_name = eventually(
         wait,
         "the MailgunMachine and its Machine provisioned",
         || async {
@@ -353,7 +350,7 @@ async fn story(
             let infra = capi_machine.data["status"]["initialization"]["infrastructureProvisioned"]
                 == true
                 && capi_machine.data["spec"]["providerID"] == "datacentre://rack4/slot12";
-            Ok((provisioned && infra).then_some(()))
+            Ok((provisioned && infra).then_some(owner.name))
         },
     )
     .await?;
@@ -362,6 +359,74 @@ async fn story(
         note.contains("datacentre://rack4/slot12") && note.contains(RECIPIENT),
         "{note}"
     );
+    repair_story(cp, admin, dir, &url, &machine_name).await?;
     println!("screenshots in {}", screenshots_dir(dir).display());
+    Ok(())
+}
+
+/// Issue 56: the answer to a repair request, in the browser. A `MailgunRemediation` for the
+/// worker's Machine as a MachineHealthCheck makes it, its link as the remediation controller
+/// (the next step) will mint it; the browser answers `Repaired` with a message, and opening the
+/// link again shows the answer, not a form.
+async fn repair_story(
+    cp: &ControlPlane,
+    admin: &Client,
+    dir: &Path,
+    url: &str,
+    machine_name: &str,
+) -> Result<()> {
+    let machine = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine")
+        .get(machine_name)
+        .await?;
+    let spec =
+        json!({"request": "The worker stopped answering.\nPower-cycle it and check its cable."});
+    let created =
+        remediation::create_remediation(admin, USER_NS, machine_name, Some(&machine), spec).await?;
+    let link = remediation::repair_link(cp, &created, DOMAIN, url, KEY).await?;
+    ensure!(
+        !link.contains(machine_name) && !link.contains(USER_NS),
+        "the link names the object: {link}"
+    );
+    let report = browse(
+        dir,
+        &link,
+        "repair",
+        &[("Message", "Reseated the power cable.")],
+        &[("result", "Repaired")],
+        None,
+    )?;
+    pages_say(
+        &report,
+        (
+            "A machine needs repair",
+            &[
+                "MailgunRemediation",
+                machine_name,
+                "Urgent",
+                "Power-cycle it and check its cable.",
+                CLUSTER,
+                "datacentre://rack4/slot12",
+                "Pending",
+            ],
+        ),
+        &["Answer recorded", "Repaired", "Reseated the power cable."],
+        (
+            "Already answered",
+            &["Repaired", "Reseated the power cable.", machine_name],
+        ),
+    )?;
+    let stored = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation")
+        .get(machine_name)
+        .await?;
+    ensure!(
+        stored.data["spec"]["answer"]
+            == json!({"result": "Repaired", "message": "Reseated the power cable."}),
+        "{}",
+        stored.data
+    );
+    let note = browser::link_event(admin, USER_NS, machine_name, "AnsweredThroughLink").await?;
+    for want in [RECIPIENT, "127.0.0.1", "Chrome", "Repaired"] {
+        ensure!(note.contains(want), "{want:?} not in the Event: {note}");
+    }
     Ok(())
 }

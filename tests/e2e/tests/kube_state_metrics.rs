@@ -1,8 +1,9 @@
 //! The monitoring the project ships, run for real (issue 46): the real kube-state-metrics
 //! (`make tools` builds it) serves `config/metrics/crd-metrics-config.yaml` for MailgunClusters
-//! and MailgunMachines in every state the provider gives them, and Debian's Prometheus scrapes
-//! the provider, the Cluster API core manager and kube-state-metrics together and evaluates the
-//! chart's alert rules on them.
+//! and MailgunMachines in every state the provider gives them (and for two MailgunRemediations,
+//! their status written by the test until their controller lands, issue 56), and Debian's
+//! Prometheus scrapes the provider, the Cluster API core manager and kube-state-metrics together
+//! and evaluates the chart's alert rules on them.
 //!
 //! The provider runs from this build as the chart's Deployment runs it (install_chart_and_provider),
 //! against the Mailgun contract server, beside the real core manager. The objects: a cluster
@@ -37,7 +38,7 @@ use capm_e2e::{
     dynamic_api, dynamic_object, eventually, free_port, fulfil_command, helm,
     install_chart_and_provider, mailgun_mails, mailgun_values,
     monitoring::{Sample, config_dir, crd_metric_names, parse_exposition, sample_value},
-    run, run_with_input, service_account_kubeconfig, start_capi_manager_with,
+    remediation, run, run_with_input, service_account_kubeconfig, start_capi_manager_with,
 };
 use capm_mail_servers::MailgunServer;
 use capm_test_support::{ControlPlane, Options};
@@ -54,6 +55,7 @@ const TENANT_DOMAIN: &str = "mg.tenant.example.com";
 const RECIPIENT: &str = "infrastructure-team@example.com";
 const INFRA: &str = "infrastructure.cluster.x-k8s.io";
 const CAPI: &str = "cluster.x-k8s.io";
+const CLUSTER_NAME: &str = "cluster.x-k8s.io/cluster-name";
 /// The test's own finalizer: keeps the released MailgunCluster in deletion.
 const HOLD: &str = "test.capm.example.com/hold";
 /// The waiting threshold the alerts are rendered with.
@@ -235,78 +237,25 @@ impl<'a> Expect<'a> {
     fn check(&self, samples: &[Sample], seen: &mut BTreeSet<String>) -> Result<()> {
         let o = self.object;
         let name = o.name_any();
-        let ns = o.namespace().context("namespace")?;
-        let uid = o.uid().context("uid")?;
-        let p = self.prefix;
-        let base = [
-            ("name", name.as_str()),
-            ("namespace", ns.as_str()),
-            ("uid", uid.as_str()),
-        ];
-        let with = |extra: &[(&str, &str)]| -> Vec<(String, String)> {
-            base.iter()
-                .chain(extra.iter())
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect()
-        };
-        let mut check = |family: &str, labels: Vec<(String, String)>, want: Option<f64>| {
-            let labels: Vec<(&str, &str)> = labels
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            let metric = format!("{p}_{family}");
-            let got = sample_value(samples, &metric, &labels);
-            ensure!(
-                got == want,
-                "{metric}{labels:?} of {name}: kube-state-metrics gives {got:?}, the object's state means {want:?}"
-            );
-            if got.is_some() {
-                seen.insert(metric);
-            }
-            Ok(())
-        };
-        let cluster_name = o.labels().get("cluster.x-k8s.io/cluster-name").cloned();
-        let mut info = with(self.info);
+        let mut series = Series::of(samples, seen, self.prefix, o)?;
+        let cluster_name = o.labels().get(CLUSTER_NAME).cloned();
+        let mut info = self.info.to_vec();
         if let Some(c) = &cluster_name {
-            info.push(("cluster_name".to_owned(), c.clone()));
+            info.push(("cluster_name", c.as_str()));
         }
-        check("info", info, Some(1.0))?;
-        let created = o
-            .metadata
-            .creation_timestamp
-            .as_ref()
-            .context("creationTimestamp")?
-            .0
-            .as_second() as f64;
-        check("created", with(&[]), Some(created))?;
-        check(
+        series.check("info", &info, Some(1.0))?;
+        series.check(
             "annotation_paused",
-            with(&[("paused_value", "")]),
+            &[("paused_value", "")],
             self.paused.then_some(1.0),
         )?;
+        series.check_common(o)?;
         let status = &o.data["status"];
-        let conditions = status["conditions"].as_array().context("no conditions")?;
-        for c in conditions {
-            let (t, s) = (
-                c["type"].as_str().context("type")?,
-                c["status"].as_str().context("status")?,
-            );
-            for state in ["True", "False", "Unknown"] {
-                check(
-                    "status_condition",
-                    with(&[("type", t), ("status", state)]),
-                    Some(if state == s { 1.0 } else { 0.0 }),
-                )?;
-            }
-            check(
-                "status_condition_last_transition_time",
-                with(&[("type", t), ("status", s)]),
-                Some(unix(&c["lastTransitionTime"])?),
-            )?;
-        }
         let condition = |t: &str| {
-            conditions
-                .iter()
+            status["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
                 .find(|c| c["type"] == t)
                 .map(|c| c["status"].as_str().unwrap_or_default().to_owned())
         };
@@ -326,46 +275,199 @@ impl<'a> Expect<'a> {
             owners.iter().any(|r| r.kind == self.owner_kind),
             "{name}: owned by {owners:?}"
         );
-        for r in owners {
-            check(
+        if self.mailed {
+            let state = &status["mail"]["state"];
+            ensure!(
+                state == "Sent" || state == "Delivered",
+                "{name}: mail state {state}"
+            );
+        }
+        ensure!(
+            status["mail"]["sentAt"].is_null() != self.mailed,
+            "{name}: mailed is {}, yet {status}",
+            self.mailed
+        );
+        series.check(
+            "status_provisioned",
+            &[],
+            Some(if self.provisioned { 1.0 } else { 0.0 }),
+        )
+    }
+}
+
+/// One object's series in a kube-state-metrics scrape, each family checked against what the
+/// object's state means.
+struct Series<'a> {
+    samples: &'a [Sample],
+    seen: &'a mut BTreeSet<String>,
+    /// `capi_mailguncluster`, `capi_mailgunmachine` or `capi_mailgunremediation`.
+    prefix: &'a str,
+    name: String,
+    /// The labels every family of the object carries.
+    base: Vec<(&'static str, String)>,
+}
+
+impl<'a> Series<'a> {
+    /// The series of `object`, each labelled with its name, namespace and UID.
+    fn of(
+        samples: &'a [Sample],
+        seen: &'a mut BTreeSet<String>,
+        prefix: &'a str,
+        object: &DynamicObject,
+    ) -> Result<Self> {
+        let name = object.name_any();
+        Ok(Self {
+            samples,
+            seen,
+            prefix,
+            base: vec![
+                ("name", name.clone()),
+                ("namespace", object.namespace().context("namespace")?),
+                ("uid", object.uid().context("uid")?),
+            ],
+            name,
+        })
+    }
+
+    /// The one sample of `family` with the object's labels and `extra` is `want` (`None`: no
+    /// such sample).
+    fn check(&mut self, family: &str, extra: &[(&str, &str)], want: Option<f64>) -> Result<()> {
+        let labels: Vec<(&str, &str)> = self
+            .base
+            .iter()
+            .map(|(k, v)| (*k, v.as_str()))
+            .chain(extra.iter().copied())
+            .collect();
+        let metric = format!("{}_{family}", self.prefix);
+        let got = sample_value(self.samples, &metric, &labels);
+        ensure!(
+            got == want,
+            "{metric}{labels:?} of {}: kube-state-metrics gives {got:?}, the object's state means {want:?}",
+            self.name
+        );
+        if got.is_some() {
+            self.seen.insert(metric);
+        }
+        Ok(())
+    }
+
+    /// The families every kind has: `created`, each condition and its transition time, each
+    /// owner, and the request (or repair) mail's state and time.
+    fn check_common(&mut self, o: &DynamicObject) -> Result<()> {
+        let created = o
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .context("creationTimestamp")?
+            .0
+            .as_second() as f64;
+        self.check("created", &[], Some(created))?;
+        let status = &o.data["status"];
+        for c in status["conditions"].as_array().context("no conditions")? {
+            let (t, s) = (
+                c["type"].as_str().context("type")?,
+                c["status"].as_str().context("status")?,
+            );
+            for state in ["True", "False", "Unknown"] {
+                self.check(
+                    "status_condition",
+                    &[("type", t), ("status", state)],
+                    Some(if state == s { 1.0 } else { 0.0 }),
+                )?;
+            }
+            self.check(
+                "status_condition_last_transition_time",
+                &[("type", t), ("status", s)],
+                Some(unix(&c["lastTransitionTime"])?),
+            )?;
+        }
+        for r in o.owner_references() {
+            self.check(
                 "owner",
-                with(&[
+                &[
                     ("owner_kind", r.kind.as_str()),
                     ("owner_name", r.name.as_str()),
                     ("owner_uid", r.uid.as_str()),
-                ]),
+                ],
                 Some(1.0),
             )?;
         }
         let state = status["mail"]["state"].as_str();
-        if self.mailed {
-            ensure!(
-                matches!(state, Some("Sent" | "Delivered")),
-                "{name}: mail state {state:?}"
-            );
-            check(
-                "status_mail_sent_at",
-                with(&[]),
-                Some(unix(&status["mail"]["sentAt"])?),
-            )?;
-        } else {
-            ensure!(
-                status["mail"]["sentAt"].is_null(),
-                "{name}: not mailed, yet {status}"
-            );
-            check("status_mail_sent_at", with(&[]), None)?;
+        for each in ["Pending", "Sent", "Delivered", "Failed"] {
+            let want = state.map(|s| if s == each { 1.0 } else { 0.0 });
+            self.check("status_mail_state", &[("state", each)], want)?;
         }
-        for s in ["Pending", "Sent", "Delivered", "Failed"] {
-            let want = state.map(|state| if state == s { 1.0 } else { 0.0 });
-            check("status_mail_state", with(&[("state", s)]), want)?;
-        }
-        check(
-            "status_provisioned",
-            with(&[]),
-            Some(if self.provisioned { 1.0 } else { 0.0 }),
-        )?;
-        Ok(())
+        let sent_at = match &status["mail"]["sentAt"] {
+            Value::Null => None,
+            at => Some(unix(at)?),
+        };
+        self.check("status_mail_sent_at", &[], sent_at)
     }
+}
+
+/// A MailgunRemediation for the Machine `machine` as a MachineHealthCheck makes it, with
+/// `answer` in its spec and `status` written as the remediation controller (the next step of
+/// issue 56) will write it.
+async fn create_remediation(
+    admin: &Client,
+    machine: &str,
+    answer: Option<Value>,
+    status: Value,
+) -> Result<DynamicObject> {
+    let owner = capi(admin, "Machine").get(machine).await?;
+    let mut spec = json!({"request": "Power-cycle it.", "strategy": {"unfulfilled": "GiveUp"}});
+    if let Some(answer) = answer {
+        spec["answer"] = answer;
+    }
+    remediation::create_remediation(admin, USER_NS, machine, Some(&owner), spec).await?;
+    Ok(infra(admin, "MailgunRemediation")
+        .patch_status(
+            machine,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": status})),
+        )
+        .await?)
+}
+
+/// The families of one MailgunRemediation (`capi_mailgunremediation_*`, each labelled with its
+/// cluster too) against what its state means: `info` with its priority and strategy, the
+/// families every kind has, its phase and the answer (none before one).
+fn check_remediation(
+    samples: &[Sample],
+    seen: &mut BTreeSet<String>,
+    o: &DynamicObject,
+) -> Result<()> {
+    let mut series = Series::of(samples, seen, "capi_mailgunremediation", o)?;
+    let cluster = o.labels().get(CLUSTER_NAME).cloned().unwrap_or_default();
+    series.base.push(("cluster_name", cluster));
+    series.check(
+        "info",
+        &[("priority", "Urgent"), ("unfulfilled", "GiveUp")],
+        Some(1.0),
+    )?;
+    series.check_common(o)?;
+    let phase = o.data["status"]["phase"].as_str().context("no phase")?;
+    for each in [
+        "Pending",
+        "WaitingForFulfilment",
+        "WaitingForAnswer",
+        "WaitingForRepair",
+        "HandBackHeld",
+        "HandedBack",
+        "NoLongerNeeded",
+    ] {
+        series.check(
+            "status_phase",
+            &[("phase", each)],
+            Some(if each == phase { 1.0 } else { 0.0 }),
+        )?;
+    }
+    let answer = o.data["spec"]["answer"]["result"].as_str();
+    for each in ["Repaired", "CannotRepair"] {
+        let want = answer.map(|a| if a == each { 1.0 } else { 0.0 });
+        series.check("answer", &[("result", each)], want)?;
+    }
+    Ok(())
 }
 
 /// The stock kube-state-metrics chart's values the docs give: (customResourceState.config,
@@ -613,6 +715,39 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     )
     .await?;
 
+    // Issue 56: two repair requests as the remediation controller will leave them (it is the
+    // next step; the test writes their status): fulfilled-m0's answered `Repaired` after its
+    // repair mail was delivered, fulfilled-m1's not believed yet (no mail, no answer).
+    let delivered = "2026-01-02T03:04:05Z";
+    create_remediation(
+        &admin,
+        "fulfilled-m0",
+        Some(json!({"result": "Repaired", "message": "Reseated the cable."})),
+        json!({
+            "phase": "WaitingForRepair",
+            "conditions": [
+                {"type": "Ready", "status": "False", "reason": "WaitingForRepair", "message": "", "lastTransitionTime": delivered},
+                {"type": "MailSent", "status": "True", "reason": "MailSent", "message": "", "lastTransitionTime": delivered},
+                {"type": "Answered", "status": "True", "reason": "Repaired", "message": "", "lastTransitionTime": delivered},
+            ],
+            "mail": {"state": "Delivered", "sentAt": delivered, "messageID": "<repair@mg.monitoring.example.com>"},
+            "askedAt": delivered,
+        }),
+    )
+    .await?;
+    create_remediation(
+        &admin,
+        "fulfilled-m1",
+        None,
+        json!({
+            "phase": "Pending",
+            "conditions": [
+                {"type": "Ready", "status": "False", "reason": "WaitingForMachine", "message": "", "lastTransitionTime": delivered},
+            ],
+        }),
+    )
+    .await?;
+
     // kube-state-metrics as the stock chart would run it with the documented values: a
     // ServiceAccount with exactly rbac.extraRules, customResourceState.config as its file.
     let (config, rules) = stock_chart_values()?;
@@ -666,6 +801,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     // Every family, for every object, as its state means.
     let declared = crd_metric_names(&config_dir().join("metrics/crd-metrics-config.yaml"))?;
     let machines = infra(&admin, "MailgunMachine");
+    let remediations = infra(&admin, "MailgunRemediation");
     // What was still missing, printed when it changes.
     let last_reason = std::sync::Mutex::new(String::new());
     let (samples, exposition) = eventually(wait, "kube-state-metrics's series", || async {
@@ -715,6 +851,12 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         let mut last = None;
         for e in &expectations {
             if let Err(err) = e.check(&samples, &mut seen) {
+                last = Some(err);
+            }
+        }
+        for name in ["fulfilled-m0", "fulfilled-m1"] {
+            let r = remediations.get(name).await?;
+            if let Err(err) = check_remediation(&samples, &mut seen, &r) {
                 last = Some(err);
             }
         }
