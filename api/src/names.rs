@@ -25,6 +25,15 @@ pub const MAIL_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail"
 /// Its `Message-Id` comes from [`deletion_message_id`].
 pub const DELETION_MAIL_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/deletion-mail";
 
+/// The durable records of a `MailgunRemediation`'s reminders 1 to 3, one annotation each, like
+/// [`MAIL_ANNOTATION`] (which holds its repair mail's, and [`DELETION_MAIL_ANNOTATION`] its
+/// "no longer needed" mail's). Their `Message-Id`s come from [`reminder_message_id`].
+pub const REMINDER_MAIL_ANNOTATIONS: [&str; 3] = [
+    "mailgun.infrastructure.cluster.x-k8s.io/reminder-1-mail",
+    "mailgun.infrastructure.cluster.x-k8s.io/reminder-2-mail",
+    "mailgun.infrastructure.cluster.x-k8s.io/reminder-3-mail",
+];
+
 /// The request's intent as release 0.1 wrote it (beside [`MAIL_SENT_ANNOTATION`]); still
 /// read, never written: objects mailed by release 0.1 are not mailed again.
 pub const MAIL_INTENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail-intent";
@@ -227,6 +236,16 @@ pub fn deletion_message_id(kind: &str, uid: &str, domain: &str) -> String {
     format!("<{}-deleted.{uid}@{domain}>", kind.to_ascii_lowercase())
 }
 
+/// The deterministic `Message-Id` of reminder `n` of one object's request (a remediation's repair
+/// mail): `<kind-reminder-n.uid@domain>`. Distinct from [`message_id`] and from every other
+/// reminder's, so each is a mail of its own that receivers can de-duplicate.
+pub fn reminder_message_id(kind: &str, n: u8, uid: &str, domain: &str) -> String {
+    format!(
+        "<{}-reminder-{n}.{uid}@{domain}>",
+        kind.to_ascii_lowercase()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +254,9 @@ mod tests {
     fn annotation_keys_share_the_prefix() {
         for key in [
             MAIL_ANNOTATION,
+            REMINDER_MAIL_ANNOTATIONS[0],
+            REMINDER_MAIL_ANNOTATIONS[1],
+            REMINDER_MAIL_ANNOTATIONS[2],
             DELETION_MAIL_ANNOTATION,
             MAIL_INTENT_ANNOTATION,
             MAIL_SENT_ANNOTATION,

@@ -22,7 +22,8 @@
 //!   an object, by UID, and the tombstones), the delivery questions, the tenants' mail backends;
 //! - `context`: what every reconcile shares;
 //! - `sendonce::execute` and `delivery`: the work: one mail, crash-safely; delivery news;
-//! - `reconcile`: one pass, in Cluster API's step order;
+//! - `reconcile`, `remediation`: one pass, in Cluster API's step order; the remediation's
+//!   decision, mails and pass;
 //! - `pipeline`: watch → store → triggers → controller, one per kind: [`run`].
 
 mod config;
@@ -38,6 +39,14 @@ mod metrics;
 mod pipeline;
 mod poller;
 mod reconcile;
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "the controller that uses it comes in the next commit"
+    )
+)]
+mod remediation;
 mod sendonce;
 mod status;
 mod watch;

@@ -60,7 +60,7 @@ pub(super) async fn send<K: InfraKind>(
                 Err(e) => return Err(e),
             }
             let reason = match which {
-                Which::Request => reasons::MAIL_SENT,
+                Which::Request | Which::Reminder(_) => reasons::MAIL_SENT,
                 Which::Deletion => reasons::DELETION_MAIL_SENT,
             };
             ctx.publish(

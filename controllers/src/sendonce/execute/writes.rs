@@ -21,7 +21,7 @@ use crate::{
 fn record_patch(tracked: &Tracked, which: Which, value: String) -> serde_json::Value {
     let mut annotations = serde_json::Map::new();
     annotations.insert(which.record_key().to_owned(), value.into());
-    for legacy in [which.intent_key(), which.sent_key()] {
+    for legacy in [which.intent_key(), which.sent_key()].into_iter().flatten() {
         if tracked.annotations.contains_key(legacy) {
             annotations.insert(legacy.to_owned(), serde_json::Value::Null);
         }
