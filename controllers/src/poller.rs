@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::{Leadership, kinds::InfraKind};
+use crate::{Leadership, kinds::Mailed};
 
 /// The poller's request budget: at most one request to the backend per this much time.
 pub const REQUEST_GAP: Duration = Duration::from_millis(200);
@@ -166,7 +166,7 @@ impl Poller {
 
     /// Registers the open request mail `message_id` of object `uid` (accepted at `sent_at`,
     /// `elapsed` ago) if it is not yet, and returns what the backend said of it so far.
-    pub(crate) fn track<K: InfraKind>(
+    pub(crate) fn track<K: Mailed>(
         &self,
         obj: &K,
         uid: &str,

@@ -26,6 +26,7 @@ use kube::{
     Api, Client, Resource, ResourceExt,
     runtime::{
         WatchStreamExt,
+        controller::Action,
         reflector::{self, ObjectRef, Store, store::Writer},
         watcher,
     },
@@ -34,7 +35,8 @@ use kube::{
 use super::{identity_triggers::IdentityNews, trim};
 use crate::{
     Config,
-    kinds::{InfraKind, Stores},
+    context::{Ctx, ReconcileError},
+    kinds::{Mailed, Stores},
     watch::{list_config, scoped, watch},
 };
 
@@ -228,17 +230,23 @@ impl CapiWatches {
 }
 
 /// What differs between the kinds' pipelines: which Cluster API objects ask for their
-/// reconciles.
-pub(crate) trait Pipelined: InfraKind {
+/// reconciles, and the reconcile.
+pub(crate) trait Pipelined: Mailed {
     /// Streams of this kind's objects to reconcile, mapped from Cluster API objects' changes.
     fn capi_triggers(
         watches: &CapiWatches,
         own: &Store<Self>,
     ) -> Vec<BoxStream<'static, ObjectRef<Self>>>;
+
+    /// One reconcile of `obj`.
+    fn reconcile(
+        obj: Arc<Self>,
+        ctx: Arc<Ctx>,
+    ) -> impl Future<Output = Result<Action, ReconcileError>> + Send + 'static;
 }
 
 /// Our object named by a Cluster API object's `spec.infrastructureRef`.
-fn infra_target<K: InfraKind>(
+fn infra_target<K: Mailed>(
     reference: Option<&ContractRef>,
     namespace: Option<String>,
 ) -> Option<ObjectRef<K>> {
@@ -260,6 +268,13 @@ impl Pipelined for MailgunCluster {
             })
         });
         vec![by_cluster.boxed()]
+    }
+
+    fn reconcile(
+        obj: Arc<Self>,
+        ctx: Arc<Ctx>,
+    ) -> impl Future<Output = Result<Action, ReconcileError>> + Send + 'static {
+        crate::reconcile::reconcile(obj, ctx)
     }
 }
 
@@ -309,6 +324,13 @@ impl Pipelined for MailgunMachine {
             futures::stream::iter(targets)
         });
         vec![by_machine.boxed(), by_cluster.boxed()]
+    }
+
+    fn reconcile(
+        obj: Arc<Self>,
+        ctx: Arc<Ctx>,
+    ) -> impl Future<Output = Result<Action, ReconcileError>> + Send + 'static {
+        crate::reconcile::reconcile(obj, ctx)
     }
 }
 

@@ -16,7 +16,7 @@ use capm_api::{
 use k8s_openapi::{api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use kube::Resource;
 
-use crate::kinds::InfraKind;
+use crate::kinds::Mailed;
 
 /// The annotations a reconcile reads (by key) on our objects.
 pub const READ_ANNOTATIONS: [&str; 9] = [
@@ -32,7 +32,7 @@ pub const READ_ANNOTATIONS: [&str; 9] = [
 ];
 
 /// One of our objects as its cache keeps it.
-pub fn ours<K: InfraKind>(obj: &mut K) {
+pub fn ours<K: Mailed>(obj: &mut K) {
     keep(obj.meta_mut(), &READ_ANNOTATIONS, K::CACHED_LABELS);
 }
 

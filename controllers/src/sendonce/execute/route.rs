@@ -7,7 +7,7 @@ use super::Tracked;
 use crate::{
     context::{Ctx, ReconcileError},
     identity::{Access, IdentityError, Route, Wanted},
-    kinds::InfraKind,
+    kinds::Mailed,
     sendonce::{Which, records::read_records},
 };
 
@@ -54,7 +54,7 @@ pub(super) async fn recorded_route(
 
 /// The route of a new intent of `which`: the object's current identity for the request; for the
 /// release, the identity the request went through (or the current one when that is gone).
-pub(super) async fn route_for_new<K: InfraKind>(
+pub(super) async fn route_for_new<K: Mailed>(
     ctx: &Ctx,
     tracked: &Tracked,
     which: Which,
