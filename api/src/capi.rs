@@ -70,6 +70,7 @@ pub struct ClusterInitialization {
     version = "v1beta2",
     kind = "Machine",
     namespaced,
+    status = "MachineStatus",
     schema = "disabled"
 )]
 #[serde(rename_all = "camelCase")]
@@ -86,6 +87,45 @@ pub struct MachineSpec {
     /// `spec.infrastructureRef`.
     #[serde(default)]
     pub infrastructure_ref: Option<ContractRef>,
+    /// `spec.providerID`, copied by Cluster API from the infrastructure once it has one.
+    #[serde(default, rename = "providerID")]
+    pub provider_id: Option<String>,
+}
+
+/// The fields of `Machine.status` this provider reads (remediation by mail).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineStatus {
+    /// `status.conditions` (v1beta2).
+    #[serde(default)]
+    pub conditions: Option<Vec<MachineCondition>>,
+    /// `status.nodeRef`.
+    #[serde(default)]
+    pub node_ref: Option<NodeRef>,
+}
+
+/// One of `Machine.status.conditions`: the fields read.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MachineCondition {
+    /// `type`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `status`: `True`, `False` or `Unknown`.
+    pub status: String,
+    /// `reason`.
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// `message`.
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+/// `Machine.status.nodeRef`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRef {
+    /// The Node's name.
+    #[serde(default)]
+    pub name: String,
 }
 
 /// `Machine.spec.bootstrap`.
@@ -133,5 +173,16 @@ impl Machine {
     /// `spec.bootstrap.dataSecretName`.
     pub fn bootstrap_secret(&self) -> Option<&str> {
         self.spec.bootstrap.as_ref()?.data_secret_name.as_deref()
+    }
+
+    /// The v1beta2 condition of this type, if any.
+    pub fn condition(&self, type_: &str) -> Option<&MachineCondition> {
+        let conditions = self.status.as_ref()?.conditions.as_ref()?;
+        conditions.iter().find(|c| c.type_ == type_)
+    }
+
+    /// `status.nodeRef.name`.
+    pub fn node_name(&self) -> Option<&str> {
+        Some(self.status.as_ref()?.node_ref.as_ref()?.name.as_str()).filter(|n| !n.is_empty())
     }
 }

@@ -22,13 +22,16 @@ use crate::{
 mod mailed;
 
 /// The reflector stores the reconciles read: Cluster API's objects, the mail identities and their
-/// claimed Secrets (never written), and our `MailgunCluster`s (a machine's identity is its
-/// cluster's).
+/// claimed Secrets (never written), our `MailgunCluster`s (a machine's identity is its
+/// cluster's) and `MailgunMachine`s.
 #[derive(Clone)]
 pub struct Stores {
     pub clusters: Store<Cluster>,
     pub machines: Store<Machine>,
     pub mailgun_clusters: Store<MailgunCluster>,
+    /// The `MailgunMachine` controller's own store (a remediation reads whether its machine was
+    /// built).
+    pub mailgun_machines: Store<MailgunMachine>,
     pub identities: Store<MailgunClusterIdentity>,
     pub secrets: Store<k8s_openapi::api::core::v1::Secret>,
 }
@@ -361,6 +364,7 @@ pub(crate) mod tests {
             clusters,
             machines,
             mailgun_clusters: listed(),
+            mailgun_machines: listed(),
             identities: listed(),
             secrets: listed(),
         }

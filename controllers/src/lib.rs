@@ -2,7 +2,7 @@
 //!
 //! What it is for: the `MailgunCluster` and `MailgunMachine` controllers (the Cluster API
 //! infrastructure-provider contract: owner, pause, finalizer, `reconcile_normal` /
-//! `reconcile_delete`), the crash-safe "send exactly one mail" recipe, conditions, events and
+//! `reconcile_delete`), remediation by mail (`MailgunRemediation`), the crash-safe "send exactly one mail" recipe, conditions, events and
 //! the controller-runtime-compatible metrics. [`run`] is the whole of it.
 //!
 //! What it is not for: configuration parsing, leader election, HTTP serving and process
@@ -39,13 +39,6 @@ mod metrics;
 mod pipeline;
 mod poller;
 mod reconcile;
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "the controller that uses it comes in the next commit"
-    )
-)]
 mod remediation;
 mod sendonce;
 mod status;

@@ -19,8 +19,11 @@ use kube::Resource;
 use crate::kinds::Mailed;
 
 /// The annotations a reconcile reads (by key) on our objects.
-pub const READ_ANNOTATIONS: [&str; 9] = [
+pub const READ_ANNOTATIONS: [&str; 12] = [
     names::MAIL_ANNOTATION,
+    names::REMINDER_MAIL_ANNOTATIONS[0],
+    names::REMINDER_MAIL_ANNOTATIONS[1],
+    names::REMINDER_MAIL_ANNOTATIONS[2],
     names::DELETION_MAIL_ANNOTATION,
     names::MAIL_INTENT_ANNOTATION,
     names::MAIL_SENT_ANNOTATION,
@@ -41,9 +44,18 @@ pub fn cluster(obj: &mut Cluster) {
     read_only(obj.meta_mut(), &[]);
 }
 
-/// A Cluster API `Machine` as its cache keeps it.
+/// A Cluster API `Machine` as its cache keeps it: of its conditions, only the two a remediation
+/// reads, `HealthCheckSucceeded` when it is `False` and `OwnerRemediated`.
 pub fn machine(obj: &mut Machine) {
+    use capm_api::owner_remediated::{HEALTH_CHECK_SUCCEEDED, OWNER_REMEDIATED};
     read_only(obj.meta_mut(), &[names::CLUSTER_NAME_LABEL]);
+    let conditions = obj.status.as_mut().and_then(|s| s.conditions.as_mut());
+    if let Some(conditions) = conditions {
+        conditions.retain(|c| {
+            (c.type_ == HEALTH_CHECK_SUCCEEDED && c.status == "False")
+                || c.type_ == OWNER_REMEDIATED
+        });
+    }
 }
 
 /// A `MailgunClusterIdentity` as its cache keeps it.

@@ -7,7 +7,14 @@
 //! longer needed" mail its deletion mail, and each reminder has its own).
 
 pub(crate) mod decide;
+mod handback;
+mod kind;
 pub(crate) mod mail;
+mod reconcile;
+mod shown;
+mod view;
+
+pub(crate) use self::reconcile::reconcile;
 
 use std::collections::BTreeMap;
 
