@@ -159,9 +159,32 @@ mod tests {
         assert_eq!(meta.uid.as_deref(), Some("u"));
         assert!(c.paused());
 
-        let mut m: Machine =
-            serde_json::from_value(json!({ "metadata": metadata(), "spec": {} })).unwrap();
+        let mut m: Machine = serde_json::from_value(json!({ "metadata": metadata(), "spec": {},
+            "status": { "nodeRef": { "name": "n" }, "conditions": [
+                { "type": "Ready", "status": "False", "message": "long" },
+                { "type": "HealthCheckSucceeded", "status": "False", "reason": "UnhealthyNode" },
+                { "type": "OwnerRemediated", "status": "False", "reason": "MachineDeleting" },
+            ] } }))
+        .unwrap();
         machine(&mut m);
+        let kept: Vec<_> = (m.status.as_ref().and_then(|s| s.conditions.as_ref()))
+            .into_iter()
+            .flatten()
+            .map(|c| c.type_.as_str())
+            .collect();
+        assert_eq!(kept, ["HealthCheckSucceeded", "OwnerRemediated"]);
+        assert_eq!(m.node_name(), Some("n"));
+        let mut healthy: Machine = serde_json::from_value(json!({ "metadata": metadata(),
+            "spec": {}, "status": { "conditions": [
+                { "type": "HealthCheckSucceeded", "status": "True" },
+            ] } }))
+        .unwrap();
+        machine(&mut healthy);
+        assert_eq!(
+            healthy.condition("HealthCheckSucceeded"),
+            None,
+            "a healthy one keeps none"
+        );
         assert_eq!(m.cluster_name().as_deref(), Some("c"));
         assert_eq!(m.metadata.labels.as_ref().map(BTreeMap::len), Some(1));
         assert_eq!(m.metadata.annotations, None);

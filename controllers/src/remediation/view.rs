@@ -84,3 +84,105 @@ fn built(machine: &Machine, capi: &Stores, namespace: &str) -> Option<String> {
         _ => machine.spec.provider_id.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::{reflector, watcher::Event};
+    use serde_json::json;
+
+    use super::*;
+
+    fn store<K>(objects: Vec<K>) -> kube::runtime::reflector::Store<K>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + 'static,
+    {
+        let (store, mut writer) = reflector::store();
+        writer.apply_watcher_event(&Event::Init);
+        for o in objects {
+            writer.apply_watcher_event(&Event::InitApply(o));
+        }
+        writer.apply_watcher_event(&Event::InitDone);
+        store
+    }
+
+    fn machine(health: &str, provider_id: Option<&str>) -> Machine {
+        let mut m: Machine = serde_json::from_value(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+            "metadata": { "name": "m-0", "namespace": "ns", "uid": "machine-uid" },
+            "spec": { "clusterName": "c", "providerID": provider_id,
+                      "infrastructureRef": { "apiGroup": "x.example.com", "kind": "Other", "name": "m-0" } },
+            "status": { "nodeRef": { "name": "node-0" }, "conditions": [
+                { "type": HEALTH_CHECK_SUCCEEDED, "status": health, "reason": "UnhealthyNode" },
+            ] },
+        }))
+        .unwrap();
+        m.metadata.namespace = Some("ns".into());
+        m
+    }
+
+    fn remediation(owner_uid: &str) -> MailgunRemediation {
+        serde_json::from_value(json!({
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
+            "metadata": { "name": "m-0", "namespace": "ns", "ownerReferences": [
+                { "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine", "name": "m-0", "uid": owner_uid },
+            ] },
+            "spec": { "request": "r" },
+        }))
+        .unwrap()
+    }
+
+    fn cluster(paused: bool) -> capm_api::capi::Cluster {
+        serde_json::from_value(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "metadata": { "name": "c", "namespace": "ns" }, "spec": { "paused": paused },
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_the_machine_of_the_owner_reference_s_uid_is_believed() {
+        let capi = |m: Machine, paused| {
+            crate::kinds::tests::stores(store(vec![cluster(paused)]), store(vec![m]))
+        };
+        let unhealthy = capi(machine("False", Some("metal://1")), false);
+        fn view(obj: &MailgunRemediation, capi: &Stores) -> MachineView {
+            believe(obj, capi).view
+        }
+        assert_eq!(
+            view(&remediation("machine-uid"), &unhealthy),
+            MachineView::Believed {
+                unhealthy: true,
+                fulfilled: true
+            }
+        );
+        let believed = believe(&remediation("machine-uid"), &unhealthy);
+        assert_eq!(believed.provider_id.as_deref(), Some("metal://1"));
+        assert_eq!(believed.machine.unwrap().node_name(), Some("node-0"));
+        assert!(matches!(
+            view(&remediation("another-uid"), &unhealthy),
+            MachineView::NotBelieved(why) if why.contains("UID")
+        ));
+        let nothing = crate::kinds::tests::stores(store(vec![]), store(vec![]));
+        assert!(matches!(
+            view(&remediation("machine-uid"), &nothing),
+            MachineView::NotBelieved(_)
+        ));
+        assert_eq!(
+            view(
+                &remediation("machine-uid"),
+                &capi(machine("True", None), false)
+            ),
+            MachineView::Believed {
+                unhealthy: false,
+                fulfilled: false
+            }
+        );
+        assert_eq!(
+            view(
+                &remediation("machine-uid"),
+                &capi(machine("False", None), true)
+            ),
+            MachineView::Paused
+        );
+    }
+}
