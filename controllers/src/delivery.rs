@@ -16,7 +16,7 @@ use kube::ResourceExt;
 use tracing::{debug, warn};
 
 use crate::{
-    context::Ctx, events::EventType, identity::Access::Recorded, kinds::InfraKind, status::Status,
+    context::Ctx, events::EventType, identity::Access::Recorded, kinds::Mailed, status::Status,
 };
 
 /// The final `MailDelivered` reasons: no more questions once one of them is shown.
@@ -56,7 +56,7 @@ struct Shown {
 /// Shows what is known of the delivery of the request mail `message_id`, accepted at
 /// `sent_at`, in `status` (only what changed), and keeps the mail on the delivery poller's list
 /// while its outcome is open; the poller wakes this object's reconcile when it learns news.
-pub(crate) async fn track<K: InfraKind>(
+pub(crate) async fn track<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     status: &mut Status,
@@ -223,7 +223,7 @@ fn pending() -> Shown {
 
 /// Shows `shown` in the condition and the mail state; counts and announces it only when it is
 /// news (a different reason than status showed).
-async fn show<K: InfraKind>(
+async fn show<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     (backend, identity): (&str, &str),

@@ -3,31 +3,35 @@
 use std::{fmt::Debug, sync::Arc};
 
 use capm_api::{
-    capi::{self, Cluster, ContractRef, Machine},
+    capi::{Cluster, ContractRef, Machine},
     names,
     v1beta1::{MachineAddress, MailgunCluster, MailgunClusterIdentity, MailgunMachine, Priority},
     validation::Validate,
 };
-use k8s_openapi::NamespaceResourceScope;
 use kube::{
-    Resource, ResourceExt,
+    ResourceExt,
     runtime::reflector::{ObjectRef, Store},
 };
-use serde::{Serialize, de::DeserializeOwned};
 
+pub use self::mailed::Mailed;
 use crate::{
     status::Status,
     watch::{NotListed, listed},
 };
 
+mod mailed;
+
 /// The reflector stores the reconciles read: Cluster API's objects, the mail identities and their
-/// claimed Secrets (never written), and our `MailgunCluster`s (a machine's identity is its
-/// cluster's).
+/// claimed Secrets (never written), our `MailgunCluster`s (a machine's identity is its
+/// cluster's) and `MailgunMachine`s.
 #[derive(Clone)]
 pub struct Stores {
     pub clusters: Store<Cluster>,
     pub machines: Store<Machine>,
     pub mailgun_clusters: Store<MailgunCluster>,
+    /// The `MailgunMachine` controller's own store (a remediation reads whether its machine was
+    /// built).
+    pub mailgun_machines: Store<MailgunMachine>,
     pub identities: Store<MailgunClusterIdentity>,
     pub secrets: Store<k8s_openapi::api::core::v1::Secret>,
 }
@@ -55,41 +59,13 @@ pub fn key(namespace: Option<&str>, name: &str) -> String {
     format!("{}/{name}", namespace.unwrap_or_default())
 }
 
-/// An infrastructure kind this provider reconciles.
-pub trait InfraKind:
-    Resource<DynamicType = (), Scope = NamespaceResourceScope>
-    + Clone
-    + Debug
-    + DeserializeOwned
-    + Serialize
-    + Validate
-    + Send
-    + Sync
-    + 'static
-{
-    /// `MailgunCluster` / `MailgunMachine`.
-    const KIND: &'static str;
-    /// The controller name in metrics and logs.
-    const CONTROLLER: &'static str;
-    const FINALIZER: &'static str;
-    /// The Cluster API owner kind (`Cluster` / `Machine`).
-    const OWNER_KIND: &'static str;
-    /// The labels the controllers read on this kind; the cache drops the others.
-    const CACHED_LABELS: &'static [&'static str];
-
+/// An infrastructure kind this provider reconciles: a [`Mailed`] kind with a request a human
+/// fulfils.
+pub trait InfraKind: Mailed + Validate {
     /// The object's status, as the shared [`Status`].
     fn shared_status(&self) -> Status;
-    fn priority(&self) -> Priority;
-    fn requester(&self) -> &str;
     /// What the human provided, once they did.
     fn fulfilment(&self) -> Option<String>;
-    type Owner: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + Debug
-        + DeserializeOwned
-        + Send
-        + Sync
-        + 'static;
     /// Addresses to publish in status (machines).
     fn addresses(&self) -> Option<Vec<MachineAddress>> {
         None
@@ -103,30 +79,24 @@ pub trait InfraKind:
     fn cluster_in_cache(capi: &Stores, obj: &Self, owner: &Self::Owner) -> Option<Arc<Cluster>>;
     /// What must hold before the request is mailed; `Ok` carries the request mail.
     fn request_mail(&self, capi: &Stores, owner: &Self::Owner) -> Result<MailText, Wait>;
-    /// The "no longer needed" mail.
-    fn deletion_mail(&self) -> MailText;
-    /// The mail identity the object wants now (`spec.identityRef`; a machine: its Cluster's).
-    fn wanted_identity(&self, capi: &Stores) -> Wanted;
+}
 
-    /// A span naming the object `key` (`namespace/name`) the way Cluster API's logs do: the
-    /// kind as the key (`MailgunCluster="ns/name"`), with the `controller`, and `Cluster` (and
-    /// `Machine`) left to record. At ERROR level so that no level filter drops it: the events
-    /// inside would lose the object's name.
-    fn log_span(key: &str) -> tracing::Span;
-
-    /// [`Self::log_span`] for this object, its owner and its `Cluster` recorded as far as the
-    /// object names them (ownerReference, `cluster.x-k8s.io/cluster-name` label).
-    fn span(&self) -> tracing::Span {
-        let namespace = self.namespace();
-        let key = |name: &str| self::key(namespace.as_deref(), name);
-        let span = Self::log_span(&key(&self.name_any()));
-        if let Some(owner) = capi::owner(self.owner_references(), Self::OWNER_KIND) {
-            span.record(Self::OWNER_KIND, key(&owner.name).as_str());
+/// The identity of the `MailgunCluster` of the Cluster `cluster` in `namespace` (a machine's, a
+/// remediation's). A Cluster not in the cache (gone, for a release whose request's identity is
+/// gone too) or of another infrastructure, or a `MailgunCluster` that does not exist (any
+/// more): the provider's own (if it serves the namespace), never another tenant's.
+pub fn cluster_identity(capi: &Stores, namespace: &str, cluster: Option<&String>) -> Wanted {
+    let cluster = cluster.and_then(|c| MailgunCluster::owner_in_cache(capi, namespace, c));
+    match cluster
+        .as_ref()
+        .and_then(|c| c.spec.infrastructure_ref.as_ref())
+    {
+        Some(r) if r.api_group == capm_api::GROUP && r.kind == MailgunCluster::KIND => {
+            let infra = ObjectRef::new(&r.name).within(namespace);
+            let infra = listed(&capi.mailgun_clusters, "MailgunCluster")?.get(&infra);
+            Ok(infra.and_then(|i| i.spec.identity_ref.clone().map(|r| r.name)))
         }
-        if let Some(cluster) = self.labels().get(names::CLUSTER_NAME_LABEL) {
-            span.record("Cluster", key(cluster).as_str());
-        }
-        span
+        _ => Ok(None),
     }
 }
 
@@ -145,7 +115,7 @@ fn fulfil_command(kind: &str, obj: &impl ResourceExt, patch: &str) -> String {
     )
 }
 
-impl InfraKind for MailgunCluster {
+impl Mailed for MailgunCluster {
     const KIND: &'static str = "MailgunCluster";
     const CONTROLLER: &'static str = "mailguncluster";
     const FINALIZER: &'static str = names::CLUSTER_FINALIZER;
@@ -162,6 +132,29 @@ impl InfraKind for MailgunCluster {
         )
     }
 
+    fn priority(&self) -> Priority {
+        self.spec.priority
+    }
+    fn wanted_identity(&self, _: &Stores) -> Wanted {
+        Ok(self.spec.identity_ref.as_ref().map(|r| r.name.clone()))
+    }
+    fn deletion_mail(&self) -> MailText {
+        let name = self.name_any();
+        MailText {
+            subject: format!("[{}] Cluster {name} no longer needed", self.spec.priority),
+            body: format!(
+                "Hello again! Cluster {name} (namespace {}) is no longer needed; its \
+                 infrastructure can be released.\n",
+                self.namespace().unwrap_or_default()
+            ),
+        }
+    }
+    fn reply_to(&self) -> Option<&str> {
+        Some(&self.spec.requester)
+    }
+}
+
+impl InfraKind for MailgunCluster {
     fn shared_status(&self) -> Status {
         self.status
             .as_ref()
@@ -173,12 +166,6 @@ impl InfraKind for MailgunCluster {
                 mail: s.mail.clone(),
             })
             .unwrap_or_default()
-    }
-    fn priority(&self) -> Priority {
-        self.spec.priority
-    }
-    fn requester(&self) -> &str {
-        &self.spec.requester
     }
     fn fulfilment(&self) -> Option<String> {
         self.spec
@@ -218,23 +205,9 @@ impl InfraKind for MailgunCluster {
             ),
         })
     }
-    fn wanted_identity(&self, _: &Stores) -> Wanted {
-        Ok(self.spec.identity_ref.as_ref().map(|r| r.name.clone()))
-    }
-    fn deletion_mail(&self) -> MailText {
-        let name = self.name_any();
-        MailText {
-            subject: format!("[{}] Cluster {name} no longer needed", self.spec.priority),
-            body: format!(
-                "Hello again! Cluster {name} (namespace {}) is no longer needed; its \
-                 infrastructure can be released.\n",
-                self.namespace().unwrap_or_default()
-            ),
-        }
-    }
 }
 
-impl InfraKind for MailgunMachine {
+impl Mailed for MailgunMachine {
     const KIND: &'static str = "MailgunMachine";
     const CONTROLLER: &'static str = "mailgunmachine";
     const FINALIZER: &'static str = names::MACHINE_FINALIZER;
@@ -253,6 +226,36 @@ impl InfraKind for MailgunMachine {
         )
     }
 
+    fn priority(&self) -> Priority {
+        self.spec.priority
+    }
+    /// The identity of its Cluster's `MailgunCluster` ([`cluster_identity`]).
+    fn wanted_identity(&self, capi: &Stores) -> Wanted {
+        let cluster = self.labels().get(names::CLUSTER_NAME_LABEL);
+        cluster_identity(capi, &self.namespace().unwrap_or_default(), cluster)
+    }
+    fn deletion_mail(&self) -> MailText {
+        let name = self.name_any();
+        MailText {
+            subject: format!("[{}] Machine {name} no longer needed", self.spec.priority),
+            body: format!(
+                "Hello again! Machine {name} (namespace {}{}) is no longer needed; it can be \
+                 released.\n",
+                self.namespace().unwrap_or_default(),
+                self.spec
+                    .provider_id
+                    .as_ref()
+                    .map(|p| format!(", provider ID {p}"))
+                    .unwrap_or_default()
+            ),
+        }
+    }
+    fn reply_to(&self) -> Option<&str> {
+        Some(&self.spec.requester)
+    }
+}
+
+impl InfraKind for MailgunMachine {
     fn shared_status(&self) -> Status {
         self.status
             .as_ref()
@@ -264,12 +267,6 @@ impl InfraKind for MailgunMachine {
                 mail: s.mail.clone(),
             })
             .unwrap_or_default()
-    }
-    fn priority(&self) -> Priority {
-        self.spec.priority
-    }
-    fn requester(&self) -> &str {
-        &self.spec.requester
     }
     fn fulfilment(&self) -> Option<String> {
         self.spec
@@ -345,50 +342,14 @@ impl InfraKind for MailgunMachine {
             ),
         })
     }
-    /// The identity of its Cluster's `MailgunCluster`. A Cluster not in the cache (gone, for a
-    /// release whose request's identity is gone too) or of another infrastructure, or a
-    /// `MailgunCluster` that does not exist (any more): the provider's own (if it serves the
-    /// namespace), never another tenant's.
-    fn wanted_identity(&self, capi: &Stores) -> Wanted {
-        let namespace = self.namespace().unwrap_or_default();
-        let cluster = self
-            .labels()
-            .get(names::CLUSTER_NAME_LABEL)
-            .and_then(|c| MailgunCluster::owner_in_cache(capi, &namespace, c));
-        match cluster
-            .as_ref()
-            .and_then(|c| c.spec.infrastructure_ref.as_ref())
-        {
-            Some(r) if r.api_group == capm_api::GROUP && r.kind == MailgunCluster::KIND => {
-                let infra = ObjectRef::new(&r.name).within(&namespace);
-                let infra = listed(&capi.mailgun_clusters, "MailgunCluster")?.get(&infra);
-                Ok(infra.and_then(|i| i.spec.identity_ref.clone().map(|r| r.name)))
-            }
-            _ => Ok(None),
-        }
-    }
-    fn deletion_mail(&self) -> MailText {
-        let name = self.name_any();
-        MailText {
-            subject: format!("[{}] Machine {name} no longer needed", self.spec.priority),
-            body: format!(
-                "Hello again! Machine {name} (namespace {}{}) is no longer needed; it can be \
-                 released.\n",
-                self.namespace().unwrap_or_default(),
-                self.spec
-                    .provider_id
-                    .as_ref()
-                    .map(|p| format!(", provider ID {p}"))
-                    .unwrap_or_default()
-            ),
-        }
-    }
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use capm_api::v1beta1::{MailgunClusterStatus, MailgunMachineStatus};
+    use kube::Resource;
+    use serde::de::DeserializeOwned;
 
     /// `clusters` and `machines`, beside listed and empty identity and Secret stores.
     pub(crate) fn stores(clusters: Store<Cluster>, machines: Store<Machine>) -> Stores {
@@ -403,6 +364,7 @@ pub(crate) mod tests {
             clusters,
             machines,
             mailgun_clusters: listed(),
+            mailgun_machines: listed(),
             identities: listed(),
             secrets: listed(),
         }

@@ -68,8 +68,8 @@ struct Object {
     not_before: Option<Instant>,
     /// The `resourceVersion` our own last write produced.
     expected_version: Option<u64>,
-    /// The request mail and the release mail.
-    mails: [MailNotes; 2],
+    /// The request mail, the release mail and a remediation's reminder in flight.
+    mails: [MailNotes; 3],
     /// Waiting in a controller's queue (that controller's name) since.
     queued: Option<(&'static str, Instant)>,
     /// The delivery poller asking about its open request mail.
@@ -83,7 +83,7 @@ impl Object {
         self.failures == 0
             && self.not_before.is_none()
             && self.expected_version.is_none()
-            && self.mails == [MailNotes::default(); 2]
+            && self.mails == [MailNotes::default(); 3]
             && self.queued.is_none()
             && self.poller.is_none()
             && !self.in_series
@@ -94,6 +94,9 @@ fn slot(which: Which) -> usize {
     match which {
         Which::Request => 0,
         Which::Deletion => 1,
+        // One reminder is in flight at a time (each follows the previous one's sent record),
+        // and the notes of one are cleared when it is recorded sent.
+        Which::Reminder(_) => 2,
     }
 }
 

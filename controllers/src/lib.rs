@@ -2,7 +2,7 @@
 //!
 //! What it is for: the `MailgunCluster` and `MailgunMachine` controllers (the Cluster API
 //! infrastructure-provider contract: owner, pause, finalizer, `reconcile_normal` /
-//! `reconcile_delete`), the crash-safe "send exactly one mail" recipe, conditions, events and
+//! `reconcile_delete`), remediation by mail (`MailgunRemediation`), the crash-safe "send exactly one mail" recipe, conditions, events and
 //! the controller-runtime-compatible metrics. [`run`] is the whole of it.
 //!
 //! What it is not for: configuration parsing, leader election, HTTP serving and process
@@ -22,7 +22,8 @@
 //!   an object, by UID, and the tombstones), the delivery questions, the tenants' mail backends;
 //! - `context`: what every reconcile shares;
 //! - `sendonce::execute` and `delivery`: the work: one mail, crash-safely; delivery news;
-//! - `reconcile`: one pass, in Cluster API's step order;
+//! - `reconcile`, `remediation`: one pass, in Cluster API's step order; the remediation's
+//!   decision, mails and pass;
 //! - `pipeline`: watch → store → triggers → controller, one per kind: [`run`].
 
 mod config;
@@ -38,6 +39,7 @@ mod metrics;
 mod pipeline;
 mod poller;
 mod reconcile;
+mod remediation;
 mod sendonce;
 mod status;
 mod watch;

@@ -49,6 +49,10 @@ pub struct Metrics {
     pub(crate) delivery: IntCounterVec,
     pub(crate) abandoned: IntCounterVec,
     pub(crate) releases_abandoned: IntCounterVec,
+    /// `capm_remediations_total{outcome}`.
+    pub(crate) remediations: IntCounterVec,
+    /// `capm_remediation_hand_backs_total{reason}`.
+    pub(crate) hand_backs: IntCounterVec,
     pub(crate) remembered: IntGaugeVec,
     pub(crate) queue_depth: IntGaugeVec,
     queue_adds: IntCounterVec,
@@ -185,8 +189,26 @@ impl Metrics {
         for reason in ["identity", "mail"] {
             releases_abandoned.with_label_values(&[reason]);
         }
+        let remediations = counter(
+            "capm_remediations_total",
+            "Remediations by mail by how they ended: handed_back (the Machine handed back to its owner), repaired (answered Repaired, the object deleted when the Machine was healthy again), no_longer_needed (healthy again before any answer: that mail sent)",
+            &["outcome"],
+        )?;
+        let hand_backs = counter(
+            "capm_remediation_hand_backs_total",
+            "Machines handed back to their owner by remediation by mail, by reason: CannotRepair, NoAnswer, RepairTimedOut, NotFulfilled",
+            &["reason"],
+        )?;
+        for outcome in ["handed_back", "repaired", "no_longer_needed"] {
+            remediations.with_label_values(&[outcome]);
+        }
+        for reason in ["CannotRepair", "NoAnswer", "RepairTimedOut", "NotFulfilled"] {
+            hand_backs.with_label_values(&[reason]);
+        }
         Ok(Self {
             releases_abandoned,
+            remediations,
+            hand_backs,
             running,
             remembered: gauge(
                 "capm_remembered_objects",

@@ -12,7 +12,7 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use capm_api::v1beta1::{MailgunCluster, MailgunMachine};
+use capm_api::v1beta1::{MailgunCluster, MailgunMachine, MailgunRemediation};
 use capm_mailer::{Delivery, Mailer, MessageId, OpenMail};
 use futures::channel::mpsc;
 use kube::runtime::reflector::ObjectRef;
@@ -20,7 +20,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::{Leadership, kinds::InfraKind};
+use crate::{Leadership, kinds::Mailed};
 
 /// The poller's request budget: at most one request to the backend per this much time.
 pub const REQUEST_GAP: Duration = Duration::from_millis(200);
@@ -74,6 +74,7 @@ struct State {
 pub(crate) struct WakeSenders {
     pub clusters: mpsc::UnboundedSender<ObjectRef<MailgunCluster>>,
     pub machines: mpsc::UnboundedSender<ObjectRef<MailgunMachine>>,
+    pub remediations: mpsc::UnboundedSender<ObjectRef<MailgunRemediation>>,
 }
 
 /// The process's delivery poller (see the module); one more per mail identity in use
@@ -157,16 +158,33 @@ impl Poller {
     fn wake(&self, owner: &Owner) {
         let (name, namespace) = (&owner.name, &owner.namespace);
         // Nobody listening (the controllers stopped) is not an error.
-        if owner.kind == MailgunCluster::KIND {
-            let _ = (self.wakes.clusters).unbounded_send(ObjectRef::new(name).within(namespace));
-        } else {
-            let _ = (self.wakes.machines).unbounded_send(ObjectRef::new(name).within(namespace));
+        let wakes = &self.wakes;
+        match owner.kind {
+            MailgunCluster::KIND => {
+                drop(
+                    wakes
+                        .clusters
+                        .unbounded_send(ObjectRef::new(name).within(namespace)),
+                );
+            }
+            MailgunRemediation::KIND => {
+                drop(
+                    wakes
+                        .remediations
+                        .unbounded_send(ObjectRef::new(name).within(namespace)),
+                );
+            }
+            _ => drop(
+                wakes
+                    .machines
+                    .unbounded_send(ObjectRef::new(name).within(namespace)),
+            ),
         }
     }
 
     /// Registers the open request mail `message_id` of object `uid` (accepted at `sent_at`,
     /// `elapsed` ago) if it is not yet, and returns what the backend said of it so far.
-    pub(crate) fn track<K: InfraKind>(
+    pub(crate) fn track<K: Mailed>(
         &self,
         obj: &K,
         uid: &str,
@@ -378,8 +396,13 @@ pub(crate) mod tests {
         mpsc::UnboundedReceiver<ObjectRef<MailgunCluster>>,
     ) {
         let (clusters, woken) = mpsc::unbounded();
-        let machines = mpsc::unbounded().0;
-        (WakeSenders { clusters, machines }, woken)
+        let (machines, remediations) = (mpsc::unbounded().0, mpsc::unbounded().0);
+        let wakes = WakeSenders {
+            clusters,
+            machines,
+            remediations,
+        };
+        (wakes, woken)
     }
 
     impl Poller {

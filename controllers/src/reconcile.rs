@@ -19,7 +19,7 @@ use tracing::{Instrument, debug, warn};
 use self::{delete::reconcile_delete, normal::reconcile_normal};
 use crate::{
     context::{Ctx, ReconcileError},
-    kinds::InfraKind,
+    kinds::{InfraKind, Mailed},
     sendonce::execute::OwnerCheck,
     status::{Readiness, Status},
 };
@@ -63,11 +63,37 @@ impl Pass {
 
 /// One reconcile of `obj`, with metrics around it.
 pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Action, ReconcileError> {
+    measured(&*obj, &ctx, reconcile_inner(&*obj, &ctx)).await
+}
+
+/// The reconcile `pass` of `obj` (any kind's) with the controller metrics, its span and its
+/// log line around it, after the checks every pass starts with: a cached copy older than this
+/// process's last write waits for the newer one; the shared caches are listed once; only a
+/// leader writes.
+pub(crate) async fn measured<K: Mailed>(
+    obj: &K,
+    ctx: &Ctx,
+    pass: impl Future<Output = Result<Action, ReconcileError>>,
+) -> Result<Action, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
     let waited = ctx.ledger.dequeue(&uid);
     let mut guard = (ctx.metrics).reconciling(K::CONTROLLER, waited, Instant::now());
     let span = obj.span();
-    let result = reconcile_inner(&*obj, &ctx).instrument(span.clone()).await;
+    let checked = async {
+        if ctx.ledger.is_stale(&uid, obj.resource_version().as_deref()) {
+            // Our own newer write is on its way to the cache (or the object is gone); its event
+            // triggers the next pass.
+            debug!(resource_version = ?obj.resource_version(),
+                "The cached copy predates this process's last write (or the object is gone): waiting for the newer one");
+            return Ok(Action::await_change());
+        }
+        // An owner missing from a cache that has not finished its first list is not missing.
+        ctx.capi_listed().await;
+        // A replica that cannot prove it leads writes nothing at all.
+        ctx.ensure_leading()?;
+        pass.await
+    };
+    let result = checked.instrument(span.clone()).await;
     if let Err(error) = &result {
         span.in_scope(|| {
             if error.is_wait() || error.is_not_found() {
@@ -90,17 +116,6 @@ pub async fn reconcile<K: InfraKind>(obj: Arc<K>, ctx: Arc<Ctx>) -> Result<Actio
 
 async fn reconcile_inner<K: InfraKind>(obj: &K, ctx: &Ctx) -> Result<Action, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    if ctx.ledger.is_stale(&uid, obj.resource_version().as_deref()) {
-        // Our own newer write is on its way to the cache (or the object is gone); its event
-        // triggers the next pass.
-        debug!(resource_version = ?obj.resource_version(),
-            "The cached copy predates this process's last write (or the object is gone): waiting for the newer one");
-        return Ok(Action::await_change());
-    }
-    // An owner missing from a cache that has not finished its first list is not missing.
-    ctx.capi_listed().await;
-    // A replica that cannot prove it leads writes nothing at all.
-    ctx.ensure_leading()?;
     let deleting = obj.meta().deletion_timestamp.is_some();
     let has_finalizer = obj.finalizers().iter().any(|f| f == K::FINALIZER);
     // One snapshot: spec, metadata, annotations and status all come from the same cached copy.

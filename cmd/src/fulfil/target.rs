@@ -458,9 +458,12 @@ async fn repair_rows(client: &Client, r: &MailgunRemediation) -> Vec<(&'static s
     let health = machine
         .and_then(|m| m.condition(HEALTH_CHECK_SUCCEEDED))
         .filter(|c| c.status == "False")
-        .map(|c| match c.message.as_str() {
-            "" => c.reason.clone(),
-            message => format!("{}: {message}", c.reason),
+        .map(|c| {
+            let reason = c.reason.clone().unwrap_or_default();
+            match c.message.as_deref().unwrap_or_default() {
+                "" => reason,
+                message => format!("{reason}: {message}"),
+            }
         });
     let phase = r
         .status

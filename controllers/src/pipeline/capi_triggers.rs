@@ -26,6 +26,7 @@ use kube::{
     Api, Client, Resource, ResourceExt,
     runtime::{
         WatchStreamExt,
+        controller::Action,
         reflector::{self, ObjectRef, Store, store::Writer},
         watcher,
     },
@@ -34,7 +35,8 @@ use kube::{
 use super::{identity_triggers::IdentityNews, trim};
 use crate::{
     Config,
-    kinds::{InfraKind, Stores},
+    context::{Ctx, ReconcileError},
+    kinds::{Mailed, Stores},
     watch::{list_config, scoped, watch},
 };
 
@@ -114,7 +116,7 @@ where
 
 /// The reconciles `heard` asks for, by `target` (an object's infrastructure): the changed
 /// object's, or after a list every stored object's.
-fn targets<K, T>(
+pub(super) fn targets<K, T>(
     store: &Store<K>,
     heard: Heard<K>,
     target: impl Fn(&K) -> Option<T>,
@@ -148,12 +150,23 @@ impl CapiWatches {
         }
     }
 
-    /// The stores the reconciles read, with the `MailgunCluster` controller's.
-    pub(crate) fn stores(&self, mailgun_clusters: Store<MailgunCluster>) -> Stores {
+    /// The Machines' store, and its changes as they come.
+    pub(super) fn machine_changes(&self) -> (Store<Machine>, BoxStream<'static, Heard<Machine>>) {
+        (self.machines.store.clone(), self.machines.subscribe())
+    }
+
+    /// The stores the reconciles read, with the `MailgunCluster` and `MailgunMachine`
+    /// controllers'.
+    pub(crate) fn stores(
+        &self,
+        mailgun_clusters: Store<MailgunCluster>,
+        mailgun_machines: Store<MailgunMachine>,
+    ) -> Stores {
         Stores {
             clusters: self.clusters.store.clone(),
             machines: self.machines.store.clone(),
             mailgun_clusters,
+            mailgun_machines,
             identities: self.identities.store.clone(),
             secrets: self.secrets.store.clone(),
         }
@@ -228,17 +241,62 @@ impl CapiWatches {
 }
 
 /// What differs between the kinds' pipelines: which Cluster API objects ask for their
-/// reconciles.
-pub(crate) trait Pipelined: InfraKind {
+/// reconciles, and the reconcile.
+pub(crate) trait Pipelined: Mailed {
     /// Streams of this kind's objects to reconcile, mapped from Cluster API objects' changes.
     fn capi_triggers(
         watches: &CapiWatches,
         own: &Store<Self>,
     ) -> Vec<BoxStream<'static, ObjectRef<Self>>>;
+
+    /// One reconcile of `obj`.
+    fn reconcile(
+        obj: Arc<Self>,
+        ctx: Arc<Ctx>,
+    ) -> impl Future<Output = Result<Action, ReconcileError>> + Send + 'static;
+}
+
+/// Every object of `own` labelled with the name of a `Cluster` that changed (its
+/// infrastructure's readiness, its pause); one pass over `own`, however many Clusters a list
+/// brought.
+pub(super) fn by_cluster_label<K: Mailed>(
+    watches: &CapiWatches,
+    own: &Store<K>,
+) -> BoxStream<'static, ObjectRef<K>> {
+    let (own, clusters) = (own.clone(), watches.clusters.store.clone());
+    let by_cluster = watches.clusters.subscribe().flat_map(move |heard| {
+        let changed: Vec<Arc<Cluster>> = match heard {
+            Heard::Changed(c) => vec![c],
+            Heard::Listed => clusters.state(),
+        };
+        let changed: HashSet<(&str, &str)> = changed
+            .iter()
+            .map(|c| {
+                let meta = c.meta();
+                (
+                    meta.namespace.as_deref().unwrap_or_default(),
+                    meta.name.as_deref().unwrap_or_default(),
+                )
+            })
+            .collect();
+        let targets: Vec<ObjectRef<K>> = own
+            .state()
+            .iter()
+            .filter(|m| {
+                m.labels().get(names::CLUSTER_NAME_LABEL).is_some_and(|c| {
+                    let namespace = m.meta().namespace.as_deref().unwrap_or_default();
+                    changed.contains(&(namespace, c.as_str()))
+                })
+            })
+            .map(|m| ObjectRef::from_obj(&**m))
+            .collect();
+        futures::stream::iter(targets)
+    });
+    by_cluster.boxed()
 }
 
 /// Our object named by a Cluster API object's `spec.infrastructureRef`.
-fn infra_target<K: InfraKind>(
+fn infra_target<K: Mailed>(
     reference: Option<&ContractRef>,
     namespace: Option<String>,
 ) -> Option<ObjectRef<K>> {
@@ -261,6 +319,13 @@ impl Pipelined for MailgunCluster {
         });
         vec![by_cluster.boxed()]
     }
+
+    fn reconcile(
+        obj: Arc<Self>,
+        ctx: Arc<Ctx>,
+    ) -> impl Future<Output = Result<Action, ReconcileError>> + Send + 'static {
+        crate::reconcile::reconcile(obj, ctx)
+    }
 }
 
 impl Pipelined for MailgunMachine {
@@ -277,38 +342,14 @@ impl Pipelined for MailgunMachine {
                 infra_target(m.spec.infrastructure_ref.as_ref(), m.namespace())
             })
         });
-        let (own, clusters) = (own.clone(), watches.clusters.store.clone());
-        let by_cluster = watches.clusters.subscribe().flat_map(move |heard| {
-            // The changed Clusters by namespace and name: one pass over our objects, however
-            // many Clusters a list brought.
-            let changed: Vec<Arc<Cluster>> = match heard {
-                Heard::Changed(c) => vec![c],
-                Heard::Listed => clusters.state(),
-            };
-            let changed: HashSet<(&str, &str)> = changed
-                .iter()
-                .map(|c| {
-                    let meta = c.meta();
-                    (
-                        meta.namespace.as_deref().unwrap_or_default(),
-                        meta.name.as_deref().unwrap_or_default(),
-                    )
-                })
-                .collect();
-            let targets: Vec<ObjectRef<Self>> = own
-                .state()
-                .iter()
-                .filter(|m| {
-                    m.labels().get(names::CLUSTER_NAME_LABEL).is_some_and(|c| {
-                        let namespace = m.meta().namespace.as_deref().unwrap_or_default();
-                        changed.contains(&(namespace, c.as_str()))
-                    })
-                })
-                .map(|m| ObjectRef::from_obj(&**m))
-                .collect();
-            futures::stream::iter(targets)
-        });
-        vec![by_machine.boxed(), by_cluster.boxed()]
+        vec![by_machine.boxed(), by_cluster_label(watches, own)]
+    }
+
+    fn reconcile(
+        obj: Arc<Self>,
+        ctx: Arc<Ctx>,
+    ) -> impl Future<Output = Result<Action, ReconcileError>> + Send + 'static {
+        crate::reconcile::reconcile(obj, ctx)
     }
 }
 

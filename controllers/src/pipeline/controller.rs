@@ -21,8 +21,7 @@ use super::{
 };
 use crate::{
     context::{Ctx, ReconcileError},
-    kinds::InfraKind,
-    reconcile::reconcile,
+    kinds::Mailed,
     watch::{NoTriggerBackoff, list_config, scoped, watch},
 };
 
@@ -111,7 +110,7 @@ pub(super) fn controller<K: Pipelined>(
         .trigger_backoff(NoTriggerBackoff)
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)
-        .run(reconcile::<K>, error_policy::<K>, Arc::clone(ctx))
+        .run(K::reconcile, error_policy::<K>, Arc::clone(ctx))
         .take_until(abort)
         .for_each(move |result| {
             log_result(K::CONTROLLER, result);
@@ -123,7 +122,7 @@ pub(super) fn controller<K: Pipelined>(
 type Reconciled<K> =
     Result<(ObjectRef<K>, Action), controller::Error<ReconcileError, watcher::Error>>;
 
-fn log_result<K: InfraKind>(controller: &'static str, result: Reconciled<K>) {
+fn log_result<K: Mailed>(controller: &'static str, result: Reconciled<K>) {
     match result {
         // Logged by `reconcile`, in the object's span.
         Ok(_) | Err(controller::Error::ReconcilerFailed(..)) => {}
@@ -138,7 +137,7 @@ fn log_result<K: InfraKind>(controller: &'static str, result: Reconciled<K>) {
     }
 }
 
-fn error_policy<K: InfraKind>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>) -> Action {
+fn error_policy<K: Mailed>(obj: Arc<K>, error: &ReconcileError, ctx: Arc<Ctx>) -> Action {
     if error.is_permanent() || matches!(error, ReconcileError::Gone) {
         // Retrying cannot help: the next change to the object (or the sync period) will.
         return Action::await_change();

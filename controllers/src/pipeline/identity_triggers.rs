@@ -15,7 +15,7 @@ use kube::{
     runtime::reflector::{ObjectRef, Store},
 };
 
-use crate::kinds::{InfraKind, Stores};
+use crate::kinds::{Mailed, Stores};
 
 /// What the identities' and their Secrets' watches heard.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,7 +28,7 @@ pub(super) enum IdentityNews {
 
 /// Every object of `own` in each namespace `changed` names: a namespace's labels may decide
 /// whether an identity (the provider's own included) serves it.
-pub(super) fn namespace_triggers<K: InfraKind>(
+pub(super) fn namespace_triggers<K: Mailed>(
     changed: BoxStream<'static, String>,
     own: Store<K>,
 ) -> BoxStream<'static, ObjectRef<K>> {
@@ -46,7 +46,7 @@ pub(super) fn namespace_triggers<K: InfraKind>(
 }
 
 /// The objects of `own` that `news` concerns, as they come.
-pub(super) fn identity_triggers<K: InfraKind>(
+pub(super) fn identity_triggers<K: Mailed>(
     news: BoxStream<'static, IdentityNews>,
     own: Store<K>,
     capi: Stores,
@@ -57,11 +57,7 @@ pub(super) fn identity_triggers<K: InfraKind>(
 
 /// The objects of `own` whose mails go through the identity `news` names (after a re-list:
 /// through any identity).
-fn concerned<K: InfraKind>(
-    news: &IdentityNews,
-    own: &Store<K>,
-    capi: &Stores,
-) -> Vec<ObjectRef<K>> {
+fn concerned<K: Mailed>(news: &IdentityNews, own: &Store<K>, capi: &Stores) -> Vec<ObjectRef<K>> {
     own.state()
         .iter()
         .filter(|obj| {

@@ -6,6 +6,7 @@ mod capi_triggers;
 mod controller;
 mod identity_triggers;
 mod lists;
+mod remediation_triggers;
 mod resync;
 mod trim;
 
@@ -13,7 +14,7 @@ use std::{future::Future, sync::Arc};
 
 use capm_api::{
     capi::{Cluster, Machine},
-    v1beta1::{MailgunCluster, MailgunClusterIdentity, MailgunMachine},
+    v1beta1::{MailgunCluster, MailgunClusterIdentity, MailgunMachine, MailgunRemediation},
 };
 use capm_mailer::Mailer;
 use futures::{FutureExt, channel::mpsc};
@@ -26,7 +27,7 @@ use crate::{
     watch::scoped,
 };
 
-/// Runs both controllers until `shutdown` resolves, publishing their Events through `events`
+/// Runs the three controllers (the remediations' when its kind is installed) until `shutdown` resolves, publishing their Events through `events`
 /// (the process's one [`Events`]). `leadership` is consulted before every write and send (an
 /// unelected process is its own leader: [`Leadership::unelected`]).
 #[allow(clippy::too_many_arguments)]
@@ -44,9 +45,10 @@ pub async fn run(
     let shutdown = shutdown.shared();
 
     let capi = CapiWatches::new();
-    let mailgun_clusters = reflector::store();
+    let (mailgun_clusters, mailgun_machines) = (reflector::store(), reflector::store());
     let (clusters, cluster_wakes) = mpsc::unbounded();
     let (machines, machine_wakes) = mpsc::unbounded();
+    let (remediations, remediation_wakes) = mpsc::unbounded();
     let ctx = Arc::new(Ctx::new(
         client.clone(),
         mailer,
@@ -54,8 +56,12 @@ pub async fn run(
         config.clone(),
         leadership,
         metrics,
-        capi.stores(mailgun_clusters.0.clone()),
-        WakeSenders { clusters, machines },
+        capi.stores(mailgun_clusters.0.clone(), mailgun_machines.0.clone()),
+        WakeSenders {
+            clusters,
+            machines,
+            remediations,
+        },
     ));
     ctx.wait_for_capi_lists();
     let (clusters, machines) = (
@@ -69,11 +75,15 @@ pub async fn run(
         controller::controller(
             &ctx,
             &capi,
-            reflector::store(),
+            mailgun_machines,
             machine_wakes,
             shutdown.clone(),
         ),
     );
+    let remediations = remediations_installed(&client, &config).await.then(|| {
+        let own = reflector::store();
+        controller::controller(&ctx, &capi, own, remediation_wakes, shutdown.clone())
+    });
     let capi = capi.run(client, config.clone(), shutdown.clone());
     let poller = ctx.poller.clone().run(shutdown.clone());
     // Absent values read as such ("all", "none"), not as Rust's `Some("…")`.
@@ -84,9 +94,27 @@ pub async fn run(
         sync_period = ?config.sync_period,
         "Controllers started"
     );
-    tokio::join!(clusters, machines, capi, poller);
+    let remediations = async move {
+        if let Some(run) = remediations {
+            run.await;
+        }
+    };
+    tokio::join!(clusters, machines, remediations, capi, poller);
     info!("Controllers stopped");
     Ok(())
+}
+
+/// Whether `MailgunRemediation`s can be listed (`crd::remediation_crds()` installed, listing
+/// allowed): without them remediation by mail is off and the other two controllers run alone.
+async fn remediations_installed(client: &Client, config: &Config) -> bool {
+    let api = scoped::<MailgunRemediation>(client, config);
+    match api.list_metadata(&ListParams::default().limit(1)).await {
+        Ok(_) => true,
+        Err(error) => {
+            info!(%error, "MailgunRemediations cannot be listed: remediation by mail is off");
+            false
+        }
+    }
 }
 
 /// Fails start-up with a clear message when a kind the provider watches cannot be listed (its

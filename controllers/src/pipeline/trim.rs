@@ -16,11 +16,14 @@ use capm_api::{
 use k8s_openapi::{api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use kube::Resource;
 
-use crate::kinds::InfraKind;
+use crate::kinds::Mailed;
 
 /// The annotations a reconcile reads (by key) on our objects.
-pub const READ_ANNOTATIONS: [&str; 9] = [
+pub const READ_ANNOTATIONS: [&str; 12] = [
     names::MAIL_ANNOTATION,
+    names::REMINDER_MAIL_ANNOTATIONS[0],
+    names::REMINDER_MAIL_ANNOTATIONS[1],
+    names::REMINDER_MAIL_ANNOTATIONS[2],
     names::DELETION_MAIL_ANNOTATION,
     names::MAIL_INTENT_ANNOTATION,
     names::MAIL_SENT_ANNOTATION,
@@ -32,7 +35,7 @@ pub const READ_ANNOTATIONS: [&str; 9] = [
 ];
 
 /// One of our objects as its cache keeps it.
-pub fn ours<K: InfraKind>(obj: &mut K) {
+pub fn ours<K: Mailed>(obj: &mut K) {
     keep(obj.meta_mut(), &READ_ANNOTATIONS, K::CACHED_LABELS);
 }
 
@@ -41,9 +44,18 @@ pub fn cluster(obj: &mut Cluster) {
     read_only(obj.meta_mut(), &[]);
 }
 
-/// A Cluster API `Machine` as its cache keeps it.
+/// A Cluster API `Machine` as its cache keeps it: of its conditions, only the two a remediation
+/// reads, `HealthCheckSucceeded` when it is `False` and `OwnerRemediated`.
 pub fn machine(obj: &mut Machine) {
+    use capm_api::owner_remediated::{HEALTH_CHECK_SUCCEEDED, OWNER_REMEDIATED};
     read_only(obj.meta_mut(), &[names::CLUSTER_NAME_LABEL]);
+    let conditions = obj.status.as_mut().and_then(|s| s.conditions.as_mut());
+    if let Some(conditions) = conditions {
+        conditions.retain(|c| {
+            (c.type_ == HEALTH_CHECK_SUCCEEDED && c.status == "False")
+                || c.type_ == OWNER_REMEDIATED
+        });
+    }
 }
 
 /// A `MailgunClusterIdentity` as its cache keeps it.
@@ -147,9 +159,32 @@ mod tests {
         assert_eq!(meta.uid.as_deref(), Some("u"));
         assert!(c.paused());
 
-        let mut m: Machine =
-            serde_json::from_value(json!({ "metadata": metadata(), "spec": {} })).unwrap();
+        let mut m: Machine = serde_json::from_value(json!({ "metadata": metadata(), "spec": {},
+            "status": { "nodeRef": { "name": "n" }, "conditions": [
+                { "type": "Ready", "status": "False", "message": "long" },
+                { "type": "HealthCheckSucceeded", "status": "False", "reason": "UnhealthyNode" },
+                { "type": "OwnerRemediated", "status": "False", "reason": "MachineDeleting" },
+            ] } }))
+        .unwrap();
         machine(&mut m);
+        let kept: Vec<_> = (m.status.as_ref().and_then(|s| s.conditions.as_ref()))
+            .into_iter()
+            .flatten()
+            .map(|c| c.type_.as_str())
+            .collect();
+        assert_eq!(kept, ["HealthCheckSucceeded", "OwnerRemediated"]);
+        assert_eq!(m.node_name(), Some("n"));
+        let mut healthy: Machine = serde_json::from_value(json!({ "metadata": metadata(),
+            "spec": {}, "status": { "conditions": [
+                { "type": "HealthCheckSucceeded", "status": "True" },
+            ] } }))
+        .unwrap();
+        machine(&mut healthy);
+        assert_eq!(
+            healthy.condition("HealthCheckSucceeded"),
+            None,
+            "a healthy one keeps none"
+        );
         assert_eq!(m.cluster_name().as_deref(), Some("c"));
         assert_eq!(m.metadata.labels.as_ref().map(BTreeMap::len), Some(1));
         assert_eq!(m.metadata.annotations, None);

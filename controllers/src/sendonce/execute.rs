@@ -29,7 +29,7 @@ use crate::{
     context::{Ctx, ReconcileError},
     events::EventType,
     identity::Wanted,
-    kinds::{InfraKind, MailText},
+    kinds::{MailText, Mailed},
     ledger::Attempt,
 };
 
@@ -87,7 +87,7 @@ pub(crate) fn age(now: Timestamp, at: Timestamp) -> Duration {
 /// Sends one of the object's mails at most once, crash-safely (see the module docs of
 /// [`super`]). Returns what is known of the accepted mail; an `Err` leaves the records in a state
 /// the next call continues from.
-pub(crate) async fn ensure_sent<K: InfraKind>(
+pub(crate) async fn ensure_sent<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
@@ -248,7 +248,7 @@ pub(crate) async fn ensure_sent<K: InfraKind>(
     Err(ReconcileError::Conflict("deciding the next send-once step"))
 }
 
-pub(super) fn withheld<K: InfraKind>(ctx: &Ctx, why: Withheld) -> ReconcileError {
+pub(super) fn withheld<K: Mailed>(ctx: &Ctx, why: Withheld) -> ReconcileError {
     let label = match why {
         Withheld::NotLeading => "not_leading",
         Withheld::OwnerDeleting => "owner_deleting",
@@ -264,7 +264,7 @@ pub(super) fn withheld<K: InfraKind>(ctx: &Ctx, why: Withheld) -> ReconcileError
 
 /// Asks the API server (not the cache) whether the owner still exists, is the one our
 /// ownerReference names, and is not being deleted.
-async fn owner_alive<K: InfraKind>(
+async fn owner_alive<K: Mailed>(
     ctx: &Ctx,
     obj: &K,
     owner: &OwnerCheck,

@@ -38,7 +38,15 @@ pub struct Env {
 
 impl Env {
     pub async fn new(prefix: &str) -> Self {
-        let ns = TestNamespace::create_with_crds(prefix, &capm_api::crd::crds().unwrap())
+        Self::with_crds(prefix, capm_api::crd::crds().unwrap()).await
+    }
+
+    /// [`Env::new`] with these CRDs installed (ours and more: the remediation kinds).
+    pub async fn with_crds(
+        prefix: &str,
+        crds: Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>,
+    ) -> Self {
+        let ns = TestNamespace::create_with_crds(prefix, &crds)
             .await
             .unwrap();
         let mailgun = MailgunServer::start(API_KEY, DOMAIN).unwrap();

@@ -7,7 +7,7 @@ use super::Tracked;
 use crate::{
     context::{Ctx, ReconcileError},
     identity::{Access, IdentityError, Route, Wanted},
-    kinds::InfraKind,
+    kinds::Mailed,
     sendonce::{Which, records::read_records},
 };
 
@@ -52,17 +52,18 @@ pub(super) async fn recorded_route(
     }
 }
 
-/// The route of a new intent of `which`: the object's current identity for the request; for the
-/// release, the identity the request went through (or the current one when that is gone).
-pub(super) async fn route_for_new<K: InfraKind>(
+/// The route of a new intent of `which`: the object's current identity for the request; for a
+/// follow-up (the release, a reminder), the identity the request went through (or the current one
+/// when that is gone): the same conversation.
+pub(super) async fn route_for_new<K: Mailed>(
     ctx: &Ctx,
     tracked: &Tracked,
     which: Which,
     wanted: &Wanted,
     namespace: &str,
 ) -> Result<Route, ReconcileError> {
-    if which == Which::Deletion {
-        let request = read_records(&tracked.annotations, K::KIND, Which::Request);
+    if let Some(first) = which.follows() {
+        let request = read_records(&tracked.annotations, K::KIND, first);
         if request.intent.is_some() || request.sent.is_some() {
             let recorded = request
                 .sent

@@ -16,7 +16,7 @@ use crate::{
     context::{Ctx, ReconcileError},
     events::EventType,
     identity::Route,
-    kinds::{InfraKind, MailText},
+    kinds::{MailText, Mailed},
     ledger::Attempt,
     sendonce::{Which, decide::Withheld, records::Sent},
 };
@@ -24,7 +24,7 @@ use crate::{
 /// Sends, right after checking that this process still leads. `fresh`: this attempt follows
 /// an intent this pass wrote or re-armed, so a refusal proves nothing was ever accepted.
 #[allow(clippy::too_many_arguments)]
-pub(super) async fn send<K: InfraKind>(
+pub(super) async fn send<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
@@ -35,7 +35,7 @@ pub(super) async fn send<K: InfraKind>(
     route: &Route,
 ) -> Result<Outcome, ReconcileError> {
     let uid = obj.uid().unwrap_or_default();
-    let message = build_message(obj, route, text, id, which)?;
+    let message = build_message(obj, route, text, (id, &ctx.config.message_id_domain), which)?;
     if !ctx.leadership.may_act() {
         return Err(withheld::<K>(ctx, Withheld::NotLeading));
     }
@@ -60,7 +60,7 @@ pub(super) async fn send<K: InfraKind>(
                 Err(e) => return Err(e),
             }
             let reason = match which {
-                Which::Request => reasons::MAIL_SENT,
+                Which::Request | Which::Reminder(_) => reasons::MAIL_SENT,
                 Which::Deletion => reasons::DELETION_MAIL_SENT,
             };
             ctx.publish(
@@ -114,7 +114,7 @@ pub(super) async fn send<K: InfraKind>(
 /// finalizer. Nobody will ever reconcile it again, so the release goes out now (the request was
 /// for infrastructure nobody will use). Nothing can be recorded: counted in
 /// `capm_mail_orphan_releases_total`.
-async fn vanished_after_send<K: InfraKind>(
+async fn vanished_after_send<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     which: Which,
@@ -130,7 +130,13 @@ async fn vanished_after_send<K: InfraKind>(
             if !ctx.leadership.may_act() {
                 break;
             }
-            let result = match build_message(obj, route, &text, &id, Which::Deletion) {
+            let result = match build_message(
+                obj,
+                route,
+                &text,
+                (&id, &ctx.config.message_id_domain),
+                Which::Deletion,
+            ) {
                 Ok(message) => route.mailer.send(&message).await,
                 Err(_) => break,
             };
@@ -161,18 +167,27 @@ async fn vanished_after_send<K: InfraKind>(
     ReconcileError::Gone
 }
 
-fn build_message<K: InfraKind>(
+/// The mail `which` of `obj` as the backend gets it; a follow-up of a [`Mailed::THREADED`] kind
+/// answers the mail it follows (its Message-Id is derived, as every one is, from the UID and
+/// `domain`).
+fn build_message<K: Mailed>(
     obj: &K,
     route: &Route,
     text: &MailText,
-    id: &str,
+    (id, domain): (&str, &str),
     which: Which,
 ) -> Result<Message, ReconcileError> {
     // From: the sending side (its domain is the one the backend signs for, so the mail passes
     // DMARC); the requester, whose domain would not, gets the replies.
-    let mut builder = Message::builder()
-        .from(&route.from)
-        .reply_to(obj.requester())
+    let mut builder = Message::builder().from(&route.from);
+    if let Some(reply_to) = obj.reply_to() {
+        builder = builder.reply_to(reply_to);
+    }
+    if let Some(first) = which.follows().filter(|_| K::THREADED) {
+        let uid = obj.uid().unwrap_or_default();
+        builder = builder.in_reply_to(first.message_id(K::KIND, &uid, domain));
+    }
+    let mut builder = builder
         .subject(&text.subject)
         .text(&text.body)
         .message_id(id)

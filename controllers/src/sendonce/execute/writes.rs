@@ -9,7 +9,7 @@ use super::Tracked;
 use crate::{
     context::{Ctx, ReconcileError},
     identity::Route,
-    kinds::InfraKind,
+    kinds::Mailed,
     sendonce::{
         Which,
         records::{self, Intent, IntentState, Sent, read_records},
@@ -21,7 +21,7 @@ use crate::{
 fn record_patch(tracked: &Tracked, which: Which, value: String) -> serde_json::Value {
     let mut annotations = serde_json::Map::new();
     annotations.insert(which.record_key().to_owned(), value.into());
-    for legacy in [which.intent_key(), which.sent_key()] {
+    for legacy in [which.intent_key(), which.sent_key()].into_iter().flatten() {
         if tracked.annotations.contains_key(legacy) {
             annotations.insert(legacy.to_owned(), serde_json::Value::Null);
         }
@@ -32,7 +32,7 @@ fn record_patch(tracked: &Tracked, which: Which, value: String) -> serde_json::V
 /// Writes a fresh intent (`sending`, this process, now) with our finalizer, replacing whatever
 /// record the mail had, in one write guarded by `resourceVersion`: the fence
 /// between two processes that both believe they lead.
-pub(super) async fn write_intent<K: InfraKind>(
+pub(super) async fn write_intent<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
@@ -61,7 +61,7 @@ pub(super) async fn write_intent<K: InfraKind>(
 
 /// Merge-patches our object's metadata (guarded by `resourceVersion` when `metadata` carries
 /// one) and adopts what the API server wrote.
-pub(crate) async fn patch_metadata<K: InfraKind>(
+pub(crate) async fn patch_metadata<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
@@ -80,7 +80,7 @@ pub(crate) async fn patch_metadata<K: InfraKind>(
 /// Records in the intent that the attempt just made was refused before anything was accepted,
 /// so deletion knows no release is owed. Best effort: when it cannot be written the intent
 /// stays `sending` ("may have gone out"), which errs on the side of a release.
-pub(super) async fn mark_refused<K: InfraKind>(
+pub(super) async fn mark_refused<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
@@ -99,7 +99,7 @@ pub(super) async fn mark_refused<K: InfraKind>(
     }
 }
 
-pub(super) async fn record_sent<K: InfraKind>(
+pub(super) async fn record_sent<K: Mailed>(
     obj: &K,
     ctx: &Ctx,
     tracked: &mut Tracked,
