@@ -542,21 +542,40 @@ async fn build_pool(world: &World, pool: &str, replicas: usize) -> Result<Vec<Bu
         });
     }
     for b in &built {
-        eventually(
+        let found = eventually(
             SOON,
-            &format!(
-                "Machine {} with Node {} and HealthCheckSucceeded",
-                b.machine, b.node
-            ),
+            &format!("Machine {} with Node {}", b.machine, b.node),
             || async {
                 let m = world.machines().get(&b.machine).await?;
-                Ok((m.data["status"]["nodeRef"]["name"] == b.node.as_str()
-                    && condition_is(&m.data, "HealthCheckSucceeded", "True"))
-                .then_some(()))
+                Ok((m.data["status"]["nodeRef"]["name"] == b.node.as_str()).then_some(()))
             },
         )
-        .await?;
+        .await;
+        if let Err(e) = found {
+            let m = world.machines().get(&b.machine).await?;
+            return Err(e.context(format!(
+                "providerID {}, nodeRef {}, conditions {}",
+                m.data["spec"]["providerID"],
+                m.data["status"]["nodeRef"],
+                m.data["status"]["conditions"]
+            )));
+        }
     }
+    // The health check counts them healthy. (It does not mark them: with a `templateRef`,
+    // Cluster API v1.14.2 sets `HealthCheckSucceeded` on a healthy Machine only when it has a
+    // remediation object to delete: `patchHealthyTargets` skips the others.)
+    let checks = world.api(CAPI, "v1beta2", "MachineHealthCheck");
+    eventually(
+        SOON,
+        &format!("the {pool} health check counting {replicas} healthy"),
+        || async {
+            let c = checks.get(pool).await?;
+            Ok((c.data["status"]["currentHealthy"] == replicas
+                && c.data["status"]["expectedMachines"] == replicas)
+                .then_some(()))
+        },
+    )
+    .await?;
     Ok(built)
 }
 
@@ -1200,6 +1219,9 @@ async fn machine_health_checks_remediate_by_mail() -> Result<()> {
     let result = run(&world, &dir, port).await;
     if let Err(e) = &result {
         capm_e2e::report_failure(e, &dir, &["capi-manager.log", "provider.log"], 60);
+        if let Some(keep) = std::env::var_os("CAPM_KEEP_LOGS") {
+            capm_e2e::keep_logs(&dir, Path::new(&keep))?;
+        }
     }
     result
 }
