@@ -10,7 +10,9 @@
 //! (they select only their own pool), and they run at once. The human builds each worker by
 //! running its request mail's command; the test then writes the Node a kubelet would (its
 //! `spec.providerID` the MailgunMachine's), and flips its `Ready` condition through the status
-//! subresource: the health checks watch `Ready=False` for 1 s. The strategies' durations are
+//! subresource: the health checks watch `Ready=False` for 1 s. (A healthy worker is known by
+//! its health check's `currentHealthy`: with a `templateRef`, Cluster API v1.14.2 writes
+//! `HealthCheckSucceeded=True` only on a Machine whose remediation object it deletes.) The strategies' durations are
 //! the shortest the CRD accepts (`answerTimeout`, `repairTimeout`: 1m).
 //!
 //! 1. A Node goes NotReady: one `MailgunRemediation` as the health check makes it (named like the
@@ -33,7 +35,9 @@
 //!    object exists, gets none until a pass lists it first (`patchUnhealthyTargets` returns
 //!    when an object exists; see the design). With `unhealthyLessThanOrEqualTo` then exceeded
 //!    (`RemediationAllowed=False`), a timed hand-back waits (`HandBackHeld`) and a `CannotRepair`
-//!    goes through; once the health check allows remediation again, the held one goes through.
+//!    goes through. The held one still waits while the replacement has no Node (Cluster API
+//!    counts a Machine not yet started as unhealthy), and goes through once the human built it
+//!    and the health check allows remediation again.
 //! 8. Every hand-back (stories 2, 3, 4, 7): the Machine's version just before the provider's
 //!    write and the one it wrote (from a watch of every version) differ only in
 //!    `OwnerRemediated`, v1beta2 and the deprecated v1beta1 copy: every other condition, the spec,
@@ -407,6 +411,7 @@ struct Built {
     machine_uid: String,
     infra_uid: String,
     node: String,
+    provider_id: String,
 }
 
 /// One story's MachineDeployment, `MailgunRemediationTemplate` and MachineHealthCheck, all
@@ -488,6 +493,70 @@ fn quick(reminders: u8) -> Value {
     json!({"answerTimeout": "1m", "reminders": reminders, "repairTimeout": "1m"})
 }
 
+/// The human builds the worker `machine` of `pool` (its request mail's command) and the test
+/// writes its Node, Ready: waits until the Machine has its Node.
+async fn build_machine(world: &World, pool: &str, machine: &DynamicObject) -> Result<Built> {
+    let infra = world.api(INFRA, "v1beta1", "MailgunMachine");
+    let infra_name = machine.data["spec"]["infrastructureRef"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let mm = eventually(SOON, &format!("MailgunMachine {infra_name}"), || async {
+        Ok(infra.get_opt(&infra_name).await?)
+    })
+    .await?;
+    let infra_uid = mm.uid().context("no UID")?;
+    let id = format!("<mailgunmachine.{infra_uid}@{DOMAIN}>");
+    let body = eventually(SOON, &format!("the request mail {id}"), || async {
+        Ok(mailgun_mails(&world.mailgun)?
+            .into_iter()
+            .find(|(m, _)| m.message_id == id)
+            .map(|(_, body)| body))
+    })
+    .await?;
+    let provider_id = format!("mailgun://{pool}/{}", machine.name_any());
+    let command = fulfil_command(
+        &body,
+        &[("<scheme>://<id>", &provider_id), ("<ip>", "192.0.2.10")],
+    )?;
+    world.kubectl(&command)?;
+    let node = format!("{}-node", machine.name_any());
+    let object: Node = serde_json::from_value(
+        json!({"metadata": {"name": node}, "spec": {"providerID": provider_id}}),
+    )?;
+    world
+        .nodes()
+        .create(&PostParams::default(), &object)
+        .await?;
+    world.set_ready(&node, true, &now()?).await?;
+    let b = Built {
+        machine: machine.name_any(),
+        machine_uid: machine.uid().context("no UID")?,
+        infra_uid,
+        node,
+        provider_id,
+    };
+    let found = eventually(
+        SOON,
+        &format!("Machine {} with Node {}", b.machine, b.node),
+        || async {
+            let m = world.machines().get(&b.machine).await?;
+            Ok((m.data["status"]["nodeRef"]["name"] == b.node.as_str()).then_some(()))
+        },
+    )
+    .await;
+    if let Err(e) = found {
+        let m = world.machines().get(&b.machine).await?;
+        return Err(e.context(format!(
+            "providerID {}, nodeRef {}, conditions {}",
+            m.data["spec"]["providerID"],
+            m.data["status"]["nodeRef"],
+            m.data["status"]["conditions"]
+        )));
+    }
+    Ok(b)
+}
+
 /// The human builds every worker of `pool` (its request mail's command) and the test writes its
 /// Node, Ready: waits until each Machine has its Node and passes its health check.
 async fn build_pool(world: &World, pool: &str, replicas: usize) -> Result<Vec<Built>> {
@@ -499,67 +568,9 @@ async fn build_pool(world: &World, pool: &str, replicas: usize) -> Result<Vec<Bu
         Ok((machines.len() == replicas && named).then_some(machines))
     })
     .await?;
-    let infra = world.api(INFRA, "v1beta1", "MailgunMachine");
     let mut built = Vec::new();
-    for (i, machine) in machines.iter().enumerate() {
-        let infra_name = machine.data["spec"]["infrastructureRef"]["name"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        let mm = eventually(SOON, &format!("MailgunMachine {infra_name}"), || async {
-            Ok(infra.get_opt(&infra_name).await?)
-        })
-        .await?;
-        let infra_uid = mm.uid().context("no UID")?;
-        let id = format!("<mailgunmachine.{infra_uid}@{DOMAIN}>");
-        let body = eventually(SOON, &format!("the request mail {id}"), || async {
-            Ok(mailgun_mails(&world.mailgun)?
-                .into_iter()
-                .find(|(m, _)| m.message_id == id)
-                .map(|(_, body)| body))
-        })
-        .await?;
-        let provider_id = format!("mailgun://{pool}/{i}");
-        let command = fulfil_command(
-            &body,
-            &[("<scheme>://<id>", &provider_id), ("<ip>", "192.0.2.10")],
-        )?;
-        world.kubectl(&command)?;
-        let node = format!("{}-node", machine.name_any());
-        let object: Node = serde_json::from_value(
-            json!({"metadata": {"name": node}, "spec": {"providerID": provider_id}}),
-        )?;
-        world
-            .nodes()
-            .create(&PostParams::default(), &object)
-            .await?;
-        world.set_ready(&node, true, &now()?).await?;
-        built.push(Built {
-            machine: machine.name_any(),
-            machine_uid: machine.uid().context("no UID")?,
-            infra_uid,
-            node,
-        });
-    }
-    for b in &built {
-        let found = eventually(
-            SOON,
-            &format!("Machine {} with Node {}", b.machine, b.node),
-            || async {
-                let m = world.machines().get(&b.machine).await?;
-                Ok((m.data["status"]["nodeRef"]["name"] == b.node.as_str()).then_some(()))
-            },
-        )
-        .await;
-        if let Err(e) = found {
-            let m = world.machines().get(&b.machine).await?;
-            return Err(e.context(format!(
-                "providerID {}, nodeRef {}, conditions {}",
-                m.data["spec"]["providerID"],
-                m.data["status"]["nodeRef"],
-                m.data["status"]["conditions"]
-            )));
-        }
+    for machine in &machines {
+        built.push(build_machine(world, pool, machine).await?);
     }
     // The health check counts them healthy. (It does not mark them: with a `templateRef`,
     // Cluster API v1.14.2 sets `HealthCheckSucceeded` on a healthy Machine only when it has a
@@ -600,7 +611,7 @@ async fn one_unhealthy(world: &World, pool: &str) -> Result<(Built, DynamicObjec
     for want in [
         format!("Machine: {}", built.machine),
         format!("Node: {}", built.node),
-        format!("Provider ID: mailgun://{pool}/0"),
+        format!("Provider ID: {}", built.provider_id),
         "Power-cycle it, check its cable.".to_owned(),
         format!(
             "kubectl patch mailgunremediation {} -n {USER_NS}",
@@ -1126,7 +1137,20 @@ async fn story_7(world: &World) -> Result<String> {
     );
     // The first is replaced; its replacement has no Node yet and is not counted unhealthy
     // within its startup timeout: one unhealthy of at most one, the brake releases.
-    world.replaced("s7", &a.0.machine_uid, 2).await?;
+    let machines = world.replaced("s7", &a.0.machine_uid, 2).await?;
+    // Cluster API counts a Machine not yet started (no Node) as unhealthy too: the brake holds
+    // until the human builds the replacement.
+    let replacement = machines
+        .iter()
+        .find(|m| m.uid().as_deref() != Some(b.0.machine_uid.as_str()))
+        .context("no replacement")?;
+    let held_still = world.remediations().get(&b.0.machine).await?;
+    ensure!(
+        phase(&held_still) == "HandBackHeld",
+        "the held hand-back before the replacement was built: {}",
+        held_still.data["status"]
+    );
+    build_machine(world, "s7", replacement).await?;
     eventually(
         TIMED,
         "the s7 health check's RemediationAllowed=True",
