@@ -1069,7 +1069,7 @@ async fn story_6(world: &World) -> Result<String> {
     }
     Ok(format!(
         "storm setup with the template: over {quiet:?} (3 startup timeouts) no Machine replaced, no mail; \
-         {objects} of {REPLICAS} unbuilt Machines got an object (one per pass), WaitingForFulfilment"
+         {objects} of {REPLICAS} unbuilt Machines got an object (the objects of one health check pass), all WaitingForFulfilment"
     ))
 }
 
