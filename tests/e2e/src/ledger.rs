@@ -1,7 +1,10 @@
 //! The mail ledger: what the mail servers received, judged per object. Built only from the
 //! servers' own records (the Message-Id of each stored message, in arrival order) and from which
 //! of our objects still exist; never from the provider's annotations or status. The soak test
-//! and the ClusterClass and sharding tests judge their mail with it.
+//! and the ClusterClass and sharding tests judge their mail with it. The mails of a
+//! `MailgunRemediation` (issue 56: its repair mail, reminders and "no longer needed" mail) are
+//! kept apart, per object ([`Ledger::repairs`]): they follow other rules than a request and its
+//! release, which the remediation test checks itself.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -106,6 +109,32 @@ pub fn parse_message_id(id: &str, domain: &str) -> Option<(Object, Which)> {
     })
 }
 
+/// Which mail of a `MailgunRemediation` (issue 56).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RepairMail {
+    /// The repair mail (`capm_api::names::message_id` of the kind).
+    Repair,
+    /// Reminder `n` (`capm_api::names::reminder_message_id`), threaded to the repair mail.
+    Reminder(u8),
+    /// The "no longer needed" mail (`capm_api::names::deletion_message_id` of the kind).
+    NoLongerNeeded,
+}
+
+/// Reads a Message-Id of a `MailgunRemediation`'s mail: `<mailgunremediation.uid@domain>`,
+/// `<mailgunremediation-reminder-n.uid@domain>` or `<mailgunremediation-deleted.uid@domain>`.
+/// Returns the object's UID and which mail.
+pub fn parse_repair_message_id(id: &str, domain: &str) -> Option<(String, RepairMail)> {
+    let inner = id.trim().strip_prefix('<')?.strip_suffix('>')?;
+    let local = inner.strip_suffix(domain)?.strip_suffix('@')?;
+    let (kind, uid) = local.split_once('.')?;
+    let which = match kind.strip_prefix("mailgunremediation")? {
+        "" => RepairMail::Repair,
+        "-deleted" => RepairMail::NoLongerNeeded,
+        reminder => RepairMail::Reminder(reminder.strip_prefix("-reminder-")?.parse().ok()?),
+    };
+    (!uid.is_empty()).then(|| (uid.to_owned(), which))
+}
+
 /// A mail as a server stored it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Received {
@@ -135,6 +164,9 @@ pub struct Ledger {
     pub backend: Backend,
     /// Per object, in UID order.
     pub entries: BTreeMap<Object, Entry>,
+    /// The mails of each `MailgunRemediation`, by its UID, in arrival order: (arrival position,
+    /// which mail).
+    pub repairs: BTreeMap<String, Vec<(usize, RepairMail)>>,
     /// Mails whose Message-Id is not one of ours.
     pub foreign: Vec<Received>,
 }
@@ -144,7 +176,12 @@ impl Ledger {
     pub fn build(backend: Backend, domain: &str, mails: &[Received]) -> Self {
         let mut entries: BTreeMap<Object, Entry> = BTreeMap::new();
         let mut foreign = Vec::new();
+        let mut repairs: BTreeMap<String, Vec<(usize, RepairMail)>> = BTreeMap::new();
         for mail in mails {
+            if let Some((uid, which)) = parse_repair_message_id(&mail.message_id, domain) {
+                repairs.entry(uid).or_default().push((mail.seq, which));
+                continue;
+            }
             match parse_message_id(&mail.message_id, domain) {
                 Some((object, which)) => {
                     let entry = entries.entry(object).or_default();
@@ -162,8 +199,16 @@ impl Ledger {
         Self {
             backend,
             entries,
+            repairs,
             foreign,
         }
+    }
+
+    /// How many copies of `which` mail of the `MailgunRemediation` `uid` arrived.
+    pub fn repair_mails(&self, uid: &str, which: RepairMail) -> usize {
+        self.repairs
+            .get(uid)
+            .map_or(0, |mails| mails.iter().filter(|(_, w)| *w == which).count())
     }
 
     /// Whether a request mail of `object` was accepted.
@@ -395,6 +440,55 @@ mod tests {
         assert_eq!(parse_message_id("<mailguncluster.u@other.test>", D), None);
         assert_eq!(parse_message_id("<x.u@mg.soak.test>", D), None);
         assert_eq!(parse_message_id("mailguncluster.u@mg.soak.test", D), None);
+    }
+
+    #[test]
+    fn parses_the_remediation_ids_and_keeps_them_apart() {
+        let kind = "MailgunRemediation";
+        let repair = req(kind, "r-1");
+        // As `capm_api::names::reminder_message_id` makes it.
+        let reminder = format!("<mailgunremediation-reminder-2.r-1@{D}>");
+        let done = rel(kind, "r-1");
+        assert_eq!(
+            parse_repair_message_id(&repair, D),
+            Some(("r-1".into(), RepairMail::Repair))
+        );
+        assert_eq!(
+            parse_repair_message_id(&reminder, D),
+            Some(("r-1".into(), RepairMail::Reminder(2)))
+        );
+        assert_eq!(
+            parse_repair_message_id(&done, D),
+            Some(("r-1".into(), RepairMail::NoLongerNeeded))
+        );
+        assert_eq!(
+            parse_repair_message_id(&req("MailgunMachine", "m"), D),
+            None
+        );
+        assert_eq!(
+            parse_repair_message_id("<mailgunremediation-reminder-x.u@mg.soak.test>", D),
+            None
+        );
+        assert_eq!(parse_message_id(&reminder, D), None);
+        let mails = [
+            mail(1, repair),
+            mail(2, req("MailgunMachine", "m")),
+            mail(3, reminder),
+            mail(4, done),
+        ];
+        let ledger = Ledger::build(Backend::Mailgun, D, &mails);
+        assert!(ledger.foreign.is_empty(), "{:?}", ledger.foreign);
+        assert_eq!(ledger.entries.len(), 1);
+        assert_eq!(
+            ledger.repairs["r-1"],
+            vec![
+                (1, RepairMail::Repair),
+                (3, RepairMail::Reminder(2)),
+                (4, RepairMail::NoLongerNeeded)
+            ]
+        );
+        assert_eq!(ledger.repair_mails("r-1", RepairMail::Repair), 1);
+        assert_eq!(ledger.repair_mails("r-1", RepairMail::Reminder(1)), 0);
     }
 
     #[test]
