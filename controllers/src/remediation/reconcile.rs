@@ -200,7 +200,7 @@ impl Pass<'_> {
                 let reason = c.reason.as_deref().unwrap_or_default();
                 (reason, c.message.as_deref().unwrap_or_default())
             });
-        let link = page_link(obj);
+        let link = page_link(ctx, obj, &self.tracked, which);
         about.link = link.as_deref();
         let text = mail::text(&about, which);
         let owner = machine
@@ -319,8 +319,24 @@ impl Pass<'_> {
     }
 }
 
-/// The fulfilment page's link for this object, for its mails: none yet (the page's answer form
-/// and its links are the other half of issue 56, item 4; the mails take the link as it comes).
-fn page_link(_: &MailgunRemediation) -> Option<String> {
-    None
+/// The fulfilment page's link for this object's mail `which`, when the page is on: sealed for the
+/// repair mail's record and expiring after the time the mail was first intended (its intent
+/// record's, else now), so a mail composed again after a crash carries the same link and each
+/// reminder's outlives the one before. The "no longer needed" mail has none: nothing is left to
+/// answer.
+fn page_link(
+    ctx: &Ctx,
+    obj: &MailgunRemediation,
+    tracked: &Tracked,
+    which: Which,
+) -> Option<String> {
+    let links = ctx.config.fulfilment.as_ref()?;
+    if which == Which::Deletion {
+        return None;
+    }
+    let intended = crate::sendonce::records::read_records(&tracked.annotations, super::KIND, which)
+        .intent
+        .and_then(|intent| intent.at)
+        .map_or_else(std::time::SystemTime::now, std::time::SystemTime::from);
+    links.repair_link(obj.meta(), &ctx.config.message_id_domain, intended)
 }
