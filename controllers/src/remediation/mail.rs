@@ -90,7 +90,10 @@ fn details(about: &About<'_>) -> String {
         },
     );
     let link = about.link.map_or_else(String::new, |link| {
-        format!("Or answer on the page (one use): {link}\n\n")
+        format!(
+            "Or answer on the page (anyone holding this mail can use the link, once; do not \
+             forward it):\n\n  {link}\n\n"
+        )
     });
     let next = if about.reminders == 0 {
         format!(
