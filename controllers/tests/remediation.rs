@@ -293,3 +293,77 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
     );
     env.stop().await;
 }
+
+/// The MachineHealthCheck deletes the object (the Machine is healthy again) before anyone
+/// answered: one "no longer needed" mail, threaded to the repair mail, then the finalizer goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
+    let crds = [
+        capm_api::crd::crds().unwrap(),
+        capm_api::crd::remediation_crds(),
+    ]
+    .concat();
+    let mut env = Env::with_crds("mgr-nln", crds).await;
+    env.start().await;
+    env.create_cluster("c1", false).await;
+    env.machines()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
+                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
+                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
+    let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
+    let uid = created.uid().unwrap();
+    eventually(PATIENCE, "the repair mail", || async {
+        !env.mails().is_empty()
+    })
+    .await;
+    eventually(PATIENCE, "our finalizer", || async {
+        let obj = remediations(&env).get("m1").await.unwrap();
+        obj.finalizers()
+            .iter()
+            .any(|f| f == names::REMEDIATION_FINALIZER)
+    })
+    .await;
+    remediations(&env)
+        .delete("m1", &kube::api::DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(PATIENCE, "m1 gone", || async {
+        remediations(&env).get_opt("m1").await.unwrap().is_none()
+    })
+    .await;
+    let mails = env.mails();
+    assert_eq!(mails.len(), 2, "the repair mail and one 'no longer needed'");
+    let first_id = format!("<mailgunremediation.{uid}@{}>", support::DOMAIN);
+    let done = &mails[1];
+    assert_eq!(
+        done.id,
+        format!("<mailgunremediation-deleted.{uid}@{}>", support::DOMAIN)
+    );
+    assert_eq!(done.subject, format!("Re: {}", mails[0].subject));
+    assert_eq!(done.headers.get("In-Reply-To"), Some(&first_id));
+    assert!(done.text.as_deref().unwrap().contains("no longer needed"));
+    assert_eq!(
+        env.metric(
+            "capm_remediations_total",
+            Some(("outcome", "no_longer_needed"))
+        ),
+        1.0
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(env.mails().len(), 2);
+    let machine = serde_json::to_value(env.capi("Machine").get("m1").await.unwrap()).unwrap();
+    assert!(
+        !machine.to_string().contains("OwnerRemediated"),
+        "not handed back"
+    );
+    env.stop().await;
+}
