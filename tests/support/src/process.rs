@@ -137,7 +137,7 @@ pub fn trimmed_rss_anon(pid: u32) -> Result<u64, String> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !stdout.lines().any(|l| l.starts_with("$1 = ")) {
         return Err(format!(
-            "gdb could not call malloc_trim in process {pid}: {}{}",
+            "gdb could not call malloc_trim in process {pid}: {} / {}",
             stdout.trim(),
             String::from_utf8_lossy(&out.stderr).trim()
         ));
