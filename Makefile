@@ -151,6 +151,13 @@ bench: tools ## Backlog benchmark (not a test): the Go peer (PEER_DIR=<checkout>
 	  --provider $$T/release/cluster-api-provider-mailgun --peer $$PEER \
 	  --peer-crd $(PEER_DIR)/config/crd.yaml --objects $${N:-1000} $(BENCH_ARGS)
 
+.PHONY: bench-partition
+bench-partition: deps-demo tools ## Recovery from a partition, timed (not a test): 10 cycles of connections closed for 10 s, 2 of dropped packets, figures printed (`make test` runs 2 and 1 of them for the promise alone)
+	$(CARGO) build -q -p capm-mail-servers --bin mailgun-contract-server -p cluster-api-provider-mailgun --bin cluster-api-provider-mailgun $(FAILPOINTS)
+	CAPM_MAILGUN_SERVER_BIN=$${CARGO_TARGET_DIR:-$(CURDIR)/target}/debug/mailgun-contract-server \
+	  PARTITION_CLOSING_CYCLES=$${PARTITION_CLOSING_CYCLES:-10} PARTITION_DROPPING_CYCLES=$${PARTITION_DROPPING_CYCLES:-2} \
+	  $(CARGO) test -p capm-e2e --test partition recovery_from -- --include-ignored --nocapture
+
 .PHONY: bench-mailer
 bench-mailer: ## Mail backend throughput (not a test): Mailgun with 16 senders, SMTP pooled vs per message
 	$(CARGO) build --release -p capm-mail-servers --bin mailgun-contract-server
