@@ -1,5 +1,8 @@
 //! Exactly one mail per object through the real binary: crashes at the two dangerous steps
 //! (failpoints abort the process), a restart, and two replicas of which only the leader sends.
+//! For a `MailgunCluster`'s request mail and for each mail of a `MailgunRemediation` (its repair
+//! mail, a reminder, the "no longer needed" mail): they go through the same send-once layer, so
+//! the same failpoints strike them.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -9,11 +12,12 @@ use std::time::{Duration, Instant};
 use capm_api::records::{self, Which};
 use capm_api::{names, v1beta1::MailgunCluster};
 use capm_mail_servers::{MailgunServer, SmtpOptions, SmtpServer};
-use capm_test_support::process::is_stopped;
+use capm_test_support::{TestNamespace, process::is_stopped};
 use common::{
-    Backend, DOMAIN, KEY, Provider, create_pair, delivered, namespace, signal, wait_recorded,
+    Backend, DOMAIN, KEY, Launch, Provider, annotations_of, create_pair, create_remediation,
+    delivered, namespace, signal, wait_recorded,
 };
-use kube::ResourceExt;
+use kube::{ResourceExt, api::DeleteParams};
 
 fn intent_of(obj: &MailgunCluster) -> records::Intent {
     records::parse_record(
@@ -23,6 +27,124 @@ fn intent_of(obj: &MailgunCluster) -> records::Intent {
     )
     .unwrap()
     .0
+}
+
+/// The mail a test watches, of the object it creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watched {
+    /// A `MailgunCluster`'s request.
+    ClusterRequest,
+    /// A `MailgunRemediation`'s repair mail.
+    Repair,
+    /// Its reminder 1, due an `answerTimeout` (1m) after the repair mail.
+    Reminder,
+    /// Its "no longer needed" mail, owed once the object is deleted after the repair mail.
+    NoLongerNeeded,
+}
+
+impl Watched {
+    fn kind(self) -> &'static str {
+        match self {
+            Self::ClusterRequest => "MailgunCluster",
+            _ => "MailgunRemediation",
+        }
+    }
+
+    fn which(self) -> Which {
+        match self {
+            Self::ClusterRequest | Self::Repair => Which::Request,
+            Self::Reminder => Which::Reminder(1),
+            Self::NoLongerNeeded => Which::Deletion,
+        }
+    }
+
+    /// The watched mail comes after the object's request mail.
+    fn follows_the_request(self) -> bool {
+        self.which() != Which::Request
+    }
+
+    /// How long after the request mail the watched one is due, at most.
+    fn due_within(self) -> Duration {
+        match self {
+            Self::Reminder => Duration::from_secs(120),
+            _ => Duration::from_secs(30),
+        }
+    }
+
+    /// Creates the object `name` (and what it needs); returns its UID.
+    async fn create(self, ns: &TestNamespace, name: &str) -> String {
+        match self {
+            Self::ClusterRequest => create_pair(ns, name).await.uid(),
+            _ => create_remediation(ns, name).await.uid(),
+        }
+        .unwrap()
+    }
+
+    fn message_id(self, uid: &str) -> String {
+        self.which().message_id(self.kind(), uid, DOMAIN)
+    }
+
+    /// Every Message-Id the backend should hold once, in the order they are sent.
+    fn all_ids(self, uid: &str) -> Vec<String> {
+        let mut ids = vec![Which::Request.message_id(self.kind(), uid, DOMAIN)];
+        if self.follows_the_request() {
+            ids.push(self.message_id(uid));
+        }
+        ids
+    }
+
+    /// The records of `which` of the object `name` (`None`: the object is gone).
+    async fn records_of(
+        self,
+        ns: &TestNamespace,
+        name: &str,
+        which: Which,
+    ) -> Option<records::Records> {
+        let annotations = annotations_of(ns, self.kind(), name).await?;
+        Some(records::read_records(&annotations, self.kind(), which))
+    }
+
+    /// Waits until `which` of `name` is recorded as sent (the "no longer needed" mail: until
+    /// the object is gone, its finalizer removed after the record).
+    async fn wait_sent(self, ns: &TestNamespace, name: &str, which: Which, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.records_of(ns, name, which).await {
+                Some(r) if r.sent.is_some() => return,
+                None if which == Which::Deletion => return,
+                None => panic!("{name} is gone"),
+                Some(_) => {}
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} of {name} not recorded as sent within {within:?}",
+                which.label()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until the watched mail is recorded as sent.
+    async fn wait_recorded(self, ns: &TestNamespace, name: &str) {
+        let within = self.due_within() + Duration::from_secs(60);
+        self.wait_sent(ns, name, self.which(), within).await;
+    }
+
+    /// Waits until the request mail of `name` is recorded as sent.
+    async fn wait_request_recorded(self, ns: &TestNamespace, name: &str) {
+        self.wait_sent(ns, name, Which::Request, Duration::from_secs(60))
+            .await;
+    }
+
+    /// What makes the watched mail due once the request is recorded: for the "no longer
+    /// needed" mail, the object's deletion (the MachineHealthCheck found the Machine healthy
+    /// again).
+    async fn make_due(self, ns: &TestNamespace, name: &str) {
+        if self == Self::NoLongerNeeded {
+            let api = ns.api::<capm_api::v1beta1::MailgunRemediation>();
+            api.delete(name, &DeleteParams::default()).await.unwrap();
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,40 +169,69 @@ async fn crash_after_intent_then_restart_sends_exactly_one() {
     assert_eq!(mails[0].id, id);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_send_mailgun_lookup_finds_it() {
-    let ns = namespace("eo-sent-mg").await;
+/// The process dies after the backend accepted the watched mail and before its record: the
+/// next process asks Mailgun, finds it, and records it without sending again. The mails
+/// before the watched one come from a process without failpoints, stopped once they are
+/// recorded.
+async fn crash_after_send_mailgun_lookup_finds_it(watched: Watched, prefix: &str) {
+    let ns = namespace(prefix).await;
     let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
     let backend = Backend::Mailgun(&mailgun);
+    let name = "two";
+    let uid = watched.create(&ns, name).await;
+    if watched.follows_the_request() {
+        let earlier = Provider::start(&ns, &backend, None, false);
+        watched.wait_request_recorded(&ns, name).await;
+        drop(earlier);
+        watched.make_due(&ns, name).await;
+    }
     let mut crashing = Provider::start(&ns, &backend, Some("after-send"), false);
-    create_pair(&ns, "two").await;
-    crashing.wait_for_crash();
+    crashing.wait_for_crash_within(watched.due_within() + Duration::from_secs(30));
+    let id = watched.message_id(&uid);
     assert_eq!(
-        mailgun.messages().unwrap().len(),
-        1,
+        delivered(&backend),
+        watched.all_ids(&uid),
         "accepted before the crash"
     );
-    let obj = ns.api::<MailgunCluster>().get("two").await.unwrap();
-    assert!(!names::request_recorded_sent(obj.annotations()));
+    let pending = watched
+        .records_of(&ns, name, watched.which())
+        .await
+        .unwrap();
+    assert!(pending.intent.is_some() && pending.sent.is_none());
 
     let provider = Provider::start(&ns, &backend, None, false);
-    let obj = wait_recorded(&ns, "two").await;
+    watched.wait_recorded(&ns, name).await;
     assert_eq!(
-        mailgun.messages().unwrap().len(),
-        1,
+        delivered(&backend),
+        watched.all_ids(&uid),
         "the lookup found it: no second mail"
     );
-    let sent = records::parse_record(
-        &obj.annotations()[Which::Request.record_key()],
-        "MailgunCluster",
-        Which::Request,
-    )
-    .unwrap()
-    .1
-    .expect("recorded as sent");
-    assert_eq!(sent.backend_id, mailgun.messages().unwrap()[0].id);
+    if let Some(records) = watched.records_of(&ns, name, watched.which()).await {
+        let sent = records.sent.expect("recorded as sent");
+        assert_eq!(sent.backend_id, id);
+    }
     assert_eq!(provider.metric("capm_mail_resends_total"), 0.0);
     assert!(provider.metric("mailer_lookups_total") >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_send_mailgun_lookup_finds_it_cluster() {
+    crash_after_send_mailgun_lookup_finds_it(Watched::ClusterRequest, "eo-sent-mg").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_send_mailgun_lookup_finds_it_repair_mail() {
+    crash_after_send_mailgun_lookup_finds_it(Watched::Repair, "eo-sent-repair").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_send_mailgun_lookup_finds_it_reminder() {
+    crash_after_send_mailgun_lookup_finds_it(Watched::Reminder, "eo-sent-reminder").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_send_mailgun_lookup_finds_it_no_longer_needed() {
+    crash_after_send_mailgun_lookup_finds_it(Watched::NoLongerNeeded, "eo-sent-nln").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,13 +302,26 @@ async fn two_replicas_only_the_leader_sends() {
 /// request on the wire (Mailgun: headers and all of the body but its final chunk; SMTP: the
 /// message after `DATA`, without its end-of-data line). Before the commit gate the resumed
 /// leader completed it, and the backend had two copies.
+///
+/// A watched mail after the request (a reminder) is frozen the same way: the failpoint is armed
+/// (through `CAPM_FAILPOINT_FILE`) once the leader has recorded the request mail.
 async fn frozen_leader_does_not_send_after_losing_its_lease(
     backend: Backend<'_>,
     prefix: &str,
     failpoint: &str,
+    watched: Watched,
 ) {
     let ns = namespace(prefix).await;
-    let mut old = Provider::start(&ns, &backend, Some(failpoint), true);
+    let armed_later = watched.follows_the_request();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("failpoint");
+    let launch = Launch {
+        failpoint: (!armed_later).then_some(failpoint),
+        failpoint_file: Some(&file),
+        leader_elect: true,
+        ..Launch::default()
+    };
+    let mut old = Provider::launch(&ns, &backend, &launch);
     assert_eq!(
         old.wait_metric_at_least("leader_election_master_status", 1.0)
             .await,
@@ -165,15 +329,21 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(
         "the first replica leads"
     );
     let new = Provider::start(&ns, &backend, None, true);
-    let created = create_pair(&ns, "frozen").await;
+    let name = "frozen";
+    let uid = watched.create(&ns, name).await;
+    if armed_later {
+        watched.wait_request_recorded(&ns, name).await;
+        watched.make_due(&ns, name).await;
+        std::fs::write(&file, failpoint).unwrap();
+    }
     let pid = old.pid();
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + watched.due_within();
     while !is_stopped(pid) {
         assert!(Instant::now() < deadline, "the leader never froze");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let obj = ns.api::<MailgunCluster>().get("frozen").await.unwrap();
-    let intent = intent_of(&obj);
+    let records = watched.records_of(&ns, name, watched.which()).await;
+    let intent = records.and_then(|r| r.intent).expect("an intent");
     assert!(
         intent.writer.is_some() && intent.at.is_some(),
         "the intent names its writer and time: {intent:?}"
@@ -186,9 +356,9 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(
         "the standby takes the Lease over"
     );
     // ...and, once the old holder's attempt cannot be in flight any more, sends the mail.
-    wait_recorded(&ns, "frozen").await;
-    let id = names::message_id("MailgunCluster", &created.uid().unwrap(), DOMAIN);
-    assert_eq!(delivered(&backend), vec![id.clone()]);
+    watched.wait_recorded(&ns, name).await;
+    let ids = watched.all_ids(&uid);
+    assert_eq!(delivered(&backend), ids);
     // Now the old leader resumes right before its send.
     signal(pid, "-CONT");
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -209,8 +379,8 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         delivered(&backend),
-        vec![id],
-        "exactly one mail: the resumed old leader did not send"
+        ids,
+        "exactly one mail each: the resumed old leader did not send"
     );
     if failpoint.starts_with("before-commit") {
         let log = old.stderr_log();
@@ -228,6 +398,7 @@ async fn frozen_leader_does_not_send_after_losing_its_lease_mailgun() {
         Backend::Mailgun(&mailgun),
         "eo-frozen-mg",
         "after-intent:stop",
+        Watched::ClusterRequest,
     )
     .await;
 }
@@ -239,6 +410,7 @@ async fn frozen_leader_does_not_send_after_losing_its_lease_smtp() {
         Backend::Smtp(&smtp),
         "eo-frozen-smtp",
         "after-intent:stop",
+        Watched::ClusterRequest,
     )
     .await;
 }
@@ -250,6 +422,7 @@ async fn leader_frozen_mid_send_abandons_it_on_resume_mailgun() {
         Backend::Mailgun(&mailgun),
         "eo-midsend-mg",
         "before-commit:stop",
+        Watched::ClusterRequest,
     )
     .await;
 }
@@ -261,6 +434,55 @@ async fn leader_frozen_mid_send_abandons_it_on_resume_smtp() {
         Backend::Smtp(&smtp),
         "eo-midsend-smtp",
         "before-commit:stop",
+        Watched::ClusterRequest,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_leader_does_not_send_the_repair_mail_after_losing_its_lease_smtp() {
+    let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Smtp(&smtp),
+        "eo-frozen-repair",
+        "after-intent:stop",
+        Watched::Repair,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_frozen_mid_send_of_the_repair_mail_abandons_it_on_resume_mailgun() {
+    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Mailgun(&mailgun),
+        "eo-midsend-repair",
+        "before-commit:stop",
+        Watched::Repair,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_frozen_mid_send_of_a_reminder_abandons_it_on_resume_mailgun() {
+    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Mailgun(&mailgun),
+        "eo-midsend-reminder",
+        "before-commit:stop",
+        Watched::Reminder,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_leader_does_not_send_a_reminder_after_losing_its_lease_smtp() {
+    let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
+    frozen_leader_does_not_send_after_losing_its_lease(
+        Backend::Smtp(&smtp),
+        "eo-frozen-reminder",
+        "after-intent:stop",
+        Watched::Reminder,
     )
     .await;
 }

@@ -6,17 +6,20 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
 };
 
-use capm_api::{names, v1beta1::MailgunCluster};
+use capm_api::{
+    names,
+    v1beta1::{MailgunCluster, MailgunMachine, MailgunRemediation},
+};
 use capm_mail_servers::{MailgunServer, SmtpServer};
 use capm_test_support::{TestNamespace, provider};
 use kube::{
     Api, ResourceExt,
-    api::{ApiResource, DynamicObject, GroupVersionKind, PostParams},
+    api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams},
 };
 use serde_json::json;
 
@@ -48,6 +51,8 @@ pub enum Backend<'a> {
 pub struct Launch<'a> {
     /// `CAPM_FAILPOINT` (crash or freeze at a step).
     pub failpoint: Option<&'a str>,
+    /// `CAPM_FAILPOINT_FILE`: a freeze armed later, by writing `<step>:stop` into this file.
+    pub failpoint_file: Option<&'a Path>,
     pub leader_elect: bool,
     /// More flags.
     pub args: Vec<String>,
@@ -144,6 +149,9 @@ impl Provider {
         if let Some(step) = launch.failpoint {
             cmd = cmd.env("CAPM_FAILPOINT", step);
         }
+        if let Some(file) = launch.failpoint_file {
+            cmd = cmd.env("CAPM_FAILPOINT_FILE", file);
+        }
         let log = tempfile::Builder::new().suffix(".log").tempfile().unwrap();
         let process = cmd.spawn(log.path()).unwrap();
         Self {
@@ -173,9 +181,14 @@ impl Provider {
         self.process.exited()
     }
 
-    /// Waits for the process to end on its own (a failpoint aborts it).
+    /// Waits (60 s) for the process to end on its own (a failpoint aborts it).
     pub fn wait_for_crash(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        self.wait_for_crash_within(Duration::from_secs(60));
+    }
+
+    /// Waits for the process to end on its own (a failpoint aborts it).
+    pub fn wait_for_crash_within(&mut self, within: Duration) {
+        let deadline = Instant::now() + within;
         while Instant::now() < deadline {
             if let Some(status) = self.process.exited() {
                 assert!(!status.success(), "the failpoint aborts: {status}");
@@ -183,7 +196,7 @@ impl Provider {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("the provider did not reach its failpoint within 60 s");
+        panic!("the provider did not reach its failpoint within {within:?}");
     }
 
     /// Whether the process still runs.
@@ -282,6 +295,73 @@ pub async fn create_pair(ns: &TestNamespace, name: &str) -> MailgunCluster {
         .create(&PostParams::default(), &mgc)
         .await
         .unwrap()
+}
+
+/// A Machine `name` that was built (its `MailgunMachine` has a provider ID, and no owner: it
+/// mails nothing) and is unhealthy by the condition a MachineHealthCheck writes, and the
+/// `MailgunRemediation` the health check makes for it (same name, an ownerReference to it):
+/// the provider owes its repair mail at once and reminder 1 after the shortest
+/// `answerTimeout` the CRD allows (1m). No Cluster: none is needed for the mails.
+pub async fn create_remediation(ns: &TestNamespace, name: &str) -> MailgunRemediation {
+    let labels = json!({ names::CLUSTER_NAME_LABEL: "c1" });
+    let infra: MailgunMachine = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
+        "metadata": { "name": name, "labels": labels },
+        "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com",
+                  "providerID": format!("metal://rack-1/{name}") },
+    }))
+    .unwrap();
+    let pp = PostParams::default();
+    ns.api::<MailgunMachine>()
+        .create(&pp, &infra)
+        .await
+        .unwrap();
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Machine",
+    ));
+    let machines: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
+    let mut machine = DynamicObject::new(name, &ar).data(json!({
+        "spec": { "clusterName": "c1", "bootstrap": {},
+                  "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunMachine", "name": name } },
+    }));
+    machine.metadata.labels = serde_json::from_value(labels.clone()).unwrap();
+    let machine = machines.create(&pp, &machine).await.unwrap();
+    let unhealthy = json!({ "status": { "conditions": [{
+        "type": "HealthCheckSucceeded", "status": "False", "reason": "UnhealthyNode",
+        "message": "Condition Ready on Node is reporting status False for more than 1s",
+        "lastTransitionTime": "2026-11-29T08:00:00Z",
+    }]}});
+    machines
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(unhealthy))
+        .await
+        .unwrap();
+    let remediation: MailgunRemediation = serde_json::from_value(json!({
+        "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
+        "metadata": { "name": name, "labels": labels, "ownerReferences": [{
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine", "name": name,
+            "uid": machine.metadata.uid,
+        }]},
+        "spec": { "request": "Power-cycle it.", "strategy": { "answerTimeout": "1m", "reminders": 1 } },
+    }))
+    .unwrap();
+    ns.api::<MailgunRemediation>()
+        .create(&pp, &remediation)
+        .await
+        .unwrap()
+}
+
+/// The annotations of our object `name` of `kind` (`None`: it is gone).
+pub async fn annotations_of(
+    ns: &TestNamespace,
+    kind: &str,
+    name: &str,
+) -> Option<std::collections::BTreeMap<String, String>> {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(capm_api::GROUP, "v1beta1", kind));
+    let api: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
+    let obj = api.get_opt(name).await.unwrap()?;
+    Some(obj.annotations().clone())
 }
 
 /// Waits (60 s) until `name` carries the durable sent record.
