@@ -4,7 +4,7 @@
 //! and the ClusterClass and sharding tests judge their mail with it. The mails of a
 //! `MailgunRemediation` (issue 56: its repair mail, reminders and "no longer needed" mail) are
 //! kept apart, per object ([`Ledger::repairs`]): they follow other rules than a request and its
-//! release, which the remediation test checks itself.
+//! release ([`Ledger::check_repairs`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -302,6 +302,120 @@ impl Ledger {
     }
 }
 
+/// What the soak knows of one `MailgunRemediation` it made, for [`Ledger::check_repairs`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepairFacts {
+    /// The reminders its strategy allows.
+    pub reminders: u8,
+    /// Its Machine was never built (no `providerID`): no mail is owed, ever.
+    pub unbuilt: bool,
+    /// When a human answered, or the health check deleted the object: the mails whose records
+    /// the object carried then (each may still arrive: its attempt was under way). Nothing else
+    /// may come after, but the "no longer needed" mail of an unanswered deletion (in the list
+    /// then).
+    pub cut: Option<Vec<RepairMail>>,
+}
+
+/// A broken rule of a `MailgunRemediation`'s mails.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepairViolation {
+    /// The object's UID.
+    pub uid: String,
+    /// What is wrong.
+    pub rule: &'static str,
+    /// Its mails, in arrival order.
+    pub mails: Vec<(usize, RepairMail)>,
+}
+
+impl fmt::Display for RepairViolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: MailgunRemediation {}: mails (arrival, which) {:?}",
+            self.rule, self.uid, self.mails
+        )
+    }
+}
+
+impl Ledger {
+    /// Judges the mails of the `MailgunRemediation`s the soak made (`made`, by UID): each of
+    /// its mails at most once (SMTP: copies beyond the first within the provider's counted
+    /// `resends` of the kind, over all objects), in the flow's order (a reminder after the
+    /// repair mail and the reminder before it, the "no longer needed" mail after the repair
+    /// mail), no reminder beyond the strategy's, no mail for a Machine never built, none after
+    /// the cut but those under way then; and no remediation mail of an object it did not make.
+    pub fn check_repairs(
+        &self,
+        made: &BTreeMap<String, RepairFacts>,
+        resends: u64,
+    ) -> Vec<RepairViolation> {
+        let mut out = Vec::new();
+        let mut extra = 0u64;
+        for (uid, mails) in &self.repairs {
+            let mut broken = |rule| {
+                out.push(RepairViolation {
+                    uid: uid.clone(),
+                    rule,
+                    mails: mails.clone(),
+                });
+            };
+            let Some(facts) = made.get(uid) else {
+                broken("UnknownRemediation");
+                continue;
+            };
+            let first =
+                |which: RepairMail| mails.iter().find(|(_, w)| *w == which).map(|(seq, _)| *seq);
+            let copies = |which: RepairMail| mails.iter().filter(|(_, w)| *w == which).count();
+            let kinds: BTreeSet<RepairMail> = mails.iter().map(|(_, w)| *w).collect();
+            for which in &kinds {
+                let n = copies(*which) as u64;
+                extra += n - 1;
+                if n > 1 && self.backend == Backend::Mailgun {
+                    broken("DuplicateRepairMail");
+                }
+            }
+            if facts.unbuilt && !mails.is_empty() {
+                broken("MailForUnbuiltMachine");
+            }
+            let repair = first(RepairMail::Repair);
+            for which in &kinds {
+                let before = match which {
+                    RepairMail::Repair => continue,
+                    RepairMail::Reminder(n) if *n > facts.reminders => {
+                        broken("ReminderBeyondStrategy");
+                        continue;
+                    }
+                    RepairMail::Reminder(1) | RepairMail::NoLongerNeeded => repair,
+                    RepairMail::Reminder(n) => first(RepairMail::Reminder(n - 1)),
+                };
+                let at = first(*which);
+                let in_order = match which {
+                    // The "no longer needed" mail is owed when the repair mail may have gone
+                    // out: after a crash its attempt may never have reached the server.
+                    RepairMail::NoLongerNeeded => before.is_none_or(|b| Some(b) < at),
+                    _ => before.is_some_and(|b| Some(b) < at),
+                };
+                if !in_order {
+                    broken("RepairMailOutOfOrder");
+                }
+            }
+            if let Some(cut) = &facts.cut
+                && kinds.iter().any(|w| !cut.contains(w))
+            {
+                broken("MailAfterTheCut");
+            }
+        }
+        if self.backend == Backend::Smtp && extra > resends {
+            out.push(RepairViolation {
+                uid: format!("(all: {extra} extra copies, {resends} resends counted)"),
+                rule: "UnaccountedRepairResends",
+                mails: Vec::new(),
+            });
+        }
+        out
+    }
+}
+
 /// Which per-object rule was broken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rule {
@@ -489,6 +603,102 @@ mod tests {
         );
         assert_eq!(ledger.repair_mails("r-1", RepairMail::Repair), 1);
         assert_eq!(ledger.repair_mails("r-1", RepairMail::Reminder(1)), 0);
+    }
+
+    #[test]
+    fn every_repair_rule_fires() {
+        let kind = "MailgunRemediation";
+        let reminder = |n: u8, uid: &str| format!("<mailgunremediation-reminder-{n}.{uid}@{D}>");
+        let mails = [
+            // ok: the repair mail, two reminders, the "no longer needed" mail.
+            mail(1, req(kind, "ok")),
+            mail(2, reminder(1, "ok")),
+            mail(3, reminder(2, "ok")),
+            mail(4, rel(kind, "ok")),
+            mail(5, req(kind, "dup")),
+            mail(6, req(kind, "dup")),
+            mail(7, reminder(1, "early")),
+            mail(8, req(kind, "early")),
+            mail(9, req(kind, "skipped")),
+            mail(10, reminder(2, "skipped")),
+            mail(11, req(kind, "unbuilt")),
+            mail(12, req(kind, "many")),
+            mail(13, reminder(2, "many")),
+            // Answered after its repair mail: reminder 1 was not under way.
+            mail(14, req(kind, "answered")),
+            mail(15, reminder(1, "answered")),
+            mail(16, req(kind, "stranger")),
+        ];
+        let facts = |reminders, unbuilt, cut: Option<Vec<RepairMail>>| RepairFacts {
+            reminders,
+            unbuilt,
+            cut,
+        };
+        let made: BTreeMap<String, RepairFacts> = [
+            (
+                "ok",
+                facts(
+                    3,
+                    false,
+                    Some(vec![
+                        RepairMail::Repair,
+                        RepairMail::Reminder(1),
+                        RepairMail::Reminder(2),
+                        RepairMail::NoLongerNeeded,
+                    ]),
+                ),
+            ),
+            ("dup", facts(3, false, None)),
+            ("early", facts(3, false, None)),
+            ("skipped", facts(3, false, None)),
+            ("unbuilt", facts(3, true, None)),
+            ("many", facts(1, false, None)),
+            ("answered", facts(3, false, Some(vec![RepairMail::Repair]))),
+        ]
+        .into_iter()
+        .map(|(uid, f)| (uid.to_owned(), f))
+        .collect();
+        let found = |backend, resends| {
+            let ledger = Ledger::build(backend, D, &mails);
+            let mut found: Vec<(&str, String)> = (ledger.check_repairs(&made, resends).into_iter())
+                .map(|v| (v.rule, v.uid))
+                .collect();
+            found.sort();
+            found
+        };
+        let expected = |first: Option<&'static str>| {
+            let mut out: Vec<(&str, String)> = first
+                .map(|r| ("dup", r))
+                .into_iter()
+                .map(|(uid, r)| (r, uid.to_owned()))
+                .collect();
+            out.extend(
+                [
+                    ("MailAfterTheCut", "answered"),
+                    ("RepairMailOutOfOrder", "early"),
+                    ("ReminderBeyondStrategy", "many"),
+                    ("RepairMailOutOfOrder", "skipped"),
+                    ("UnknownRemediation", "stranger"),
+                    ("MailForUnbuiltMachine", "unbuilt"),
+                ]
+                .map(|(r, uid)| (r, uid.to_owned())),
+            );
+            out.sort();
+            out
+        };
+        assert_eq!(
+            found(Backend::Mailgun, 0),
+            expected(Some("DuplicateRepairMail"))
+        );
+        // SMTP: the duplicate is a counted resend, or it is not.
+        assert_eq!(found(Backend::Smtp, 1), expected(None));
+        let mut unaccounted = expected(None);
+        unaccounted.push((
+            "UnaccountedRepairResends",
+            "(all: 1 extra copies, 0 resends counted)".to_owned(),
+        ));
+        unaccounted.sort();
+        assert_eq!(found(Backend::Smtp, 0), unaccounted);
     }
 
     #[test]

@@ -41,6 +41,30 @@
 //! be requested. After the last round every `Cluster` is unpaused and deleted and the checks run
 //! once more.
 //!
+//! # Remediation (issue 56)
+//! Both lanes also remediate, from a generator of their own (seeded from the seed, so the
+//! operations above are those the seed gave before). In some rounds the soak plays a
+//! MachineHealthCheck: it picks a Machine of a cluster made in an earlier round that stays
+//! unpaused (one whose request went out), has the human build it (its `MailgunMachine`'s `providerID`; one in five stays
+//! never built), sets its `HealthCheckSucceeded=False` (server-side apply, that condition only)
+//! and makes its `MailgunRemediation` as the health check does (named like the Machine, an
+//! ownerReference to it; `answerTimeout: 1m`, `reminders: 3`). One to three rounds later its fate
+//! comes: the human answers `CannotRepair` (handed back at once: the MachineSet replaces the
+//! Machine), or `Repaired` and the health check finds the Machine healthy and deletes the
+//! object, or the Machine recovers before any answer (deleted: one "no longer needed" mail);
+//! or nobody answers (reminders a minute apart, then a timed hand-back), or its Machine goes
+//! first (scaled away, its cluster deleted). A round is not settled while a remediation of an
+//! unpaused cluster is handed back or deleted and not gone, or built and its repair mail not
+//! recorded, and it waits out a remediation deadline (`Ready`'s `until …`) that would fall in
+//! the quiet window, whose check covers the remediations too. The rules of their mails, per
+//! object (Message-Ids `<mailgunremediation[-reminder-N|-deleted].uid@domain>`): at most one
+//! repair mail, one of each reminder (none beyond the strategy's) and one "no longer needed"
+//! mail (SMTP: copies within the counted resends of `mailgunremediation`); a reminder after the
+//! repair mail and the reminder before it, the "no longer needed" mail after the repair mail;
+//! no mail for a Machine never built; and after an answer or the health check's deletion, no
+//! mail but those whose records the object carried at that moment (attempts under way) and the
+//! "no longer needed" mail of a deletion nobody answered (`MailAfterTheCut`).
+//!
 //! # Backend faults (consistent with the ledger)
 //! - *refuse*: a definitive answer before acceptance, nothing stored. SMTP: 451 to DATA;
 //!   Mailgun: 429 with `Retry-After: 1`, or 500 without storing (the client cannot tell, but the
@@ -100,6 +124,9 @@ use rand::{Rng as _, RngExt as _, SeedableRng, rngs::StdRng};
 
 use world::{Lane, Plan, Round, World};
 
+/// Mixed into the seed for the remediation lane's generator.
+const REPAIR_SEED_SALT: u64 = 0x5245_5041_4952;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak() -> Result<()> {
     let seed = match env_u64("SOAK_SEED")? {
@@ -117,13 +144,20 @@ async fn soak() -> Result<()> {
         Lane::start(&world, ledger::Backend::Smtp).await?,
     ];
     let mut rng = StdRng::seed_from_u64(seed);
+    // The remediation lane draws from its own generator: a seed's other operations stay what
+    // they were before it.
+    let mut repair_rng = StdRng::seed_from_u64(seed ^ REPAIR_SEED_SALT);
     let mut longest = Duration::ZERO;
     let mut failed = Vec::new();
     let result = async {
         for round in 1..=rounds {
             let plans: Vec<Plan> = lanes
                 .iter_mut()
-                .map(|lane| lane.plan(&mut rng, round))
+                .map(|lane| {
+                    let mut plan = lane.plan(&mut rng, round);
+                    lane.plan_remediations(&mut repair_rng, round, &mut plan);
+                    plan
+                })
                 .collect();
             let restart = rng
                 .random_bool(0.08)

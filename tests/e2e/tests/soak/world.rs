@@ -1,5 +1,8 @@
 //! The soak test's world: the control plane and Cluster API, the lanes (a backend, its mail
 //! server, two provider replicas, a namespace), the plans and how a round runs and is judged.
+//! The remediation lane's part: [`repair`].
+
+mod repair;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -44,6 +47,37 @@ const CAPI_GROUP: &str = "cluster.x-k8s.io";
 /// The Mailgun lane's tenants: each a `MailgunClusterIdentity` on its own contract server (its
 /// own domain and key), beside the provider's own configuration (the default identity).
 const TENANTS: [&str; 2] = ["soak-tenant-a", "soak-tenant-b"];
+
+/// The kinds whose objects a lane judges: the ledger's (a request and a release) and
+/// `MailgunRemediation` (its mails judged apart: [`capm_e2e::ledger::Ledger::check_repairs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Judged {
+    Ours(Kind),
+    Remediation,
+}
+
+impl Judged {
+    const ALL: [Judged; 3] = [
+        Judged::Ours(Kind::Cluster),
+        Judged::Ours(Kind::Machine),
+        Judged::Remediation,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Ours(kind) => kind.name(),
+            Self::Remediation => "MailgunRemediation",
+        }
+    }
+
+    /// The `controller` label of its metrics.
+    fn controller(self) -> &'static str {
+        match self {
+            Self::Ours(kind) => kind.controller(),
+            Self::Remediation => "mailgunremediation",
+        }
+    }
+}
 
 /// The lane's view of a kind, for dynamic APIs.
 fn resource(group: &str, version: &str, kind: &str) -> ApiResource {
@@ -164,6 +198,20 @@ enum Op {
     PartitionLeader {
         lasts: Duration,
     },
+    /// The health check finds a Machine of `cluster` (the `pick`th of those whose request went
+    /// out) unhealthy and makes its `MailgunRemediation` number `number`; `built`: the human
+    /// built the Machine first.
+    Remediate {
+        number: u32,
+        cluster: String,
+        pick: u32,
+        built: bool,
+    },
+    /// Remediation `number`'s fate (an answer, a recovery).
+    Resolve {
+        number: u32,
+        fate: repair::Fate,
+    },
     /// Rotates a tenant's key in its Secret (the account key and the domain sending key take
     /// turns; the server accepts both, as Mailgun does while both exist).
     RotateKey {
@@ -192,7 +240,7 @@ struct Replica {
     name: String,
     frozen: bool,
     /// `capm_mail_resends_total` per kind at the last reading.
-    resends: BTreeMap<Kind, u64>,
+    resends: BTreeMap<Judged, u64>,
     /// Killed by the test: its resends are counted already, and it is replaced no earlier.
     killed: Option<Instant>,
 }
@@ -246,12 +294,17 @@ pub struct Lane {
     replicas: Mutex<Vec<Replica>>,
     started: Mutex<usize>,
     /// Resends counted by processes that were killed (read right before).
-    retired_resends: Mutex<BTreeMap<Kind, u64>>,
+    retired_resends: Mutex<BTreeMap<Judged, u64>>,
     /// Partitions played so far (a leader cut off the API server).
     partitions: Mutex<u32>,
     intent: BTreeMap<String, ClusterIntent>,
     deleted: BTreeSet<String>,
     next_cluster: usize,
+    /// Remediations planned so far, and the fates planned for them: (round, number, fate).
+    next_remedy: u32,
+    fates: Vec<(u64, u32, repair::Fate)>,
+    /// The remediations made, by number.
+    remedies: Mutex<BTreeMap<u32, repair::Remedy>>,
     fulfilled: Mutex<BTreeSet<String>>,
     /// Deleted clusters whose MailgunCluster was left without owner (deleted by the test).
     orphans: Mutex<BTreeSet<String>>,
@@ -306,7 +359,7 @@ impl Replica {
         }
         if let Some(text) = self.scrape() {
             let s = samples(&text, "capm_mail_resends_total");
-            for kind in Kind::ALL {
+            for kind in Judged::ALL {
                 let v = s.get(kind.controller()).copied().unwrap_or(0.0);
                 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
                 self.resends.insert(kind, v as u64);
@@ -316,9 +369,9 @@ impl Replica {
 
     /// This process's resends: the larger of its last `capm_mail_resends_total` reading and
     /// the resend warnings in its log (a process that died on its own cannot be read any more).
-    fn counted_resends(&self) -> BTreeMap<Kind, u64> {
+    fn counted_resends(&self) -> BTreeMap<Judged, u64> {
         let log = self.proc.log();
-        Kind::ALL
+        Judged::ALL
             .into_iter()
             .map(|kind| {
                 let logged = log
@@ -493,6 +546,9 @@ impl Lane {
             intent: BTreeMap::new(),
             deleted: BTreeSet::new(),
             next_cluster: 0,
+            next_remedy: 0,
+            fates: Vec::new(),
+            remedies: Mutex::new(BTreeMap::new()),
             fulfilled: Mutex::new(BTreeSet::new()),
             orphans: Mutex::new(BTreeSet::new()),
             reported: Mutex::new(BTreeSet::new()),
@@ -1143,6 +1199,13 @@ impl Lane {
                         self.scale(&cluster, up).await?;
                         self.scale(&cluster, down).await?;
                     }
+                    Op::Remediate {
+                        number,
+                        cluster,
+                        pick,
+                        built,
+                    } => self.remediate(number, &cluster, pick, built).await?,
+                    Op::Resolve { number, fate } => self.resolve(number, fate).await?,
                     Op::Pause { cluster } => {
                         self.note(format!("pause {cluster}"));
                         self.set_paused(&cluster, true).await?;
@@ -1510,24 +1573,37 @@ impl Lane {
                         o.name_any(),
                         o.uid().unwrap_or_default()
                     ));
+                } else if o.data["spec"]["providerID"].is_string()
+                    && o.data["status"]["initialization"]["provisioned"] != true
+                {
+                    missing.push(format!(
+                        "MailgunMachine {} ({}) built for a remediation, not shown provisioned yet",
+                        o.name_any(),
+                        o.uid().unwrap_or_default()
+                    ));
                 }
             }
         }
+        let paused = (self.intent.iter())
+            .map(|(name, intent)| (name.clone(), intent.paused))
+            .collect();
+        missing.extend(self.remediations_unsettled(&paused).await);
         Ok(missing)
     }
 
-    /// Our objects (both kinds): UID → (kind, name, resourceVersion, managedFields, deleting).
-    async fn snapshot(&self) -> Option<BTreeMap<String, (Kind, DynamicObject)>> {
+    /// Our objects (every judged kind): UID → (kind, the object).
+    async fn snapshot(&self) -> Option<BTreeMap<String, (Judged, DynamicObject)>> {
         let mut out = BTreeMap::new();
-        for kind in Kind::ALL {
-            for o in self.list(&self.infra(kind)).await? {
+        for kind in Judged::ALL {
+            let api = self.api(INFRA_GROUP, "v1beta1", kind.name());
+            for o in self.list(&api).await? {
                 out.insert(o.uid().unwrap_or_default(), (kind, o));
             }
         }
         Some(out)
     }
 
-    fn resends(&self) -> BTreeMap<Kind, u64> {
+    fn resends(&self) -> BTreeMap<Judged, u64> {
         let mut total = lock(&self.retired_resends).clone();
         let mut replicas = lock(&self.replicas);
         for r in replicas.iter_mut().filter(|r| r.killed.is_none()) {
@@ -1625,12 +1701,13 @@ impl Lane {
         match self.ledger() {
             Ok(l) => format!(
                 "{}: {} mails for {} objects, {:?} resends counted, {} partitions, {hit} of {tried} \
-                 mid-send freezes at the commit point{tenants}",
+                 mid-send freezes at the commit point{tenants}; {}",
                 self.backend,
                 self.mail_count(),
                 l.entries.len(),
                 self.resends(),
-                *lock(&self.partitions)
+                *lock(&self.partitions),
+                self.remediation_summary(&l)
             ),
             Err(e) => format!("{}: {e}", self.backend),
         }
@@ -1690,8 +1767,25 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
     let mut needles = Vec::new();
     let begun = Instant::now();
     let mut missing = lane.unsettled().await?;
-    while !missing.is_empty() && begun.elapsed() < SETTLE_TIMEOUT {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    loop {
+        while !missing.is_empty() && begun.elapsed() < SETTLE_TIMEOUT {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            missing = lane.unsettled().await?;
+        }
+        // A remediation's deadline (a reminder, a timed hand-back) in the quiet window would
+        // write in it: let it pass, then settle again.
+        let window = QUIET_WINDOW + Duration::from_secs(3);
+        let Some(left) = lane.deadline_within(window).await else {
+            break;
+        };
+        if !missing.is_empty() || begun.elapsed() >= SETTLE_TIMEOUT {
+            break;
+        }
+        lane.note(format!(
+            "a remediation's deadline in {:.1} s: waiting it out",
+            left.as_secs_f64()
+        ));
+        tokio::time::sleep(left + Duration::from_secs(2)).await;
         missing = lane.unsettled().await?;
     }
     if missing.is_empty() {
@@ -1762,22 +1856,20 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
         ));
     }
     let snapshot = lane.snapshot().await.context("listing our objects")?;
-    let live: BTreeSet<Object> = snapshot
-        .iter()
-        .filter(|(_, (_, o))| o.metadata.deletion_timestamp.is_none())
-        .map(|(uid, (kind, _))| Object {
-            kind: *kind,
-            uid: uid.clone(),
-        })
-        .collect();
-    let pending: BTreeSet<Object> = snapshot
-        .iter()
-        .filter(|(_, (_, o))| o.metadata.deletion_timestamp.is_some())
-        .map(|(uid, (kind, _))| Object {
-            kind: *kind,
-            uid: uid.clone(),
-        })
-        .collect();
+    let objects = |deleting: bool| -> BTreeSet<Object> {
+        snapshot
+            .iter()
+            .filter(|(_, (_, o))| o.metadata.deletion_timestamp.is_some() == deleting)
+            .filter_map(|(uid, (kind, _))| match kind {
+                Judged::Ours(kind) => Some(Object {
+                    kind: *kind,
+                    uid: uid.clone(),
+                }),
+                Judged::Remediation => None,
+            })
+            .collect()
+    };
+    let (live, pending) = (objects(false), objects(true));
     // One read of the servers for both checks, so they judge the same mails.
     let mails = lane.mails()?;
     for wrong in lane.wrong_backends(&mails) {
@@ -1787,6 +1879,19 @@ async fn judge(lane: &Lane) -> Result<Verdict> {
     }
     let ledger = lane.ledger_of(&mails);
     let resends = lane.resends();
+    let repair_resends = resends.get(&Judged::Remediation).copied().unwrap_or(0);
+    for v in ledger.check_repairs(&lane.repair_facts(), repair_resends) {
+        if lock(&lane.reported).insert(v.to_string()) {
+            needles.push(v.uid.clone());
+            violations.push(v.to_string());
+        }
+    }
+    let resends: BTreeMap<Kind, u64> = (resends.into_iter())
+        .filter_map(|(kind, n)| match kind {
+            Judged::Ours(kind) => Some((kind, n)),
+            Judged::Remediation => None,
+        })
+        .collect();
     for v in ledger.check(&live, &pending, &resends) {
         let key = match &v {
             Violation::Object { rule, object, .. } => format!("{rule:?} {object}"),
