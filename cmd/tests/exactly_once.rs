@@ -173,7 +173,7 @@ async fn crash_after_intent_then_restart_sends_exactly_one() {
 /// next process asks Mailgun, finds it, and records it without sending again. The mails
 /// before the watched one come from a process without failpoints, stopped once they are
 /// recorded.
-async fn crash_after_send_mailgun_lookup_finds_it(watched: Watched, prefix: &str) {
+async fn crash_after_send_lookup_finds_it(watched: Watched, prefix: &str) {
     let ns = namespace(prefix).await;
     let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
     let backend = Backend::Mailgun(&mailgun);
@@ -215,23 +215,18 @@ async fn crash_after_send_mailgun_lookup_finds_it(watched: Watched, prefix: &str
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_send_mailgun_lookup_finds_it_cluster() {
-    crash_after_send_mailgun_lookup_finds_it(Watched::ClusterRequest, "eo-sent-mg").await;
+async fn crash_after_send_mailgun_lookup_finds_it() {
+    crash_after_send_lookup_finds_it(Watched::ClusterRequest, "eo-sent-mg").await;
 }
 
+/// Each of a `MailgunRemediation`'s mails, each in its own namespace, at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_send_mailgun_lookup_finds_it_repair_mail() {
-    crash_after_send_mailgun_lookup_finds_it(Watched::Repair, "eo-sent-repair").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_send_mailgun_lookup_finds_it_reminder() {
-    crash_after_send_mailgun_lookup_finds_it(Watched::Reminder, "eo-sent-reminder").await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_send_mailgun_lookup_finds_it_no_longer_needed() {
-    crash_after_send_mailgun_lookup_finds_it(Watched::NoLongerNeeded, "eo-sent-nln").await;
+async fn crash_after_send_of_each_remediation_mail_mailgun_lookup_finds_it() {
+    futures::join!(
+        crash_after_send_lookup_finds_it(Watched::Repair, "eo-sent-repair"),
+        crash_after_send_lookup_finds_it(Watched::Reminder, "eo-sent-reminder"),
+        crash_after_send_lookup_finds_it(Watched::NoLongerNeeded, "eo-sent-nln"),
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -439,50 +434,28 @@ async fn leader_frozen_mid_send_abandons_it_on_resume_smtp() {
     .await;
 }
 
+/// A `MailgunRemediation`'s repair mail and its reminder, each frozen after its intent and
+/// mid-send, over either backend: each in its own namespace with its own server, at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frozen_leader_does_not_send_the_repair_mail_after_losing_its_lease_smtp() {
-    let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
-    frozen_leader_does_not_send_after_losing_its_lease(
-        Backend::Smtp(&smtp),
-        "eo-frozen-repair",
-        "after-intent:stop",
-        Watched::Repair,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn leader_frozen_mid_send_of_the_repair_mail_abandons_it_on_resume_mailgun() {
-    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
-    frozen_leader_does_not_send_after_losing_its_lease(
-        Backend::Mailgun(&mailgun),
-        "eo-midsend-repair",
-        "before-commit:stop",
-        Watched::Repair,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn leader_frozen_mid_send_of_a_reminder_abandons_it_on_resume_mailgun() {
-    let mailgun = MailgunServer::start(KEY, DOMAIN).unwrap();
-    frozen_leader_does_not_send_after_losing_its_lease(
-        Backend::Mailgun(&mailgun),
-        "eo-midsend-reminder",
-        "before-commit:stop",
-        Watched::Reminder,
-    )
-    .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frozen_leader_does_not_send_a_reminder_after_losing_its_lease_smtp() {
-    let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
-    frozen_leader_does_not_send_after_losing_its_lease(
-        Backend::Smtp(&smtp),
-        "eo-frozen-reminder",
-        "after-intent:stop",
-        Watched::Reminder,
-    )
-    .await;
+async fn frozen_leader_sends_no_remediation_mail_after_losing_its_lease() {
+    let servers: Vec<_> = [Watched::Repair, Watched::Reminder]
+        .into_iter()
+        .map(|watched| {
+            let smtp = SmtpServer::start(SmtpOptions::default()).unwrap();
+            (watched, smtp, MailgunServer::start(KEY, DOMAIN).unwrap())
+        })
+        .collect();
+    let mut runs = Vec::new();
+    for (watched, smtp, mailgun) in &servers {
+        let (smtp, mailgun) = (Backend::Smtp(smtp), Backend::Mailgun(mailgun));
+        let frozen = frozen_leader_does_not_send_after_losing_its_lease;
+        runs.push(frozen(smtp, "eo-frozen-rem", "after-intent:stop", *watched));
+        runs.push(frozen(
+            mailgun,
+            "eo-midsend-rem",
+            "before-commit:stop",
+            *watched,
+        ));
+    }
+    futures::future::join_all(runs).await;
 }

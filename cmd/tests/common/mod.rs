@@ -266,14 +266,15 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     Some((status, body))
 }
 
+/// The namespace's objects of `kind` in `group`/`version`, and the kind's resource.
+fn dynamic(ns: &TestNamespace, gvk: [&str; 3]) -> (Api<DynamicObject>, ApiResource) {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(gvk[0], gvk[1], gvk[2]));
+    (Api::namespaced_with(ns.client.clone(), &ns.name, &ar), ar)
+}
+
 /// A Cluster and its MailgunCluster, owner reference set as Cluster API does.
 pub async fn create_pair(ns: &TestNamespace, name: &str) -> MailgunCluster {
-    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-        "cluster.x-k8s.io",
-        "v1beta2",
-        "Cluster",
-    ));
-    let clusters: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
+    let (clusters, ar) = dynamic(ns, ["cluster.x-k8s.io", "v1beta2", "Cluster"]);
     let cluster = DynamicObject::new(name, &ar).data(json!({ "spec": {
         "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
     }}));
@@ -316,12 +317,7 @@ pub async fn create_remediation(ns: &TestNamespace, name: &str) -> MailgunRemedi
         .create(&pp, &infra)
         .await
         .unwrap();
-    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
-        "cluster.x-k8s.io",
-        "v1beta2",
-        "Machine",
-    ));
-    let machines: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
+    let (machines, ar) = dynamic(ns, ["cluster.x-k8s.io", "v1beta2", "Machine"]);
     let mut machine = DynamicObject::new(name, &ar).data(json!({
         "spec": { "clusterName": "c1", "bootstrap": {},
                   "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunMachine", "name": name } },
@@ -358,8 +354,7 @@ pub async fn annotations_of(
     kind: &str,
     name: &str,
 ) -> Option<std::collections::BTreeMap<String, String>> {
-    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(capm_api::GROUP, "v1beta1", kind));
-    let api: Api<DynamicObject> = Api::namespaced_with(ns.client.clone(), &ns.name, &ar);
+    let (api, _) = dynamic(ns, [capm_api::GROUP, "v1beta1", kind]);
     let obj = api.get_opt(name).await.unwrap()?;
     Some(obj.annotations().clone())
 }
