@@ -110,12 +110,13 @@ impl Lane {
     }
 
     /// The Machines of `cluster` a health check could find unhealthy now: not being deleted,
-    /// without a remediation, their `MailgunMachine` requested; by name.
-    async fn remediable(&self, cluster: &str) -> Option<Vec<(DynamicObject, String)>> {
+    /// without a remediation, their `MailgunMachine` requested; by name, with their
+    /// `MailgunMachine`'s name and whether it was built already (an earlier remediation's).
+    async fn remediable(&self, cluster: &str) -> Option<Vec<(DynamicObject, String, bool)>> {
         let machines = self.list(&self.capi_machines()).await?;
         let infra = self.list(&self.infra(super::Kind::Machine)).await?;
         let taken = self.list(&self.remediations()).await?;
-        let mut out: Vec<(DynamicObject, String)> = machines
+        let mut out: Vec<(DynamicObject, String, bool)> = machines
             .into_iter()
             .filter(|m| m.data["spec"]["clusterName"] == cluster)
             .filter(|m| m.metadata.deletion_timestamp.is_none())
@@ -124,15 +125,16 @@ impl Lane {
                 let name = m.data["spec"]["infrastructureRef"]["name"]
                     .as_str()?
                     .to_owned();
-                let requested = infra.iter().any(|o| {
+                let requested = infra.iter().find(|o| {
                     o.name_any() == name
                         && o.metadata.deletion_timestamp.is_none()
                         && names::request_recorded_sent(o.annotations())
-                });
-                requested.then_some((m, name))
+                })?;
+                let built = requested.data["spec"]["providerID"].is_string();
+                Some((m, name, built))
             })
             .collect();
-        out.sort_by_key(|(m, _)| m.name_any());
+        out.sort_by_key(|(m, ..)| m.name_any());
         Some(out)
     }
 
@@ -187,19 +189,31 @@ impl Lane {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         };
-        let Some((machine, infra)) = found else {
+        let Some((machine, infra, built_before)) = found else {
             self.note(format!(
                 "remediation {number}: no Machine of {cluster} to remediate; skipped"
             ));
             return Ok(());
         };
         let name = machine.name_any();
-        if built {
+        let built = built || built_before;
+        let skipped = |e: anyhow::Error| {
+            // Its Machine went meanwhile (scaled away, its cluster deleted).
+            self.note(format!(
+                "remediation {number}: {name} not remediated: {e:#}"
+            ));
+            Ok(())
+        };
+        if built && !built_before {
             let patch = json!({"spec": {"providerID": format!("soak://{name}")}});
-            self.patch(&self.infra(super::Kind::Machine), &infra, patch)
-                .await?;
+            let infra_api = self.infra(super::Kind::Machine);
+            if let Err(e) = self.patch(&infra_api, &infra, patch).await {
+                return skipped(e);
+            }
         }
-        self.set_health(&name, false).await?;
+        if let Err(e) = self.set_health(&name, false).await {
+            return skipped(e);
+        }
         let object: DynamicObject = serde_json::from_value(json!({
             "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
             "metadata": {"name": name, "namespace": self.ns,
@@ -271,7 +285,17 @@ impl Lane {
                 ..PatchParams::default()
             };
             let patch = Patch::Merge(&answer);
-            let answered = retry("answering", || api.patch(&name, &params, &patch)).await?;
+            let answered = match retry("answering", || api.patch(&name, &params, &patch)).await {
+                Ok(answered) => answered,
+                // Gone meanwhile (its Machine went), or another object of the name now.
+                Err(e) if super::is_status(&e, 404) || super::is_status(&e, 409) => {
+                    self.note(format!(
+                        "remediation {number}: {name} gone; {fate:?} skipped"
+                    ));
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            };
             cut = Some(under_way(answered.annotations(), false));
             self.note(format!("remediation {number}: {name} answered {result}"));
         }
