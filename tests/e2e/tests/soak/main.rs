@@ -48,7 +48,7 @@
 //! unpaused (one whose request went out), has the human build it (its `MailgunMachine`'s `providerID`; one in five stays
 //! never built), sets its `HealthCheckSucceeded=False` (server-side apply, that condition only)
 //! and makes its `MailgunRemediation` as the health check does (named like the Machine, an
-//! ownerReference to it; `answerTimeout: 1m`, `reminders: 3`). One to three rounds later its fate
+//! ownerReference to it; `answerTimeout: 1m`, `reminders: 3`). One to five rounds later its fate
 //! comes: the human answers `CannotRepair` (handed back at once: the MachineSet replaces the
 //! Machine), or `Repaired` and the health check finds the Machine healthy and deletes the
 //! object, or the Machine recovers before any answer (deleted: one "no longer needed" mail);

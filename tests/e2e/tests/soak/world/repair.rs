@@ -69,7 +69,7 @@ impl Lane {
         for (_, number, fate) in due {
             plan.ops.push(Op::Resolve { number, fate });
         }
-        if !rng.random_bool(0.4) {
+        if !rng.random_bool(0.5) {
             return;
         }
         let this_round = format!("r{round}c");
@@ -84,14 +84,14 @@ impl Lane {
         self.next_remedy += 1;
         let number = self.next_remedy;
         let fate = match rng.random_range(0..100u32) {
-            0..30 => Fate::CannotRepair,
-            30..50 => Fate::Repaired,
-            50..75 => Fate::Recovers,
+            0..25 => Fate::CannotRepair,
+            25..45 => Fate::Repaired,
+            45..70 => Fate::Recovers,
             _ => Fate::Ignored,
         };
         if fate != Fate::Ignored {
             self.fates
-                .push((round + rng.random_range(1..=3), number, fate));
+                .push((round + rng.random_range(1..=5), number, fate));
         }
         plan.ops.push(Op::Remediate {
             number,
