@@ -44,12 +44,14 @@
 //! # Remediation (issue 56)
 //! Both lanes also remediate, from a generator of their own (seeded from the seed, so the
 //! operations above are those the seed gave before). In some rounds the soak plays a
-//! MachineHealthCheck: it picks a Machine of a cluster made in an earlier round that stays
-//! unpaused (one whose request went out), has the human build it (its `MailgunMachine`'s `providerID`; one in five stays
-//! never built), sets its `HealthCheckSucceeded=False` (server-side apply, that condition only)
-//! and makes its `MailgunRemediation` as the health check does (named like the Machine, an
-//! ownerReference to it; `answerTimeout: 1m`, `reminders: 3`). One to five rounds later its fate
-//! comes: the human answers `CannotRepair` (handed back at once: the MachineSet replaces the
+//! MachineHealthCheck: it picks a Machine (one whose request went out) of a cluster made in an
+//! earlier round that stays unpaused, half the time of the lane's own `repair-pool` (made in
+//! round 1 with three machines, left alone by the other operations: a scale-down deletes
+//! unhealthy Machines first, so remediated ones elsewhere rarely live to a reminder), has the
+//! human build it (its `MailgunMachine`'s `providerID`; one in five stays never built), sets
+//! its `HealthCheckSucceeded=False` (server-side apply, that condition only) and makes its
+//! `MailgunRemediation` as the health check does (named like the Machine, an ownerReference to
+//! it; `answerTimeout: 1m`, `reminders: 3`). One to five rounds later its fate comes: the human answers `CannotRepair` (handed back at once: the MachineSet replaces the
 //! Machine), or `Repaired` and the health check finds the Machine healthy and deletes the
 //! object, or the Machine recovers before any answer (deleted: one "no longer needed" mail);
 //! or nobody answers (reminders a minute apart, then a timed hand-back), or its Machine goes

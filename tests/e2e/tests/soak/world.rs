@@ -744,7 +744,11 @@ impl Lane {
                     lasts: Duration::from_millis(rng.random_range(2000..6000)),
                 });
             }
-            let live: Vec<String> = self.intent.keys().cloned().collect();
+            // The remediation lane's pool is its own: never scaled, paused or deleted here.
+            let live: Vec<String> = (self.intent.keys())
+                .filter(|c| c.as_str() != repair::REPAIR_POOL)
+                .cloned()
+                .collect();
             let pick = |rng: &mut StdRng| live[rng.random_range(0..live.len())].clone();
             let choice = rng.random_range(0..100u32);
             let op = if live.is_empty() || (choice < 25 && live.len() < MAX_CLUSTERS) {
@@ -1592,15 +1596,18 @@ impl Lane {
     }
 
     /// Our objects (every judged kind): UID → (kind, the object).
-    async fn snapshot(&self) -> Option<BTreeMap<String, (Judged, DynamicObject)>> {
+    /// Each list retried while the API server is away, as the other calls are (a failed list
+    /// used to end the run).
+    async fn snapshot(&self) -> Result<BTreeMap<String, (Judged, DynamicObject)>> {
         let mut out = BTreeMap::new();
+        let lp = ListParams::default();
         for kind in Judged::ALL {
             let api = self.api(INFRA_GROUP, "v1beta1", kind.name());
-            for o in self.list(&api).await? {
+            for o in retry(kind.name(), || api.list(&lp)).await? {
                 out.insert(o.uid().unwrap_or_default(), (kind, o));
             }
         }
-        Some(out)
+        Ok(out)
     }
 
     fn resends(&self) -> BTreeMap<Judged, u64> {

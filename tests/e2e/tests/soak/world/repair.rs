@@ -22,6 +22,10 @@ use super::{CAPI_GROUP, FIELD_MANAGER, INFRA_GROUP, Lane, MAX_REPLICAS, Op, Plan
 /// The reminders each remediation's strategy allows (at the shortest `answerTimeout`, 1m: a
 /// remediation nobody answers is handed back about 4 minutes after its repair mail).
 pub const REMINDERS: u8 = 3;
+/// The remediation lane's own cluster (its machines live until they are remediated: a scale
+/// down deletes unhealthy Machines first, and no other operation touches it), made in round 1,
+/// deleted by the teardown.
+pub const REPAIR_POOL: &str = "repair-pool";
 /// The field manager of the health check the soak plays.
 const HEALTH_CHECK: &str = "capm-soak-health-check";
 /// How long a remediation waits for a Machine of its cluster whose request went out.
@@ -55,10 +59,26 @@ pub struct Remedy {
 
 impl Lane {
     /// Plans this round's remediation work, from the remediation lane's own generator (so the
-    /// other operations of a seed stay what they were): the fates due now, then, sometimes, a
-    /// new remediation of a Machine of a cluster made in an earlier round (its machines are
-    /// requested by now) that stays unpaused with machines.
+    /// other operations of a seed stay what they were): in round 1 the pool; the fates due
+    /// now, then, sometimes, a new remediation of a Machine of a cluster made in an earlier
+    /// round (its machines are requested by now) that stays unpaused with machines, the pool
+    /// for half of them.
     pub fn plan_remediations(&mut self, rng: &mut StdRng, round: u64, plan: &mut Plan) {
+        if round == 1 {
+            let replicas = MAX_REPLICAS;
+            let intent = super::ClusterIntent {
+                paused: false,
+                replicas,
+            };
+            self.intent.insert(REPAIR_POOL.to_owned(), intent);
+            let cluster = REPAIR_POOL.to_owned();
+            let create = Op::Create {
+                cluster,
+                replicas,
+                tenant: None,
+            };
+            plan.ops.insert(0, create);
+        }
         let due: Vec<(u64, u32, Fate)> = self
             .fates
             .iter()
@@ -73,14 +93,20 @@ impl Lane {
             return;
         }
         let this_round = format!("r{round}c");
+        let fresh = |c: &str| c.starts_with(&this_round) || (round == 1 && c == REPAIR_POOL);
         let clusters: Vec<&String> = (self.intent.iter())
-            .filter(|(c, i)| !i.paused && i.replicas > 0 && !c.starts_with(&this_round))
+            .filter(|(c, i)| !i.paused && i.replicas > 0 && !fresh(c))
             .map(|(c, _)| c)
             .collect();
         if clusters.is_empty() {
             return;
         }
-        let cluster = clusters[rng.random_range(0..clusters.len())].clone();
+        let pool = clusters.iter().any(|c| c.as_str() == REPAIR_POOL) && rng.random_bool(0.5);
+        let cluster = if pool {
+            REPAIR_POOL.to_owned()
+        } else {
+            clusters[rng.random_range(0..clusters.len())].clone()
+        };
         self.next_remedy += 1;
         let number = self.next_remedy;
         let fate = match rng.random_range(0..100u32) {
@@ -112,15 +138,24 @@ impl Lane {
     /// The Machines of `cluster` a health check could find unhealthy now: not being deleted,
     /// without a remediation, their `MailgunMachine` requested; by name, with their
     /// `MailgunMachine`'s name and whether it was built already (an earlier remediation's).
+    /// `None` when some are still to come (no Machine yet, or one not yet requested).
     async fn remediable(&self, cluster: &str) -> Option<Vec<(DynamicObject, String, bool)>> {
         let machines = self.list(&self.capi_machines()).await?;
         let infra = self.list(&self.infra(super::Kind::Machine)).await?;
         let taken = self.list(&self.remediations()).await?;
-        let mut out: Vec<(DynamicObject, String, bool)> = machines
+        let of_cluster: Vec<DynamicObject> = machines
             .into_iter()
             .filter(|m| m.data["spec"]["clusterName"] == cluster)
             .filter(|m| m.metadata.deletion_timestamp.is_none())
+            .collect();
+        let none_yet = of_cluster.is_empty();
+        let free: Vec<DynamicObject> = of_cluster
+            .into_iter()
             .filter(|m| !taken.iter().any(|r| r.name_any() == m.name_any()))
+            .collect();
+        let all = free.len();
+        let mut out: Vec<(DynamicObject, String, bool)> = free
+            .into_iter()
             .filter_map(|m| {
                 let name = m.data["spec"]["infrastructureRef"]["name"]
                     .as_str()?
@@ -135,7 +170,8 @@ impl Lane {
             })
             .collect();
         out.sort_by_key(|(m, ..)| m.name_any());
-        Some(out)
+        let to_come = none_yet || out.len() < all;
+        (!to_come).then_some(out)
     }
 
     /// Sets the Machine's `HealthCheckSucceeded` as a MachineHealthCheck does (its own field
@@ -180,14 +216,14 @@ impl Lane {
     ) -> Result<()> {
         let deadline = Instant::now() + FIND_MACHINE;
         let found = loop {
-            let candidates = self.remediable(cluster).await.unwrap_or_default();
-            if !candidates.is_empty() {
-                break Some(candidates[pick as usize % candidates.len()].clone());
+            match self.remediable(cluster).await {
+                Some(candidates) if !candidates.is_empty() => {
+                    break Some(candidates[pick as usize % candidates.len()].clone());
+                }
+                Some(_) => break None,
+                None if Instant::now() >= deadline => break None,
+                None => tokio::time::sleep(Duration::from_millis(500)).await,
             }
-            if Instant::now() >= deadline {
-                break None;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
         };
         let Some((machine, infra, built_before)) = found else {
             self.note(format!(
