@@ -27,6 +27,32 @@ fn remediations(env: &Env) -> Api<MailgunRemediation> {
     Api::namespaced(env.ns.client.clone(), &env.ns.name)
 }
 
+/// A provider started as `manager` on an API server with our CRDs (remediation's too), Cluster
+/// `c1`, and `MailgunMachine` `c1-m1`, built: it has a provider ID.
+async fn started(manager: &str) -> Env {
+    let crds = [
+        capm_api::crd::crds().unwrap(),
+        capm_api::crd::remediation_crds(),
+    ]
+    .concat();
+    let mut env = Env::with_crds(manager, crds).await;
+    env.start().await;
+    env.create_cluster("c1", false).await;
+    env.machines()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
+                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
+                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    env
+}
+
 /// A Machine of Cluster `c1` on `MailgunMachine` `infra`, unhealthy by the conditions a
 /// MachineHealthCheck writes, beside other controllers' conditions (v1beta2 and v1beta1).
 async fn unhealthy_machine(env: &Env, name: &str, infra: &str) -> DynamicObject {
@@ -104,27 +130,7 @@ fn other_conditions(machine: &Value) -> (Vec<Value>, Vec<Value>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machine_back() {
-    let crds = [
-        capm_api::crd::crds().unwrap(),
-        capm_api::crd::remediation_crds(),
-    ]
-    .concat();
-    let mut env = Env::with_crds("mgr", crds).await;
-    env.start().await;
-    env.create_cluster("c1", false).await;
-    // The machine was built: its MailgunMachine has a provider ID.
-    env.machines()
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
-                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
-                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    let mut env = started("mgr").await;
     let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     let before = serde_json::to_value(&machine).unwrap();
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
@@ -298,26 +304,7 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
 /// answered: one "no longer needed" mail, threaded to the repair mail, then the finalizer goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
-    let crds = [
-        capm_api::crd::crds().unwrap(),
-        capm_api::crd::remediation_crds(),
-    ]
-    .concat();
-    let mut env = Env::with_crds("mgr-nln", crds).await;
-    env.start().await;
-    env.create_cluster("c1", false).await;
-    env.machines()
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
-                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
-                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    let mut env = started("mgr-nln").await;
     let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
     let uid = created.uid().unwrap();
