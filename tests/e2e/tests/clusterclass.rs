@@ -688,9 +688,11 @@ async fn expect_remediation_by_mail(admin: &Client) -> Result<()> {
                 .items
                 .into_iter()
                 .find(|c| {
-                    c.data["spec"]["clusterName"] == CLUSTER
-                        && c.labels().get("topology.cluster.x-k8s.io/deployment-name")
-                            == Some(&MD.to_owned())
+                    let spec = &c.data["spec"];
+                    spec["clusterName"] == CLUSTER
+                        && spec["selector"]["matchLabels"]
+                            ["topology.cluster.x-k8s.io/deployment-name"]
+                            == MD
                 }))
         },
     )
