@@ -411,40 +411,9 @@ impl<'a> Series<'a> {
 }
 
 /// The Machine `machine` found unhealthy and its MailgunRemediation, as a MachineHealthCheck
-/// makes them: `HealthCheckSucceeded=False` added to the Machine's conditions (the others kept:
-/// the core manager writes them too), then the object named like it, owned by it. The provider
-/// reconciles it from there.
+/// makes them; the provider reconciles it from there.
 async fn fail_health_check(admin: &Client, machine: &str) -> Result<()> {
-    let machines = capi(admin, "Machine");
-    eventually(
-        Duration::from_secs(30),
-        &format!("{machine} marked unhealthy"),
-        || async {
-            let live = machines.get(machine).await?;
-            let mut conditions: Vec<Value> = live.data["status"]["conditions"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default();
-            conditions.push(json!({"type": "HealthCheckSucceeded", "status": "False",
-                "reason": "UnhealthyNode",
-                "message": "Condition Ready on Node is reporting status Unknown for more than 15m0s",
-                "lastTransitionTime": jiff::Timestamp::now().round(jiff::Unit::Second)?.to_string()}));
-            // With the resourceVersion read: a conflict with the core manager's write is tried
-            // again.
-            let patch = json!({"metadata": {"resourceVersion": live.resource_version()},
-                "status": {"conditions": conditions}});
-            match machines
-                .patch_status(machine, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                Ok(_) => Ok(Some(())),
-                Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
-                Err(e) => Err(e.into()),
-            }
-        },
-    )
-    .await?;
-    let owner = machines.get(machine).await?;
+    let owner = remediation::fail_health_check(admin, USER_NS, machine).await?;
     let spec = json!({"request": "Power-cycle it.", "strategy": {"unfulfilled": "GiveUp"}});
     remediation::create_remediation(admin, USER_NS, machine, Some(&owner), spec).await?;
     Ok(())
