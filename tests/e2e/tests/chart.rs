@@ -1042,14 +1042,15 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         &crds.to_string_lossy(),
     ])?;
     let accepted = dry_run(&cp, &template, "the cluster template")?;
-    for name in [
-        "cluster.cluster.x-k8s.io/hello",
-        "mailguncluster.infrastructure.cluster.x-k8s.io/hello",
-        "machinehealthcheck.cluster.x-k8s.io/hello",
-        "mailgunremediationtemplate.infrastructure.cluster.x-k8s.io/hello-repair",
-    ] {
-        ensure!(accepted.contains(name), "{name} not accepted: {accepted}");
-    }
+    expect_accepted(
+        &accepted,
+        &[
+            "cluster.cluster.x-k8s.io/hello",
+            "mailguncluster.infrastructure.cluster.x-k8s.io/hello",
+            "machinehealthcheck.cluster.x-k8s.io/hello",
+            "mailgunremediationtemplate.infrastructure.cluster.x-k8s.io/hello-repair",
+        ],
+    )?;
     let check = yaml_docs(&template)?
         .into_iter()
         .find(|d| d["kind"] == "MachineHealthCheck")
@@ -1134,17 +1135,18 @@ async fn release_manifests_work_with_clusterctl_and_the_api_server() -> Result<(
         &kubeadm.to_string_lossy(),
     ])?;
     let accepted = dry_run(&cp, &template, "the clusterclass flavor")?;
-    for name in [
-        "clusterclass.cluster.x-k8s.io/mailgun",
-        "mailgunclustertemplate.infrastructure.cluster.x-k8s.io/mailgun-cluster",
-        "mailgunmachinetemplate.infrastructure.cluster.x-k8s.io/mailgun-machines",
-        "kubeadmcontrolplanetemplate.controlplane.cluster.x-k8s.io/mailgun-control-plane",
-        "kubeadmconfigtemplate.bootstrap.cluster.x-k8s.io/mailgun-workers",
-        "mailgunremediationtemplate.infrastructure.cluster.x-k8s.io/mailgun-repair",
-        "cluster.cluster.x-k8s.io/hello-class",
-    ] {
-        ensure!(accepted.contains(name), "{name} not accepted: {accepted}");
-    }
+    expect_accepted(
+        &accepted,
+        &[
+            "clusterclass.cluster.x-k8s.io/mailgun",
+            "mailgunclustertemplate.infrastructure.cluster.x-k8s.io/mailgun-cluster",
+            "mailgunmachinetemplate.infrastructure.cluster.x-k8s.io/mailgun-machines",
+            "kubeadmcontrolplanetemplate.controlplane.cluster.x-k8s.io/mailgun-control-plane",
+            "kubeadmconfigtemplate.bootstrap.cluster.x-k8s.io/mailgun-workers",
+            "mailgunremediationtemplate.infrastructure.cluster.x-k8s.io/mailgun-repair",
+            "cluster.cluster.x-k8s.io/hello-class",
+        ],
+    )?;
     cp.stop();
     Ok(())
 }
@@ -1470,6 +1472,14 @@ fn dry_run(cp: &ControlPlane, input: &str, what: &str) -> Result<String> {
     let mut kubectl = cp.kubectl()?;
     kubectl.args(["apply", "--dry-run=server", "-o", "name", "-f", "-"]);
     run_with_input(&mut kubectl, input, &format!("dry run of {what}"))
+}
+
+/// Every object of `names` (`kind.group/name`) is in a dry run's output `accepted`.
+fn expect_accepted(accepted: &str, names: &[&str]) -> Result<()> {
+    for name in names {
+        ensure!(accepted.contains(name), "{name} not accepted: {accepted}");
+    }
+    Ok(())
 }
 
 /// [`dry_run`] of `items` as one List, each of which the API server must accept.

@@ -158,6 +158,16 @@ async fn create_machine(admin: &Client, cluster: &str, name: &str, paused: bool)
     Ok(())
 }
 
+/// Whether every object `names` of `api` is provisioned (`status.initialization.provisioned`).
+async fn all_provisioned(api: &Api<DynamicObject>, names: &[&str]) -> Result<bool> {
+    for name in names {
+        if api.get(name).await?.data["status"]["initialization"]["provisioned"] != true {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// The request mail (body text) whose subject names `kind` `name`, from `server`.
 fn request_mail(server: &MailgunServer, kind: &str, name: &str) -> Result<Option<String>> {
     Ok(mailgun_mails(server)?
@@ -641,12 +651,9 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     let clusters = infra(&admin, "MailgunCluster");
     eventually(wait, "fulfilled and released provisioned", || async {
         alive()?;
-        let mut done = true;
-        for name in ["fulfilled", "released"] {
-            let o = clusters.get(name).await?;
-            done &= o.data["status"]["initialization"]["provisioned"] == true;
-        }
-        Ok(done.then_some(()))
+        Ok(all_provisioned(&clusters, &["fulfilled", "released"])
+            .await?
+            .then_some(()))
     })
     .await?;
     // Machines of "fulfilled": two fulfilled, one left waiting, one paused.
@@ -720,12 +727,11 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         "fulfilled-m0 and fulfilled-m3 provisioned",
         || async {
             alive()?;
-            let mut done = true;
-            for name in ["fulfilled-m0", "fulfilled-m3"] {
-                let o = mailgun_machines.get(name).await?;
-                done &= o.data["status"]["initialization"]["provisioned"] == true;
-            }
-            Ok(done.then_some(()))
+            Ok(
+                all_provisioned(&mailgun_machines, &["fulfilled-m0", "fulfilled-m3"])
+                    .await?
+                    .then_some(()),
+            )
         },
     )
     .await?;
