@@ -115,7 +115,7 @@ pub async fn create_remediation(
 }
 
 /// The link of the repair mail of `remediation` (as [`create_remediation`] returns it), as the
-/// remediation controller will mint it: its repair mail's record written as the provider's
+/// remediation controller mints it: its repair mail's record written as the provider's
 /// ServiceAccount (the only writer the annotation policy lets add it), sent from `domain`, and
 /// the link sealed with `key` for the page at `base_url`.
 ///
