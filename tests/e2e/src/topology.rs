@@ -197,7 +197,10 @@ pub fn topology_workers(name: &str, replicas: usize) -> Value {
 /// tests do not run) are left out and the ClusterClass names the test providers' templates
 /// `test` instead (see [`create_templates`]); the topology's MachineDeployment `md` gets
 /// `replicas` and a rollout that does not wait for Nodes. Everything of ours (the Mailgun
-/// templates, the variables, the patches, the Cluster's variable values) is as rendered.
+/// templates, the variables, the patches, the Cluster's variable values, the workers' health
+/// check and the remediation template it names) is as rendered; the control plane's health
+/// check goes with the kubeadm control plane (the test control plane has no machines, and
+/// Cluster API refuses a control plane health check without `machineInfrastructure`).
 ///
 /// # Errors
 /// When the text is not YAML, holds an unexpected kind, an object outside `namespace`, or a
@@ -223,12 +226,17 @@ pub fn runnable_clusterclass(
                     "TestControlPlaneTemplate",
                     "test",
                 );
+                let health_check =
+                    doc["spec"]["workers"]["machineDeployments"][0]["healthCheck"].clone();
                 doc["spec"]["workers"] = class_workers("mailgun-machines");
+                if !health_check.is_null() {
+                    doc["spec"]["workers"]["machineDeployments"][0]["healthCheck"] = health_check;
+                }
             }
             "Cluster" => {
                 doc["spec"]["topology"]["workers"] = topology_workers(md, replicas);
             }
-            "MailgunClusterTemplate" | "MailgunMachineTemplate" => {}
+            "MailgunClusterTemplate" | "MailgunMachineTemplate" | "MailgunRemediationTemplate" => {}
             other => anyhow::bail!("an unexpected {other} in clusterctl's output"),
         }
         anyhow::ensure!(

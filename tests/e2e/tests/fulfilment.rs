@@ -4,8 +4,8 @@
 //! request mails. A headless Chromium (Debian's `chromium`, driven by Playwright for Python:
 //! `tests/e2e/browser/fulfil_page.py`) opens the link from each received mail, fills the form by
 //! its labels and submits it: the `Cluster` reaches `Provisioned`, and so does a `MailgunMachine`
-//! of a MachineDeployment, and the worker's repair request (issue 56) is answered through its
-//! link. The screenshots of each page state go to the test's own directory, or
+//! of a MachineDeployment, and the worker's repair request (issue 56: its Machine fails its
+//! health check, the provider mails the repair request) is answered through its link. The screenshots of each page state go to the test's own directory, or
 //! to `docs/fulfilment/` with `CAPM_SCREENSHOTS=docs` (`make screenshots`), so a test run leaves
 //! the tree as it was.
 
@@ -345,30 +345,43 @@ async fn story(
         note.contains("datacentre://rack4/slot12") && note.contains(RECIPIENT),
         "{note}"
     );
-    repair_story(cp, admin, dir, &url, &machine_name).await?;
+    repair_story(admin, mailgun, dir, &url, &machine_name).await?;
     println!("screenshots in {}", screenshots_dir(dir).display());
     Ok(())
 }
 
-/// Issue 56: the answer to a repair request, in the browser. A `MailgunRemediation` for the
-/// worker's Machine as a MachineHealthCheck makes it, its link as the remediation controller
-/// (the next step) will mint it; the browser answers `Repaired` with a message, and opening the
-/// link again shows the answer, not a form.
+/// Issue 56: the answer to a repair request, in the browser. The worker's Machine fails its
+/// health check and gets a `MailgunRemediation`, both as a MachineHealthCheck makes them; the
+/// provider mails the repair request with its link; the browser answers `Repaired` with a
+/// message, and opening the link again shows the answer, not a form.
 async fn repair_story(
-    cp: &ControlPlane,
     admin: &Client,
+    mailgun: &MailgunServer,
     dir: &Path,
     url: &str,
     machine_name: &str,
 ) -> Result<()> {
-    let machine = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine")
-        .get(machine_name)
-        .await?;
+    let machine = remediation::fail_health_check(admin, USER_NS, machine_name).await?;
     let spec =
         json!({"request": "The worker stopped answering.\nPower-cycle it and check its cable."});
-    let created =
-        remediation::create_remediation(admin, USER_NS, machine_name, Some(&machine), spec).await?;
-    let link = remediation::repair_link(cp, &created, DOMAIN, url, KEY).await?;
+    remediation::create_remediation(admin, USER_NS, machine_name, Some(&machine), spec).await?;
+    let remediations = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation");
+    let subject = format!("Machine {machine_name} of Cluster {CLUSTER} needs repair");
+    let body = eventually(
+        Duration::from_secs(60),
+        "the repair mail, its phase WaitingForAnswer",
+        || async {
+            let asked =
+                remediations.get(machine_name).await?.data["status"]["phase"] == "WaitingForAnswer";
+            let mail = mailgun_mails(mailgun)?
+                .into_iter()
+                .find(|(m, _)| m.subject.contains(&subject));
+            Ok(mail.filter(|_| asked).map(|(_, body)| body))
+        },
+    )
+    .await?;
+    let link = link_in(&body)?;
+    ensure!(link.starts_with(url), "a link elsewhere: {link}");
     ensure!(
         !link.contains(machine_name) && !link.contains(USER_NS),
         "the link names the object: {link}"
@@ -392,7 +405,8 @@ async fn repair_story(
                 "Power-cycle it and check its cable.",
                 CLUSTER,
                 "datacentre://rack4/slot12",
-                "Pending",
+                "UnhealthyNode",
+                "WaitingForAnswer",
             ],
         ),
         &["Answer recorded", "Repaired", "Reseated the power cable."],
