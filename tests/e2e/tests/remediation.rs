@@ -356,6 +356,23 @@ impl World {
         Ok(())
     }
 
+    /// Waits until the health check deleted the remediation `name` (and its finalizer went).
+    async fn remediation_gone(&self, name: &str) -> Result<()> {
+        eventually(
+            SOON,
+            &format!("the MailgunRemediation {name} gone"),
+            || async {
+                Ok(self
+                    .remediations()
+                    .get_opt(name)
+                    .await?
+                    .is_none()
+                    .then_some(()))
+            },
+        )
+        .await
+    }
+
     /// The MailgunMachine `uid`'s (request, release) mails so far.
     fn machine_counts(&self, uid: &str) -> Result<(usize, usize)> {
         let ledger = self.ledger()?;
@@ -592,9 +609,15 @@ async fn build_pool(world: &World, pool: &str, replicas: usize) -> Result<Vec<Bu
     Ok(built)
 }
 
-/// The single worker of a one-replica pool, built, then its Node NotReady: its remediation,
-/// checked as the health check makes it, and the repair mail (exactly one so far).
-async fn one_unhealthy(world: &World, pool: &str) -> Result<(Built, DynamicObject, StoredMessage)> {
+/// The single worker of a one-replica pool remediated with `strategy`, built, then its Node
+/// NotReady: its remediation checked as the health check makes it; the repair mail (exactly one
+/// so far) and the remediation's UID.
+async fn one_unhealthy(
+    world: &World,
+    pool: &str,
+    strategy: Value,
+) -> Result<(Built, StoredMessage, String)> {
+    create_pool(world, pool, 1, strategy, ready_checks(), None).await?;
     let built = build_pool(world, pool, 1).await?.remove(0);
     world.set_ready(&built.node, false, &now()?).await?;
     let remediation = world.remediation_of(&built, pool).await?;
@@ -625,7 +648,7 @@ async fn one_unhealthy(world: &World, pool: &str) -> Result<(Built, DynamicObjec
             "{want:?} not in the repair mail:\n{body}"
         );
     }
-    Ok((built, remediation, mail))
+    Ok((built, mail, uid))
 }
 
 /// The `kubectl patch` line of a repair mail whose answer is `result`.
@@ -641,17 +664,8 @@ fn answer_command(mail: &StoredMessage, result: &str, why: &str) -> Result<Vec<S
 
 /// Story 1.
 async fn story_1(world: &World) -> Result<String> {
-    create_pool(
-        world,
-        "s1",
-        1,
-        json!({"answerTimeout": "1h", "reminders": 1}),
-        ready_checks(),
-        None,
-    )
-    .await?;
-    let (built, remediation, mail) = one_unhealthy(world, "s1").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, mail, uid) =
+        one_unhealthy(world, "s1", json!({"answerTimeout": "1h", "reminders": 1})).await?;
     // The page's link: the mail's, or (when the mail carries none) as the provider mints it for
     // the object's recorded repair mail, so that the rest of the story is still shown; the
     // story fails at its end then.
@@ -710,19 +724,7 @@ async fn story_1(world: &World) -> Result<String> {
         .await?;
     // Repaired: the Node Ready again, the health check deletes the object.
     world.set_ready(&built.node, true, &now()?).await?;
-    eventually(
-        SOON,
-        "the health check deleting the MailgunRemediation",
-        || async {
-            Ok(world
-                .remediations()
-                .get_opt(&built.machine)
-                .await?
-                .is_none()
-                .then_some(()))
-        },
-    )
-    .await?;
+    world.remediation_gone(&built.machine).await?;
     let machine = world.machines().get(&built.machine).await?;
     ensure!(
         machine.uid().as_deref() == Some(built.machine_uid.as_str()),
@@ -751,17 +753,8 @@ async fn story_1(world: &World) -> Result<String> {
 
 /// Story 2 (and 8).
 async fn story_2(world: &World) -> Result<String> {
-    create_pool(
-        world,
-        "s2",
-        1,
-        json!({"answerTimeout": "1h", "reminders": 1}),
-        ready_checks(),
-        None,
-    )
-    .await?;
-    let (built, remediation, mail) = one_unhealthy(world, "s2").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, mail, uid) =
+        one_unhealthy(world, "s2", json!({"answerTimeout": "1h", "reminders": 1})).await?;
     world.kubectl(&answer_command(
         &mail,
         "CannotRepair",
@@ -798,9 +791,7 @@ async fn story_2(world: &World) -> Result<String> {
 
 /// Story 3 (and 8).
 async fn story_3(world: &World) -> Result<String> {
-    create_pool(world, "s3", 1, quick(1), ready_checks(), None).await?;
-    let (built, remediation, first) = one_unhealthy(world, "s3").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, first, uid) = one_unhealthy(world, "s3", quick(1)).await?;
     let asked = Instant::now();
     let id = format!("<mailgunremediation-reminder-1.{uid}@{DOMAIN}>");
     let reminder = eventually(TIMED, &format!("the reminder {id}"), || async {
@@ -850,17 +841,12 @@ async fn story_3(world: &World) -> Result<String> {
 
 /// Story 4 (and 8).
 async fn story_4(world: &World) -> Result<String> {
-    create_pool(
+    let (built, mail, uid) = one_unhealthy(
         world,
         "s4",
-        1,
         json!({"answerTimeout": "1h", "reminders": 1, "repairTimeout": "1m"}),
-        ready_checks(),
-        None,
     )
     .await?;
-    let (built, remediation, mail) = one_unhealthy(world, "s4").await?;
-    let uid = remediation.uid().context("no UID")?;
     world.kubectl(&answer_command(&mail, "Repaired", "")?)?;
     let answered = Instant::now();
     world
@@ -886,17 +872,8 @@ async fn story_4(world: &World) -> Result<String> {
 
 /// Story 5.
 async fn story_5(world: &World) -> Result<String> {
-    create_pool(
-        world,
-        "s5",
-        1,
-        json!({"answerTimeout": "1h", "reminders": 1}),
-        ready_checks(),
-        None,
-    )
-    .await?;
-    let (built, remediation, first) = one_unhealthy(world, "s5").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, first, uid) =
+        one_unhealthy(world, "s5", json!({"answerTimeout": "1h", "reminders": 1})).await?;
     world
         .phase_becomes(&built.machine, "WaitingForAnswer", SOON)
         .await?;
@@ -915,15 +892,7 @@ async fn story_5(world: &World) -> Result<String> {
         "the no longer needed mail is not threaded to the repair mail: {:?}",
         done.headers
     );
-    eventually(SOON, "the MailgunRemediation gone", || async {
-        Ok(world
-            .remediations()
-            .get_opt(&built.machine)
-            .await?
-            .is_none()
-            .then_some(()))
-    })
-    .await?;
+    world.remediation_gone(&built.machine).await?;
     world.counts_stay(&uid, (1, 0, 1)).await?;
     let machine = world.machines().get(&built.machine).await?;
     ensure!(
