@@ -2,7 +2,9 @@
 //! `MailgunMachine` was built gets exactly one repair mail, a threaded reminder after its
 //! `answerTimeout`, and a `CannotRepair` answer hands the Machine back (`OwnerRemediated=False`,
 //! every other condition as it was) without another mail; a hand-made one (its ownerReference's
-//! UID not the Machine's) stays `Pending` and mails nobody.
+//! UID not the Machine's) stays `Pending` and mails nobody. A `remediate-machine` annotation on
+//! the Machine is reported, never removed; a reminder the backend refuses for good does not hold
+//! the hand-back.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
@@ -11,8 +13,9 @@ use std::time::Duration;
 
 use capm_api::{
     names,
-    v1beta1::{MailgunRemediation, RemediationPhase},
+    v1beta1::{HandBackReason, MailState, MailgunRemediation, RemediationPhase},
 };
+use capm_mail_servers::{FailureMode, FailureRule};
 use kube::{
     Api, ResourceExt,
     api::{DynamicObject, Patch, PatchParams, PostParams},
@@ -59,6 +62,33 @@ async fn unhealthy_machine(env: &Env, name: &str, infra: &str) -> DynamicObject 
         .unwrap()
 }
 
+/// The controllers running on a namespace with the remediation kinds, Cluster `c1` and its
+/// Machine `m1`, built (its `MailgunMachine` `c1-m1` has a provider ID) and unhealthy.
+async fn built_and_unhealthy(prefix: &str) -> (Env, DynamicObject) {
+    let crds = [
+        capm_api::crd::crds().unwrap(),
+        capm_api::crd::remediation_crds(),
+    ]
+    .concat();
+    let mut env = Env::with_crds(prefix, crds).await;
+    env.start().await;
+    env.create_cluster("c1", false).await;
+    env.machines()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
+                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
+                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
+    (env, machine)
+}
+
 /// A `MailgunRemediation` named `machine`, owned by the Machine `owner` (name, UID): as a
 /// MachineHealthCheck makes it when `owner` is that Machine.
 async fn remediation(env: &Env, machine: &str, owner: (&str, &str)) -> MailgunRemediation {
@@ -84,6 +114,13 @@ async fn phase(env: &Env, name: &str) -> Option<RemediationPhase> {
     remediations(env).get(name).await.unwrap().status?.phase
 }
 
+/// The message of `Ready` on the remediation `name` (empty when none).
+async fn ready_message(env: &Env, name: &str) -> String {
+    let status = remediations(env).get(name).await.unwrap().status;
+    let conditions = status.and_then(|s| s.conditions);
+    condition(&conditions, "Ready").map_or_else(String::new, |c| c.message.clone())
+}
+
 /// The Machine's conditions in both lists but `OwnerRemediated`.
 fn other_conditions(machine: &Value) -> (Vec<Value>, Vec<Value>) {
     let others = |pointer: &str| -> Vec<Value> {
@@ -104,28 +141,7 @@ fn other_conditions(machine: &Value) -> (Vec<Value>, Vec<Value>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machine_back() {
-    let crds = [
-        capm_api::crd::crds().unwrap(),
-        capm_api::crd::remediation_crds(),
-    ]
-    .concat();
-    let mut env = Env::with_crds("mgr", crds).await;
-    env.start().await;
-    env.create_cluster("c1", false).await;
-    // The machine was built: its MailgunMachine has a provider ID.
-    env.machines()
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
-                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
-                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
+    let (mut env, machine) = built_and_unhealthy("mgr").await;
     let before = serde_json::to_value(&machine).unwrap();
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
     let uid = created.uid().unwrap();
@@ -165,6 +181,23 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
         condition(&status.conditions, "MailSent").map(|c| c.status.as_str()),
         Some("True")
     );
+    // Someone asks Cluster API to remediate the Machine by hand: reported, never removed.
+    env.capi("Machine")
+        .patch(
+            "m1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "annotations": {
+                names::REMEDIATE_MACHINE_ANNOTATION: ""
+            } } })),
+        )
+        .await
+        .unwrap();
+    eventually(PATIENCE, "Ready naming remediate-machine", || async {
+        ready_message(&env, "m1")
+            .await
+            .contains(names::REMEDIATE_MACHINE_ANNOTATION)
+    })
+    .await;
 
     // Nothing more before the answer timeout; the reminder right after it, threaded.
     tokio::time::sleep(ANSWER_TIMEOUT.saturating_sub(asked.elapsed() + Duration::from_secs(10)))
@@ -233,6 +266,15 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
         other_conditions(&before),
         "every other condition as it was"
     );
+    assert!(
+        after["metadata"]["annotations"]
+            .get(names::REMEDIATE_MACHINE_ANNOTATION)
+            .is_some(),
+        "the annotation stays: {}",
+        after["metadata"]
+    );
+    let ready = ready_message(&env, "m1").await;
+    assert!(ready.contains("never does"), "{ready}");
     let status = remediations(&env).get("m1").await.unwrap().status.unwrap();
     assert!(status.handed_back_at.is_some() && status.answered_at.is_some());
     for (type_, reason) in [("HandedBack", "CannotRepair"), ("Answered", "CannotRepair")] {
@@ -298,27 +340,7 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
 /// answered: one "no longer needed" mail, threaded to the repair mail, then the finalizer goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
-    let crds = [
-        capm_api::crd::crds().unwrap(),
-        capm_api::crd::remediation_crds(),
-    ]
-    .concat();
-    let mut env = Env::with_crds("mgr-nln", crds).await;
-    env.start().await;
-    env.create_cluster("c1", false).await;
-    env.machines()
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
-                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
-                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
+    let (mut env, machine) = built_and_unhealthy("mgr-nln").await;
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
     let uid = created.uid().unwrap();
     eventually(PATIENCE, "the repair mail", || async {
@@ -365,5 +387,56 @@ async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
         !machine.to_string().contains("OwnerRemediated"),
         "not handed back"
     );
+    env.stop().await;
+}
+
+/// The backend refuses the reminder for good: the flow does not stop there. The refusal shows in
+/// status (the reminder `Failed`, `MailSent` saying so) and the Machine is handed back
+/// (`NoAnswer`) an `answerTimeout` after the reminder was due, with no other mail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reminder_refused_for_good_does_not_hold_the_hand_back() {
+    let (mut env, machine) = built_and_unhealthy("mgr-refused").await;
+    remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
+    eventually(PATIENCE, "the repair mail", || async {
+        !env.mails().is_empty()
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    // From now on the backend refuses every message for good (401).
+    env.mailgun
+        .set_failure(FailureRule::new(FailureMode::Unauthorized))
+        .unwrap();
+    eventually(
+        2 * ANSWER_TIMEOUT + PATIENCE,
+        "HandedBack after the refused reminder",
+        || async { phase(&env, "m1").await == Some(RemediationPhase::HandedBack) },
+    )
+    .await;
+    assert!(
+        asked.elapsed() >= 2 * ANSWER_TIMEOUT - Duration::from_secs(10),
+        "handed back after {:?}: before the refused reminder's wait was over",
+        asked.elapsed()
+    );
+    let status = remediations(&env).get("m1").await.unwrap().status.unwrap();
+    assert_eq!(status.hand_back_reason, Some(HandBackReason::NoAnswer));
+    let reminders = status.reminders.unwrap_or_default();
+    assert_eq!(reminders.len(), 1, "{reminders:?}");
+    assert_eq!(reminders[0].state, Some(MailState::Failed));
+    let sent = condition(&status.conditions, "MailSent").unwrap();
+    assert_eq!(sent.status, "True");
+    assert!(
+        sent.message.contains("reminder 1 refused"),
+        "{}",
+        sent.message
+    );
+    let handed = serde_json::to_value(env.capi("Machine").get("m1").await.unwrap()).unwrap();
+    let owner_remediated = handed["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "OwnerRemediated"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(owner_remediated["status"], "False", "{handed}");
+    env.mailgun.clear_failure().unwrap();
+    assert_eq!(env.mails().len(), 1, "only the repair mail went out");
     env.stop().await;
 }
