@@ -92,6 +92,16 @@ async fn built_and_unhealthy(prefix: &str) -> (Env, DynamicObject) {
 /// A `MailgunRemediation` named `machine`, owned by the Machine `owner` (name, UID): as a
 /// MachineHealthCheck makes it when `owner` is that Machine.
 async fn remediation(env: &Env, machine: &str, owner: (&str, &str)) -> MailgunRemediation {
+    remediation_reminded(env, machine, owner, 1).await
+}
+
+/// [`remediation`] with this many reminders.
+async fn remediation_reminded(
+    env: &Env,
+    machine: &str,
+    owner: (&str, &str),
+    reminders: u8,
+) -> MailgunRemediation {
     let obj: MailgunRemediation = serde_json::from_value(json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
         "metadata": {
@@ -101,7 +111,7 @@ async fn remediation(env: &Env, machine: &str, owner: (&str, &str)) -> MailgunRe
                                   "name": owner.0, "uid": owner.1 }],
         },
         "spec": { "request": "Power-cycle it, then check its disks.",
-                  "strategy": { "answerTimeout": "1m", "reminders": 1 } },
+                  "strategy": { "answerTimeout": "1m", "reminders": reminders } },
     }))
     .unwrap();
     remediations(env)
@@ -438,5 +448,64 @@ async fn a_reminder_refused_for_good_does_not_hold_the_hand_back() {
     assert_eq!(owner_remediated["status"], "False", "{handed}");
     env.mailgun.clear_failure().unwrap();
     assert_eq!(env.mails().len(), 1, "only the repair mail went out");
+    env.stop().await;
+}
+
+/// A MachineHealthCheck of Cluster `c1` selecting its Machines, whose `RemediationAllowed` is
+/// `allowed`.
+async fn health_check(env: &Env, allowed: bool) {
+    let checks = env.capi("MachineHealthCheck");
+    let status = json!({ "status": { "conditions": [{
+        "type": "RemediationAllowed", "status": if allowed { "True" } else { "False" },
+        "reason": if allowed { "RemediationAllowed" } else { "TooManyUnhealthy" },
+        "message": "", "lastTransitionTime": "2026-11-29T08:00:00Z",
+    }] } });
+    if checks.get_opt("c1-workers").await.unwrap().is_none() {
+        let check = serde_json::from_value(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineHealthCheck",
+            "metadata": { "name": "c1-workers" },
+            "spec": { "clusterName": "c1",
+                      "selector": { "matchLabels": { names::CLUSTER_NAME_LABEL: "c1" } } },
+        }))
+        .unwrap();
+        checks.create(&PostParams::default(), &check).await.unwrap();
+    }
+    checks
+        .patch_status("c1-workers", &PatchParams::default(), &Patch::Merge(status))
+        .await
+        .unwrap();
+}
+
+/// A timed hand-back waits while the MachineHealthCheck reports `RemediationAllowed=False`, and
+/// goes through within seconds of it allowing remediation again (its watch wakes the held
+/// remediation; no timer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_hand_back_goes_through_when_the_brake_releases() {
+    let (mut env, machine) = built_and_unhealthy("mgr-brake").await;
+    health_check(&env, false).await;
+    remediation_reminded(&env, "m1", ("m1", &machine.uid().unwrap()), 0).await;
+    eventually(
+        ANSWER_TIMEOUT + PATIENCE,
+        "HandBackHeld after the answer timeout",
+        || async { phase(&env, "m1").await == Some(RemediationPhase::HandBackHeld) },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        phase(&env, "m1").await,
+        Some(RemediationPhase::HandBackHeld)
+    );
+    health_check(&env, true).await;
+    let released = std::time::Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "HandedBack once released",
+        || async { phase(&env, "m1").await == Some(RemediationPhase::HandedBack) },
+    )
+    .await;
+    eprintln!("handed back {:?} after the release", released.elapsed());
+    let status = remediations(&env).get("m1").await.unwrap().status.unwrap();
+    assert_eq!(status.hand_back_reason, Some(HandBackReason::NoAnswer));
+    assert_eq!(env.mails().len(), 1, "only the repair mail");
     env.stop().await;
 }

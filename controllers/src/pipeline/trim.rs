@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use capm_api::{
-    capi::{Cluster, Machine},
+    capi::{Cluster, Machine, MachineHealthCheck, REMEDIATION_ALLOWED},
     names,
     v1beta1::MailgunClusterIdentity,
 };
@@ -60,6 +60,16 @@ pub fn machine(obj: &mut Machine) {
             (c.type_ == HEALTH_CHECK_SUCCEEDED && c.status == "False")
                 || c.type_ == OWNER_REMEDIATED
         });
+    }
+}
+
+/// A `MachineHealthCheck` as its cache keeps it: its spec (the Machines it selects) and, of its
+/// conditions, only `RemediationAllowed`.
+pub fn health_check(obj: &mut MachineHealthCheck) {
+    read_only(obj.meta_mut(), &[], &[]);
+    let conditions = obj.status.as_mut().and_then(|s| s.conditions.as_mut());
+    if let Some(conditions) = conditions {
+        conditions.retain(|c| c.type_ == REMEDIATION_ALLOWED);
     }
 }
 

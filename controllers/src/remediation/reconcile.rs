@@ -33,8 +33,9 @@ use crate::{
     status::Status,
 };
 
-/// How often a held hand-back asks the MachineHealthCheck again (it is not watched).
-const HOLD_RECHECK: Duration = Duration::from_secs(30);
+/// How often a held hand-back asks the MachineHealthChecks again besides their watch (a
+/// change to one wakes it within seconds): a safety net only.
+const HOLD_RECHECK: Duration = Duration::from_secs(300);
 
 /// One reconcile of a `MailgunRemediation`, measured as every kind's.
 pub(crate) async fn reconcile(
