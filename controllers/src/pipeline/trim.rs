@@ -213,5 +213,29 @@ mod tests {
             )]
         );
         assert_eq!(healthy.metadata.annotations, None);
+
+        let mut check: MachineHealthCheck = serde_json::from_value(json!({
+            "metadata": metadata(),
+            "spec": { "clusterName": "c", "selector": { "matchLabels": { "pool": "workers" } } },
+            "status": { "conditions": [
+                { "type": "Ready", "status": "True" },
+                { "type": "RemediationAllowed", "status": "False", "reason": "TooManyUnhealthy" },
+            ] } }))
+        .unwrap();
+        health_check(&mut check);
+        assert_eq!(
+            (
+                check.metadata.annotations.as_ref(),
+                check.metadata.labels.as_ref()
+            ),
+            (None, None)
+        );
+        assert_eq!(check.spec.cluster_name.as_deref(), Some("c"));
+        assert!(check.spec.selector.match_labels.is_some(), "its selector");
+        assert!(check.holds_remediation(), "its brake");
+        assert_eq!(
+            check.status.and_then(|s| s.conditions).map(|c| c.len()),
+            Some(1)
+        );
     }
 }
