@@ -30,6 +30,32 @@ fn remediations(env: &Env) -> Api<MailgunRemediation> {
     Api::namespaced(env.ns.client.clone(), &env.ns.name)
 }
 
+/// A provider started as `manager` on an API server with our CRDs (remediation's too), Cluster
+/// `c1`, and `MailgunMachine` `c1-m1`, built: it has a provider ID.
+async fn started(manager: &str) -> Env {
+    let crds = [
+        capm_api::crd::crds().unwrap(),
+        capm_api::crd::remediation_crds(),
+    ]
+    .concat();
+    let mut env = Env::with_crds(manager, crds).await;
+    env.start().await;
+    env.create_cluster("c1", false).await;
+    env.machines()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
+                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
+                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    env
+}
+
 /// A Machine of Cluster `c1` on `MailgunMachine` `infra`, unhealthy by the conditions a
 /// MachineHealthCheck writes, beside other controllers' conditions (v1beta2 and v1beta1).
 async fn unhealthy_machine(env: &Env, name: &str, infra: &str) -> DynamicObject {
@@ -60,33 +86,6 @@ async fn unhealthy_machine(env: &Env, name: &str, infra: &str) -> DynamicObject 
         .patch_status(name, &PatchParams::default(), &Patch::Merge(status))
         .await
         .unwrap()
-}
-
-/// The controllers running on a namespace with the remediation kinds, Cluster `c1` and its
-/// Machine `m1`, built (its `MailgunMachine` `c1-m1` has a provider ID) and unhealthy.
-async fn built_and_unhealthy(prefix: &str) -> (Env, DynamicObject) {
-    let crds = [
-        capm_api::crd::crds().unwrap(),
-        capm_api::crd::remediation_crds(),
-    ]
-    .concat();
-    let mut env = Env::with_crds(prefix, crds).await;
-    env.start().await;
-    env.create_cluster("c1", false).await;
-    env.machines()
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
-                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
-                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
-    (env, machine)
 }
 
 /// A `MailgunRemediation` named `machine`, owned by the Machine `owner` (name, UID): as a
@@ -151,7 +150,8 @@ fn other_conditions(machine: &Value) -> (Vec<Value>, Vec<Value>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machine_back() {
-    let (mut env, machine) = built_and_unhealthy("mgr").await;
+    let mut env = started("mgr").await;
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     let before = serde_json::to_value(&machine).unwrap();
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
     let uid = created.uid().unwrap();
@@ -350,7 +350,8 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
 /// answered: one "no longer needed" mail, threaded to the repair mail, then the finalizer goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
-    let (mut env, machine) = built_and_unhealthy("mgr-nln").await;
+    let mut env = started("mgr-nln").await;
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
     let uid = created.uid().unwrap();
     eventually(PATIENCE, "the repair mail", || async {
@@ -405,7 +406,8 @@ async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
 /// (`NoAnswer`) an `answerTimeout` after the reminder was due, with no other mail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reminder_refused_for_good_does_not_hold_the_hand_back() {
-    let (mut env, machine) = built_and_unhealthy("mgr-refused").await;
+    let mut env = started("mgr-refused").await;
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
     eventually(PATIENCE, "the repair mail", || async {
         !env.mails().is_empty()
@@ -481,7 +483,8 @@ async fn health_check(env: &Env, allowed: bool) {
 /// remediation; no timer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_hand_back_goes_through_when_the_brake_releases() {
-    let (mut env, machine) = built_and_unhealthy("mgr-brake").await;
+    let mut env = started("mgr-brake").await;
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     health_check(&env, false).await;
     remediation_reminded(&env, "m1", ("m1", &machine.uid().unwrap()), 0).await;
     eventually(

@@ -43,6 +43,67 @@ pub const BOOTSTRAP_GROUP: &str = "bootstrap.e2e.capm.example.com";
 pub const VERSION: &str = "v1alpha1";
 const INFRA: &str = "infrastructure.cluster.x-k8s.io";
 
+/// The spec of a MachineDeployment of `cluster` whose Machines carry `label: pool`, built from the
+/// `MailgunMachineTemplate` and `TestBootstrapConfigTemplate` named `pool`, with the fields Cluster
+/// API's defaulting webhook (not served to the tests' API server) would set.
+pub fn machine_deployment(cluster: &str, label: &str, pool: &str, replicas: usize) -> Value {
+    json!({
+        "clusterName": cluster,
+        "replicas": replicas,
+        "selector": {"matchLabels": {label: pool}},
+        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
+        "deletion": {"order": "Random"},
+        "template": {
+            "metadata": {"labels": {label: pool}},
+            "spec": {
+                "clusterName": cluster,
+                "version": capm_test_support::KUBERNETES_VERSION,
+                "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": pool}},
+                "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": pool},
+            },
+        },
+    })
+}
+
+/// A Cluster `name` in `namespace` with its `MailgunCluster` (asking for `request` on behalf of
+/// `requester`) and a one-replica `TestControlPlane`.
+pub async fn create_cluster(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    request: &str,
+    requester: &str,
+) -> Result<()> {
+    let create = |group: &str, version: &str, kind: &str, spec: Value| {
+        crate::create_object(client, namespace, group, version, kind, name, spec)
+    };
+    create(
+        CONTROL_PLANE_GROUP,
+        VERSION,
+        "TestControlPlane",
+        json!({"version": capm_test_support::KUBERNETES_VERSION, "replicas": 1}),
+    )
+    .await?;
+    create(
+        INFRA,
+        "v1beta1",
+        "MailgunCluster",
+        json!({"priority": "Urgent", "request": request, "requester": requester}),
+    )
+    .await?;
+    create(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+        json!({
+            "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": name},
+            "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": name},
+        }),
+    )
+    .await?;
+    Ok(())
+}
+
 /// (group, kind, plural, has a status) of every test CRD.
 const KINDS: [(&str, &str, &str, bool); 4] = [
     (

@@ -21,10 +21,10 @@ use capm_e2e::{
     browser::{self, Visit, chromium, fulfilled_event, link_in, page_says},
     create_namespace, create_object, create_secret, dynamic_api, eventually, free_port, helm_chart,
     mailgun_mails, mailgun_values, remediation, start_capi_manager, start_routed_chart_provider,
-    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+    topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
-use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use capm_test_support::{ControlPlane, Options};
 use kube::{Client, api::DynamicObject};
 use serde_json::{Value, json};
 
@@ -157,20 +157,14 @@ async fn story(
         create_object(admin, USER_NS, group, version, kind, name, spec)
     };
     topology::create_templates(admin, USER_NS, WORKERS).await?;
-    create(
-        CONTROL_PLANE_GROUP,
-        topology::VERSION,
-        "TestControlPlane",
+    topology::create_cluster(
+        admin,
+        USER_NS,
         CLUSTER,
-        json!({"version": KUBERNETES_VERSION, "replicas": 1}),
+        "One cluster please.\nThree control plane nodes.",
+        "web-admin@example.com",
     )
     .await?;
-    create(INFRA, "v1beta1", "MailgunCluster", CLUSTER,
-        json!({"priority": "Urgent", "request": "One cluster please.\nThree control plane nodes.", "requester": "web-admin@example.com"})).await?;
-    create(CAPI, "v1beta2", "Cluster", CLUSTER, json!({
-        "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": CLUSTER},
-        "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": CLUSTER},
-    })).await?;
 
     // The cluster's request mail: the kubectl patch and, beside it, the link.
     let wait = Duration::from_secs(120);
@@ -258,22 +252,14 @@ async fn story(
     // A MachineDeployment of one worker: its MailgunMachine's mail, fulfilled in the browser.
     create(INFRA, "v1beta1", "MailgunMachineTemplate", WORKERS,
         json!({"template": {"spec": {"priority": "BusinessCritical", "request": "A worker please", "requester": "web-admin@example.com"}}})).await?;
-    create(CAPI, "v1beta2", "MachineDeployment", WORKERS, json!({
-        "clusterName": CLUSTER,
-        "replicas": 1,
-        "selector": {"matchLabels": {"e2e.capm.example.com/pool": WORKERS}},
-        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
-        "deletion": {"order": "Random"},
-        "template": {
-            "metadata": {"labels": {"e2e.capm.example.com/pool": WORKERS}},
-            "spec": {
-                "clusterName": CLUSTER,
-                "version": KUBERNETES_VERSION,
-                "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": WORKERS}},
-                "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": WORKERS},
-            },
-        },
-    })).await?;
+    create(
+        CAPI,
+        "v1beta2",
+        "MachineDeployment",
+        WORKERS,
+        topology::machine_deployment(CLUSTER, "e2e.capm.example.com/pool", WORKERS, 1),
+    )
+    .await?;
     let (subject, body) = eventually(wait, "the machine request mail", || async {
         provider.proc.check_alive()?;
         Ok(mailgun_mails(mailgun)?

@@ -65,10 +65,10 @@ use capm_e2e::{
     fulfil_command, helm_chart,
     ledger::{Ledger, RepairMail},
     mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager, start_routed_chart_provider,
-    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+    topology::{self, TestProviders},
 };
 use capm_mail_servers::{MailgunServer, StoredMessage};
-use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use capm_test_support::{ControlPlane, Options};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Secret};
 use kube::{
@@ -344,6 +344,18 @@ impl World {
         ))
     }
 
+    /// Five seconds on, the remediation `uid` has had exactly `want` mails: (repair, reminders,
+    /// no longer needed). The wait gives a mail that should not come the time to come.
+    async fn counts_stay(&self, uid: &str, want: (usize, usize, usize)) -> Result<()> {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let counts = self.repair_counts(uid)?;
+        ensure!(
+            counts == want,
+            "(repair, reminders, no longer needed) mails: {counts:?}, not {want:?}"
+        );
+        Ok(())
+    }
+
     /// The MailgunMachine `uid`'s (request, release) mails so far.
     fn machine_counts(&self, uid: &str) -> Result<(usize, usize)> {
         let ledger = self.ledger()?;
@@ -463,23 +475,12 @@ async fn create_pool(
         }),
     )
     .await?;
-    create(CAPI, "v1beta2", "MachineDeployment", json!({
-        "clusterName": CLUSTER,
-        "replicas": replicas,
-        "selector": {"matchLabels": {POOL_LABEL: name}},
-        // What Cluster API's defaulting webhook (not served to this API server) would set.
-        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
-        "deletion": {"order": "Random"},
-        "template": {
-            "metadata": {"labels": {POOL_LABEL: name}},
-            "spec": {
-                "clusterName": CLUSTER,
-                "version": KUBERNETES_VERSION,
-                "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": name}},
-                "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": name},
-            },
-        },
-    }))
+    create(
+        CAPI,
+        "v1beta2",
+        "MachineDeployment",
+        topology::machine_deployment(CLUSTER, POOL_LABEL, name, replicas),
+    )
     .await?;
     Ok(())
 }
@@ -727,12 +728,7 @@ async fn story_1(world: &World) -> Result<String> {
         machine.uid().as_deref() == Some(built.machine_uid.as_str()),
         "the Machine was replaced"
     );
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 0, 0),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.counts_stay(&uid, (1, 0, 0)).await?;
     let machine_mails = world.machine_counts(&built.infra_uid)?;
     ensure!(
         machine_mails == (1, 0),
@@ -793,12 +789,7 @@ async fn story_2(world: &World) -> Result<String> {
         },
     )
     .await?;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 0, 0),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.counts_stay(&uid, (1, 0, 0)).await?;
     Ok(format!(
         "CannotRepair by kubectl: handed back ({}), replaced: 1 release, 1 new request, 1 repair mail",
         written["message"]
@@ -850,12 +841,7 @@ async fn story_3(world: &World) -> Result<String> {
     let written = world.handed_back(&built.machine_uid, TIMED).await?;
     let handed = asked.elapsed();
     world.replaced("s3", &built.machine_uid, 1).await?;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 1, 0),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.counts_stay(&uid, (1, 1, 0)).await?;
     Ok(format!(
         "no answer: repair mail, reminder after {after:.0?} (threaded), hand-back after {handed:.0?} ({}), exactly 2 mails",
         written["message"]
@@ -938,12 +924,7 @@ async fn story_5(world: &World) -> Result<String> {
             .then_some(()))
     })
     .await?;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 0, 1),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.counts_stay(&uid, (1, 0, 1)).await?;
     let machine = world.machines().get(&built.machine).await?;
     ensure!(
         machine.uid().as_deref() == Some(built.machine_uid.as_str()),
@@ -1316,23 +1297,14 @@ async fn run(world: &World, dir: &Path, port: u16) -> Result<()> {
         .await?;
 
     // The Cluster, fulfilled by the human from its request mail.
-    let create = |group: &str, version: &str, kind: &str, name: &str, spec: Value| {
-        create_object(admin, USER_NS, group, version, kind, name, spec)
-    };
-    create(
-        CONTROL_PLANE_GROUP,
-        topology::VERSION,
-        "TestControlPlane",
+    topology::create_cluster(
+        admin,
+        USER_NS,
         CLUSTER,
-        json!({"version": KUBERNETES_VERSION, "replicas": 1}),
+        "One cluster please",
+        "cluster-admin@example.com",
     )
     .await?;
-    create(INFRA, "v1beta1", "MailgunCluster", CLUSTER,
-        json!({"priority": "Urgent", "request": "One cluster please", "requester": "cluster-admin@example.com"})).await?;
-    create(CAPI, "v1beta2", "Cluster", CLUSTER, json!({
-        "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": CLUSTER},
-        "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": CLUSTER},
-    })).await?;
     let body = eventually(
         Duration::from_secs(90),
         "the cluster request mail",
