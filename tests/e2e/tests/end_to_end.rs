@@ -15,7 +15,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
     process::Command,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result, bail, ensure};
@@ -668,6 +668,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     // the Machine's `OwnerRemediated=False` (machines/status), then its own status. The shortest
     // `repairTimeout` the CRD takes is 1m: rather than wait, the answer is dated two minutes
     // back (`status.answeredAt`, which the provider keeps as when it first saw the answer).
+    let story = Instant::now();
     let unhealthy = remediation::fail_health_check(&admin, USER_NS, "e2e-cp-0").await?;
     let health_checks = dynamic_api(&admin, USER_NS, CAPI, "v1beta2", "MachineHealthCheck");
     let check = serde_json::json!({
@@ -743,6 +744,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
                 .is_some_and(|m| m.contains("MailgunRemediation e2e-cp-0: RepairTimedOut")),
         "the Machine's OwnerRemediated: {owner_remediated}"
     );
+    println!("the remediation story took {:?}", story.elapsed());
 
     // Deleting the Cluster: Cluster API deletes the Machine and the MailgunCluster; each gets
     // its "no longer needed" mail before its finalizer goes. The MailgunRemediation goes with
