@@ -3,9 +3,11 @@
 //! mounted Secrets, its ServiceAccount's token, so only the chart's RBAC applies); the real
 //! Cluster API core manager; a real SMTP server (STARTTLS required, AUTH); the API server
 //! calling the conversion webhook through the chart's Service and certificate; Debian's
-//! Prometheus scraping the provider. The API server's audit log then shows that the chart's
-//! RBAC was sufficient (no request of the provider was denied) and minimal (each permission it
-//! grants was used, bar the ones listed with their reason). The fulfilment page runs apart
+//! Prometheus scraping the provider. A built Machine's repair by mail (issue 56: one repair
+//! mail, a timed hand-back through the health checks' brake) makes the provider use its
+//! remediation grants. The API server's audit log then shows that the chart's RBAC was
+//! sufficient (no request of the provider was denied) and minimal (each permission it grants
+//! was used, bar the ones listed with their reason). The fulfilment page runs apart
 //! (`fulfilment.separateDeployment`), as the chart's second Deployment runs it (`--mode
 //! fulfilment-page`, its own ServiceAccount); the links of two mails are used through it (curl,
 //! as a browser: the page's cookie and form token), and the audit log shows the same of the
