@@ -666,7 +666,7 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
     // target and allows remediation: no Node, so it judges nothing) and the MailgunRemediation
     // is made as that health check makes it: one repair mail. The human answers `Repaired` with
     // the mail's command and the Machine stays unhealthy past `repairTimeout`: a timed
-    // hand-back, so the provider first asks the health checks (the brake's list), then writes
+    // hand-back, so the provider first reads the brake (its watch of the health checks), then writes
     // the Machine's `OwnerRemediated=False` (machines/status), then its own status. The shortest
     // `repairTimeout` the CRD takes is 1m: rather than wait, the answer is dated two minutes
     // back (`status.answeredAt`, which the provider keeps as when it first saw the answer).
@@ -975,10 +975,6 @@ async fn chart_provider_and_cluster_api_end_to_end() -> Result<()> {
         (
             (INFRA, "mailgunremediations/finalizers", "update"),
             "as for mailgunclusters/finalizers",
-        ),
-        (
-            (CAPI, "machinehealthchecks", "watch"),
-            "granted for the brake's watch; the controller lists every 30 s today (issue 56 follow-up)",
         ),
     ]);
     let mut unused = Vec::new();
