@@ -1,10 +1,10 @@
-//! The Cluster API core objects (`Cluster`, `Machine`) this provider reads.
+//! The Cluster API core objects (`Cluster`, `Machine`, `MachineHealthCheck`) this provider reads.
 //!
 //! Partial types: only the fields the provider contract names are deserialised, so the provider
 //! carries no copy of Cluster API's types and the caches hold little per object. Unknown fields
 //! are ignored; the types are never written back.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, OwnerReference};
 use kube::CustomResource;
 use serde::{Deserialize, Serialize};
 
@@ -136,6 +136,50 @@ pub struct Bootstrap {
     /// produced it.
     #[serde(default)]
     pub data_secret_name: Option<String>,
+}
+
+/// The fields of `MachineHealthCheck.spec` this provider reads: which Machines it selects (its
+/// `RemediationAllowed` condition is the brake on timed hand-backs).
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[kube(
+    group = "cluster.x-k8s.io",
+    version = "v1beta2",
+    kind = "MachineHealthCheck",
+    namespaced,
+    status = "MachineHealthCheckStatus",
+    schema = "disabled"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineHealthCheckSpec {
+    /// `spec.clusterName`.
+    #[serde(default)]
+    pub cluster_name: Option<String>,
+    /// `spec.selector`: the Machines of the Cluster it checks.
+    #[serde(default)]
+    pub selector: LabelSelector,
+}
+
+/// The fields of `MachineHealthCheck.status` this provider reads.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MachineHealthCheckStatus {
+    /// `status.conditions` (v1beta2).
+    #[serde(default)]
+    pub conditions: Option<Vec<MachineCondition>>,
+}
+
+/// The MachineHealthCheck condition that is `False` while `maxUnhealthy`/`unhealthyRange` is
+/// exceeded: no Machine may be remediated.
+pub const REMEDIATION_ALLOWED: &str = "RemediationAllowed";
+
+impl MachineHealthCheck {
+    /// `RemediationAllowed` is `False`.
+    pub fn holds_remediation(&self) -> bool {
+        let conditions = self.status.as_ref().and_then(|s| s.conditions.as_ref());
+        conditions.is_some_and(|c| {
+            c.iter()
+                .any(|c| c.type_ == REMEDIATION_ALLOWED && c.status == "False")
+        })
+    }
 }
 
 /// The owner reference of `kind` in group `cluster.x-k8s.io` (any version), if any.

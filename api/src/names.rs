@@ -93,6 +93,12 @@ pub const REMEDIATION_FINALIZER: &str = "mailgunremediation.infrastructure.clust
 /// Cluster API: the annotation that pauses reconciliation of one object.
 pub const PAUSED_ANNOTATION: &str = "cluster.x-k8s.io/paused";
 
+/// Cluster API: a person's request to remediate a Machine. Its MachineHealthCheck reports the
+/// Machine unhealthy while it is there, and nothing in Cluster API removes it; the provider
+/// reports it in a remediation's status and never removes it either (it has no `patch` on
+/// Machines).
+pub const REMEDIATE_MACHINE_ANNOTATION: &str = "cluster.x-k8s.io/remediate-machine";
+
 /// Cluster API: objects carrying this annotation are managed by someone else; skip them.
 pub const MANAGED_BY_ANNOTATION: &str = "cluster.x-k8s.io/managed-by";
 

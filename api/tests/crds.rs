@@ -1176,6 +1176,41 @@ async fn only_the_provider_writes_our_annotations() {
         message.contains(capm_api::names::MAIL_ANNOTATION),
         "{message}"
     );
+    // And each reminder's record: not at creation, and neither added, changed nor removed
+    // later by anyone but the provider.
+    let as_mallory_remediations = kinds(&mallory, "v1beta1", "MailgunRemediation");
+    let as_provider_remediations = kinds(&provider, "v1beta1", "MailgunRemediation");
+    for reminder in capm_api::names::REMINDER_MAIL_ANNOTATIONS {
+        let mut forged = remediation("rreminder");
+        forged["metadata"]["annotations"] = json!({reminder: "{}"});
+        let message = refused(create(&as_mallory_remediations, forged).await);
+        assert!(message.contains(reminder), "{message}");
+    }
+    create(&as_mallory_remediations, remediation("r"))
+        .await
+        .expect("a clean remediation");
+    let [first, second, _] = capm_api::names::REMINDER_MAIL_ANNOTATIONS;
+    let message = refused(
+        as_mallory_remediations
+            .patch("r", &pp, &annotate(second, json!("{}")))
+            .await,
+    );
+    assert!(message.contains(second), "{message}");
+    as_provider_remediations
+        .patch("r", &pp, &annotate(first, json!("{}")))
+        .await
+        .expect("the provider writes a reminder's record");
+    for (what, value) in [
+        ("changed", json!("{\"forged\":1}")),
+        ("removed", Value::Null),
+    ] {
+        let message = refused(
+            as_mallory_remediations
+                .patch("r", &pp, &annotate(first, value))
+                .await,
+        );
+        assert!(message.contains(first), "{what}: {message}");
+    }
 
     // Added, changed and removed after creation.
     create(&as_mallory, cluster("c", "v1beta1"))

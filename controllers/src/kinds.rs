@@ -34,6 +34,9 @@ pub struct Stores {
     pub mailgun_machines: Store<MailgunMachine>,
     pub identities: Store<MailgunClusterIdentity>,
     pub secrets: Store<k8s_openapi::api::core::v1::Secret>,
+    /// The MachineHealthChecks (a timed hand-back reads their brake); never listed where the
+    /// kind is not installed.
+    pub health_checks: Store<capm_api::capi::MachineHealthCheck>,
 }
 
 /// Why a request cannot be mailed yet: the condition's reason and message.
@@ -367,6 +370,7 @@ pub(crate) mod tests {
             mailgun_machines: listed(),
             identities: listed(),
             secrets: listed(),
+            health_checks: listed(),
         }
     }
 

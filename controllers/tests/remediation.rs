@@ -2,7 +2,9 @@
 //! `MailgunMachine` was built gets exactly one repair mail, a threaded reminder after its
 //! `answerTimeout`, and a `CannotRepair` answer hands the Machine back (`OwnerRemediated=False`,
 //! every other condition as it was) without another mail; a hand-made one (its ownerReference's
-//! UID not the Machine's) stays `Pending` and mails nobody.
+//! UID not the Machine's) stays `Pending` and mails nobody. A `remediate-machine` annotation on
+//! the Machine is reported, never removed; a reminder the backend refuses for good does not hold
+//! the hand-back.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
@@ -11,8 +13,9 @@ use std::time::Duration;
 
 use capm_api::{
     names,
-    v1beta1::{MailgunRemediation, RemediationPhase},
+    v1beta1::{HandBackReason, MailState, MailgunRemediation, RemediationPhase},
 };
+use capm_mail_servers::{FailureMode, FailureRule};
 use kube::{
     Api, ResourceExt,
     api::{DynamicObject, Patch, PatchParams, PostParams},
@@ -25,6 +28,32 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn remediations(env: &Env) -> Api<MailgunRemediation> {
     Api::namespaced(env.ns.client.clone(), &env.ns.name)
+}
+
+/// A provider started as `manager` on an API server with our CRDs (remediation's too), Cluster
+/// `c1`, and `MailgunMachine` `c1-m1`, built: it has a provider ID.
+async fn started(manager: &str) -> Env {
+    let crds = [
+        capm_api::crd::crds().unwrap(),
+        capm_api::crd::remediation_crds(),
+    ]
+    .concat();
+    let mut env = Env::with_crds(manager, crds).await;
+    env.start().await;
+    env.create_cluster("c1", false).await;
+    env.machines()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
+                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
+                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    env
 }
 
 /// A Machine of Cluster `c1` on `MailgunMachine` `infra`, unhealthy by the conditions a
@@ -62,6 +91,16 @@ async fn unhealthy_machine(env: &Env, name: &str, infra: &str) -> DynamicObject 
 /// A `MailgunRemediation` named `machine`, owned by the Machine `owner` (name, UID): as a
 /// MachineHealthCheck makes it when `owner` is that Machine.
 async fn remediation(env: &Env, machine: &str, owner: (&str, &str)) -> MailgunRemediation {
+    remediation_reminded(env, machine, owner, 1).await
+}
+
+/// [`remediation`] with this many reminders.
+async fn remediation_reminded(
+    env: &Env,
+    machine: &str,
+    owner: (&str, &str),
+    reminders: u8,
+) -> MailgunRemediation {
     let obj: MailgunRemediation = serde_json::from_value(json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunRemediation",
         "metadata": {
@@ -71,7 +110,7 @@ async fn remediation(env: &Env, machine: &str, owner: (&str, &str)) -> MailgunRe
                                   "name": owner.0, "uid": owner.1 }],
         },
         "spec": { "request": "Power-cycle it, then check its disks.",
-                  "strategy": { "answerTimeout": "1m", "reminders": 1 } },
+                  "strategy": { "answerTimeout": "1m", "reminders": reminders } },
     }))
     .unwrap();
     remediations(env)
@@ -82,6 +121,13 @@ async fn remediation(env: &Env, machine: &str, owner: (&str, &str)) -> MailgunRe
 
 async fn phase(env: &Env, name: &str) -> Option<RemediationPhase> {
     remediations(env).get(name).await.unwrap().status?.phase
+}
+
+/// The message of `Ready` on the remediation `name` (empty when none).
+async fn ready_message(env: &Env, name: &str) -> String {
+    let status = remediations(env).get(name).await.unwrap().status;
+    let conditions = status.and_then(|s| s.conditions);
+    condition(&conditions, "Ready").map_or_else(String::new, |c| c.message.clone())
 }
 
 /// The Machine's conditions in both lists but `OwnerRemediated`.
@@ -104,27 +150,7 @@ fn other_conditions(machine: &Value) -> (Vec<Value>, Vec<Value>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machine_back() {
-    let crds = [
-        capm_api::crd::crds().unwrap(),
-        capm_api::crd::remediation_crds(),
-    ]
-    .concat();
-    let mut env = Env::with_crds("mgr", crds).await;
-    env.start().await;
-    env.create_cluster("c1", false).await;
-    // The machine was built: its MailgunMachine has a provider ID.
-    env.machines()
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
-                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
-                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    let mut env = started("mgr").await;
     let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     let before = serde_json::to_value(&machine).unwrap();
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
@@ -165,6 +191,23 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
         condition(&status.conditions, "MailSent").map(|c| c.status.as_str()),
         Some("True")
     );
+    // Someone asks Cluster API to remediate the Machine by hand: reported, never removed.
+    env.capi("Machine")
+        .patch(
+            "m1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "annotations": {
+                names::REMEDIATE_MACHINE_ANNOTATION: ""
+            } } })),
+        )
+        .await
+        .unwrap();
+    eventually(PATIENCE, "Ready naming remediate-machine", || async {
+        ready_message(&env, "m1")
+            .await
+            .contains(names::REMEDIATE_MACHINE_ANNOTATION)
+    })
+    .await;
 
     // Nothing more before the answer timeout; the reminder right after it, threaded.
     tokio::time::sleep(ANSWER_TIMEOUT.saturating_sub(asked.elapsed() + Duration::from_secs(10)))
@@ -233,6 +276,15 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
         other_conditions(&before),
         "every other condition as it was"
     );
+    assert!(
+        after["metadata"]["annotations"]
+            .get(names::REMEDIATE_MACHINE_ANNOTATION)
+            .is_some(),
+        "the annotation stays: {}",
+        after["metadata"]
+    );
+    let ready = ready_message(&env, "m1").await;
+    assert!(ready.contains("never does"), "{ready}");
     let status = remediations(&env).get("m1").await.unwrap().status.unwrap();
     assert!(status.handed_back_at.is_some() && status.answered_at.is_some());
     for (type_, reason) in [("HandedBack", "CannotRepair"), ("Answered", "CannotRepair")] {
@@ -298,26 +350,7 @@ async fn one_repair_mail_a_threaded_reminder_then_cannot_repair_hands_the_machin
 /// answered: one "no longer needed" mail, threaded to the repair mail, then the finalizer goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
-    let crds = [
-        capm_api::crd::crds().unwrap(),
-        capm_api::crd::remediation_crds(),
-    ]
-    .concat();
-    let mut env = Env::with_crds("mgr-nln", crds).await;
-    env.start().await;
-    env.create_cluster("c1", false).await;
-    env.machines()
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
-                "metadata": { "name": "c1-m1", "labels": { names::CLUSTER_NAME_LABEL: "c1" } },
-                "spec": { "priority": "Urgent", "request": "r", "requester": "dev@example.com", "providerID": "metal://rack-7/m1" },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
+    let mut env = started("mgr-nln").await;
     let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
     let created = remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
     let uid = created.uid().unwrap();
@@ -365,5 +398,117 @@ async fn healthy_again_before_an_answer_one_no_longer_needed_mail() {
         !machine.to_string().contains("OwnerRemediated"),
         "not handed back"
     );
+    env.stop().await;
+}
+
+/// The backend refuses the reminder for good: the flow does not stop there. The refusal shows in
+/// status (the reminder `Failed`, `MailSent` saying so) and the Machine is handed back
+/// (`NoAnswer`) an `answerTimeout` after the reminder was due, with no other mail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reminder_refused_for_good_does_not_hold_the_hand_back() {
+    let mut env = started("mgr-refused").await;
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
+    remediation(&env, "m1", ("m1", &machine.uid().unwrap())).await;
+    eventually(PATIENCE, "the repair mail", || async {
+        !env.mails().is_empty()
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    // From now on the backend refuses every message for good (401).
+    env.mailgun
+        .set_failure(FailureRule::new(FailureMode::Unauthorized))
+        .unwrap();
+    eventually(
+        2 * ANSWER_TIMEOUT + PATIENCE,
+        "HandedBack after the refused reminder",
+        || async { phase(&env, "m1").await == Some(RemediationPhase::HandedBack) },
+    )
+    .await;
+    assert!(
+        asked.elapsed() >= 2 * ANSWER_TIMEOUT - Duration::from_secs(10),
+        "handed back after {:?}: before the refused reminder's wait was over",
+        asked.elapsed()
+    );
+    let status = remediations(&env).get("m1").await.unwrap().status.unwrap();
+    assert_eq!(status.hand_back_reason, Some(HandBackReason::NoAnswer));
+    let reminders = status.reminders.unwrap_or_default();
+    assert_eq!(reminders.len(), 1, "{reminders:?}");
+    assert_eq!(reminders[0].state, Some(MailState::Failed));
+    let sent = condition(&status.conditions, "MailSent").unwrap();
+    assert_eq!(sent.status, "True");
+    assert!(
+        sent.message.contains("reminder 1 refused"),
+        "{}",
+        sent.message
+    );
+    let handed = serde_json::to_value(env.capi("Machine").get("m1").await.unwrap()).unwrap();
+    let owner_remediated = handed["status"]["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "OwnerRemediated"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(owner_remediated["status"], "False", "{handed}");
+    env.mailgun.clear_failure().unwrap();
+    assert_eq!(env.mails().len(), 1, "only the repair mail went out");
+    env.stop().await;
+}
+
+/// A MachineHealthCheck of Cluster `c1` selecting its Machines, whose `RemediationAllowed` is
+/// `allowed`.
+async fn health_check(env: &Env, allowed: bool) {
+    let checks = env.capi("MachineHealthCheck");
+    let status = json!({ "status": { "conditions": [{
+        "type": "RemediationAllowed", "status": if allowed { "True" } else { "False" },
+        "reason": if allowed { "RemediationAllowed" } else { "TooManyUnhealthy" },
+        "message": "", "lastTransitionTime": "2026-11-29T08:00:00Z",
+    }] } });
+    if checks.get_opt("c1-workers").await.unwrap().is_none() {
+        let check = serde_json::from_value(json!({
+            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineHealthCheck",
+            "metadata": { "name": "c1-workers" },
+            "spec": { "clusterName": "c1",
+                      "selector": { "matchLabels": { names::CLUSTER_NAME_LABEL: "c1" } } },
+        }))
+        .unwrap();
+        checks.create(&PostParams::default(), &check).await.unwrap();
+    }
+    checks
+        .patch_status("c1-workers", &PatchParams::default(), &Patch::Merge(status))
+        .await
+        .unwrap();
+}
+
+/// A timed hand-back waits while the MachineHealthCheck reports `RemediationAllowed=False`, and
+/// goes through within seconds of it allowing remediation again (its watch wakes the held
+/// remediation; no timer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_hand_back_goes_through_when_the_brake_releases() {
+    let mut env = started("mgr-brake").await;
+    let machine = unhealthy_machine(&env, "m1", "c1-m1").await;
+    health_check(&env, false).await;
+    remediation_reminded(&env, "m1", ("m1", &machine.uid().unwrap()), 0).await;
+    eventually(
+        ANSWER_TIMEOUT + PATIENCE,
+        "HandBackHeld after the answer timeout",
+        || async { phase(&env, "m1").await == Some(RemediationPhase::HandBackHeld) },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        phase(&env, "m1").await,
+        Some(RemediationPhase::HandBackHeld)
+    );
+    health_check(&env, true).await;
+    let released = std::time::Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "HandedBack once released",
+        || async { phase(&env, "m1").await == Some(RemediationPhase::HandedBack) },
+    )
+    .await;
+    eprintln!("handed back {:?} after the release", released.elapsed());
+    let status = remediations(&env).get("m1").await.unwrap().status.unwrap();
+    assert_eq!(status.hand_back_reason, Some(HandBackReason::NoAnswer));
+    assert_eq!(env.mails().len(), 1, "only the repair mail");
     env.stop().await;
 }

@@ -12,7 +12,7 @@
 use std::{collections::HashSet, future::Future, sync::Arc};
 
 use capm_api::{
-    capi::{Cluster, ContractRef, Machine},
+    capi::{Cluster, ContractRef, Machine, MachineHealthCheck},
     names,
     v1beta1::{MailgunCluster, MailgunClusterIdentity, MailgunMachine},
 };
@@ -138,6 +138,7 @@ pub(crate) struct CapiWatches {
     machines: Watched<Machine>,
     identities: Watched<MailgunClusterIdentity>,
     secrets: Watched<Secret>,
+    health_checks: Watched<MachineHealthCheck>,
 }
 
 impl CapiWatches {
@@ -147,12 +148,26 @@ impl CapiWatches {
             machines: Watched::new(),
             identities: Watched::new(),
             secrets: Watched::new(),
+            health_checks: Watched::new(),
         }
     }
 
     /// The Machines' store, and its changes as they come.
     pub(super) fn machine_changes(&self) -> (Store<Machine>, BoxStream<'static, Heard<Machine>>) {
         (self.machines.store.clone(), self.machines.subscribe())
+    }
+
+    /// The MachineHealthChecks' store, and its changes as they come.
+    pub(super) fn health_check_changes(
+        &self,
+    ) -> (
+        Store<MachineHealthCheck>,
+        BoxStream<'static, Heard<MachineHealthCheck>>,
+    ) {
+        (
+            self.health_checks.store.clone(),
+            self.health_checks.subscribe(),
+        )
     }
 
     /// The stores the reconciles read, with the `MailgunCluster` and `MailgunMachine`
@@ -169,6 +184,7 @@ impl CapiWatches {
             mailgun_machines,
             identities: self.identities.store.clone(),
             secrets: self.secrets.store.clone(),
+            health_checks: self.health_checks.store.clone(),
         }
     }
 
@@ -206,7 +222,8 @@ impl CapiWatches {
     /// Runs the watches into their stores until `shutdown`. The Cluster API objects are not
     /// filtered by `--watch-filter`: our objects decide what is reconciled. The identities are
     /// cluster-scoped; their Secrets are the ones in `--identity-secret-namespace` that carry
-    /// the claim label (none watched without that namespace).
+    /// the claim label (none watched without that namespace). Where Cluster API has no
+    /// MachineHealthCheck kind, its watch keeps failing quietly and its store stays unlisted.
     pub(crate) async fn run(
         self,
         client: Client,
@@ -225,7 +242,19 @@ impl CapiWatches {
             watch(Api::all(client.clone()), list_config()),
             trim::identity,
         );
-        let mut all = vec![clusters.boxed(), machines.boxed(), identities.boxed()];
+        let health_checks = self.health_checks.reflect(
+            watch(
+                scoped::<MachineHealthCheck>(&client, &config),
+                list_config(),
+            ),
+            trim::health_check,
+        );
+        let mut all = vec![
+            clusters.boxed(),
+            machines.boxed(),
+            identities.boxed(),
+            health_checks.boxed(),
+        ];
         if let Some(ns) = &config.identity_secret_namespace {
             let claimed = list_config().labels(names::IDENTITY_SECRET_LABEL);
             let api = Api::namespaced(client.clone(), ns);
@@ -263,36 +292,52 @@ pub(super) fn by_cluster_label<K: Mailed>(
     watches: &CapiWatches,
     own: &Store<K>,
 ) -> BoxStream<'static, ObjectRef<K>> {
-    let (own, clusters) = (own.clone(), watches.clusters.store.clone());
-    let by_cluster = watches.clusters.subscribe().flat_map(move |heard| {
-        let changed: Vec<Arc<Cluster>> = match heard {
-            Heard::Changed(c) => vec![c],
-            Heard::Listed => clusters.state(),
-        };
-        let changed: HashSet<(&str, &str)> = changed
-            .iter()
-            .map(|c| {
-                let meta = c.meta();
-                (
-                    meta.namespace.as_deref().unwrap_or_default(),
-                    meta.name.as_deref().unwrap_or_default(),
-                )
-            })
-            .collect();
-        let targets: Vec<ObjectRef<K>> = own
-            .state()
-            .iter()
-            .filter(|m| {
-                m.labels().get(names::CLUSTER_NAME_LABEL).is_some_and(|c| {
-                    let namespace = m.meta().namespace.as_deref().unwrap_or_default();
-                    changed.contains(&(namespace, c.as_str()))
+    let clusters = watches.clusters.store.clone();
+    labelled(
+        watches.clusters.subscribe(),
+        clusters,
+        own,
+        |c: &Cluster| c.meta().name.clone(),
+    )
+}
+
+/// Every object of `own` labelled with the Cluster name that `cluster` reads from a changed
+/// object of `store` (in the same namespace); one pass over `own` per change or list.
+pub(super) fn labelled<C, K>(
+    heard: BoxStream<'static, Heard<C>>,
+    store: Store<C>,
+    own: &Store<K>,
+    cluster: fn(&C) -> Option<String>,
+) -> BoxStream<'static, ObjectRef<K>>
+where
+    C: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    K: Mailed,
+{
+    let own = own.clone();
+    heard
+        .flat_map(move |heard| {
+            let changed: Vec<Arc<C>> = match heard {
+                Heard::Changed(c) => vec![c],
+                Heard::Listed => store.state(),
+            };
+            let changed: HashSet<(String, String)> = changed
+                .iter()
+                .filter_map(|c| Some((c.meta().namespace.clone()?, cluster(c)?)))
+                .collect();
+            let targets: Vec<ObjectRef<K>> = own
+                .state()
+                .iter()
+                .filter(|m| {
+                    m.labels().get(names::CLUSTER_NAME_LABEL).is_some_and(|c| {
+                        let namespace = m.meta().namespace.clone().unwrap_or_default();
+                        changed.contains(&(namespace, c.clone()))
+                    })
                 })
-            })
-            .map(|m| ObjectRef::from_obj(&**m))
-            .collect();
-        futures::stream::iter(targets)
-    });
-    by_cluster.boxed()
+                .map(|m| ObjectRef::from_obj(&**m))
+                .collect();
+            futures::stream::iter(targets)
+        })
+        .boxed()
 }
 
 /// Our object named by a Cluster API object's `spec.infrastructureRef`.

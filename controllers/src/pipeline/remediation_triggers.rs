@@ -2,7 +2,10 @@
 
 use std::{future::Future, sync::Arc};
 
-use capm_api::{capi::Machine, v1beta1::MailgunRemediation};
+use capm_api::{
+    capi::{Machine, MachineHealthCheck},
+    v1beta1::{MailgunRemediation, RemediationPhase},
+};
 use futures::{StreamExt, stream::BoxStream};
 use kube::{
     ResourceExt,
@@ -12,13 +15,14 @@ use kube::{
     },
 };
 
-use super::capi_triggers::{CapiWatches, Pipelined, by_cluster_label, targets};
+use super::capi_triggers::{CapiWatches, Pipelined, by_cluster_label, labelled, targets};
 use crate::context::{Ctx, ReconcileError};
 
 impl Pipelined for MailgunRemediation {
     /// A `Machine` asks for the remediation named like it (its health, its owner's answer, its
     /// replacement under the same name); a `Cluster` (its pause) for every remediation labelled
-    /// with its name.
+    /// with its name; a `MachineHealthCheck` (its brake) for every held hand-back of its
+    /// Cluster.
     fn capi_triggers(
         watches: &CapiWatches,
         own: &Store<Self>,
@@ -30,7 +34,16 @@ impl Pipelined for MailgunRemediation {
             })
         });
         let by_cluster = by_cluster_label(watches, own);
-        vec![by_machine.boxed(), by_cluster]
+        let (checks, changes) = watches.health_check_changes();
+        let held = own.clone();
+        let by_brake = labelled(changes, checks, own, |c: &MachineHealthCheck| {
+            c.spec.cluster_name.clone()
+        })
+        .filter(move |r| {
+            let phase = held.get(r).and_then(|o| o.status.as_ref()?.phase);
+            futures::future::ready(phase == Some(RemediationPhase::HandBackHeld))
+        });
+        vec![by_machine.boxed(), by_cluster, by_brake.boxed()]
     }
 
     fn reconcile(

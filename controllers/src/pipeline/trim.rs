@@ -3,13 +3,13 @@
 //! `TransformStripManagedFields` does and more: no `managedFields` anywhere; our objects keep
 //! only the annotations in [`READ_ANNOTATIONS`] and their kind's labels (finalizers and owner
 //! references stay: they are written back); the Cluster API objects, partial types read and never
-//! written, keep no annotations, finalizers or owner references, and Machines only the
-//! `cluster.x-k8s.io/cluster-name` label.
+//! written, keep no finalizers or owner references, and of their annotations and labels only
+//! a Machine's `cluster.x-k8s.io/remediate-machine` and `cluster.x-k8s.io/cluster-name`.
 
 use std::collections::BTreeMap;
 
 use capm_api::{
-    capi::{Cluster, Machine},
+    capi::{Cluster, Machine, MachineHealthCheck, REMEDIATION_ALLOWED},
     names,
     v1beta1::MailgunClusterIdentity,
 };
@@ -41,14 +41,19 @@ pub fn ours<K: Mailed>(obj: &mut K) {
 
 /// A Cluster API `Cluster` as its cache keeps it.
 pub fn cluster(obj: &mut Cluster) {
-    read_only(obj.meta_mut(), &[]);
+    read_only(obj.meta_mut(), &[], &[]);
 }
 
 /// A Cluster API `Machine` as its cache keeps it: of its conditions, only the two a remediation
-/// reads, `HealthCheckSucceeded` when it is `False` and `OwnerRemediated`.
+/// reads, `HealthCheckSucceeded` when it is `False` and `OwnerRemediated`; of its annotations,
+/// only `cluster.x-k8s.io/remediate-machine` (a remediation reports it).
 pub fn machine(obj: &mut Machine) {
     use capm_api::owner_remediated::{HEALTH_CHECK_SUCCEEDED, OWNER_REMEDIATED};
-    read_only(obj.meta_mut(), &[names::CLUSTER_NAME_LABEL]);
+    read_only(
+        obj.meta_mut(),
+        &[names::REMEDIATE_MACHINE_ANNOTATION],
+        &[names::CLUSTER_NAME_LABEL],
+    );
     let conditions = obj.status.as_mut().and_then(|s| s.conditions.as_mut());
     if let Some(conditions) = conditions {
         conditions.retain(|c| {
@@ -58,9 +63,19 @@ pub fn machine(obj: &mut Machine) {
     }
 }
 
+/// A `MachineHealthCheck` as its cache keeps it: its spec (the Machines it selects) and, of its
+/// conditions, only `RemediationAllowed`.
+pub fn health_check(obj: &mut MachineHealthCheck) {
+    read_only(obj.meta_mut(), &[], &[]);
+    let conditions = obj.status.as_mut().and_then(|s| s.conditions.as_mut());
+    if let Some(conditions) = conditions {
+        conditions.retain(|c| c.type_ == REMEDIATION_ALLOWED);
+    }
+}
+
 /// A `MailgunClusterIdentity` as its cache keeps it.
 pub fn identity(obj: &mut MailgunClusterIdentity) {
-    read_only(obj.meta_mut(), &[]);
+    read_only(obj.meta_mut(), &[], &[]);
 }
 
 /// A claimed Secret as its cache keeps it: the claim label and owner references are read; no
@@ -69,9 +84,9 @@ pub fn secret(obj: &mut Secret) {
     keep(obj.meta_mut(), &[], &[names::IDENTITY_SECRET_LABEL]);
 }
 
-/// An object the provider never writes: no annotations, finalizers or owner references either.
-fn read_only(meta: &mut ObjectMeta, labels: &[&str]) {
-    keep(meta, &[], labels);
+/// An object the provider never writes: no finalizers or owner references either.
+fn read_only(meta: &mut ObjectMeta, annotations: &[&str], labels: &[&str]) {
+    keep(meta, annotations, labels);
     (meta.finalizers, meta.owner_references) = (None, None);
 }
 
@@ -159,7 +174,9 @@ mod tests {
         assert_eq!(meta.uid.as_deref(), Some("u"));
         assert!(c.paused());
 
-        let mut m: Machine = serde_json::from_value(json!({ "metadata": metadata(), "spec": {},
+        let mut asked = metadata();
+        asked["annotations"][names::REMEDIATE_MACHINE_ANNOTATION] = json!("");
+        let mut m: Machine = serde_json::from_value(json!({ "metadata": asked, "spec": {},
             "status": { "nodeRef": { "name": "n" }, "conditions": [
                 { "type": "Ready", "status": "False", "message": "long" },
                 { "type": "HealthCheckSucceeded", "status": "False", "reason": "UnhealthyNode" },
@@ -187,6 +204,38 @@ mod tests {
         );
         assert_eq!(m.cluster_name().as_deref(), Some("c"));
         assert_eq!(m.metadata.labels.as_ref().map(BTreeMap::len), Some(1));
-        assert_eq!(m.metadata.annotations, None);
+        let annotations: Vec<_> = m.metadata.annotations.iter().flatten().collect();
+        assert_eq!(
+            annotations,
+            [(
+                &names::REMEDIATE_MACHINE_ANNOTATION.to_owned(),
+                &String::new()
+            )]
+        );
+        assert_eq!(healthy.metadata.annotations, None);
+
+        let mut check: MachineHealthCheck = serde_json::from_value(json!({
+            "metadata": metadata(),
+            "spec": { "clusterName": "c", "selector": { "matchLabels": { "pool": "workers" } } },
+            "status": { "conditions": [
+                { "type": "Ready", "status": "True" },
+                { "type": "RemediationAllowed", "status": "False", "reason": "TooManyUnhealthy" },
+            ] } }))
+        .unwrap();
+        health_check(&mut check);
+        assert_eq!(
+            (
+                check.metadata.annotations.as_ref(),
+                check.metadata.labels.as_ref()
+            ),
+            (None, None)
+        );
+        assert_eq!(check.spec.cluster_name.as_deref(), Some("c"));
+        assert!(check.spec.selector.match_labels.is_some(), "its selector");
+        assert!(check.holds_remediation(), "its brake");
+        assert_eq!(
+            check.status.and_then(|s| s.conditions).map(|c| c.len()),
+            Some(1)
+        );
     }
 }

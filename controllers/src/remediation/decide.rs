@@ -33,6 +33,9 @@ pub enum Mail {
     None,
     /// Every attempt was refused before the backend accepted anything: it never went out.
     Refused,
+    /// Refused, and this process saw the backend refuse it for good at the object's current
+    /// attempt (generation, retry annotation): not tried again now.
+    GivenUp,
     /// An intent without a sent record: it may have gone out (the send-once layer settles it).
     Pending,
     /// Accepted by the backend at this time.
@@ -166,7 +169,9 @@ pub fn decide(f: &Facts) -> Next {
     }
     if !unhealthy {
         return match f.repair {
-            Mail::None | Mail::Refused => Next::Pending("the Machine is not unhealthy".into()),
+            Mail::None | Mail::Refused | Mail::GivenUp => {
+                Next::Pending("the Machine is not unhealthy".into())
+            }
             Mail::Pending | Mail::Sent(_) => Next::Idle(RemediationPhase::WaitingForAnswer),
         };
     }
@@ -181,18 +186,30 @@ pub fn decide(f: &Facts) -> Next {
     }
     let mut last = match f.repair {
         Mail::Sent(at) => at,
-        Mail::None | Mail::Refused | Mail::Pending => return Next::Send(Which::Request),
+        Mail::None | Mail::Refused | Mail::GivenUp | Mail::Pending => {
+            return Next::Send(Which::Request);
+        }
     };
     let due = usize::from(f.strategy.reminders);
     for (n, reminder) in (1..).zip(f.reminders.iter().take(due)) {
+        // When this reminder is due, and when the answer it asks for would be late.
+        let (due_at, late_at) = (
+            after(last, f.strategy.answer_timeout),
+            after(last, f.strategy.answer_timeout.saturating_mul(2)),
+        );
         match *reminder {
             Mail::Sent(at) => last = at,
             // An attempt under way is finished whatever the clock says.
-            Mail::Pending | Mail::Refused => return Next::Send(Which::Reminder(n)),
+            Mail::Pending => return Next::Send(Which::Reminder(n)),
+            // A reminder that cannot go out does not hold the flow: it is tried (refused for
+            // a while: with backoff) until the answer it waited for would have been late, then
+            // counted as gone out when it was due.
+            Mail::Refused if f.now < late_at => return Next::Send(Which::Reminder(n)),
+            Mail::GivenUp if f.now < late_at => return waiting_for_answer(late_at),
+            Mail::Refused | Mail::GivenUp => last = due_at,
             Mail::None => {
-                let until = after(last, f.strategy.answer_timeout);
-                return if f.now < until {
-                    waiting_for_answer(until)
+                return if f.now < due_at {
+                    waiting_for_answer(due_at)
                 } else {
                     Next::Send(Which::Reminder(n))
                 };
@@ -632,6 +649,74 @@ mod tests {
             ..base()
         };
         assert_eq!(decide(&none), Next::CheckBrake(HandBackReason::NoAnswer));
+    }
+
+    /// A reminder the backend refuses (for good, or for its whole wait) does not hold the
+    /// hand-back: it is counted as gone out when it was due.
+    #[test]
+    fn a_refused_reminder_does_not_hold_the_hand_back() {
+        use HandBackReason::NoAnswer;
+        let refused = |mail, minute| Facts {
+            repair: Mail::Sent(at(0)),
+            reminders: vec![mail],
+            now: at(minute),
+            ..base()
+        };
+        let late = || wait(RemediationPhase::WaitingForAnswer, at(120));
+        for (what, facts, next) in [
+            (
+                "refused, within its wait: tried again",
+                refused(Mail::Refused, 90),
+                Next::Send(Which::Reminder(1)),
+            ),
+            (
+                "refused for good: the wait runs out",
+                refused(Mail::GivenUp, 61),
+                late(),
+            ),
+            (
+                "refused for its whole wait: the hand-back",
+                refused(Mail::Refused, 120),
+                Next::CheckBrake(NoAnswer),
+            ),
+            (
+                "refused for good, its wait over: the hand-back",
+                Facts {
+                    brake: Brake::Released,
+                    ..refused(Mail::GivenUp, 120)
+                },
+                Next::HandBack {
+                    reason: NoAnswer,
+                    timed: true,
+                },
+            ),
+            (
+                "refused for good, its wait over: the next reminder",
+                Facts {
+                    strategy: Strategy {
+                        reminders: 2,
+                        ..base().strategy
+                    },
+                    reminders: vec![Mail::GivenUp, Mail::None],
+                    ..refused(Mail::GivenUp, 120)
+                },
+                Next::Send(Which::Reminder(2)),
+            ),
+            (
+                "the next reminder's wait counts from the refused one's due time",
+                Facts {
+                    strategy: Strategy {
+                        reminders: 2,
+                        ..base().strategy
+                    },
+                    reminders: vec![Mail::Refused, Mail::Sent(at(125))],
+                    ..refused(Mail::Refused, 150)
+                },
+                wait(RemediationPhase::WaitingForAnswer, at(185)),
+            ),
+        ] {
+            assert_eq!(decide(&facts), next, "{what}");
+        }
     }
 
     #[test]

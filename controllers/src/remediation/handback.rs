@@ -1,17 +1,21 @@
 //! Handing a Machine back to its owner, and the brake on timed hand-backs.
 //!
 //! Both read the live Machine (not the cache: the guarded patch needs the version it was built
-//! from, and the selector needs the Machine's labels, which the cache drops). The hand-back is
+//! from, and the selector needs the Machine's labels, which the cache drops); the brake reads
+//! the watched MachineHealthChecks (a change to one wakes its Cluster's held hand-backs). The hand-back is
 //! the JSON Patch of [`capm_api::owner_remediated`] on `machines/status` only, guarded by the
 //! Machine's UID and `resourceVersion`: no other condition is touched, a Machine written in
 //! between makes it fail whole (retried with a fresh read). The brake is the
 //! `RemediationAllowed` condition of the MachineHealthChecks that select the Machine (its
 //! `maxUnhealthy`/`unhealthyRange`): a timer must not release what it holds.
 
-use capm_api::owner_remediated::hand_back_patch;
+use std::sync::Arc;
+
+use capm_api::{capi::MachineHealthCheck, owner_remediated::hand_back_patch};
+use futures::FutureExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::{
-    Api,
+    Api, ResourceExt,
     api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams},
 };
 use serde_json::Value;
@@ -41,28 +45,36 @@ pub(super) async fn live_machine(
 
 /// Whether the MachineHealthChecks selecting `machine` (same Cluster, selector matching its
 /// labels) allow remediation now: [`Brake::Held`] when one reports `RemediationAllowed=False`.
+/// Read from the watched store; until that is listed (or where Cluster API has no
+/// MachineHealthCheck kind, so it never is) from the API server.
 pub(super) async fn brake(ctx: &Ctx, machine: &Value) -> Result<Brake, ReconcileError> {
     let namespace = machine["metadata"]["namespace"]
         .as_str()
         .unwrap_or_default();
-    let checks = capi_api(ctx, namespace, "MachineHealthCheck", "machinehealthchecks")
-        .list(&ListParams::default())
-        .await;
-    let checks = match checks {
-        Ok(list) => list.items,
-        // No MachineHealthCheck kind: nothing selects the Machine, nothing holds it.
-        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Brake::Released),
-        Err(e) => return Err(ReconcileError::kube("listing MachineHealthChecks")(e)),
+    let store = &ctx.capi.health_checks;
+    let checks: Vec<Arc<MachineHealthCheck>> = if store
+        .wait_until_ready()
+        .now_or_never()
+        .is_some_and(|r| r.is_ok())
+    {
+        let state = store.state().into_iter();
+        state
+            .filter(|c| c.namespace().as_deref() == Some(namespace))
+            .collect()
+    } else {
+        let api = Api::<MachineHealthCheck>::namespaced(ctx.client.clone(), namespace);
+        match api.list(&ListParams::default()).await {
+            Ok(list) => list.items.into_iter().map(Arc::new).collect(),
+            // No MachineHealthCheck kind: nothing selects the Machine, nothing holds it.
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Brake::Released),
+            Err(e) => return Err(ReconcileError::kube("listing MachineHealthChecks")(e)),
+        }
     };
     let held = checks.iter().any(|check| {
-        let check = serde_json::to_value(check).unwrap_or_default();
-        let cluster = &check["spec"]["clusterName"];
-        *cluster == machine["spec"]["clusterName"]
-            && selects(&check["spec"]["selector"], &machine["metadata"]["labels"])
-            && check["status"]["conditions"].as_array().is_some_and(|c| {
-                c.iter()
-                    .any(|c| c["type"] == "RemediationAllowed" && c["status"] == "False")
-            })
+        let selector = serde_json::to_value(&check.spec.selector).unwrap_or_default();
+        check.spec.cluster_name.as_deref() == machine["spec"]["clusterName"].as_str()
+            && selects(&selector, &machine["metadata"]["labels"])
+            && check.holds_remediation()
     });
     Ok(if held { Brake::Held } else { Brake::Released })
 }

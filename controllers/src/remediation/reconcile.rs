@@ -5,7 +5,7 @@
 use std::{sync::Arc, time::Duration};
 
 use capm_api::{
-    names::{conditions, reasons},
+    names::{REMEDIATE_MACHINE_ANNOTATION, conditions, reasons},
     owner_remediated::HEALTH_CHECK_SUCCEEDED,
     v1beta1::{HandBackReason, MailgunRemediation},
 };
@@ -33,8 +33,9 @@ use crate::{
     status::Status,
 };
 
-/// How often a held hand-back asks the MachineHealthCheck again (it is not watched).
-const HOLD_RECHECK: Duration = Duration::from_secs(30);
+/// How often a held hand-back asks the MachineHealthChecks again besides their watch (a
+/// change to one wakes it within seconds): a safety net only.
+const HOLD_RECHECK: Duration = Duration::from_secs(300);
 
 /// One reconcile of a `MailgunRemediation`, measured as every kind's.
 pub(crate) async fn reconcile(
@@ -68,6 +69,7 @@ async fn pass(obj: &MailgunRemediation, ctx: &Ctx) -> Result<Action, ReconcileEr
         tracked: Tracked::of(obj, obj.annotations().clone()),
         now: Timestamp::now(),
         waiting: None,
+        remediate_annotation: false,
     };
     let result = pass.steps(deleting).await;
     if matches!(result, Ok(None)) {
@@ -88,6 +90,8 @@ impl Pass<'_> {
     async fn steps(&mut self, deleting: bool) -> Result<Option<Action>, ReconcileError> {
         let (obj, ctx) = (self.obj, self.ctx);
         let believed = believe(obj, &ctx.capi);
+        self.remediate_annotation = (believed.machine.as_ref())
+            .is_some_and(|m| m.annotations().contains_key(REMEDIATE_MACHINE_ANNOTATION));
         let strategy = self.strategy()?;
         self.answered();
         let mut brake = Brake::Unknown;
@@ -177,8 +181,9 @@ impl Pass<'_> {
         ))
     }
 
-    /// Sends `which` at most once. `Ok(false)`: withheld for a reason the status shows (the
-    /// Machine is being deleted, the backend refused it for good).
+    /// Sends `which` at most once. `Ok(true)`: decide again (sent, or a reminder refused for
+    /// good); `Ok(false)`: withheld for a reason the status shows (the Machine is being deleted,
+    /// the backend refused the repair mail for good).
     async fn send(&mut self, which: Which, believed: &Believed) -> Result<bool, ReconcileError> {
         let (obj, ctx) = (self.obj, self.ctx);
         let uid = obj.uid().unwrap_or_default();
@@ -247,6 +252,13 @@ impl Pass<'_> {
                     "the Machine is being deleted: no mail",
                 );
                 Ok(false)
+            }
+            // A reminder refused for good does not hold the flow (its MailFailed Event and
+            // `MailSent` say so): decided again, it waits out the answer it asked for.
+            Err(error @ (ReconcileError::Withheld(_) | ReconcileError::Mail(_)))
+                if matches!(which, Which::Reminder(_)) && error.is_permanent() =>
+            {
+                Ok(true)
             }
             Err(ReconcileError::Withheld(Withheld::PermanentlyRefused)) => Ok(false),
             Err(error) => {

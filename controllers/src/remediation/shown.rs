@@ -10,7 +10,7 @@ use capm_api::{
 };
 use capm_mailer::text::clean;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::ResourceExt;
+use kube::{Resource, ResourceExt};
 
 use super::{
     decide::{Brake, Facts, Mail, Strategy, parse_duration},
@@ -20,6 +20,7 @@ use super::{
 use crate::{
     context::{Ctx, ReconcileError},
     kinds::Mailed,
+    ledger::Attempt,
     sendonce::{Which, execute::Tracked},
     status::Status,
 };
@@ -36,7 +37,14 @@ pub(super) struct Pass<'a> {
     pub(super) now: Timestamp,
     /// Why `Ready` is not true, when it is not.
     pub(super) waiting: Option<(&'static str, String)>,
+    /// The believed Machine carries `cluster.x-k8s.io/remediate-machine`: `Ready` says so.
+    pub(super) remediate_annotation: bool,
 }
+
+/// What `Ready` adds when the Machine carries `cluster.x-k8s.io/remediate-machine`.
+const REMEDIATE_ANNOTATION_NOTE: &str = "the Machine carries the annotation \
+    cluster.x-k8s.io/remediate-machine: its MachineHealthCheck reports it unhealthy until \
+    someone removes the annotation (the provider never does), even once it is repaired";
 
 impl Pass<'_> {
     pub(super) fn strategy(&mut self) -> Result<Strategy, ReconcileError> {
@@ -97,8 +105,11 @@ impl Pass<'_> {
             ),
             reminders: (1..=strategy.reminders)
                 .map(|n| {
-                    let shown = reminders.get(usize::from(n - 1));
-                    mail_of(annotations, Which::Reminder(n), at(shown), self.now)
+                    let (which, shown) = (Which::Reminder(n), reminders.get(usize::from(n - 1)));
+                    match mail_of(annotations, which, at(shown), self.now) {
+                        Mail::Refused if self.refused_for_good(which) => Mail::GivenUp,
+                        mail => mail,
+                    }
                 })
                 .collect(),
             no_longer_needed: mail_of(
@@ -114,7 +125,15 @@ impl Pass<'_> {
         }
     }
 
-    /// Shows in status each mail its record says was sent (sent here or by another process).
+    /// Whether this process saw the backend refuse `which` for good at the object's current
+    /// attempt (its generation and retry annotation).
+    fn refused_for_good(&self, which: Which) -> bool {
+        let uid = self.obj.uid().unwrap_or_default();
+        self.ctx.ledger.refused_at(&uid, which) == Some(Attempt::of(self.obj.meta()))
+    }
+
+    /// Shows in status each mail its record says was sent (sent here or by another process),
+    /// and each reminder the backend refused as `Failed`.
     pub(super) fn sync_mails(&mut self) {
         let sent = |annotations, which, shown: Option<&MailStatus>, now| {
             let at = shown.and_then(|m| m.sent_at.as_ref()).map(|t| t.0);
@@ -141,17 +160,23 @@ impl Pass<'_> {
             sent(annotations, Which::Request, self.status.mail.as_ref(), now),
             Which::Request,
         );
-        let mut reminders = Vec::new();
+        let (mut reminders, mut refused) = (Vec::new(), Vec::new());
         for n in 1..=capm_api::limits::MAX_REMINDERS {
-            let shown = self
-                .status
-                .reminders
-                .as_ref()
-                .and_then(|r| r.get(usize::from(n - 1)));
-            match with_id(
-                sent(annotations, Which::Reminder(n), shown, now),
-                Which::Reminder(n),
-            ) {
+            let which = Which::Reminder(n);
+            let shown = (self.status.reminders.as_ref())
+                .and_then(|r| r.get(usize::from(n - 1)))
+                .filter(|m| m.state != Some(MailState::Failed));
+            let mail = match mail_of(annotations, which, None, now) {
+                Mail::Refused | Mail::GivenUp => {
+                    refused.push(n.to_string());
+                    Some(MailStatus {
+                        state: Some(MailState::Failed),
+                        ..MailStatus::default()
+                    })
+                }
+                _ => sent(annotations, which, shown, now),
+            };
+            match with_id(mail, which) {
                 Some(m) => reminders.push(m),
                 None => break,
             }
@@ -169,8 +194,16 @@ impl Pass<'_> {
         if let Some(mail) = &self.status.mail {
             self.status.asked_at = mail.sent_at.clone();
             self.shared.mail = Some(mail.clone());
-            let sent = 1 + self.status.reminders.as_ref().map_or(0, Vec::len);
-            let message = format!("{sent} mail(s) asking for the repair sent");
+            let reminders = self.status.reminders.as_deref().unwrap_or_default();
+            let sent = 1 + reminders.len() - refused.len();
+            let mut message = format!("{sent} mail(s) asking for the repair sent");
+            if !refused.is_empty() {
+                message.push_str(&format!(
+                    "; reminder {} refused by the mail backend (its MailFailed Event says why): \
+                     the hand-back does not wait for it",
+                    refused.join(", ")
+                ));
+            }
             (self.shared).set_condition(conditions::MAIL_SENT, true, reasons::MAIL_SENT, message);
         }
     }
@@ -204,16 +237,21 @@ impl Pass<'_> {
             self.status.phase,
             Some(RemediationPhase::HandedBack | RemediationPhase::NoLongerNeeded)
         );
+        let noted = |message: String| match (self.remediate_annotation, message.is_empty()) {
+            (false, _) => message,
+            (true, true) => REMEDIATE_ANNOTATION_NOTE.to_owned(),
+            (true, false) => format!("{message}; {REMEDIATE_ANNOTATION_NOTE}"),
+        };
         match (ready, self.waiting.take()) {
             (true, _) => {
                 let reason =
                     phase_reason(self.status.phase.unwrap_or(RemediationPhase::HandedBack));
-                self.shared
-                    .set_condition(conditions::READY, true, reason, "");
+                let message = noted(String::new());
+                (self.shared).set_condition(conditions::READY, true, reason, message);
             }
             (false, Some((reason, message))) => {
-                self.shared
-                    .set_condition(conditions::READY, false, reason, message);
+                let message = noted(message);
+                (self.shared).set_condition(conditions::READY, false, reason, message);
             }
             (false, None) => {}
         }

@@ -1,6 +1,6 @@
-//! Repair requests (issue 56) made by the tests until the remediation controller makes them: a
-//! `MailgunRemediation` as a MachineHealthCheck creates one, and its repair mail's link as the
-//! controller will mint it.
+//! Repair requests (issue 56) made by the tests as a MachineHealthCheck makes them: a Machine
+//! marked unhealthy, a `MailgunRemediation` for it, and its repair mail's link as the controller
+//! mints it.
 
 use anyhow::{Context, Result};
 use capm_api::link_token::{DEFAULT_VALIDITY, KeyRing, Keys, Links};
@@ -11,6 +11,7 @@ use kube::{
     api::{DynamicObject, Patch, PatchParams, PostParams},
 };
 use serde_json::{Value, json};
+use std::time::Duration;
 
 use crate::{dynamic_api, dynamic_object, provider_username};
 
@@ -19,6 +20,53 @@ const INFRA: &str = "infrastructure.cluster.x-k8s.io";
 /// The `MailgunRemediation`s of `namespace`.
 fn remediations(client: &Client, namespace: &str) -> kube::Api<DynamicObject> {
     dynamic_api(client, namespace, INFRA, "v1beta1", "MailgunRemediation")
+}
+
+/// Marks the Machine `name` of `namespace` unhealthy as a MachineHealthCheck does:
+/// `HealthCheckSucceeded=False` added to its v1beta2 conditions, the others kept (the core
+/// manager writes them too: a conflict with its write is tried again). Returns the Machine.
+///
+/// # Errors
+/// When the Machine cannot be read or patched within 30 s.
+pub async fn fail_health_check(
+    admin: &Client,
+    namespace: &str,
+    name: &str,
+) -> Result<DynamicObject> {
+    let machines = dynamic_api(
+        admin,
+        namespace,
+        capm_api::capi::GROUP,
+        "v1beta2",
+        "Machine",
+    );
+    crate::eventually(
+        Duration::from_secs(30),
+        &format!("Machine {name} marked unhealthy"),
+        || async {
+            let live = machines.get(name).await?;
+            let mut conditions: Vec<Value> = live.data["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            conditions.retain(|c| c["type"] != "HealthCheckSucceeded");
+            conditions.push(json!({"type": "HealthCheckSucceeded", "status": "False",
+                "reason": "UnhealthyNode",
+                "message": "Condition Ready on Node is reporting status Unknown for more than 15m0s",
+                "lastTransitionTime": jiff::Timestamp::now().round(jiff::Unit::Second)?.to_string()}));
+            let patch = json!({"metadata": {"resourceVersion": live.resource_version()},
+                "status": {"conditions": conditions}});
+            match machines
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(machine) => Ok(Some(machine)),
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        },
+    )
+    .await
 }
 
 /// Creates the `MailgunRemediation` `name` in `namespace` with `spec`. With `machine`, as a
@@ -67,7 +115,7 @@ pub async fn create_remediation(
 }
 
 /// The link of the repair mail of `remediation` (as [`create_remediation`] returns it), as the
-/// remediation controller will mint it: its repair mail's record written as the provider's
+/// remediation controller mints it: its repair mail's record written as the provider's
 /// ServiceAccount (the only writer the annotation policy lets add it), sent from `domain`, and
 /// the link sealed with `key` for the page at `base_url`.
 ///

@@ -43,6 +43,67 @@ pub const BOOTSTRAP_GROUP: &str = "bootstrap.e2e.capm.example.com";
 pub const VERSION: &str = "v1alpha1";
 const INFRA: &str = "infrastructure.cluster.x-k8s.io";
 
+/// The spec of a MachineDeployment of `cluster` whose Machines carry `label: pool`, built from the
+/// `MailgunMachineTemplate` and `TestBootstrapConfigTemplate` named `pool`, with the fields Cluster
+/// API's defaulting webhook (not served to the tests' API server) would set.
+pub fn machine_deployment(cluster: &str, label: &str, pool: &str, replicas: usize) -> Value {
+    json!({
+        "clusterName": cluster,
+        "replicas": replicas,
+        "selector": {"matchLabels": {label: pool}},
+        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
+        "deletion": {"order": "Random"},
+        "template": {
+            "metadata": {"labels": {label: pool}},
+            "spec": {
+                "clusterName": cluster,
+                "version": capm_test_support::KUBERNETES_VERSION,
+                "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": pool}},
+                "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": pool},
+            },
+        },
+    })
+}
+
+/// A Cluster `name` in `namespace` with its `MailgunCluster` (asking for `request` on behalf of
+/// `requester`) and a one-replica `TestControlPlane`.
+pub async fn create_cluster(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    request: &str,
+    requester: &str,
+) -> Result<()> {
+    let create = |group: &str, version: &str, kind: &str, spec: Value| {
+        crate::create_object(client, namespace, group, version, kind, name, spec)
+    };
+    create(
+        CONTROL_PLANE_GROUP,
+        VERSION,
+        "TestControlPlane",
+        json!({"version": capm_test_support::KUBERNETES_VERSION, "replicas": 1}),
+    )
+    .await?;
+    create(
+        INFRA,
+        "v1beta1",
+        "MailgunCluster",
+        json!({"priority": "Urgent", "request": request, "requester": requester}),
+    )
+    .await?;
+    create(
+        "cluster.x-k8s.io",
+        "v1beta2",
+        "Cluster",
+        json!({
+            "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": name},
+            "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": name},
+        }),
+    )
+    .await?;
+    Ok(())
+}
+
 /// (group, kind, plural, has a status) of every test CRD.
 const KINDS: [(&str, &str, &str, bool); 4] = [
     (
@@ -136,7 +197,10 @@ pub fn topology_workers(name: &str, replicas: usize) -> Value {
 /// tests do not run) are left out and the ClusterClass names the test providers' templates
 /// `test` instead (see [`create_templates`]); the topology's MachineDeployment `md` gets
 /// `replicas` and a rollout that does not wait for Nodes. Everything of ours (the Mailgun
-/// templates, the variables, the patches, the Cluster's variable values) is as rendered.
+/// templates, the variables, the patches, the Cluster's variable values, the workers' health
+/// check and the remediation template it names) is as rendered; the control plane's health
+/// check goes with the kubeadm control plane (the test control plane has no machines, and
+/// Cluster API refuses a control plane health check without `machineInfrastructure`).
 ///
 /// # Errors
 /// When the text is not YAML, holds an unexpected kind, an object outside `namespace`, or a
@@ -162,12 +226,17 @@ pub fn runnable_clusterclass(
                     "TestControlPlaneTemplate",
                     "test",
                 );
+                let health_check =
+                    doc["spec"]["workers"]["machineDeployments"][0]["healthCheck"].clone();
                 doc["spec"]["workers"] = class_workers("mailgun-machines");
+                if !health_check.is_null() {
+                    doc["spec"]["workers"]["machineDeployments"][0]["healthCheck"] = health_check;
+                }
             }
             "Cluster" => {
                 doc["spec"]["topology"]["workers"] = topology_workers(md, replicas);
             }
-            "MailgunClusterTemplate" | "MailgunMachineTemplate" => {}
+            "MailgunClusterTemplate" | "MailgunMachineTemplate" | "MailgunRemediationTemplate" => {}
             other => anyhow::bail!("an unexpected {other} in clusterctl's output"),
         }
         anyhow::ensure!(

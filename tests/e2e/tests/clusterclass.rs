@@ -8,7 +8,8 @@
 //! Mailgun templates, variables and patches, and the Cluster come from the real `clusterctl
 //! generate cluster --flavor clusterclass` of this build's release assets with clusterctl
 //! variables set (only the kubeadm control plane and bootstrap templates are swapped for the
-//! test providers'), so the shipped patches carry the Cluster's choices into our objects.
+//! test providers'), so the shipped patches carry the Cluster's choices into our objects, and
+//! the workers' health check names the shipped MailgunRemediationTemplate (issue 56).
 //!
 //! The story: request mails once each, with the request, priority and requester the Cluster's
 //! variables chose; the Cluster `Provisioned` and the Machines' infrastructure ready; no writes to
@@ -375,6 +376,7 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
     );
     provider.proc.check_alive()?;
     capi.check_alive()?;
+    expect_remediation_by_mail(&admin).await?;
     let mailgun_clusters = infra(&admin, "MailgunCluster")
         .list(&ListParams::default())
         .await?;
@@ -668,6 +670,54 @@ async fn story(world: &mut World, dir: &Path, started: Instant) -> Result<()> {
         "the API key is in the provider's log"
     );
     drop(capi);
+    Ok(())
+}
+
+/// The workers' MachineHealthCheck, as the topology controller made it from the ClusterClass:
+/// human-sized timeouts, and remediation by mail through the class's MailgunRemediationTemplate,
+/// which clusterctl put into the Cluster's namespace beside the class.
+async fn expect_remediation_by_mail(admin: &Client) -> Result<()> {
+    let checks = api(admin, CAPI, "v1beta2", "MachineHealthCheck");
+    let check = eventually(
+        Duration::from_secs(30),
+        "the topology's MachineHealthCheck of md-0",
+        || async {
+            Ok(checks
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .find(|c| {
+                    let spec = &c.data["spec"];
+                    spec["clusterName"] == CLUSTER
+                        && spec["selector"]["matchLabels"]
+                            ["topology.cluster.x-k8s.io/deployment-name"]
+                            == MD
+                }))
+        },
+    )
+    .await?;
+    let spec = &check.data["spec"];
+    ensure!(
+        spec["remediation"]["templateRef"]
+            == json!({"apiVersion": format!("{INFRA}/v1beta1"),
+                "kind": "MailgunRemediationTemplate", "name": "mailgun-repair"})
+            && spec["checks"]["nodeStartupTimeoutSeconds"] == 259_200,
+        "the workers' health check does not remediate by mail with human-sized timeouts: {spec:#}"
+    );
+    let template = infra(admin, "MailgunRemediationTemplate")
+        .get("mailgun-repair")
+        .await
+        .context("the ClusterClass's remediation template in the Cluster's namespace")?;
+    ensure!(
+        template.data["spec"]["template"]["spec"]["strategy"]["unfulfilled"] == "Wait",
+        "a machine nobody built would be handed back: {}",
+        template.data["spec"]
+    );
+    println!(
+        "MachineHealthCheck {}: remediation by MailgunRemediationTemplate mailgun-repair",
+        check.name_any()
+    );
     Ok(())
 }
 

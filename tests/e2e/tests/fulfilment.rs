@@ -4,8 +4,8 @@
 //! request mails. A headless Chromium (Debian's `chromium`, driven by Playwright for Python:
 //! `tests/e2e/browser/fulfil_page.py`) opens the link from each received mail, fills the form by
 //! its labels and submits it: the `Cluster` reaches `Provisioned`, and so does a `MailgunMachine`
-//! of a MachineDeployment, and the worker's repair request (issue 56) is answered through its
-//! link. The screenshots of each page state go to the test's own directory, or
+//! of a MachineDeployment, and the worker's repair request (issue 56: its Machine fails its
+//! health check, the provider mails the repair request) is answered through its link. The screenshots of each page state go to the test's own directory, or
 //! to `docs/fulfilment/` with `CAPM_SCREENSHOTS=docs` (`make screenshots`), so a test run leaves
 //! the tree as it was.
 
@@ -21,10 +21,10 @@ use capm_e2e::{
     browser::{self, Visit, chromium, fulfilled_event, link_in, page_says},
     create_namespace, create_object, create_secret, dynamic_api, eventually, free_port, helm_chart,
     mailgun_mails, mailgun_values, remediation, start_capi_manager, start_routed_chart_provider,
-    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+    topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
-use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use capm_test_support::{ControlPlane, Options};
 use kube::{Client, api::DynamicObject};
 use serde_json::{Value, json};
 
@@ -157,20 +157,14 @@ async fn story(
         create_object(admin, USER_NS, group, version, kind, name, spec)
     };
     topology::create_templates(admin, USER_NS, WORKERS).await?;
-    create(
-        CONTROL_PLANE_GROUP,
-        topology::VERSION,
-        "TestControlPlane",
+    topology::create_cluster(
+        admin,
+        USER_NS,
         CLUSTER,
-        json!({"version": KUBERNETES_VERSION, "replicas": 1}),
+        "One cluster please.\nThree control plane nodes.",
+        "web-admin@example.com",
     )
     .await?;
-    create(INFRA, "v1beta1", "MailgunCluster", CLUSTER,
-        json!({"priority": "Urgent", "request": "One cluster please.\nThree control plane nodes.", "requester": "web-admin@example.com"})).await?;
-    create(CAPI, "v1beta2", "Cluster", CLUSTER, json!({
-        "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": CLUSTER},
-        "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": CLUSTER},
-    })).await?;
 
     // The cluster's request mail: the kubectl patch and, beside it, the link.
     let wait = Duration::from_secs(120);
@@ -258,22 +252,14 @@ async fn story(
     // A MachineDeployment of one worker: its MailgunMachine's mail, fulfilled in the browser.
     create(INFRA, "v1beta1", "MailgunMachineTemplate", WORKERS,
         json!({"template": {"spec": {"priority": "BusinessCritical", "request": "A worker please", "requester": "web-admin@example.com"}}})).await?;
-    create(CAPI, "v1beta2", "MachineDeployment", WORKERS, json!({
-        "clusterName": CLUSTER,
-        "replicas": 1,
-        "selector": {"matchLabels": {"e2e.capm.example.com/pool": WORKERS}},
-        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
-        "deletion": {"order": "Random"},
-        "template": {
-            "metadata": {"labels": {"e2e.capm.example.com/pool": WORKERS}},
-            "spec": {
-                "clusterName": CLUSTER,
-                "version": KUBERNETES_VERSION,
-                "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": WORKERS}},
-                "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": WORKERS},
-            },
-        },
-    })).await?;
+    create(
+        CAPI,
+        "v1beta2",
+        "MachineDeployment",
+        WORKERS,
+        topology::machine_deployment(CLUSTER, "e2e.capm.example.com/pool", WORKERS, 1),
+    )
+    .await?;
     let (subject, body) = eventually(wait, "the machine request mail", || async {
         provider.proc.check_alive()?;
         Ok(mailgun_mails(mailgun)?
@@ -359,30 +345,43 @@ async fn story(
         note.contains("datacentre://rack4/slot12") && note.contains(RECIPIENT),
         "{note}"
     );
-    repair_story(cp, admin, dir, &url, &machine_name).await?;
+    repair_story(admin, mailgun, dir, &url, &machine_name).await?;
     println!("screenshots in {}", screenshots_dir(dir).display());
     Ok(())
 }
 
-/// Issue 56: the answer to a repair request, in the browser. A `MailgunRemediation` for the
-/// worker's Machine as a MachineHealthCheck makes it, its link as the remediation controller
-/// (the next step) will mint it; the browser answers `Repaired` with a message, and opening the
-/// link again shows the answer, not a form.
+/// Issue 56: the answer to a repair request, in the browser. The worker's Machine fails its
+/// health check and gets a `MailgunRemediation`, both as a MachineHealthCheck makes them; the
+/// provider mails the repair request with its link; the browser answers `Repaired` with a
+/// message, and opening the link again shows the answer, not a form.
 async fn repair_story(
-    cp: &ControlPlane,
     admin: &Client,
+    mailgun: &MailgunServer,
     dir: &Path,
     url: &str,
     machine_name: &str,
 ) -> Result<()> {
-    let machine = dynamic_api(admin, USER_NS, CAPI, "v1beta2", "Machine")
-        .get(machine_name)
-        .await?;
+    let machine = remediation::fail_health_check(admin, USER_NS, machine_name).await?;
     let spec =
         json!({"request": "The worker stopped answering.\nPower-cycle it and check its cable."});
-    let created =
-        remediation::create_remediation(admin, USER_NS, machine_name, Some(&machine), spec).await?;
-    let link = remediation::repair_link(cp, &created, DOMAIN, url, KEY).await?;
+    remediation::create_remediation(admin, USER_NS, machine_name, Some(&machine), spec).await?;
+    let remediations = dynamic_api(admin, USER_NS, INFRA, "v1beta1", "MailgunRemediation");
+    let subject = format!("Machine {machine_name} of Cluster {CLUSTER} needs repair");
+    let body = eventually(
+        Duration::from_secs(60),
+        "the repair mail, its phase WaitingForAnswer",
+        || async {
+            let asked =
+                remediations.get(machine_name).await?.data["status"]["phase"] == "WaitingForAnswer";
+            let mail = mailgun_mails(mailgun)?
+                .into_iter()
+                .find(|(m, _)| m.subject.contains(&subject));
+            Ok(mail.filter(|_| asked).map(|(_, body)| body))
+        },
+    )
+    .await?;
+    let link = link_in(&body)?;
+    ensure!(link.starts_with(url), "a link elsewhere: {link}");
     ensure!(
         !link.contains(machine_name) && !link.contains(USER_NS),
         "the link names the object: {link}"
@@ -406,7 +405,8 @@ async fn repair_story(
                 "Power-cycle it and check its cable.",
                 CLUSTER,
                 "datacentre://rack4/slot12",
-                "Pending",
+                "UnhealthyNode",
+                "WaitingForAnswer",
             ],
         ),
         &["Answer recorded", "Repaired", "Reseated the power cable."],

@@ -33,10 +33,10 @@ use capm_e2e::{
     create_namespace, create_object, dynamic_api, fulfil_command, install_chart_and_provider,
     ledger::{Kind, Ledger, Object, Which, parse_message_id},
     mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager,
-    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+    topology::{self, TestProviders},
 };
 use capm_mail_servers::MailgunServer;
-use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use capm_test_support::{ControlPlane, Options};
 use k8s_openapi::api::core::v1::Event;
 use kube::{
     Api, Client, ResourceExt,
@@ -225,31 +225,12 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
     let create = |group: &str, version: &str, kind: &str, name: &str, spec: Value| {
         create_object(&admin, USER_NS, group, version, kind, name, spec)
     };
-    create(
-        CONTROL_PLANE_GROUP,
-        topology::VERSION,
-        "TestControlPlane",
+    topology::create_cluster(
+        &admin,
+        USER_NS,
         CLUSTER,
-        json!({"version": KUBERNETES_VERSION, "replicas": 1}),
-    )
-    .await?;
-    create(
-        INFRA,
-        "v1beta1",
-        "MailgunCluster",
-        CLUSTER,
-        json!({"priority": "Urgent", "request": "One cluster please", "requester": "cluster-admin@example.com"}),
-    )
-    .await?;
-    create(
-        CAPI,
-        "v1beta2",
-        "Cluster",
-        CLUSTER,
-        json!({
-            "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": CLUSTER},
-            "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": CLUSTER},
-        }),
+        "One cluster please",
+        "cluster-admin@example.com",
     )
     .await?;
     let clusters = api(&admin, CAPI, "v1beta2", "Cluster");
@@ -289,23 +270,7 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
         "v1beta2",
         "MachineDeployment",
         WORKERS,
-        json!({
-            "clusterName": CLUSTER,
-            "replicas": REPLICAS,
-            "selector": {"matchLabels": {POOL_LABEL: WORKERS}},
-            // What Cluster API's defaulting webhook (not served to this API server) would set.
-            "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
-            "deletion": {"order": "Random"},
-            "template": {
-                "metadata": {"labels": {POOL_LABEL: WORKERS}},
-                "spec": {
-                    "clusterName": CLUSTER,
-                    "version": KUBERNETES_VERSION,
-                    "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": WORKERS}},
-                    "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": WORKERS},
-                },
-            },
-        }),
+        topology::machine_deployment(CLUSTER, POOL_LABEL, WORKERS, REPLICAS),
     )
     .await?;
     create(

@@ -530,6 +530,9 @@ enum Expect {
     Http(u16, &'static str),
     /// Accepted, no mail, and `MailSent` False with `IdentityInvalid` saying this.
     Invalid(&'static str),
+    /// A `MailgunRemediation` accepted and left `Pending` with `Ready` saying this: no mail,
+    /// and no hand-back on any Machine (checked once more when every row is done).
+    Pending(&'static str),
 }
 
 type Action =
@@ -721,6 +724,37 @@ fn mailed(name: &'static str, request: &'static str) -> Row {
 }
 
 const OWNER_MISMATCH: (&str, &str, &str) = ("Ready", "False", "OwnerMismatch");
+/// A template of `kind` created by mallory through `version`, stamping `annotations` (our
+/// records) on the objects made from it, with this `spec` for them.
+fn forging_template(
+    name: &'static str,
+    (version, kind): (&'static str, &'static str),
+    annotations: Value,
+    spec: Value,
+) -> Row {
+    row(
+        name,
+        Expect::Refused("spec.template.metadata.annotations"),
+        move |env| {
+            let template =
+                json!({"metadata": {"annotations": annotations.clone()}, "spec": spec.clone()});
+            async move {
+                let slug = short(
+                    &name
+                        .to_lowercase()
+                        .replace(|c: char| !c.is_ascii_alphanumeric(), "-"),
+                );
+                let obj = json!({
+                    "apiVersion": format!("{}/{version}", capm_api::GROUP), "kind": kind,
+                    "metadata": {"name": slug, "namespace": TEAM},
+                    "spec": {"template": template},
+                });
+                create(&ours(&env.mallory, version, kind), obj).await
+            }
+        },
+    )
+}
+
 /// Placeholders the identity rows' base URLs name, filled with the listeners' addresses.
 const LISTED: &str = "LISTENER-ON-THE-LIST";
 const UNLISTED: &str = "LISTENER-OFF-THE-LIST";
@@ -768,6 +802,59 @@ fn identity_row(name: &'static str, spec: fn(&Env) -> Value, expect: Expect) -> 
         )
         .await
     })
+}
+
+/// A Machine `name` in `namespace` as Cluster API keeps it (created by the admin: its status is
+/// not mallory's to write), built by another provider and, unless `healthy`, found unhealthy by
+/// its MachineHealthCheck.
+async fn capi_machine(
+    env: &Env,
+    namespace: &str,
+    name: &str,
+    healthy: bool,
+) -> Result<DynamicObject> {
+    let api = Api::<DynamicObject>::namespaced_with(
+        env.admin.clone(),
+        namespace,
+        &resource("cluster.x-k8s.io", "v1beta2", "Machine"),
+    );
+    api.create(&PostParams::default(), &dynamic(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine",
+        "metadata": {"name": name, "namespace": namespace, "labels": {names::CLUSTER_NAME_LABEL: "rm"}},
+        "spec": {"clusterName": "rm", "bootstrap": {"dataSecretName": "rm-bootstrap"},
+                 "providerID": format!("metal://{name}"),
+                 "infrastructureRef": {"apiGroup": "infrastructure.example.com", "kind": "MetalMachine", "name": name}},
+    }))).await?;
+    let (status, reason) = if healthy {
+        ("True", "Healthy")
+    } else {
+        ("False", "UnhealthyNode")
+    };
+    let conditions = json!({"status": {"conditions": [{"type": "HealthCheckSucceeded", "status": status,
+        "reason": reason, "message": "", "lastTransitionTime": "2026-11-29T08:00:00Z"}]}});
+    Ok(api
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(conditions))
+        .await?)
+}
+
+/// mallory's `MailgunRemediation` `name` with these ownerReferences (and a Cluster of hers as a
+/// second owner, so that the garbage collector keeps an object whose Machine reference dangles:
+/// the row watches what the provider does with it).
+async fn hand_made_remediation(env: &Env, name: &str, machine_ref: Value) -> Result<Outcome> {
+    let cluster = env.owner_cluster(&format!("{name}-owner"), "none").await?;
+    let obj = json!({
+        "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunRemediation",
+        "metadata": {"name": name, "namespace": TEAM, "labels": {names::CLUSTER_NAME_LABEL: "rm"},
+                     "ownerReferences": [machine_ref, {"apiVersion": "cluster.x-k8s.io/v1beta2",
+                         "kind": "Cluster", "name": cluster.metadata.name, "uid": cluster.metadata.uid}]},
+        "spec": {"request": "Power-cycle it.", "strategy": {"answerTimeout": "720h", "repairTimeout": "720h"}},
+    });
+    create(&ours(&env.mallory, "v1beta1", "MailgunRemediation"), obj).await
+}
+
+/// A Machine ownerReference with this name and UID, as a MachineHealthCheck writes one.
+fn machine_ref(name: &str, uid: &str) -> Value {
+    json!({"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine", "name": name, "uid": uid})
 }
 
 fn rows() -> Vec<Row> {
@@ -819,24 +906,8 @@ fn rows() -> Vec<Row> {
             outcome(ours(&env.mallory, "v1beta1", "MailgunCluster").patch(&name, &PatchParams::default(), &Patch::Merge(ask)).await)
         }),
         patch_after("mail record added beside the retry annotation", "MailgunCluster", json!({}), "v1beta1", json!({"metadata": {"annotations": {names::RETRY_ANNOTATION: "1", names::MAIL_ANNOTATION: "<x@evil.example>"}}}), "metadata.annotations"),
-        row("template stamping our records", Expect::Refused("spec.template.metadata.annotations"), |env| async move {
-            create(&ours(&env.mallory, "v1beta1", "MailgunMachineTemplate"), json!({
-                "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunMachineTemplate",
-                "metadata": {"name": "forging-template", "namespace": TEAM},
-                "spec": {"template": {
-                    "metadata": {"annotations": {names::MAIL_SENT_ANNOTATION: "<forged@evil.example>"}},
-                    "spec": {"priority": "Urgent", "request": "r", "requester": REQUESTER}}},
-            })).await
-        }),
-        row("template stamping our records, through v1alpha1", Expect::Refused("spec.template.metadata.annotations"), |env| async move {
-            create(&ours(&env.mallory, "v1alpha1", "MailgunClusterTemplate"), json!({
-                "apiVersion": format!("{}/v1alpha1", capm_api::GROUP), "kind": "MailgunClusterTemplate",
-                "metadata": {"name": "forging-template-alpha", "namespace": TEAM},
-                "spec": {"template": {
-                    "metadata": {"annotations": {names::DELETION_MAIL_SENT_ANNOTATION: "x"}},
-                    "spec": {"priority": "Urgent", "request": "r", "requester": REQUESTER}}},
-            })).await
-        }),
+        forging_template("template stamping our records", ("v1beta1", "MailgunMachineTemplate"), json!({names::MAIL_SENT_ANNOTATION: "<forged@evil.example>"}), json!({"priority": "Urgent", "request": "r", "requester": REQUESTER})),
+        forging_template("template stamping our records, through v1alpha1", ("v1alpha1", "MailgunClusterTemplate"), json!({names::DELETION_MAIL_SENT_ANNOTATION: "x"}), json!({"priority": "Urgent", "request": "r", "requester": REQUESTER})),
         // Set-once and immutable fields through both versions.
         patch_after("endpoint changed through v1beta1", "MailgunCluster", json!({"controlPlaneEndpoint": {"host": "api.example.com", "port": 6443}}), "v1beta1", json!({"spec": {"controlPlaneEndpoint": {"host": "api.evil.example", "port": 1}}}), "spec.controlPlaneEndpoint"),
         patch_after("endpoint changed through conversion-data", "MailgunCluster", json!({"controlPlaneEndpoint": {"host": "api.example.com", "port": 6443}}), "v1alpha1", data(json!({"controlPlaneEndpoint": {"host": "api.evil.example", "port": 1}})), "spec.controlPlaneEndpoint"),
@@ -960,6 +1031,51 @@ fn rows() -> Vec<Row> {
             api.delete("managed-later", &DeleteParams::default()).await?;
             Ok(created)
         })),
+        // Remediation by mail (issue 56): a hand-made MailgunRemediation is believed only for
+        // the Machine of its name whose UID its ownerReference carries, and only while that
+        // Machine is unhealthy; otherwise it stays Pending, mails nobody and hands nothing back.
+        row("hand-made MailgunRemediation: its Machine's name, a wrong UID", Expect::Pending("not made for this Machine"), |env| async move {
+            capi_machine(&env, TEAM, "rm-wrong-uid", false).await?;
+            hand_made_remediation(&env, "rm-wrong-uid", machine_ref("rm-wrong-uid", "00000000-0000-4000-8000-000000000bad")).await
+        }),
+        row("hand-made MailgunRemediation for a healthy Machine", Expect::Pending("the Machine is not unhealthy"), |env| async move {
+            let machine = capi_machine(&env, TEAM, "rm-healthy", true).await?;
+            let uid = machine.metadata.uid.context("uid")?;
+            hand_made_remediation(&env, "rm-healthy", machine_ref("rm-healthy", &uid)).await
+        }),
+        row("MailgunRemediation naming another namespace's Machine", Expect::Pending("no Machine rm-victim in namespace team-a"), |env| async move {
+            let victim = capi_machine(&env, OTHER_TEAM, "rm-victim", false).await?;
+            let uid = victim.metadata.uid.context("uid")?;
+            hand_made_remediation(&env, "rm-victim", machine_ref("rm-victim", &uid)).await
+        }),
+        row("MailgunRemediation carrying a reminder's record", Expect::Refused("metadata.annotations"), |env| async move {
+            create(&ours(&env.mallory, "v1beta1", "MailgunRemediation"), json!({
+                "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunRemediation",
+                "metadata": {"name": "rm-forged-reminder", "namespace": TEAM,
+                             "annotations": {names::REMINDER_MAIL_ANNOTATIONS[0]: "{}"}},
+                "spec": {"request": "Power-cycle it."},
+            })).await
+        }),
+        // A MachineHealthCheck copies its template's annotations into every MailgunRemediation.
+        forging_template("MailgunRemediationTemplate stamping our records", ("v1beta1", "MailgunRemediationTemplate"), json!({names::MAIL_ANNOTATION: "{}", names::REMINDER_MAIL_ANNOTATIONS[1]: "{}"}), json!({"request": "Power-cycle it."})),
+        // The answer is set once. Through the page a second answer shows "Already answered"
+        // and changes nothing: cmd/src/fulfil/mod.rs (a_second_answer_shows_already_answered_
+        // never_an_error, both the answer seen and the API server's set-once refusal) and
+        // tests/e2e/tests/remediation.rs story 1 (headless Chromium opens the link again).
+        row("second answer to a MailgunRemediation", Expect::Refused("spec.answer"), |env| async move {
+            let api = ours(&env.mallory, "v1beta1", "MailgunRemediation");
+            match create(&api, json!({
+                "apiVersion": format!("{}/v1beta1", capm_api::GROUP), "kind": "MailgunRemediation",
+                "metadata": {"name": "rm-answered", "namespace": TEAM},
+                "spec": {"request": "Power-cycle it."},
+            })).await? {
+                Outcome::Accepted { .. } => {}
+                other => bail!("the object was not created: {other:?}"),
+            }
+            let answer = |result: &str| Patch::Merge(json!({"spec": {"answer": {"result": result}}}));
+            api.patch("rm-answered", &PatchParams::default(), &answer("Repaired")).await.context("the first answer")?;
+            outcome(api.patch("rm-answered", &PatchParams::default(), &answer("CannotRepair")).await)
+        }),
         // Requests to the webhook server itself.
         webhook_request("convert: not JSON", "POST", "/convert", b"{\"apiVersion\":".to_vec(), 400, "not a ConversionReview"),
         webhook_request("convert: no request", "POST", "/convert", br#"{"apiVersion":"apiextensions.k8s.io/v1","kind":"ConversionReview"}"#.to_vec(), 400, "no request"),
@@ -1597,6 +1713,53 @@ async fn condition(
     bail!("condition {want:?} not reached; conditions: {last}")
 }
 
+/// The remediation `name` is `Pending` with `Ready` saying `says`.
+async fn still_pending(
+    env: &Env,
+    (kind, namespace): (&str, &str),
+    name: &str,
+    says: &str,
+) -> Result<()> {
+    condition(
+        env,
+        (kind, namespace),
+        name,
+        ("Ready", "False", names::reasons::REMEDIATION_PENDING),
+    )
+    .await?;
+    let api = Api::<DynamicObject>::namespaced_with(
+        env.admin.clone(),
+        namespace,
+        &resource(capm_api::GROUP, "v1beta1", kind),
+    );
+    let status = api.get(name).await?.data["status"].clone();
+    ensure!(status["phase"] == "Pending", "phase {}", status["phase"]);
+    ensure!(
+        status.to_string().contains(says),
+        "not saying {says:?}: {status}"
+    );
+    Ok(())
+}
+
+/// Machines with an `OwnerRemediated` condition in `TEAM` and `OTHER_TEAM`: none may be handed
+/// back in this suite.
+async fn handed_back_machines(env: &Env) -> Result<Vec<String>> {
+    let mut handed = Vec::new();
+    for team in [TEAM, OTHER_TEAM] {
+        let api = Api::<DynamicObject>::namespaced_with(
+            env.admin.clone(),
+            team,
+            &resource("cluster.x-k8s.io", "v1beta2", "Machine"),
+        );
+        for m in api.list(&Default::default()).await?.items {
+            if m.data["status"].to_string().contains("OwnerRemediated") {
+                handed.push(format!("{team}/{}", m.metadata.name.unwrap_or_default()));
+            }
+        }
+    }
+    Ok(handed)
+}
+
 async fn judge(env: &Arc<Env>, expect: Expect, outcome: Outcome) -> Result<usize> {
     match (expect, outcome) {
         (Expect::Refused(field), Outcome::Refused(code, message)) => {
@@ -1663,6 +1826,18 @@ async fn judge(env: &Arc<Env>, expect: Expect, outcome: Outcome) -> Result<usize
                 conditions.contains(says),
                 "not saying {says:?}: {conditions}"
             );
+            Ok(0)
+        }
+        (
+            Expect::Pending(says),
+            Outcome::Accepted {
+                kind,
+                namespace,
+                name,
+                ..
+            },
+        ) => {
+            still_pending(env, (&kind, &namespace), &name, says).await?;
             Ok(0)
         }
         (Expect::GoneAfter(mails), Outcome::Accepted { kind, name, .. }) => {
@@ -1735,14 +1910,22 @@ async fn hostile_objects_and_requests() -> Result<()> {
     let mut failures = Vec::new();
     let mut expected_mails = 0;
     let mut accepted = Vec::new();
+    let mut pending = Vec::new();
     let mut report = Vec::new();
     for task in tasks {
         let (name, needs_fix, expect, result) = task.await?;
         match result {
             Ok((mails, obj)) => {
                 expected_mails += mails;
-                if let (Some(obj), Expect::Handled(..) | Expect::Invalid(_)) = (obj, expect) {
-                    accepted.push((name, mails, obj));
+                match (obj, expect) {
+                    (Some(obj), Expect::Handled(..) | Expect::Invalid(_)) => {
+                        accepted.push((name, mails, obj));
+                    }
+                    (Some(obj), Expect::Pending(says)) => {
+                        pending.push((name, obj.1.clone(), says));
+                        accepted.push((name, 0, obj));
+                    }
+                    _ => {}
                 }
                 report.push(format!("ok   {name}: {expect:?}"));
             }
@@ -1776,6 +1959,18 @@ async fn hostile_objects_and_requests() -> Result<()> {
                 failures.push(name);
             }
         }
+    }
+    // The hand-made remediations stayed Pending all along, and nothing was handed back.
+    for (name, object, says) in pending {
+        if let Err(e) = still_pending(&env, ("MailgunRemediation", TEAM), &object, says).await {
+            report.push(format!("FAIL {name}: at the end: {e:#}"));
+            failures.push(name);
+        }
+    }
+    let handed = handed_back_machines(&env).await?;
+    if !handed.is_empty() {
+        report.push(format!("FAIL Machines handed back: {handed:?}"));
+        failures.push("hand-back");
     }
     for mail in &mails {
         if mail.raw.contains("victim-bootstrap-secret") {

@@ -1,17 +1,20 @@
 //! The monitoring the project ships, run for real (issue 46): the real kube-state-metrics
-//! (`make tools` builds it) serves `config/metrics/crd-metrics-config.yaml` for MailgunClusters
-//! and MailgunMachines in every state the provider gives them (and for two MailgunRemediations,
-//! their status written by the test until their controller lands, issue 56), and Debian's
+//! (`make tools` builds it) serves `config/metrics/crd-metrics-config.yaml` for MailgunClusters,
+//! MailgunMachines and MailgunRemediations in states the provider gives them, and Debian's
 //! Prometheus scrapes the provider, the Cluster API core manager and kube-state-metrics together
 //! and evaluates the chart's alert rules on them.
 //!
 //! The provider runs from this build as the chart's Deployment runs it (install_chart_and_provider),
 //! against the Mailgun contract server, beside the real core manager. The objects: a cluster
 //! mailed through a tenant's identity and waiting for its human; one mailed through the default
-//! identity and fulfilled, with a fulfilled machine, a machine waiting for its human and a paused
-//! machine; one
-//! paused; one refused (its identity does not allow the namespace: no mail); one fulfilled, then
-//! deleted and released, held in deletion by a finalizer of the test.
+//! identity and fulfilled, with two fulfilled machines, a machine waiting for its human and a
+//! paused machine; one paused; one refused (its identity does not allow the namespace: no mail);
+//! one fulfilled, then deleted and released, held in deletion by a finalizer of the test. Three
+//! Machines fail their health check (the test writes `HealthCheckSucceeded=False` as a
+//! MachineHealthCheck does, and creates their MailgunRemediations as it does), reconciled by the
+//! provider: a built one's repair mail left unanswered (`WaitingForAnswer`), a built one answered
+//! `Repaired` with its mail's `kubectl patch` (`WaitingForRepair`), and the unbuilt one handed back
+//! at once (`unfulfilled: GiveUp`; no MachineSet owns it, so nobody replaces it: `HandedBack`).
 //!
 //! kube-state-metrics runs as a ServiceAccount with exactly the `rbac.extraRules` of
 //! `config/metrics/kube-state-metrics-chart-values.yaml` (the stock kube-state-metrics chart's
@@ -20,9 +23,11 @@
 //! object, against what the object's state means. Prometheus scrapes the provider the way the
 //! chart's ServiceMonitor says (its scraper ServiceAccount's token from the Secret it names, TLS
 //! verified against the CA Secret it names for the name it gives), and evaluates the chart's
-//! PrometheusRule (with `waitingForHumanSeconds: 20`): the two waiting-for-a-human alerts fire
-//! for the waiting cluster and the waiting machine only, and no other alert is pending or firing
-//! (the core manager exports the same controller_runtime_* names as the provider).
+//! PrometheusRule (with `waitingForHumanSeconds` and `handBackSeconds` 20): the two
+//! waiting-for-a-human alerts fire for the waiting cluster and the waiting machine only,
+//! `CapmRepairUnanswered` for the unanswered repair and `CapmHandBackNotActedOn` for the Machine
+//! handed back, and no other alert is pending or firing (the core manager exports the same
+//! controller_runtime_* names as the provider).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -58,7 +63,7 @@ const CAPI: &str = "cluster.x-k8s.io";
 const CLUSTER_NAME: &str = "cluster.x-k8s.io/cluster-name";
 /// The test's own finalizer: keeps the released MailgunCluster in deletion.
 const HOLD: &str = "test.capm.example.com/hold";
-/// The waiting threshold the alerts are rendered with.
+/// The waiting (and hand-back) threshold the alerts are rendered with.
 const WAITING_SECONDS: u64 = 20;
 
 fn infra(client: &Client, kind: &str) -> Api<DynamicObject> {
@@ -151,6 +156,16 @@ async fn create_machine(admin: &Client, cluster: &str, name: &str, paused: bool)
         .await
         .with_context(|| format!("creating Machine {name}"))?;
     Ok(())
+}
+
+/// Whether every object `names` of `api` is provisioned (`status.initialization.provisioned`).
+async fn all_provisioned(api: &Api<DynamicObject>, names: &[&str]) -> Result<bool> {
+    for name in names {
+        if api.get(name).await?.data["status"]["initialization"]["provisioned"] != true {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// The request mail (body text) whose subject names `kind` `name`, from `server`.
@@ -405,28 +420,13 @@ impl<'a> Series<'a> {
     }
 }
 
-/// A MailgunRemediation for the Machine `machine` as a MachineHealthCheck makes it, with
-/// `answer` in its spec and `status` written as the remediation controller (the next step of
-/// issue 56) will write it.
-async fn create_remediation(
-    admin: &Client,
-    machine: &str,
-    answer: Option<Value>,
-    status: Value,
-) -> Result<DynamicObject> {
-    let owner = capi(admin, "Machine").get(machine).await?;
-    let mut spec = json!({"request": "Power-cycle it.", "strategy": {"unfulfilled": "GiveUp"}});
-    if let Some(answer) = answer {
-        spec["answer"] = answer;
-    }
+/// The Machine `machine` found unhealthy and its MailgunRemediation, as a MachineHealthCheck
+/// makes them; the provider reconciles it from there.
+async fn fail_health_check(admin: &Client, machine: &str) -> Result<()> {
+    let owner = remediation::fail_health_check(admin, USER_NS, machine).await?;
+    let spec = json!({"request": "Power-cycle it.", "strategy": {"unfulfilled": "GiveUp"}});
     remediation::create_remediation(admin, USER_NS, machine, Some(&owner), spec).await?;
-    Ok(infra(admin, "MailgunRemediation")
-        .patch_status(
-            machine,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": status})),
-        )
-        .await?)
+    Ok(())
 }
 
 /// The families of one MailgunRemediation (`capi_mailgunremediation_*`, each labelled with its
@@ -559,7 +559,8 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
 
     // The chart with its alerts' waiting threshold shortened; the provider as its Deployment.
     let values_text = format!(
-        "{}metrics:\n  prometheusRule:\n    waitingForHumanSeconds: {WAITING_SECONDS}\n",
+        "{}metrics:\n  prometheusRule:\n    waitingForHumanSeconds: {WAITING_SECONDS}\n    \
+         handBackSeconds: {WAITING_SECONDS}\n",
         mailgun_values(RECIPIENT, DOMAIN, &mailgun.base_url())
     );
     let provider = install_chart_and_provider(cp, mailgun.api_key(), &values_text, dir).await?;
@@ -650,31 +651,32 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     let clusters = infra(&admin, "MailgunCluster");
     eventually(wait, "fulfilled and released provisioned", || async {
         alive()?;
-        let mut done = true;
-        for name in ["fulfilled", "released"] {
-            let o = clusters.get(name).await?;
-            done &= o.data["status"]["initialization"]["provisioned"] == true;
-        }
-        Ok(done.then_some(()))
+        Ok(all_provisioned(&clusters, &["fulfilled", "released"])
+            .await?
+            .then_some(()))
     })
     .await?;
-    // Two machines of "fulfilled": one fulfilled, one left waiting.
+    // Machines of "fulfilled": two fulfilled, one left waiting, one paused.
     create_machine(&admin, "fulfilled", "fulfilled-m0", false).await?;
     create_machine(&admin, "fulfilled", "fulfilled-m1", false).await?;
     create_machine(&admin, "fulfilled", "fulfilled-m2", true).await?;
-    let body = eventually(wait, "the request mail of fulfilled-m0", || async {
-        alive()?;
-        request_mail(&mailgun, "Machine", "fulfilled-m0")
-    })
-    .await?;
-    fulfil(
-        cp,
-        &body,
-        &[
-            ("<scheme>://<id>", "mailgun://fulfilled-m0"),
-            ("<ip>", "192.0.2.10"),
-        ],
-    )?;
+    create_machine(&admin, "fulfilled", "fulfilled-m3", false).await?;
+    for (name, ip) in [
+        ("fulfilled-m0", "192.0.2.10"),
+        ("fulfilled-m3", "192.0.2.13"),
+    ] {
+        let body = eventually(wait, &format!("the request mail of {name}"), || async {
+            alive()?;
+            request_mail(&mailgun, "Machine", name)
+        })
+        .await?;
+        let provider_id = format!("mailgun://{name}");
+        fulfil(
+            cp,
+            &body,
+            &[("<scheme>://<id>", &provider_id), ("<ip>", ip)],
+        )?;
+    }
     eventually(wait, "the request mail of fulfilled-m1", || async {
         alive()?;
         request_mail(&mailgun, "Machine", "fulfilled-m1")
@@ -715,38 +717,73 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     )
     .await?;
 
-    // Issue 56: two repair requests as the remediation controller will leave them (it is the
-    // next step; the test writes their status): fulfilled-m0's answered `Repaired` after its
-    // repair mail was delivered, fulfilled-m1's not believed yet (no mail, no answer).
-    let delivered = "2026-01-02T03:04:05Z";
-    create_remediation(
-        &admin,
-        "fulfilled-m0",
-        Some(json!({"result": "Repaired", "message": "Reseated the cable."})),
-        json!({
-            "phase": "WaitingForRepair",
-            "conditions": [
-                {"type": "Ready", "status": "False", "reason": "WaitingForRepair", "message": "", "lastTransitionTime": delivered},
-                {"type": "MailSent", "status": "True", "reason": "MailSent", "message": "", "lastTransitionTime": delivered},
-                {"type": "Answered", "status": "True", "reason": "Repaired", "message": "", "lastTransitionTime": delivered},
-            ],
-            "mail": {"state": "Delivered", "sentAt": delivered, "messageID": "<repair@mg.monitoring.example.com>"},
-            "askedAt": delivered,
-        }),
+    // Issue 56: three Machines fail their health check. fulfilled-m0 and fulfilled-m3 were
+    // built: each gets one repair mail; fulfilled-m3's is answered `Repaired` with the mail's own
+    // command, fulfilled-m0's is left unanswered. fulfilled-m1 was never built and its strategy
+    // gives up: handed back at once, without a mail.
+    let mailgun_machines = infra(&admin, "MailgunMachine");
+    eventually(
+        wait,
+        "fulfilled-m0 and fulfilled-m3 provisioned",
+        || async {
+            alive()?;
+            Ok(
+                all_provisioned(&mailgun_machines, &["fulfilled-m0", "fulfilled-m3"])
+                    .await?
+                    .then_some(()),
+            )
+        },
     )
     .await?;
-    create_remediation(
-        &admin,
-        "fulfilled-m1",
-        None,
-        json!({
-            "phase": "Pending",
-            "conditions": [
-                {"type": "Ready", "status": "False", "reason": "WaitingForMachine", "message": "", "lastTransitionTime": delivered},
-            ],
-        }),
+    for name in ["fulfilled-m0", "fulfilled-m1", "fulfilled-m3"] {
+        fail_health_check(&admin, name).await?;
+    }
+    let repair_subject = |name: &str| format!("Machine {name} of Cluster fulfilled needs repair");
+    let body = eventually(wait, "the repair mail of fulfilled-m3", || async {
+        alive()?;
+        Ok(mailgun_mails(&mailgun)?
+            .into_iter()
+            .find(|(m, _)| m.subject.contains(&repair_subject("fulfilled-m3")))
+            .map(|(_, body)| body))
+    })
+    .await?;
+    let repaired = body
+        .lines()
+        .find(|l| l.contains("kubectl patch") && l.contains("\"Repaired\""))
+        .with_context(|| format!("no command answering Repaired in the repair mail:\n{body}"))?;
+    fulfil(cp, repaired, &[])?;
+    let remediations = infra(&admin, "MailgunRemediation");
+    let phases = [
+        ("fulfilled-m0", "WaitingForAnswer"),
+        ("fulfilled-m1", "HandedBack"),
+        ("fulfilled-m3", "WaitingForRepair"),
+    ];
+    eventually(
+        wait,
+        &format!("the remediations' phases {phases:?}"),
+        || async {
+            alive()?;
+            let mut done = true;
+            for (name, phase) in phases {
+                done &= remediations.get(name).await?.data["status"]["phase"] == phase;
+            }
+            Ok(done.then_some(()))
+        },
     )
     .await?;
+    let mails = mailgun_mails(&mailgun)?;
+    let repair_mails: Vec<usize> = ["fulfilled-m0", "fulfilled-m1", "fulfilled-m3"]
+        .iter()
+        .map(|name| {
+            (mails.iter())
+                .filter(|(m, _)| m.subject.contains(&repair_subject(name)))
+                .count()
+        })
+        .collect();
+    ensure!(
+        repair_mails == [1, 0, 1],
+        "repair mails of fulfilled-m0, -m1, -m3: {repair_mails:?}"
+    );
 
     // kube-state-metrics as the stock chart would run it with the documented values: a
     // ServiceAccount with exactly rbac.extraRules, customResourceState.config as its file.
@@ -801,7 +838,6 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     // Every family, for every object, as its state means.
     let declared = crd_metric_names(&config_dir().join("metrics/crd-metrics-config.yaml"))?;
     let machines = infra(&admin, "MailgunMachine");
-    let remediations = infra(&admin, "MailgunRemediation");
     // What was still missing, printed when it changes.
     let last_reason = std::sync::Mutex::new(String::new());
     let (samples, exposition) = eventually(wait, "kube-state-metrics's series", || async {
@@ -819,6 +855,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         let m0 = machines.get("fulfilled-m0").await?;
         let m1 = machines.get("fulfilled-m1").await?;
         let m2 = machines.get("fulfilled-m2").await?;
+        let m3 = machines.get("fulfilled-m3").await?;
         let plain = [("priority", "Urgent")];
         let fulfilled_info = [
             ("priority", "Urgent"),
@@ -834,6 +871,11 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
             ("failure_domain", "rack-1"),
         ];
         let m1_info = [("priority", "Urgent"), ("failure_domain", "rack-1")];
+        let m3_info = [
+            ("priority", "Urgent"),
+            ("provider_id", "mailgun://fulfilled-m3"),
+            ("failure_domain", "rack-1"),
+        ];
         let expectations = [
             Expect::cluster(&waiting, true, false, false, &plain),
             Expect::cluster(&fulfilled, true, true, false, &fulfilled_info),
@@ -842,6 +884,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
             Expect::cluster(&released, true, true, false, &released_info),
             Expect::machine(&m0, true, &m0_info),
             Expect::machine(&m1, false, &m1_info),
+            Expect::machine(&m3, true, &m3_info),
             Expect {
                 paused: true,
                 mailed: false,
@@ -854,7 +897,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
                 last = Some(err);
             }
         }
-        for name in ["fulfilled-m0", "fulfilled-m1"] {
+        for name in ["fulfilled-m0", "fulfilled-m1", "fulfilled-m3"] {
             let r = remediations.get(name).await?;
             if let Err(err) = check_remediation(&samples, &mut seen, &r) {
                 last = Some(err);
@@ -1011,11 +1054,14 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         "the core manager's reconcile series are not in Prometheus"
     );
 
-    // The waiting-for-a-human alerts fire for the waiting objects, nothing else is pending or
-    // firing; watched for 15 s more.
+    // The waiting-for-a-human alerts fire for the waiting objects, the remediation alerts for
+    // the unanswered repair and the Machine handed back; nothing else is pending or firing;
+    // watched for 15 s more.
     let expected: BTreeSet<(String, String)> = [
         ("CapmMailgunClusterWaitingForHuman", "waiting"),
         ("CapmMailgunMachineWaitingForHuman", "fulfilled-m1"),
+        ("CapmRepairUnanswered", "fulfilled-m0"),
+        ("CapmHandBackNotActedOn", "fulfilled-m1"),
     ]
     .iter()
     .map(|(a, n)| ((*a).to_owned(), (*n).to_owned()))
@@ -1062,7 +1108,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
     };
     let answer = eventually(
         Duration::from_secs(WAITING_SECONDS * 3 + 60),
-        "the waiting-for-a-human alerts firing",
+        "the waiting-for-a-human and remediation alerts firing",
         || async {
             let data = prometheus.api("alerts")?;
             Ok(check(&alerts(&data)?)?.then_some(data))
@@ -1091,7 +1137,7 @@ async fn story(cp: &ControlPlane, dir: &Path) -> Result<()> {
         .collect();
     println!("rule states: {states:?}");
     // Every alert the chart renders (config/prometheus/rules.yaml) was loaded and evaluated.
-    ensure!(states.len() == 9, "{rules:#}");
+    ensure!(states.len() == 11, "{rules:#}");
     drop(ksm);
     Ok(())
 }

@@ -65,10 +65,10 @@ use capm_e2e::{
     fulfil_command, helm_chart,
     ledger::{Ledger, RepairMail},
     mailgun_ledger, mailgun_mails, mailgun_values, start_capi_manager, start_routed_chart_provider,
-    topology::{self, BOOTSTRAP_GROUP, CONTROL_PLANE_GROUP, TestProviders},
+    topology::{self, TestProviders},
 };
 use capm_mail_servers::{MailgunServer, StoredMessage};
-use capm_test_support::{ControlPlane, KUBERNETES_VERSION, Options};
+use capm_test_support::{ControlPlane, Options};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Secret};
 use kube::{
@@ -344,6 +344,35 @@ impl World {
         ))
     }
 
+    /// Five seconds on, the remediation `uid` has had exactly `want` mails: (repair, reminders,
+    /// no longer needed). The wait gives a mail that should not come the time to come.
+    async fn counts_stay(&self, uid: &str, want: (usize, usize, usize)) -> Result<()> {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let counts = self.repair_counts(uid)?;
+        ensure!(
+            counts == want,
+            "(repair, reminders, no longer needed) mails: {counts:?}, not {want:?}"
+        );
+        Ok(())
+    }
+
+    /// Waits until the health check deleted the remediation `name` (and its finalizer went).
+    async fn remediation_gone(&self, name: &str) -> Result<()> {
+        eventually(
+            SOON,
+            &format!("the MailgunRemediation {name} gone"),
+            || async {
+                Ok(self
+                    .remediations()
+                    .get_opt(name)
+                    .await?
+                    .is_none()
+                    .then_some(()))
+            },
+        )
+        .await
+    }
+
     /// The MailgunMachine `uid`'s (request, release) mails so far.
     fn machine_counts(&self, uid: &str) -> Result<(usize, usize)> {
         let ledger = self.ledger()?;
@@ -463,23 +492,12 @@ async fn create_pool(
         }),
     )
     .await?;
-    create(CAPI, "v1beta2", "MachineDeployment", json!({
-        "clusterName": CLUSTER,
-        "replicas": replicas,
-        "selector": {"matchLabels": {POOL_LABEL: name}},
-        // What Cluster API's defaulting webhook (not served to this API server) would set.
-        "rollout": {"strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
-        "deletion": {"order": "Random"},
-        "template": {
-            "metadata": {"labels": {POOL_LABEL: name}},
-            "spec": {
-                "clusterName": CLUSTER,
-                "version": KUBERNETES_VERSION,
-                "bootstrap": {"configRef": {"apiGroup": BOOTSTRAP_GROUP, "kind": "TestBootstrapConfigTemplate", "name": name}},
-                "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunMachineTemplate", "name": name},
-            },
-        },
-    }))
+    create(
+        CAPI,
+        "v1beta2",
+        "MachineDeployment",
+        topology::machine_deployment(CLUSTER, POOL_LABEL, name, replicas),
+    )
     .await?;
     Ok(())
 }
@@ -591,9 +609,15 @@ async fn build_pool(world: &World, pool: &str, replicas: usize) -> Result<Vec<Bu
     Ok(built)
 }
 
-/// The single worker of a one-replica pool, built, then its Node NotReady: its remediation,
-/// checked as the health check makes it, and the repair mail (exactly one so far).
-async fn one_unhealthy(world: &World, pool: &str) -> Result<(Built, DynamicObject, StoredMessage)> {
+/// The single worker of a one-replica pool remediated with `strategy`, built, then its Node
+/// NotReady: its remediation checked as the health check makes it; the repair mail (exactly one
+/// so far) and the remediation's UID.
+async fn one_unhealthy(
+    world: &World,
+    pool: &str,
+    strategy: Value,
+) -> Result<(Built, StoredMessage, String)> {
+    create_pool(world, pool, 1, strategy, ready_checks(), None).await?;
     let built = build_pool(world, pool, 1).await?.remove(0);
     world.set_ready(&built.node, false, &now()?).await?;
     let remediation = world.remediation_of(&built, pool).await?;
@@ -624,7 +648,7 @@ async fn one_unhealthy(world: &World, pool: &str) -> Result<(Built, DynamicObjec
             "{want:?} not in the repair mail:\n{body}"
         );
     }
-    Ok((built, remediation, mail))
+    Ok((built, mail, uid))
 }
 
 /// The `kubectl patch` line of a repair mail whose answer is `result`.
@@ -640,17 +664,8 @@ fn answer_command(mail: &StoredMessage, result: &str, why: &str) -> Result<Vec<S
 
 /// Story 1.
 async fn story_1(world: &World) -> Result<String> {
-    create_pool(
-        world,
-        "s1",
-        1,
-        json!({"answerTimeout": "1h", "reminders": 1}),
-        ready_checks(),
-        None,
-    )
-    .await?;
-    let (built, remediation, mail) = one_unhealthy(world, "s1").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, mail, uid) =
+        one_unhealthy(world, "s1", json!({"answerTimeout": "1h", "reminders": 1})).await?;
     // The page's link: the mail's, or (when the mail carries none) as the provider mints it for
     // the object's recorded repair mail, so that the rest of the story is still shown; the
     // story fails at its end then.
@@ -709,30 +724,13 @@ async fn story_1(world: &World) -> Result<String> {
         .await?;
     // Repaired: the Node Ready again, the health check deletes the object.
     world.set_ready(&built.node, true, &now()?).await?;
-    eventually(
-        SOON,
-        "the health check deleting the MailgunRemediation",
-        || async {
-            Ok(world
-                .remediations()
-                .get_opt(&built.machine)
-                .await?
-                .is_none()
-                .then_some(()))
-        },
-    )
-    .await?;
+    world.remediation_gone(&built.machine).await?;
     let machine = world.machines().get(&built.machine).await?;
     ensure!(
         machine.uid().as_deref() == Some(built.machine_uid.as_str()),
         "the Machine was replaced"
     );
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 0, 0),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.counts_stay(&uid, (1, 0, 0)).await?;
     let machine_mails = world.machine_counts(&built.infra_uid)?;
     ensure!(
         machine_mails == (1, 0),
@@ -755,17 +753,8 @@ async fn story_1(world: &World) -> Result<String> {
 
 /// Story 2 (and 8).
 async fn story_2(world: &World) -> Result<String> {
-    create_pool(
-        world,
-        "s2",
-        1,
-        json!({"answerTimeout": "1h", "reminders": 1}),
-        ready_checks(),
-        None,
-    )
-    .await?;
-    let (built, remediation, mail) = one_unhealthy(world, "s2").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, mail, uid) =
+        one_unhealthy(world, "s2", json!({"answerTimeout": "1h", "reminders": 1})).await?;
     world.kubectl(&answer_command(
         &mail,
         "CannotRepair",
@@ -793,12 +782,7 @@ async fn story_2(world: &World) -> Result<String> {
         },
     )
     .await?;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 0, 0),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.counts_stay(&uid, (1, 0, 0)).await?;
     Ok(format!(
         "CannotRepair by kubectl: handed back ({}), replaced: 1 release, 1 new request, 1 repair mail",
         written["message"]
@@ -807,9 +791,7 @@ async fn story_2(world: &World) -> Result<String> {
 
 /// Story 3 (and 8).
 async fn story_3(world: &World) -> Result<String> {
-    create_pool(world, "s3", 1, quick(1), ready_checks(), None).await?;
-    let (built, remediation, first) = one_unhealthy(world, "s3").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, first, uid) = one_unhealthy(world, "s3", quick(1)).await?;
     let asked = Instant::now();
     let id = format!("<mailgunremediation-reminder-1.{uid}@{DOMAIN}>");
     let reminder = eventually(TIMED, &format!("the reminder {id}"), || async {
@@ -850,12 +832,7 @@ async fn story_3(world: &World) -> Result<String> {
     let written = world.handed_back(&built.machine_uid, TIMED).await?;
     let handed = asked.elapsed();
     world.replaced("s3", &built.machine_uid, 1).await?;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 1, 0),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.counts_stay(&uid, (1, 1, 0)).await?;
     Ok(format!(
         "no answer: repair mail, reminder after {after:.0?} (threaded), hand-back after {handed:.0?} ({}), exactly 2 mails",
         written["message"]
@@ -864,17 +841,12 @@ async fn story_3(world: &World) -> Result<String> {
 
 /// Story 4 (and 8).
 async fn story_4(world: &World) -> Result<String> {
-    create_pool(
+    let (built, mail, uid) = one_unhealthy(
         world,
         "s4",
-        1,
         json!({"answerTimeout": "1h", "reminders": 1, "repairTimeout": "1m"}),
-        ready_checks(),
-        None,
     )
     .await?;
-    let (built, remediation, mail) = one_unhealthy(world, "s4").await?;
-    let uid = remediation.uid().context("no UID")?;
     world.kubectl(&answer_command(&mail, "Repaired", "")?)?;
     let answered = Instant::now();
     world
@@ -900,17 +872,8 @@ async fn story_4(world: &World) -> Result<String> {
 
 /// Story 5.
 async fn story_5(world: &World) -> Result<String> {
-    create_pool(
-        world,
-        "s5",
-        1,
-        json!({"answerTimeout": "1h", "reminders": 1}),
-        ready_checks(),
-        None,
-    )
-    .await?;
-    let (built, remediation, first) = one_unhealthy(world, "s5").await?;
-    let uid = remediation.uid().context("no UID")?;
+    let (built, first, uid) =
+        one_unhealthy(world, "s5", json!({"answerTimeout": "1h", "reminders": 1})).await?;
     world
         .phase_becomes(&built.machine, "WaitingForAnswer", SOON)
         .await?;
@@ -929,21 +892,8 @@ async fn story_5(world: &World) -> Result<String> {
         "the no longer needed mail is not threaded to the repair mail: {:?}",
         done.headers
     );
-    eventually(SOON, "the MailgunRemediation gone", || async {
-        Ok(world
-            .remediations()
-            .get_opt(&built.machine)
-            .await?
-            .is_none()
-            .then_some(()))
-    })
-    .await?;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let counts = world.repair_counts(&uid)?;
-    ensure!(
-        counts == (1, 0, 1),
-        "(repair, reminders, no longer needed) mails: {counts:?}"
-    );
+    world.remediation_gone(&built.machine).await?;
+    world.counts_stay(&uid, (1, 0, 1)).await?;
     let machine = world.machines().get(&built.machine).await?;
     ensure!(
         machine.uid().as_deref() == Some(built.machine_uid.as_str()),
@@ -1316,23 +1266,14 @@ async fn run(world: &World, dir: &Path, port: u16) -> Result<()> {
         .await?;
 
     // The Cluster, fulfilled by the human from its request mail.
-    let create = |group: &str, version: &str, kind: &str, name: &str, spec: Value| {
-        create_object(admin, USER_NS, group, version, kind, name, spec)
-    };
-    create(
-        CONTROL_PLANE_GROUP,
-        topology::VERSION,
-        "TestControlPlane",
+    topology::create_cluster(
+        admin,
+        USER_NS,
         CLUSTER,
-        json!({"version": KUBERNETES_VERSION, "replicas": 1}),
+        "One cluster please",
+        "cluster-admin@example.com",
     )
     .await?;
-    create(INFRA, "v1beta1", "MailgunCluster", CLUSTER,
-        json!({"priority": "Urgent", "request": "One cluster please", "requester": "cluster-admin@example.com"})).await?;
-    create(CAPI, "v1beta2", "Cluster", CLUSTER, json!({
-        "infrastructureRef": {"apiGroup": INFRA, "kind": "MailgunCluster", "name": CLUSTER},
-        "controlPlaneRef": {"apiGroup": CONTROL_PLANE_GROUP, "kind": "TestControlPlane", "name": CLUSTER},
-    })).await?;
     let body = eventually(
         Duration::from_secs(90),
         "the cluster request mail",
