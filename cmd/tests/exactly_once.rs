@@ -75,7 +75,11 @@ impl Watched {
     async fn create(self, ns: &TestNamespace, name: &str) -> String {
         match self {
             Self::ClusterRequest => create_pair(ns, name).await.uid(),
-            _ => create_remediation(ns, name).await.uid(),
+            // Reminder 1 comes only where it is watched: the cases run side by side (joined),
+            // and a case blocked waiting for its process's crash must not see an unwatched
+            // reminder fall due meanwhile.
+            Self::Reminder => create_remediation(ns, name, "1m").await.uid(),
+            _ => create_remediation(ns, name, "1h").await.uid(),
         }
         .unwrap()
     }

@@ -301,9 +301,13 @@ pub async fn create_pair(ns: &TestNamespace, name: &str) -> MailgunCluster {
 /// A Machine `name` that was built (its `MailgunMachine` has a provider ID, and no owner: it
 /// mails nothing) and is unhealthy by the condition a MachineHealthCheck writes, and the
 /// `MailgunRemediation` the health check makes for it (same name, an ownerReference to it):
-/// the provider owes its repair mail at once and reminder 1 after the shortest
-/// `answerTimeout` the CRD allows (1m). No Cluster: none is needed for the mails.
-pub async fn create_remediation(ns: &TestNamespace, name: &str) -> MailgunRemediation {
+/// the provider owes its repair mail at once and reminder 1 an `answer_timeout` after it (1m
+/// is the shortest the CRD allows). No Cluster: none is needed for the mails.
+pub async fn create_remediation(
+    ns: &TestNamespace,
+    name: &str,
+    answer_timeout: &str,
+) -> MailgunRemediation {
     let labels = json!({ names::CLUSTER_NAME_LABEL: "c1" });
     let infra: MailgunMachine = serde_json::from_value(json!({
         "apiVersion": "infrastructure.cluster.x-k8s.io/v1beta1", "kind": "MailgunMachine",
@@ -339,7 +343,7 @@ pub async fn create_remediation(ns: &TestNamespace, name: &str) -> MailgunRemedi
             "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Machine", "name": name,
             "uid": machine.metadata.uid,
         }]},
-        "spec": { "request": "Power-cycle it.", "strategy": { "answerTimeout": "1m", "reminders": 1 } },
+        "spec": { "request": "Power-cycle it.", "strategy": { "answerTimeout": answer_timeout, "reminders": 1 } },
     }))
     .unwrap();
     ns.api::<MailgunRemediation>()
