@@ -158,7 +158,7 @@ async fn crash_after_intent_then_restart_sends_exactly_one() {
     let backend = Backend::Mailgun(&mailgun);
     let mut crashing = Provider::start(&ns, &backend, Some("after-intent"), false);
     let created = create_pair(&ns, "one").await;
-    crashing.wait_for_crash();
+    crashing.wait_for_crash().await;
     let obj = ns.api::<MailgunCluster>().get("one").await.unwrap();
     let id = names::message_id("MailgunCluster", &created.uid().unwrap(), DOMAIN);
     assert_eq!(intent_of(&obj).message_id, id);
@@ -190,7 +190,9 @@ async fn crash_after_send_lookup_finds_it(watched: Watched, prefix: &str) {
         watched.make_due(&ns, name).await;
     }
     let mut crashing = Provider::start(&ns, &backend, Some("after-send"), false);
-    crashing.wait_for_crash_within(watched.due_within() + Duration::from_secs(30));
+    crashing
+        .wait_for_crash_within(watched.due_within() + Duration::from_secs(30))
+        .await;
     let id = watched.message_id(&uid);
     assert_eq!(
         delivered(&backend),
@@ -240,7 +242,7 @@ async fn crash_after_send_smtp_resends_the_same_message_id() {
     let backend = Backend::Smtp(&smtp);
     let mut crashing = Provider::start(&ns, &backend, Some("after-send"), false);
     let created = create_pair(&ns, "three").await;
-    crashing.wait_for_crash();
+    crashing.wait_for_crash().await;
     assert_eq!(smtp.messages().unwrap().len(), 1);
 
     // SMTP cannot be asked: the mail goes again with the same Message-Id, and that is counted.

@@ -182,19 +182,20 @@ impl Provider {
     }
 
     /// Waits (60 s) for the process to end on its own (a failpoint aborts it).
-    pub fn wait_for_crash(&mut self) {
-        self.wait_for_crash_within(Duration::from_secs(60));
+    pub async fn wait_for_crash(&mut self) {
+        self.wait_for_crash_within(Duration::from_secs(60)).await;
     }
 
-    /// Waits for the process to end on its own (a failpoint aborts it).
-    pub fn wait_for_crash_within(&mut self, within: Duration) {
+    /// Waits for the process to end on its own (a failpoint aborts it), without holding up
+    /// other tasks of the test's runtime (cases joined in one test wait on their own crashes).
+    pub async fn wait_for_crash_within(&mut self, within: Duration) {
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
             if let Some(status) = self.process.exited() {
                 assert!(!status.success(), "the failpoint aborts: {status}");
                 return;
             }
-            std::thread::sleep(Duration::from_millis(50));
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         panic!("the provider did not reach its failpoint within {within:?}");
     }
