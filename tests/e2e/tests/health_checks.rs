@@ -11,8 +11,10 @@
 //! - **The storm**: each worker without a Node is marked unhealthy when its timeout runs out,
 //!   its MachineSet deletes it (the provider mails its release) and creates a new one (a new
 //!   request mail). The test counts the mails per machine slot and per timeout.
-//! - **The documented setting** (`nodeStartupTimeoutSeconds: 259200`, 72 hours) stops it: over
-//!   more than two of the old timeouts, no Machine is replaced and no mail is sent.
+//! - **Then** a 72-hour `nodeStartupTimeoutSeconds` ends it: the workers settle (no remediation
+//!   under way for 10 s). That nothing is replaced later is Cluster API's timer, not measured
+//!   here any more; the fix docs/machine-health-checks.md gives is the remediation template,
+//!   whose storm setup `remediation.rs` runs for three timeouts with no Machine replaced.
 //!
 //! The provider keeps its own promise all along: each object mailed one request, and one release
 //! once it is gone (the mail ledger). The storm is the health check's setting, not a fault.
@@ -340,7 +342,8 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
         cycle - STORM_TIMEOUT_SECONDS as f64
     );
 
-    // The documented setting: the storm stops.
+    // A long startup timeout ends the storm (the remediation template is the fix: remediation.rs);
+    // the workers settle, so that the ledger can be judged on a live set that holds still.
     api(&admin, CAPI, "v1beta2", "MachineHealthCheck")
         .patch(
             CHECK,
@@ -367,11 +370,10 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
         }
         ensure!(
             t.elapsed() < Duration::from_secs(120),
-            "the workers did not settle within 120 s of the documented setting"
+            "the workers did not settle within 120 s of the 72-hour timeout"
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
-    let marked_before = world.marked_unhealthy().await?;
     let ledger = world.ledger()?;
     for uid in &settled.infra {
         ensure!(
@@ -382,34 +384,14 @@ async fn story(world: &mut World, dir: &Path) -> Result<()> {
             "the worker's MailgunMachine {uid} was never mailed"
         );
     }
-    let quiet = Duration::from_secs(2 * STORM_TIMEOUT_SECONDS + 15);
-    tokio::time::sleep(quiet).await;
-    provider.proc.check_alive()?;
-    capi.check_alive()?;
-    let after = world.machines().await?;
-    let mails_after = world.machine_mails()?;
-    let marked_after = world.marked_unhealthy().await?;
     println!(
-        "documented setting (nodeStartupTimeoutSeconds {SAFE_TIMEOUT_SECONDS}): over {quiet:?} \
-         ({:.1} of the old timeouts), {} new machine mails, {} new MachineMarkedUnhealthy \
-         Events, Machines {}",
-        quiet.as_secs_f64() / STORM_TIMEOUT_SECONDS as f64,
-        (mails_after.0 + mails_after.1) - (mails.0 + mails.1),
-        marked_after - marked_before,
-        if after.machines == settled.machines {
-            "unchanged"
-        } else {
-            "replaced"
-        }
+        "a 72-hour startup timeout (nodeStartupTimeoutSeconds {SAFE_TIMEOUT_SECONDS}): the workers \
+         settled in {:.1?} (no remediation under way for 10 s), {} request and {} release mails",
+        t.elapsed(),
+        mails.0,
+        mails.1
     );
-    ensure!(
-        after == settled && mails_after == mails && marked_after == marked_before,
-        "the documented setting did not stop the storm: Machines {:?} -> {:?}, machine mails \
-         (requests, releases) {mails:?} -> {mails_after:?}, MachineMarkedUnhealthy {marked_before} \
-         -> {marked_after}",
-        settled.machines,
-        after.machines
-    );
+    let after = settled;
 
     // The provider's own promise held through the storm: one request per object, one release per
     // object gone, none for a live one.
