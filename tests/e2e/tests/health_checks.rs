@@ -169,7 +169,7 @@ struct Settled {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_node_startup_check_remediates_unbuilt_machines_and_the_documented_setting_stops_it()
+async fn a_node_startup_check_remediates_unbuilt_machines_until_a_long_timeout_ends_it()
 -> Result<()> {
     let work = tempfile::tempdir()?;
     let dir = work.path();
