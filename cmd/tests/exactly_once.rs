@@ -362,17 +362,10 @@ async fn frozen_leader_does_not_send_after_losing_its_lease(
     assert_eq!(delivered(&backend), ids);
     // Now the old leader resumes right before its send.
     signal(pid, "-CONT");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = old.exited() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the old leader did not give up within 30 s of resuming"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = old
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .expect("the old leader gives up within 30 s of resuming");
     assert!(
         !status.success(),
         "losing the Lease is a failure exit: {status}"

@@ -176,9 +176,9 @@ impl Provider {
         self.process.log_path().to_owned()
     }
 
-    /// Its exit status, once it has ended.
-    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.process.exited()
+    /// How the process ended, if it ends within `within` (`None` when it still runs).
+    pub async fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        self.process.wait_exit(within).await
     }
 
     /// Waits (60 s) for the process to end on its own (a failpoint aborts it).
@@ -186,18 +186,13 @@ impl Provider {
         self.wait_for_crash_within(Duration::from_secs(60)).await;
     }
 
-    /// Waits for the process to end on its own (a failpoint aborts it), without holding up
-    /// other tasks of the test's runtime (cases joined in one test wait on their own crashes).
+    /// Waits for the process to end on its own (a failpoint aborts it).
     pub async fn wait_for_crash_within(&mut self, within: Duration) {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if let Some(status) = self.process.exited() {
-                assert!(!status.success(), "the failpoint aborts: {status}");
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("the provider did not reach its failpoint within {within:?}");
+        let status = self.process.wait_exit(within).await;
+        let status = status.unwrap_or_else(|| {
+            panic!("the provider did not reach its failpoint within {within:?}")
+        });
+        assert!(!status.success(), "the failpoint aborts: {status}");
     }
 
     /// Whether the process still runs.
