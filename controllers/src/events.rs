@@ -6,6 +6,10 @@
 //! object's (docs/kube-runtime-recorder.md, report 2): the per-object ledger (`crate::ledger`)
 //! notes which objects have a series open, and when none has, [`Events::end_series`] starts a
 //! fresh `Recorder`, so a finished backlog or a churn of objects keeps none of their Events.
+//! While objects are worked on the `Recorder` keeps at most [`MAX_KEPT_EVENTS`] Events (as
+//! client-go's Event correlator keeps a bounded cache): past that a fresh one starts, and an
+//! Event repeated after it starts a new Event instead of growing its series. A backlog of
+//! 10 000 objects would otherwise hold each one's Event for six minutes (about 30 MiB).
 //! Done here, not by the `Recorder`: a note from a peer is cleaned and cut to 1 KiB, and an object
 //! whose name leaves no room for the `Recorder`'s `.<nanoseconds>` suffix (over 236 characters)
 //! gets its Event under a shortened name, without a series (report 1: the API server refuses the
@@ -33,6 +37,9 @@ const SUFFIX_LENGTH: usize = 17;
 const MAX_NOTE_BYTES: usize = 1024;
 /// The action of every Event: what a controller does.
 const ACTION: &str = "Reconcile";
+/// Most Events one `Recorder` is handed before a fresh one takes over (each costs it about
+/// 2 KiB for six minutes; client-go's correlator keeps 4 096).
+pub(crate) const MAX_KEPT_EVENTS: usize = 1024;
 
 /// Publishes Events for one reporting controller and instance. Cheap to clone: clones share
 /// the `Recorder`.
@@ -40,7 +47,13 @@ const ACTION: &str = "Reconcile";
 pub struct Events {
     client: Client,
     reporter: Reporter,
-    recorder: Arc<Mutex<Recorder>>,
+    current: Arc<Mutex<Current>>,
+}
+
+/// The `Recorder` of the series open now, and how many Events it was handed.
+struct Current {
+    recorder: Recorder,
+    handed: usize,
 }
 
 impl Events {
@@ -51,19 +64,23 @@ impl Events {
             instance: Some(instance.into()),
         };
         let recorder = Recorder::new(client.clone(), reporter.clone());
-        let recorder = Arc::new(Mutex::new(recorder));
+        let current = Arc::new(Mutex::new(Current {
+            recorder,
+            handed: 0,
+        }));
         Self {
             client,
             reporter,
-            recorder,
+            current,
         }
     }
 
     /// Ends every series: the next Event of each object starts a new one (the old `Recorder`
     /// and the Events it kept go).
     pub(crate) fn end_series(&self) {
-        let fresh = Recorder::new(self.client.clone(), self.reporter.clone());
-        *crate::lock(&self.recorder) = fresh;
+        let mut current = crate::lock(&self.current);
+        current.recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+        current.handed = 0;
     }
 
     /// Publishes one Event about `regarding`, or counts it in the series of an identical
@@ -79,10 +96,17 @@ impl Events {
             .await
     }
 
-    /// The `Recorder` of the series open now. Taken before an object's series is noted open, an
-    /// Event published through it goes to the `Recorder` that a later end of every series drops.
+    /// The `Recorder` of the series open now, for one Event; after [`MAX_KEPT_EVENTS`] a fresh
+    /// one. Taken before an object's series is noted open, an Event published through it goes
+    /// to the `Recorder` that a later end of every series drops.
     pub(crate) fn recorder(&self) -> Recorder {
-        crate::lock(&self.recorder).clone()
+        let mut current = crate::lock(&self.current);
+        if current.handed == MAX_KEPT_EVENTS {
+            current.recorder = Recorder::new(self.client.clone(), self.reporter.clone());
+            current.handed = 0;
+        }
+        current.handed += 1;
+        current.recorder.clone()
     }
 
     /// [`Events::publish`] through `recorder`; with none, an Event no `Recorder` keeps: for an
@@ -193,6 +217,50 @@ pub(crate) mod tests {
             .await
             .unwrap();
         assert_eq!(*log.lock().unwrap(), ["POST", "PATCH", "POST"]);
+    }
+
+    /// A `Recorder` is handed at most `MAX_KEPT_EVENTS` Events: past them a repeat of the first
+    /// object's Event is new, so a backlog's Events are not all kept.
+    #[tokio::test]
+    async fn a_recorder_keeps_a_bounded_number_of_events() {
+        let (client, log) = answering_client();
+        let events = Events::new(client, "c", "i");
+        let object = |i: usize| ObjectReference {
+            name: Some(format!("o-{i}")),
+            namespace: Some("ns".into()),
+            uid: Some(format!("u-{i}")),
+            ..ObjectReference::default()
+        };
+        for i in 0..MAX_KEPT_EVENTS - 1 {
+            events
+                .publish(&object(i), EventType::Normal, "R", "n")
+                .await
+                .unwrap();
+        }
+        let writes = |log: &Arc<Mutex<Vec<String>>>| log.lock().unwrap().clone();
+        events
+            .publish(&object(0), EventType::Normal, "R", "n")
+            .await
+            .unwrap();
+        assert_eq!(
+            writes(&log).last().unwrap(),
+            "PATCH",
+            "within the bound: a series"
+        );
+        events
+            .publish(&object(1), EventType::Normal, "R", "n")
+            .await
+            .unwrap();
+        assert_eq!(
+            writes(&log).last().unwrap(),
+            "POST",
+            "past it: a fresh Recorder"
+        );
+        let posts = writes(&log).iter().filter(|m| *m == "POST").count();
+        assert_eq!(
+            posts, MAX_KEPT_EVENTS,
+            "one new Event per object, and the one past the bound"
+        );
     }
 
     #[test]
