@@ -47,6 +47,7 @@ use serde_json::json;
 mod floor;
 mod profile;
 mod resync;
+mod side_by_side;
 
 #[derive(Parser)]
 #[command(about = "Backlog benchmark: cluster-api-provider-mailgun beside the Go peer")]
@@ -409,6 +410,9 @@ struct Figures {
     object_bytes: f64,
     /// Our CRD's status-patch ceiling on objects just created (the provider's run only).
     fresh_status_ceiling: Option<f64>,
+    /// Our finished objects' status-patch ceiling beside the peer's shape, in one phase (the
+    /// provider's run, with a peer).
+    side_by_side: Option<side_by_side::SideBySide>,
 }
 
 impl Figures {
@@ -475,6 +479,9 @@ impl Figures {
                 "    on objects just created  {fresh:.0} writes/s (the same CRD; the finished objects reach {:.2}x of it)",
                 self.status_ceiling / fresh
             );
+        }
+        if let Some(s) = &self.side_by_side {
+            s.print();
         }
         println!(
             "  finished object            {:.0} bytes as JSON, managedFields included (mean)",
@@ -821,6 +828,12 @@ async fn run(
         Subject::Provider => Some(fresh_status_ceiling(cp, client, args).await?),
         Subject::Peer(_) | Subject::Identities(_) => None,
     };
+    let side_by_side = match subject {
+        Subject::Provider if args.peer.is_some() => {
+            Some(side_by_side::measure(cp, client, args).await?)
+        }
+        _ => None,
+    };
 
     // Clear the stage for the next subject (the provider runs last; its objects keep their
     // finalizers once it is stopped): the peer's CRD (and with it every MailgunCluster), and the
@@ -874,6 +887,7 @@ async fn run(
         resync,
         object_bytes,
         fresh_status_ceiling,
+        side_by_side,
     })
 }
 
@@ -1103,6 +1117,13 @@ async fn main() -> anyhow::Result<()> {
                 provider.object_bytes / peer.object_bytes,
                 provider.fresh_status_ceiling.unwrap_or(f64::NAN) / peer.status_ceiling,
             );
+            if let Some(s) = &provider.side_by_side {
+                println!(
+                    "  {:<21} status-patch ceiling side by side, our finished objects vs the peer's shape {:.2}x (one phase; the ratio above takes each CRD's minutes apart)",
+                    "",
+                    s.ours / s.peer_shape,
+                );
+            }
             if let (Some(ours), Some(theirs)) = (&provider.resync, &peer.resync) {
                 println!(
                     "  {:<21} resync {:.2}x faster ({:.2} s vs {:.2} s)   peak RSS after the restart {:.2}x   idle RSS {:.2}x",
