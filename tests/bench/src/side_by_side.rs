@@ -143,30 +143,15 @@ pub async fn measure(
                 (&copies, Subject::Peer(1), &mut best_peer),
             ] {
                 // A warming round on fresh connections, then the measured one.
-                write_mix(
-                    api,
-                    subject,
-                    Mix::StatusOnly,
-                    &names,
-                    writers,
-                    writers * 4,
-                    round,
-                )
-                .await?;
-                let start = Instant::now();
-                let count = args.ceiling_writes;
-                write_mix(
-                    api,
-                    subject,
-                    Mix::StatusOnly,
-                    &names,
-                    writers,
-                    count,
-                    round + 1,
-                )
-                .await?;
-                *best = best.max(count as f64 / start.elapsed().as_secs_f64());
-                round += 2;
+                for (count, measured) in [(writers * 4, false), (args.ceiling_writes, true)] {
+                    let start = Instant::now();
+                    let mix = Mix::StatusOnly;
+                    write_mix(api, subject, mix, &names, writers, count, round).await?;
+                    if measured {
+                        *best = best.max(count as f64 / start.elapsed().as_secs_f64());
+                    }
+                    round += 1;
+                }
             }
         }
     }
