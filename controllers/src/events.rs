@@ -78,7 +78,11 @@ impl Events {
     /// Ends every series: the next Event of each object starts a new one (the old `Recorder`
     /// and the Events it kept go).
     pub(crate) fn end_series(&self) {
-        let mut current = crate::lock(&self.current);
+        self.restart(&mut crate::lock(&self.current));
+    }
+
+    /// A fresh `Recorder` in `current`, handed nothing yet.
+    fn restart(&self, current: &mut Current) {
         current.recorder = Recorder::new(self.client.clone(), self.reporter.clone());
         current.handed = 0;
     }
@@ -102,8 +106,7 @@ impl Events {
     pub(crate) fn recorder(&self) -> Recorder {
         let mut current = crate::lock(&self.current);
         if current.handed == MAX_KEPT_EVENTS {
-            current.recorder = Recorder::new(self.client.clone(), self.reporter.clone());
-            current.handed = 0;
+            self.restart(&mut current);
         }
         current.handed += 1;
         current.recorder.clone()

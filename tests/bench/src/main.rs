@@ -375,6 +375,24 @@ async fn write_mix(
     Ok(())
 }
 
+/// One ceiling measurement: a warming round of `writers * 4` writes on fresh connections (as
+/// `round`), then `--ceiling-writes` writes (as `round + 1`); the writes per second of the second.
+async fn ceiling_round(
+    api: &Api<DynamicObject>,
+    subject: Subject,
+    mix: Mix,
+    names: &Arc<Vec<String>>,
+    writers: usize,
+    args: &Args,
+    round: usize,
+) -> anyhow::Result<f64> {
+    write_mix(api, subject, mix, names, writers, writers * 4, round).await?;
+    let count = args.ceiling_writes;
+    let start = Instant::now();
+    write_mix(api, subject, mix, names, writers, count, round + 1).await?;
+    Ok(count as f64 / start.elapsed().as_secs_f64())
+}
+
 /// One subject's figures.
 struct Figures {
     label: String,
@@ -531,6 +549,20 @@ fn object_of(subject: &str, text: Option<&str>) -> Option<String> {
     })
 }
 
+/// A MailgunCluster of the backlog: its spec, the Cluster name label and the Cluster (`uid`)
+/// as its controller owner, as the Cluster API core controller leaves them.
+fn backlog_object(name: &str, ar: &ApiResource, uid: &str) -> anyhow::Result<DynamicObject> {
+    let mut o = DynamicObject::new(name, ar).data(json!({
+        "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": REQUESTER }
+    }));
+    o.metadata.labels = Some([(names::CLUSTER_NAME_LABEL.to_owned(), name.to_owned())].into());
+    o.metadata.owner_references = Some(vec![serde_json::from_value(json!({
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
+        "uid": uid, "controller": true, "blockOwnerDeletion": true
+    }))?]);
+    Ok(o)
+}
+
 async fn create_backlog(
     client: &Client,
     subject: Subject,
@@ -554,18 +586,12 @@ async fn create_backlog(
                     "infrastructureRef": { "apiGroup": capm_api::GROUP, "kind": "MailgunCluster", "name": name }
                 }}));
                 let cluster = clusters.create(&PostParams::default(), &cluster).await?;
-                let mut mgc = DynamicObject::new(&name, &mgc_ar).data(json!({
-                    "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": REQUESTER }
-                }));
+                let uid = cluster.metadata.uid.context("a Cluster without a UID")?;
+                let mut mgc = backlog_object(&name, &mgc_ar, &uid)?;
                 if let Some(identity) = subject.identity_of(i) {
                     mgc.data["spec"]["identityRef"] =
                         json!({ "kind": "MailgunClusterIdentity", "name": identity });
                 }
-                mgc.metadata.labels = Some([(names::CLUSTER_NAME_LABEL.to_owned(), name.clone())].into());
-                mgc.metadata.owner_references = Some(vec![serde_json::from_value(json!({
-                    "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
-                    "uid": cluster.metadata.uid, "controller": true, "blockOwnerDeletion": true
-                }))?]);
                 mgcs.create(&PostParams::default(), &mgc).await?;
                 anyhow::Ok(())
             }
@@ -811,12 +837,8 @@ async fn run(
             (Mix::Own, &mut ceilings, 4 * round),
             (Mix::StatusOnly, &mut status_ceilings, 4 * round + 2),
         ] {
-            let warm = writers * 4;
-            write_mix(&api, subject, mix, &names_list, writers, warm, round + 1).await?;
-            let count = args.ceiling_writes;
-            let start = Instant::now();
-            write_mix(&api, subject, mix, &names_list, writers, count, round + 2).await?;
-            out.push((writers, count as f64 / start.elapsed().as_secs_f64()));
+            let rate = ceiling_round(&api, subject, mix, &names_list, writers, args, round + 1);
+            out.push((writers, rate.await?));
         }
     }
     let status_ceiling = status_ceilings.iter().map(|c| c.1).fold(f64::NAN, f64::max);
@@ -939,16 +961,9 @@ async fn fresh_status_ceiling(
         .await?;
     let mut best = f64::NAN;
     for (round, &writers) in args.ceiling_writers.iter().enumerate() {
-        // A warming round on fresh connections, then the measured one.
-        for (count, measured) in [(writers * 4, false), (args.ceiling_writes, true)] {
-            let start = Instant::now();
-            let mix = Mix::StatusOnly;
-            let round = 100 + 2 * round + usize::from(measured);
-            write_mix(&api, Subject::Provider, mix, &names, writers, count, round).await?;
-            if measured {
-                best = best.max(count as f64 / start.elapsed().as_secs_f64());
-            }
-        }
+        let (mix, round) = (Mix::StatusOnly, 100 + 2 * round);
+        let rate = ceiling_round(&api, Subject::Provider, mix, &names, writers, args, round);
+        best = best.max(rate.await?);
     }
     Ok(best)
 }
@@ -1024,18 +1039,22 @@ async fn mean_object_bytes(client: &Client, subject: Subject, dir: &Path) -> any
         &mgc_resource(subject.version()),
     );
     let list = api.list(&ListParams::default()).await?;
-    let total: usize = list
-        .items
-        .iter()
-        .map(|o| serde_json::to_vec(o).map_or(0, |v| v.len()))
-        .sum();
     if let Some(one) = list.items.first() {
         std::fs::create_dir_all(dir)?;
         let path = dir.join(format!("{}-object.json", subject.namespace()));
         std::fs::write(&path, serde_json::to_vec_pretty(one)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    Ok(total as f64 / list.items.len().max(1) as f64)
+    Ok(mean_json_bytes(&list.items))
+}
+
+/// Mean size of `objects` as JSON, `managedFields` included.
+fn mean_json_bytes(objects: &[DynamicObject]) -> f64 {
+    let total: usize = objects
+        .iter()
+        .map(|o| serde_json::to_vec(o).map_or(0, |v| v.len()))
+        .sum();
+    total as f64 / objects.len().max(1) as f64
 }
 
 #[tokio::main]

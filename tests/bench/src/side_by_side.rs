@@ -11,10 +11,9 @@
 //! peer's), beside our finished objects and owned by the same Clusters, and the two are measured
 //! in alternating rounds: the best of each is what compares.
 
-use std::{collections::BTreeMap, sync::Arc, time::Instant};
+use std::{collections::BTreeMap, sync::Arc};
 
 use anyhow::Context;
-use capm_api::names;
 use capm_test_support::ControlPlane;
 use futures::{StreamExt, TryStreamExt, stream};
 use kube::{
@@ -26,7 +25,8 @@ use kube::{
 use serde_json::json;
 
 use crate::{
-    Args, DOMAIN, Mix, REQUESTER, Subject, cluster_resource, mgc_resource, object_name, write_mix,
+    Args, DOMAIN, Mix, Subject, backlog_object, ceiling_round, cluster_resource, mean_json_bytes,
+    mgc_resource, object_name,
 };
 
 /// The copy's group: as long as ours, so the objects' `apiVersion`s weigh the same.
@@ -102,31 +102,21 @@ pub async fn measure(
             async move {
                 let name = object_name(i);
                 let uid = uid.with_context(|| format!("no Cluster {name}"))?;
-                let mut o = DynamicObject::new(&name, &copy_ar).data(json!({
-                    "spec": { "priority": "Urgent", "request": "One cluster please.", "requester": REQUESTER }
-                }));
-                o.metadata.labels = Some([(names::CLUSTER_NAME_LABEL.to_owned(), name.clone())].into());
-                o.metadata.owner_references = Some(vec![serde_json::from_value(json!({
-                    "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster", "name": name,
-                    "uid": uid, "controller": true, "blockOwnerDeletion": true
-                }))?]);
+                let o = backlog_object(&name, &copy_ar, &uid)?;
                 copies.create(&PostParams::default(), &o).await?;
                 // The peer's message ids: `<unix seconds>.<counter>@domain`.
                 let id = format!("<{}.{i}@{DOMAIN}>", 1_795_962_273 + i);
                 let status = json!({ "status": { "messageID": id } });
-                copies.patch_status(&name, peer_manager, &Patch::Merge(status)).await?;
+                copies
+                    .patch_status(&name, peer_manager, &Patch::Merge(status))
+                    .await?;
                 anyhow::Ok(())
             }
         })
         .buffer_unordered(32)
         .try_collect::<Vec<_>>()
         .await?;
-    let listed = copies.list(&ListParams::default()).await?.items;
-    let bytes: usize = listed
-        .iter()
-        .map(|o| serde_json::to_vec(o).map_or(0, |v| v.len()))
-        .sum();
-    let peer_shape_bytes = bytes as f64 / listed.len().max(1) as f64;
+    let peer_shape_bytes = mean_json_bytes(&copies.list(&ListParams::default()).await?.items);
 
     let ours: Api<DynamicObject> = Api::namespaced_with(
         client.clone(),
@@ -142,16 +132,10 @@ pub async fn measure(
                 (&ours, Subject::Provider, &mut best_ours),
                 (&copies, Subject::Peer(1), &mut best_peer),
             ] {
-                // A warming round on fresh connections, then the measured one.
-                for (count, measured) in [(writers * 4, false), (args.ceiling_writes, true)] {
-                    let start = Instant::now();
-                    let mix = Mix::StatusOnly;
-                    write_mix(api, subject, mix, &names, writers, count, round).await?;
-                    if measured {
-                        *best = best.max(count as f64 / start.elapsed().as_secs_f64());
-                    }
-                    round += 1;
-                }
+                let rate =
+                    ceiling_round(api, subject, Mix::StatusOnly, &names, writers, args, round);
+                *best = best.max(rate.await?);
+                round += 2;
             }
         }
     }
